@@ -1,0 +1,78 @@
+"""The averaging interface the rest of hivetrain uses.
+
+DiLoCo calls ``averager.average(tensors, weight, epoch, timeout_s)`` once per outer step with its pseudo-gradient.
+The call either returns a ``RoundResult`` whose tensors are bit-identical on every member of the group, or raises
+``RoundFailed``; a failed round changes nothing locally (the caller keeps θ and may retry or resync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class RoundFailed(RuntimeError):
+    """An averaging round did not commit; nothing from it may be applied.
+
+    Attributes:
+        reason: a short machine-readable cause ("no_group", "timeout", "peer_failed", "aborted", "bad_input", ...).
+    """
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"averaging round failed: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A committed averaging round.
+
+    Attributes:
+        tensors: the weighted mean, fp32, same shapes as the inputs; bit-identical on every member.
+        group: peer ids (base58) of the members whose contributions are in the mean, sorted.
+        total_weight: sum of the members' weights (samples).
+        round_id: identifies the round (the same on every member).
+        bytes_sent: payload bytes this peer sent during the round.
+        bytes_received: payload bytes this peer received during the round.
+        duration_s: wall time of the call, seconds.
+    """
+
+    tensors: list[torch.Tensor]
+    group: tuple[str, ...]
+    total_weight: float
+    round_id: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    duration_s: float = 0.0
+    excluded: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Averager(Protocol):
+    """What DiLoCo needs from an averaging engine."""
+
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, epoch: int, timeout_s: float) -> RoundResult:
+        """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight``.
+
+        Args:
+            tensors: fp32 CPU tensors (any shapes); the same shapes and order on every peer.
+            weight: this peer's weight, in samples (finite, >= 0).
+            epoch: peers average only with peers of the same epoch.
+            timeout_s: the whole call (matchmaking + all-reduce + commit) ends within this many seconds.
+
+        Returns:
+            The committed round.
+
+        Raises:
+            RoundFailed: no round committed (no peers, a member died or stalled, bad data, timeout). If a member
+                dies mid-call, the round aborts on every survivor; nothing is applied anywhere.
+            ValueError: bad local input (non-finite tensors or weight, wrong dtype).
+        """
+        ...
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop serving rounds and release sockets; idempotent."""
+        ...

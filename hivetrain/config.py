@@ -1,0 +1,231 @@
+"""The run's configuration: one frozen dataclass per component, loaded from one TOML file.
+
+A run is described by a TOML file (see ``configs/*.toml``) with one table per component::
+
+    run_id = "demo"
+    model = "small"
+    [data]      -> DataConfig
+    [diloco]    -> DilocoConfig
+    [averaging] -> AveragingConfig
+
+Unknown keys are errors. Validation errors are ``ValueError`` (pydantic's ``ValidationError`` subclasses it) and
+name the offending field, e.g. ``diloco.outer_lr``. Command-line overrides use dotted names
+(``{"diloco.inner_steps": 20}``) and go through the same validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_STRICT = ConfigDict(extra="forbid")
+
+MODEL_PRESETS = ("tiny", "small", "base")
+
+
+@dataclass(frozen=True, config=_STRICT)
+class DataConfig:
+    """Training data and batching.
+
+    Args:
+        paths: text files, directories (searched recursively) or globs; empty = this machine's Python standard
+            library sources (real text every machine has).
+        tokenizer: path of a local ``transformers`` tokenizer directory; empty = bytes (vocabulary 256).
+        seq_len: tokens per training window.
+        batch_size: windows per inner step (samples per inner step).
+        num_eval_windows: held-out windows every peer evaluates on (the same windows on every peer).
+        eval_fraction: fraction of the corpus (at its end) held out for evaluation.
+        max_corpus_bytes: read at most this many bytes of text (0 = no limit).
+    """
+
+    paths: tuple[str, ...] = ()
+    tokenizer: str = ""
+    seq_len: int = Field(default=128, ge=8, le=65536)
+    batch_size: int = Field(default=8, ge=1, le=4096)
+    num_eval_windows: int = Field(default=32, ge=1, le=100_000)
+    eval_fraction: float = Field(default=0.02, gt=0.0, lt=0.5)
+    max_corpus_bytes: int = Field(default=32 * 2**20, ge=0)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class DilocoConfig:
+    """DiLoCo hyper-parameters (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of LMs").
+
+    Args:
+        inner_steps: H, inner AdamW steps between outer steps.
+        inner_lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warmup of the inner learning rate, in inner steps.
+        total_inner_steps: length of the cosine decay in inner steps; 0 = outer_steps * inner_steps.
+        min_lr_ratio: floor of the cosine decay as a fraction of inner_lr (kept > 0 so open-ended runs still learn).
+        grad_clip: max global gradient norm per inner step; 0 = no clipping.
+        outer_lr: outer SGD learning rate (paper: 0.7).
+        outer_momentum: outer Nesterov momentum (paper: 0.9).
+        outer_steps: stop after this many outer steps (epochs); 0 = train until stopped.
+        eval_every: evaluate on the held-out windows every this many outer steps; 0 = only at start and end.
+    """
+
+    inner_steps: int = Field(default=50, ge=1, le=1_000_000)
+    inner_lr: float = Field(default=1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(default=0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(default=20, ge=0)
+    total_inner_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    outer_lr: float = Field(default=0.7, gt=0.0, le=10.0)
+    outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    outer_steps: int = Field(default=0, ge=0)
+    eval_every: int = Field(default=1, ge=0)
+
+    def schedule_length(self) -> int:
+        """Inner steps over which the cosine schedule decays (at least the warmup)."""
+        length = self.total_inner_steps or self.outer_steps * self.inner_steps or 100_000
+        return max(length, self.warmup_steps + 1)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class AveragingConfig:
+    """How pseudo-gradients are averaged across the peers of an epoch.
+
+    Args:
+        strategy: "butterfly" = one group of all ready peers (Moshpit SGD with a single group).
+        target_group_size: the largest group matched for one all-reduce.
+        min_group_size: rounds with fewer peers fail (1 = a lone peer applies its own pseudo-gradient).
+        matchmaking_time_s: how long a peer waits for others to join its group, seconds.
+        round_timeout_s: the whole round (matchmaking + all-reduce) must finish within this, seconds.
+        max_retries: failed rounds retried before the peer falls back to a state download.
+        max_samples_per_round: the largest weight (samples) a peer may claim for one round.
+    """
+
+    strategy: Literal["butterfly"] = "butterfly"
+    target_group_size: int = Field(default=64, ge=1, le=4096)
+    min_group_size: int = Field(default=1, ge=1)
+    matchmaking_time_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    round_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
+    max_retries: int = Field(default=2, ge=0, le=100)
+    max_samples_per_round: int = Field(default=1_000_000, ge=1)
+
+    def __post_init__(self) -> None:
+        if self.min_group_size > self.target_group_size:
+            raise ValueError(
+                f"averaging.min_group_size ({self.min_group_size}) must not exceed "
+                f"averaging.target_group_size ({self.target_group_size})"
+            )
+        if self.round_timeout_s <= self.matchmaking_time_s:
+            raise ValueError(
+                f"averaging.round_timeout_s ({self.round_timeout_s}) must exceed "
+                f"averaging.matchmaking_time_s ({self.matchmaking_time_s})"
+            )
+
+
+@dataclass(frozen=True, config=_STRICT)
+class RunConfig:
+    """One training run. Every peer of the run holds the same RunConfig (the coordinator publishes it signed).
+
+    Args:
+        run_id: names the run in the DHT; letters, digits, '-', '_' and '.'.
+        model: a model preset (tiny ~0.5M, small ~5M, base ~150M parameters), see ``hivetrain.model``.
+        seed: seeds the initial parameters (identical on every peer) and each peer's data stream.
+    """
+
+    run_id: str = "hivetrain"
+    model: Literal["tiny", "small", "base"] = "tiny"
+    seed: int = Field(default=0, ge=0)
+    data: DataConfig = DataConfig()
+    diloco: DilocoConfig = DilocoConfig()
+    averaging: AveragingConfig = AveragingConfig()
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.run_id):
+            raise ValueError(f"run_id {self.run_id!r}: use 1-64 letters, digits, '-', '_' or '.'")
+        if self.averaging.max_samples_per_round < self.diloco.inner_steps * self.data.batch_size:
+            raise ValueError(
+                "averaging.max_samples_per_round must be at least diloco.inner_steps * data.batch_size "
+                f"({self.diloco.inner_steps * self.data.batch_size}), the weight an honest peer claims"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (JSON/msgpack/TOML friendly) that ``RunConfig.from_dict`` accepts back."""
+        return _plain(dataclasses.asdict(self))
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON form: equal on peers that hold the same config."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        """Validate ``raw`` (e.g. parsed TOML). Raises ValueError naming the first bad field."""
+        try:
+            return _ADAPTER.validate_python(raw)
+        except ValidationError as exc:
+            raise ValueError(_describe(exc)) from None
+
+
+_ADAPTER = TypeAdapter(RunConfig)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            parts.append(f"{field}: unknown key")
+        elif err["type"] == "value_error":
+            parts.append(str(err["msg"]).removeprefix("Value error, "))
+        else:
+            parts.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid run config: " + "; ".join(parts)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with dotted-name overrides applied (``{"diloco.inner_steps": 5}``).
+
+    ``None`` values are skipped so that CLI flags left unset change nothing.
+    """
+    result = json.loads(json.dumps(raw))
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = result
+        *parents, leaf = dotted.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return result
+
+
+def load_run_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a run config from a TOML file (or defaults when ``path`` is None) and apply overrides.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: malformed TOML, unknown keys, or values out of range (the message names the field).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    return RunConfig.from_dict(apply_overrides(raw, overrides or {}))
