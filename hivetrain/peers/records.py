@@ -1,0 +1,154 @@
+"""Signed, expiring peer records and the signed run config, as stored in the DHT.
+
+Every peer stores one ``PeerRecord`` under the key ``"{run_id}.peers"`` with its owner marker as the subkey, so
+hivemind's ``RSASignatureValidator`` signs it and every DHT node rejects records not signed by the subkey's key.
+Readers additionally check that the record's ``peer_id`` is the one derived from that key, so a peer cannot speak
+for another. Records expire (``ttl_s``); peers refresh theirs every few seconds.
+
+The coordinator stores the run config under the fixed key ``RUN_CONFIG_KEY`` the same way; a joiner accepts only a
+config signed by a peer ID it trusts (the IDs in the bootstrap multiaddrs it was given).
+
+Values are msgpack-serialised plain dicts (hivemind's MSGPackSerializer), validated with pydantic on read;
+nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import hivemind
+from hivemind.utils import get_dht_time
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hivetrain import __version__
+from hivetrain.peers.identity import peer_id_of_owner
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG_KEY = "hivetrain.run_config"
+Role = Literal["trainer", "coordinator", "stage_server", "pipeline_trainer"]
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}.peers"
+
+
+class PeerRecord(BaseModel):
+    """What a peer tells the swarm about itself. Units: samples/s, seconds (unix time), samples."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    role: Role
+    version: str = Field(max_length=32)
+    run_id: str = Field(max_length=64)
+    model_fingerprint: str = Field(max_length=64)
+    epoch: int = Field(ge=0)
+    throughput: float = Field(ge=0.0, le=1e12, description="samples/s over the last inner phase")
+    state_hash: str = Field(default="", max_length=64, description="sha256 of TrainingState at `epoch`")
+    samples_total: int = Field(default=0, ge=0, description="samples this peer has contributed to committed steps")
+    compute_s: float = Field(default=0.0, ge=0.0, description="seconds spent in inner steps")
+    public_name: str = Field(default="", max_length=64)
+    maddrs: tuple[str, ...] = Field(default=(), max_length=16)
+    reachable: bool = True
+    stage: int | None = Field(default=None, ge=0, le=1024)
+    loss: float | None = None
+    updated_at: float = Field(ge=0.0)
+
+
+class RunConfigRecord(BaseModel):
+    """The run config as the coordinator publishes it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_config: dict[str, Any]
+    version: str = Field(max_length=32)
+    coordinator_id: str = Field(max_length=128)
+    published_at: float
+
+
+def versions_compatible(local: str, remote: str) -> tuple[bool, str]:
+    """Peers interoperate when their hivetrain major.minor versions are equal. Returns (ok, reason)."""
+    try:
+        a, b = Version(local), Version(remote)
+    except InvalidVersion:
+        return False, f"unparseable version {remote!r}"
+    if (a.major, a.minor) != (b.major, b.minor):
+        return False, f"hivetrain {remote} is incompatible with {local} (major.minor must match)"
+    return True, "compatible"
+
+
+def check_compatible(record: PeerRecord, run_id: str, model_fingerprint: str) -> tuple[bool, str]:
+    """Whether ``record``'s peer can take part in our run. Returns (ok, reason)."""
+    if record.run_id != run_id:
+        return False, f"peer {record.peer_id} belongs to run {record.run_id!r}, not {run_id!r}"
+    ok, reason = versions_compatible(__version__, record.version)
+    if not ok:
+        return False, f"peer {record.peer_id}: {reason}"
+    if record.model_fingerprint != model_fingerprint:
+        return False, (
+            f"peer {record.peer_id} trains a different model (fingerprint {record.model_fingerprint[:12]}, "
+            f"ours {model_fingerprint[:12]})"
+        )
+    return True, "compatible"
+
+
+def publish_record(dht: hivemind.DHT, owner_marker: bytes, record: PeerRecord, ttl_s: float) -> bool:
+    """Store (or refresh) our signed record for ``ttl_s`` seconds. Returns whether any DHT node accepted it."""
+    expiration = get_dht_time() + ttl_s
+    value = record.model_dump(mode="json")
+    return bool(dht.store(peers_key(record.run_id), value, expiration, subkey=owner_marker))
+
+
+def fetch_records(dht: hivemind.DHT, run_id: str, latest: bool = True) -> list[PeerRecord]:
+    """All valid, unexpired records of the run. Records whose payload is malformed or whose peer_id does not
+    match the signing key are dropped (and logged at debug level)."""
+    found = dht.get(peers_key(run_id), latest=latest)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for subkey, item in found.value.items():
+        record = parse_signed(subkey, item.value, PeerRecord, id_field="peer_id")
+        if record is not None and record.run_id == run_id:
+            records.append(record)
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+def publish_run_config(dht: hivemind.DHT, owner_marker: bytes, record: RunConfigRecord, ttl_s: float) -> bool:
+    """Store the signed run config for ``ttl_s`` seconds."""
+    expiration = get_dht_time() + ttl_s
+    return bool(dht.store(RUN_CONFIG_KEY, record.model_dump(mode="json"), expiration, subkey=owner_marker))
+
+
+def fetch_run_config(dht: hivemind.DHT, trusted_ids: set[str]) -> RunConfigRecord | None:
+    """The newest run config signed by one of ``trusted_ids`` (base58 peer IDs), or None if none is stored."""
+    found = dht.get(RUN_CONFIG_KEY, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    best = None
+    for subkey, item in found.value.items():
+        record = parse_signed(subkey, item.value, RunConfigRecord, id_field="coordinator_id")
+        if record is None or record.coordinator_id not in trusted_ids:
+            continue
+        if best is None or record.published_at > best.published_at:
+            best = record
+    return best
+
+
+def parse_signed(subkey: Any, value: Any, schema: type[BaseModel], id_field: str) -> Any:
+    """Validate a DHT value against ``schema`` and check that ``value[id_field]`` is the peer ID of the subkey's
+    signing key. Returns the parsed record, or None (logged) for anything malformed or forged."""
+    if not isinstance(subkey, bytes) or not isinstance(value, dict):
+        return None
+    try:
+        record = schema.model_validate(value)
+        signer = peer_id_of_owner(subkey)
+    except (ValidationError, ValueError) as exc:
+        logger.debug("dropping malformed %s: %s", schema.__name__, exc)
+        return None
+    if getattr(record, id_field) != signer:
+        logger.warning("dropping %s: claims %s but is signed by %s", schema.__name__, getattr(record, id_field), signer)
+        return None
+    return record
