@@ -170,7 +170,8 @@ def load_corpus(config: DataConfig) -> Corpus:
     if split < needed or len(tokens) - split < config.seq_len + 1:
         raise ValueError(
             f"corpus too small: {len(tokens)} tokens from {len(files)} file(s); need at least "
-            f"{int(needed / config.eval_fraction)} for seq_len={config.seq_len} and eval_fraction={config.eval_fraction}"
+            f"{int(needed / config.eval_fraction)} for seq_len={config.seq_len} and "
+            f"eval_fraction={config.eval_fraction}"
         )
     digest = hashlib.sha256(tokens.tobytes()).hexdigest()
     return Corpus(tokens=tokens, split=split, vocab_size=tokenizer.vocab_size, digest=digest)
