@@ -1,0 +1,408 @@
+"""Compression of flat fp32 parts for the averaging wire, with a strict binary frame and error feedback.
+
+A ``Codec`` turns a 1-D fp32 tensor into an ``EncodedPart`` and back; ``to_buffers``/``to_bytes`` write an
+``EncodedPart`` as one frame and ``from_bytes`` parses it with strict size checks (nothing is unpickled).
+
+Frame (little-endian, 36-byte header, then the raw payload, then the raw block scales)::
+
+    magic b"HVP1" | version u8 | codec id u8 | scale dtype u8 | reserved u8 (= 0) | block_size u32
+    | num_elements u64 | payload num_bytes u64 | scales num_bytes u64 | payload | scales
+
+Codecs and their per-element error bounds (``x`` the input, ``x'`` the decoded value, ``a`` the absmax of the block
+of ``block_size`` consecutive elements that holds ``x``):
+
+    name            bits per element            bound on |x - x'|
+    "none"          32                          0 (exact)
+    "fp16"          16                          |x| * 2**-11 if |x| >= 2**-14, else 2**-25 (|x| <= 65504)
+    "int8"          8 + scale_bits/block_size   scale / 2 = a / 254   (levels -127..127, scale = a / 127)
+    "int4"          4 + scale_bits/block_size   scale / 2 = a / 14    (levels -7..7, scale = a / 7)
+
+The int bounds hold up to one fp32 rounding of ``q * scale`` (|x| * 2**-24). With fp16 scales the scale is rounded
+*up* to the next fp16 value, so no level clips and the bound is ``fp16(scale) / 2``. Blockwise absmax quantization
+follows Dettmers et al. 2022 ("8-bit Optimizers via Block-wise Quantization"), here with a linear code.
+
+Encoding is deterministic: the same input gives the same bytes on any IEEE-754 machine (amax, one division,
+torch.round = round-half-to-even and casts are exact or correctly rounded; no thread-count-dependent reductions).
+Buffers are read in native byte order: every platform hivetrain supports (x86-64, aarch64) is little-endian.
+
+Error feedback (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD", EF-SGD):
+``ErrorFeedback.compress`` adds the residual left from the previous round before encoding and keeps the new residual
+``x + residual - decode(encode(x + residual))``, so the compression error is sent later instead of lost.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+CodecName = Literal["none", "fp16", "int8", "int4"]
+ScaleDtype = Literal["fp32", "fp16"]
+
+CODEC_IDS: dict[str, int] = {"none": 0, "fp16": 1, "int8": 2, "int4": 3}
+_CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
+_SCALE_IDS: dict[str | None, int] = {None: 0, "fp32": 1, "fp16": 2}
+_SCALE_NAMES = {v: k for k, v in _SCALE_IDS.items()}
+_SCALE_TORCH = {"fp32": torch.float32, "fp16": torch.float16}
+_SCALE_ITEMSIZE = {None: 0, "fp32": 4, "fp16": 2}
+_MAGIC = b"HVP1"
+_VERSION = 1
+_HEADER = struct.Struct("<4sBBBBIQQQ")
+HEADER_NUM_BYTES = _HEADER.size
+MAX_BLOCK_SIZE = 1 << 20
+_FP16_MAX = 65504.0
+_LEVELS = {"int8": 127, "int4": 7}
+_NOTHING = object()
+
+
+class MalformedPart(ValueError):
+    """A frame or EncodedPart from the network is inconsistent (bad header, sizes, codec id or scales)."""
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """One compressed 1-D fp32 part.
+
+    Attributes:
+        codec: codec name ("none", "fp16", "int8", "int4").
+        num_elements: elements of the decoded part.
+        payload: the encoded values: fp32 / fp16 / int8 raw bytes, or for int4 two values per byte (element 2i in the
+            low nibble, 2i+1 in the high nibble, stored as level + 8); ``payload_num_bytes(...)`` bytes exactly.
+        block_size: elements per quantization block (0 for "none" and "fp16").
+        scale_dtype: "fp32" or "fp16" for int codecs, None otherwise.
+        scales: one scale per block (``ceil(num_elements / block_size)`` values of ``scale_dtype``), raw bytes.
+    """
+
+    codec: str
+    num_elements: int
+    payload: bytes | bytearray | memoryview
+    block_size: int = 0
+    scale_dtype: str | None = None
+    scales: bytes | bytearray | memoryview = b""
+
+    @property
+    def num_bytes(self) -> int:
+        """Size of this part's frame on the wire, bytes."""
+        return HEADER_NUM_BYTES + memoryview(self.payload).nbytes + memoryview(self.scales).nbytes
+
+
+def payload_num_bytes(codec: str, num_elements: int) -> int:
+    """Exact payload size in bytes of a part of ``num_elements`` elements."""
+    return (num_elements + 1) // 2 if codec == "int4" else num_elements * {"none": 4, "fp16": 2, "int8": 1}[codec]
+
+
+def scales_num_bytes(codec: str, num_elements: int, block_size: int, scale_dtype: str | None) -> int:
+    """Exact size in bytes of the block scales (0 for "none" and "fp16")."""
+    if codec not in _LEVELS:
+        return 0
+    return -(-num_elements // block_size) * _SCALE_ITEMSIZE[scale_dtype]
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)  # NaN propagates into both
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+def _as_tensor(buf: bytes | bytearray | memoryview, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A tensor over ``buf`` and whether it owns its memory (read-only buffers are copied, never aliased)."""
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes == 0:
+        return torch.empty(0, dtype=dtype), True
+    if mv.readonly:
+        return torch.frombuffer(bytearray(mv), dtype=dtype), True
+    return torch.frombuffer(mv, dtype=dtype), False
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:  # zero-copy view of a CPU tensor's memory
+    return memoryview(t.contiguous().numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def _check_input(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32 or x.dim() != 1 or x.device.type != "cpu":
+        raise ValueError(f"expected a 1-D fp32 CPU tensor, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    return x.detach().contiguous()
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Which codec compresses parts on the wire.
+
+    Args:
+    name: "none" (fp32), "fp16", "int8" or "int4".
+    block_size: elements per quantization block for int8/int4 (1..2**20); ignored by "none"/"fp16".
+    scale_dtype: dtype of the per-block scales, "fp32" (exact) or "fp16" (half the overhead; the encoder raises
+        ValueError for blocks whose absmax exceeds fp16 range * levels).
+    """
+
+    name: CodecName = "int8"
+    block_size: int = 64
+    scale_dtype: ScaleDtype = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.name not in CODEC_IDS:
+            raise ValueError(f"codec.name must be one of {sorted(CODEC_IDS)}, got {self.name!r}")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"codec.block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+        if self.scale_dtype not in _SCALE_TORCH:
+            raise ValueError(f"codec.scale_dtype must be 'fp32' or 'fp16', got {self.scale_dtype!r}")
+
+
+class Codec(Protocol):
+    """Encodes 1-D fp32 tensors to ``EncodedPart`` and back."""
+
+    name: str
+
+    def encode(self, x: torch.Tensor) -> EncodedPart:
+        """Encode ``x`` (fp32, shape (n,), finite); raises ValueError on bad input."""
+
+    def decode(self, part: EncodedPart) -> torch.Tensor:
+        """Decode to a new fp32 tensor of shape (part.num_elements,); raises MalformedPart if inconsistent."""
+
+
+class RawCodec:
+    """ "none" (fp32 as is) or "fp16" (round-to-nearest-even cast)."""
+
+    def __init__(self, name: Literal["none", "fp16"] = "none"):
+        if name not in ("none", "fp16"):
+            raise ValueError(f"RawCodec handles 'none' and 'fp16', got {name!r}")
+        self.name = name
+
+    def encode(self, x: torch.Tensor) -> EncodedPart:
+        """Encode ``x``; raises ValueError for non-finite values, and for "fp16" for |x| > 65504."""
+        x = _check_input(x)
+        if self.name == "none":
+            if not _all_finite(x):
+                raise ValueError("cannot encode non-finite values")
+            return EncodedPart("none", x.numel(), _tensor_bytes(x.clone()))
+        absmax = float(x.abs().amax()) if x.numel() else 0.0
+        if not absmax <= _FP16_MAX:  # also catches NaN
+            raise ValueError(f"fp16 codec: values must be finite and within +-{_FP16_MAX}, absmax is {absmax}")
+        return EncodedPart("fp16", x.numel(), _tensor_bytes(x.half()))
+
+    def decode(self, part: EncodedPart) -> torch.Tensor:
+        """Decode ``part`` into a new fp32 tensor (never aliasing the part's buffers)."""
+        _check_part(part, self.name)
+        if self.name == "none":
+            t, owned = _as_tensor(part.payload, torch.float32)
+            return t if owned else t.clone()
+        return _as_tensor(part.payload, torch.float16)[0].float()
+
+
+class BlockQuantCodec:
+    """Blockwise absmax quantization to int8 (levels -127..127) or int4 (levels -7..7), see module docstring."""
+
+    def __init__(self, name: Literal["int8", "int4"] = "int8", block_size: int = 64, scale_dtype: ScaleDtype = "fp32"):
+        CodecConfig(name, block_size, scale_dtype)  # validates
+        if name not in _LEVELS:
+            raise ValueError(f"BlockQuantCodec handles 'int8' and 'int4', got {name!r}")
+        self.name, self.block_size, self.scale_dtype = name, block_size, scale_dtype
+        self.levels = _LEVELS[name]
+
+    def _scales(self, x: torch.Tensor) -> torch.Tensor:
+        n, bs = x.numel(), self.block_size
+        num_full = n // bs
+        absmax = x.new_empty(-(-n // bs))
+        if num_full:
+            torch.amax(x[: num_full * bs].view(num_full, bs).abs(), dim=1, out=absmax[:num_full])
+        if n % bs:
+            absmax[num_full] = x[num_full * bs :].abs().amax()
+        if not _all_finite(absmax):
+            raise ValueError("cannot encode non-finite values")
+        scale = absmax / self.levels
+        if self.scale_dtype == "fp16":
+            if scale.numel() and float(scale.amax()) > _FP16_MAX:
+                raise ValueError(f"{self.name} with fp16 scales: absmax exceeds {_FP16_MAX * self.levels}")
+            s16 = scale.half()
+            s16 = torch.where(s16.float() < scale, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
+            scale = s16.float()
+        return scale
+
+    @staticmethod
+    def _blockwise_(vals: torch.Tensor, scale: torch.Tensor, bs: int, op: str) -> torch.Tensor:
+        """In place: ``vals[block b].<op>(scale[b])`` for every block of ``bs`` elements; returns ``vals``."""
+        num_full = vals.numel() // bs
+        if num_full:
+            getattr(vals[: num_full * bs].view(num_full, bs), op)(scale[:num_full, None])
+        if vals.numel() % bs:
+            getattr(vals[num_full * bs :], op)(scale[num_full:])
+        return vals
+
+    def encode(self, x: torch.Tensor) -> EncodedPart:
+        """Quantize ``x``; raises ValueError for non-finite values (or fp16-scale overflow)."""
+        x = _check_input(x)
+        scale = self._scales(x)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero blocks quantize to level 0
+        q = self._blockwise_(x.clone(), safe, self.block_size, "div_").round_()
+        q.clamp_(-self.levels, self.levels)  # guards |x|/scale rounding just above the top level
+        if self.name == "int8":
+            payload = q.to(torch.int8)
+        else:
+            u = q.add_(8).to(torch.uint8)
+            if u.numel() % 2:
+                u = torch.cat([u, u.new_zeros(1)])
+            u2 = u.view(-1, 2)
+            payload = u2[:, 0] | (u2[:, 1] << 4)
+        scales = scale.to(_SCALE_TORCH[self.scale_dtype])
+        return EncodedPart(self.name, x.numel(), _tensor_bytes(payload), self.block_size, self.scale_dtype,
+                           _tensor_bytes(scales))  # fmt: skip
+
+    def decode(self, part: EncodedPart) -> torch.Tensor:
+        """Dequantize ``part`` into a new fp32 tensor of shape (part.num_elements,)."""
+        _check_part(part, self.name)
+        scale = _as_tensor(part.scales, _SCALE_TORCH[part.scale_dtype])[0].float()
+        if self.name == "int8":
+            vals = _as_tensor(part.payload, torch.int8)[0].float()
+        else:
+            p = _as_tensor(part.payload, torch.uint8)[0]
+            vals = torch.stack([p & 0xF, p >> 4], dim=1).view(-1)[: part.num_elements].float().sub_(8)
+        return self._blockwise_(vals, scale, part.block_size, "mul_")
+
+
+def make_codec(config: CodecConfig) -> Codec:
+    """The codec that ``config`` describes."""
+    if config.name in _LEVELS:
+        return BlockQuantCodec(config.name, config.block_size, config.scale_dtype)  # type: ignore[arg-type]
+    return RawCodec(config.name)  # type: ignore[arg-type]
+
+
+def decode(part: EncodedPart) -> torch.Tensor:
+    """Decode any ``EncodedPart`` (codec, block size and scale dtype come from the part); raises MalformedPart."""
+    _check_part(part)
+    if part.codec in _LEVELS:
+        return BlockQuantCodec(part.codec, part.block_size, part.scale_dtype).decode(part)  # type: ignore[arg-type]
+    return RawCodec(part.codec).decode(part)  # type: ignore[arg-type]
+
+
+def _check_part(part: EncodedPart, codec: str | None = None) -> None:
+    """Raise MalformedPart unless every declared size of ``part`` matches its buffers exactly."""
+    if codec is not None and part.codec != codec:
+        raise MalformedPart(f"part is {part.codec!r}, decoder is {codec!r}")
+    if part.codec not in CODEC_IDS:
+        raise MalformedPart(f"unknown codec {part.codec!r}")
+    n = part.num_elements
+    if not isinstance(n, int) or n < 0:
+        raise MalformedPart(f"bad num_elements {n!r}")
+    if part.codec in _LEVELS:
+        if part.scale_dtype not in _SCALE_TORCH or not 1 <= part.block_size <= MAX_BLOCK_SIZE:
+            raise MalformedPart(f"bad block_size {part.block_size} or scale dtype {part.scale_dtype!r}")
+    elif part.block_size != 0 or part.scale_dtype is not None:
+        raise MalformedPart(f"{part.codec!r} parts have no blocks")
+    for what, buf, want in (
+        ("payload", part.payload, payload_num_bytes(part.codec, n)),
+        ("scales", part.scales, scales_num_bytes(part.codec, n, part.block_size, part.scale_dtype)),
+    ):
+        if memoryview(buf).nbytes != want:
+            raise MalformedPart(f"{what}: {memoryview(buf).nbytes} bytes, {n} {part.codec} elements need {want}")
+
+
+def to_buffers(part: EncodedPart) -> list[bytes | memoryview]:
+    """The frame of ``part`` as [header, payload, scales] buffers (no copy of the payload; for ``sendmsg``)."""
+    _check_part(part)
+    payload, scales = memoryview(part.payload).cast("B"), memoryview(part.scales).cast("B")
+    header = _HEADER.pack(_MAGIC, _VERSION, CODEC_IDS[part.codec], _SCALE_IDS[part.scale_dtype], 0, part.block_size,
+                          part.num_elements, payload.nbytes, scales.nbytes)  # fmt: skip
+    return [header, payload, scales]
+
+
+def to_bytes(part: EncodedPart) -> bytes:
+    """The frame of ``part`` as one bytes object (``HEADER_NUM_BYTES`` + payload + scales bytes)."""
+    return b"".join(to_buffers(part))
+
+
+def from_bytes(
+    frame: bytes | bytearray | memoryview, max_num_elements: int, allowed_codecs: frozenset[str] | None = None
+) -> EncodedPart:
+    """Parse one frame strictly; the returned part's buffers are zero-copy views into ``frame``.
+
+    Args:
+        frame: exactly one frame, as received (no trailing bytes).
+        max_num_elements: the largest part the caller accepts, elements (the expected part size).
+        allowed_codecs: if given, codec names the caller accepts (e.g. only the round's codec).
+
+    Returns:
+        The EncodedPart; decode it with ``decode``. Values are not checked for finiteness here
+        (``validation.validate_part`` does that after decoding).
+
+    Raises:
+        MalformedPart: bad magic/version/reserved byte, unknown codec or scale dtype, a declared size that does not
+            match the buffer exactly, num_elements above ``max_num_elements``, or non-finite/negative scales.
+    """
+    mv = memoryview(frame).cast("B")
+    if mv.nbytes < HEADER_NUM_BYTES:
+        raise MalformedPart(f"frame of {mv.nbytes} bytes is shorter than the {HEADER_NUM_BYTES}-byte header")
+    magic, version, codec_id, scale_id, reserved, block_size, n, num_payload, num_scales = _HEADER.unpack_from(mv)
+    if magic != _MAGIC or version != _VERSION or reserved != 0:
+        raise MalformedPart(f"bad header (magic {magic!r}, version {version}, reserved {reserved})")
+    if codec_id not in _CODEC_NAMES or scale_id not in _SCALE_NAMES:
+        raise MalformedPart(f"unknown codec id {codec_id} or scale dtype id {scale_id}")
+    codec = _CODEC_NAMES[codec_id]
+    if allowed_codecs is not None and codec not in allowed_codecs:
+        raise MalformedPart(f"codec {codec!r} not allowed here (allowed: {sorted(allowed_codecs)})")
+    if n > max_num_elements:
+        raise MalformedPart(f"part declares {n} elements, at most {max_num_elements} accepted")
+    if HEADER_NUM_BYTES + num_payload + num_scales != mv.nbytes:
+        raise MalformedPart(
+            f"declared {num_payload}+{num_scales} bytes after the header, got {mv.nbytes - HEADER_NUM_BYTES}"
+        )
+    end = HEADER_NUM_BYTES + num_payload
+    part = EncodedPart(codec, n, mv[HEADER_NUM_BYTES:end], block_size, _SCALE_NAMES[scale_id], mv[end:])
+    _check_part(part)
+    if part.scale_dtype is not None:
+        scales = _as_tensor(part.scales, _SCALE_TORCH[part.scale_dtype])[0]
+        if scales.numel() and not (_all_finite(scales) and float(scales.amin()) >= 0.0):
+            raise MalformedPart("block scales must be finite and >= 0")
+    return part
+
+
+class ErrorFeedback:
+    """Per-name compression residuals kept between rounds (EF-SGD, Karimireddy et al. 2019, Alg. 2).
+
+    ``compress(name, x)`` encodes ``x + residual[name]`` and sets ``residual[name] = x + residual - decoded``. If the
+    round that carried the part fails (nothing applied anywhere), call ``rollback(name)`` (or ``rollback()``) before
+    retrying, so the retried part does not count the residual twice. Memory: up to two fp32 tensors per name (the
+    residual and the one it replaced). Not thread-safe: use one object per averaging loop.
+    """
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self._residual: dict[str, torch.Tensor] = {}
+        self._previous: dict[str, torch.Tensor | None] = {}
+
+    def compress(self, name: str, x: torch.Tensor) -> EncodedPart:
+        """Encode ``x`` (fp32, shape (n,)) plus the stored residual; raises ValueError on a size change."""
+        x = _check_input(x)
+        residual = self._residual.get(name)
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"{name!r}: residual has shape {tuple(residual.shape)}, input {tuple(x.shape)}")
+        corrected = x + residual if residual is not None else x.clone()
+        part = self.codec.encode(corrected)
+        self._previous[name] = residual
+        self._residual[name] = corrected.sub_(self.codec.decode(part))
+        return part
+
+    def rollback(self, name: str | None = None) -> None:
+        """Undo the last ``compress`` of ``name`` (all names if None): its round failed and sent nothing."""
+        for key in [name] if name is not None else list(self._previous):
+            prev = self._previous.pop(key, _NOTHING)
+            if prev is None:
+                self._residual.pop(key, None)
+            elif prev is not _NOTHING:
+                self._residual[key] = prev
+
+    def commit(self) -> None:
+        """Forget the rollback copies (the round committed); frees their memory."""
+        self._previous.clear()
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        """The residual that the next ``compress(name, ...)`` adds, or None."""
+        return self._residual.get(name)
+
+    def reset(self) -> None:
+        """Drop all residuals (e.g. after a state download replaced the parameters)."""
+        self._residual, self._previous = {}, {}
