@@ -1,0 +1,263 @@
+"""``join-swarm ADDRESS [ADDRESS ...]``: join a run and train with DiLoCo until the run ends or Ctrl+C.
+
+Exit codes: 0 finished, 2 bad input or no reachable initial peer, 3 incompatible with the run, 4 failed,
+130 interrupted (SIGINT/SIGTERM: leaves within a few seconds, p2pd included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hivetrain import __version__
+from hivetrain.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INCOMPATIBLE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    Interrupted,
+    add_node_arguments,
+    add_run_override_arguments,
+    fail,
+    install_signal_handlers,
+    node_config,
+    run_overrides,
+    setup_logging,
+)
+from hivetrain.cli.progress import ProgressReporter
+from hivetrain.config import RunConfig, load_run_config
+from hivetrain.faults import FaultInjector, parse_fault_spec
+from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
+from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
+
+logger = logging.getLogger("hivetrain.join_swarm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="join-swarm", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "addresses", nargs="*", help="multiaddrs of the coordinator or other peers (/ip4/HOST/tcp/PORT/p2p/PEERID)"
+    )
+    parser.add_argument(
+        "--config", default=None, help="run config TOML; without it the coordinator's signed config is used"
+    )
+    parser.add_argument(
+        "--config-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the coordinator's config to appear in the DHT",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where inner steps run (auto = cuda if available)",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    parser.add_argument("--metrics-file", default=None, help="append JSON-lines metrics here")
+    parser.add_argument("--summary-file", default=None, help="write a JSON summary here when the peer stops")
+    parser.add_argument("--public-name", default="", help="name shown on the contributors' board (<= 64 chars)")
+    parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # chaos harness only
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_node_arguments(parser)
+    add_run_override_arguments(parser)
+    return parser
+
+
+def resolve_config(args: argparse.Namespace, node: PeerNode) -> RunConfig:
+    """The run config: the local --config (plus overrides) or the coordinator's signed one.
+
+    Raises:
+        ValueError: invalid config (the message names the field) or no config found in time.
+    """
+    if args.config:
+        return load_run_config(args.config, run_overrides(args))
+    if any(v is not None for v in run_overrides(args).values()):
+        raise ValueError("run config overrides need --config; without it the coordinator's config is used as is")
+    trusted = trusted_ids(tuple(args.addresses))
+    deadline = time.monotonic() + args.config_timeout
+    while True:
+        record = fetch_run_config(node.dht, trusted)
+        if record is not None:
+            ok, reason = versions_compatible(__version__, record.version)
+            if not ok:
+                raise IncompatibleRun(f"the coordinator runs {reason}; install hivetrain {record.version}")
+            return RunConfig.from_dict(record.run_config)
+        if time.monotonic() > deadline:
+            raise ValueError(
+                f"no run config signed by {', '.join(sorted(trusted))} appeared within {args.config_timeout:.0f}s; "
+                "is the first address the coordinator's? (or pass --config run.toml)"
+            )
+        time.sleep(1.0)
+
+
+class IncompatibleRun(RuntimeError):
+    pass
+
+
+def check_against_swarm(node: PeerNode, config: RunConfig, fingerprint: str) -> None:
+    """Refuse to train a model other than the run's. Raises IncompatibleRun naming the difference."""
+    records = [r for r in fetch_records(node.dht, config.run_id) if r.peer_id != node.peer_id]
+    authority = [r for r in records if r.role == "coordinator"] or records
+    for record in authority:
+        ok, reason = check_compatible(record, config.run_id, fingerprint)
+        if not ok:
+            raise IncompatibleRun(
+                f"refusing to join run {config.run_id!r}: {reason}. "
+                f"This peer's model: preset {config.model!r}, fingerprint {fingerprint[:12]}."
+            )
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    install_signal_handlers()
+    try:
+        faults = FaultInjector()
+        for spec in args.fault:
+            faults.arm(parse_fault_spec(spec))
+        device = pick_device(args.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if len(args.public_name) > 64:
+            raise ValueError("--public-name must be at most 64 characters")
+        if not args.addresses and not args.config:
+            raise ValueError("give the coordinator's address (join-swarm /ip4/.../p2p/...) or --config to start alone")
+        ncfg = node_config(args, args.addresses)
+    except ValueError as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    node = None
+    try:
+        node = start_node(ncfg)
+        return _train(args, node, device, faults)
+    except BootstrapFailed as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    except (ValueError, FileNotFoundError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    except IncompatibleRun as exc:
+        return fail(str(exc), EXIT_INCOMPATIBLE)
+    except Interrupted:
+        logger.info("interrupted, leaving the swarm")
+        return EXIT_INTERRUPTED
+    finally:
+        if node is not None:
+            node.shutdown()
+
+
+def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, faults: FaultInjector) -> int:
+    from hivetrain.averaging import GroupAverager
+    from hivetrain.data import load_corpus
+    from hivetrain.diloco.trainer import DilocoTrainer, TrainerOptions
+    from hivetrain.model import build_config, build_model, model_fingerprint
+    from hivetrain.peers.loop import LoopThread
+
+    config = resolve_config(args, node)
+    corpus = load_corpus(config.data)
+    model_config = build_config(config.model, vocab_size=corpus.vocab_size, max_seq_len=config.data.seq_len)
+    model = build_model(model_config, seed=config.seed)
+    fingerprint = model_fingerprint(model_config, model)
+    check_against_swarm(node, config, fingerprint)
+    model.to(device)
+    logger.info(
+        "peer %s joined run %r (model %s, %s) at %s",
+        node.peer_id,
+        config.run_id,
+        config.model,
+        fingerprint[:12],
+        ", ".join(node.visible_maddrs()[:2]),
+    )
+
+    reporter = ProgressReporter(args.metrics_file, interactive=sys.stderr.isatty(), config=config)
+    loop = LoopThread()
+    listen_host, announce_host = _data_plane_hosts(args)
+    averager = GroupAverager(
+        node,
+        prefix=f"{config.run_id}.{fingerprint[:8]}.avg",
+        config=config.averaging,
+        faults=faults,
+        listen_host=listen_host,
+        announce_host=announce_host,
+    )
+    trainer = None
+    try:
+        averager.start()
+        averager.wait_ready(timeout_s=30)
+        trainer = DilocoTrainer(
+            node,
+            loop,
+            config,
+            model,
+            corpus,
+            averager,
+            fingerprint,
+            TrainerOptions(public_name=args.public_name),
+            faults=faults,
+            on_event=reporter.event,
+        )
+        stats = trainer.run()
+        reporter.close()
+        _write_summary(args.summary_file, node, trainer, stats, interrupted=False)
+        return EXIT_OK
+    except Interrupted:
+        if trainer is not None:
+            trainer.stop()
+            _write_summary(args.summary_file, node, trainer, trainer.stats, interrupted=True)
+        raise
+    except Exception:
+        logger.exception("training failed")
+        return EXIT_FAILED
+    finally:
+        averager.shutdown(timeout_s=3)
+        loop.stop(timeout_s=2)
+        reporter.close()
+
+
+def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:
+    def ip_of(maddr: str) -> str | None:
+        parts = maddr.split("/")
+        return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
+
+    listen = next(filter(None, map(ip_of, args.host_maddrs)), "0.0.0.0")
+    announce = next(filter(None, map(ip_of, args.announce_maddrs)), None)
+    return listen, announce
+
+
+def _write_summary(path: str | None, node: PeerNode, trainer, stats, interrupted: bool) -> None:
+    if not path:
+        return
+    summary = {
+        "peer_id": node.peer_id,
+        "epoch": trainer.state.epoch,
+        "interrupted": interrupted,
+        "state_hashes": {str(k): v for k, v in sorted(stats.state_hashes.items())},
+        "bytes_sent": stats.bytes_sent,
+        "bytes_received": stats.bytes_received,
+        "state_bytes_downloaded": stats.state_bytes_downloaded,
+        "state_downloads": stats.state_downloads,
+        "rounds_committed": stats.rounds_committed,
+        "rounds_failed": stats.rounds_failed,
+        "samples_total": stats.samples_total,
+        "compute_s": stats.compute_s,
+        "final_eval_loss": stats.last_eval_loss,
+        "num_parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
+    Path(path).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""``hivetrain local-swarm --peers N --out DIR``: a coordinator and N join-swarm processes on 127.0.0.1.
+
+Waits until the peers finish K outer steps, prints a summary table and writes ``DIR/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import tomli_w
+from rich.console import Console
+from rich.table import Table
+
+from hivetrain.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    Interrupted,
+    fail,
+    install_signal_handlers,
+    setup_logging,
+)
+from hivetrain.config import load_run_config
+from hivetrain.testing.launcher import LocalSwarm
+from hivetrain.testing.summary import build_summary, read_events
+
+logger = logging.getLogger("hivetrain.local_swarm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hivetrain local-swarm", description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=3, help="number of training peers (>= 1)")
+    parser.add_argument("--out", required=True, help="directory for logs, metrics and summary.json")
+    parser.add_argument("--config", default=None, help="run config TOML (default: built-in defaults)")
+    parser.add_argument("--outer-steps", type=int, default=5, help="K, outer steps to train (>= 1)")
+    parser.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
+    parser.add_argument("--model", default=None, help="model preset: tiny, small or base")
+    parser.add_argument(
+        "--data", nargs="+", default=None, help="text files/dirs/globs (default: Python stdlib sources)"
+    )
+    parser.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before everything is stopped")
+    parser.add_argument("--peer-args", default="", help="extra join-swarm arguments for every peer (one string)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging in peers")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(False)
+    install_signal_handlers()
+    if args.peers < 1 or args.outer_steps < 1 or args.threads_per_peer < 1 or args.timeout <= 0:
+        return fail("--peers, --outer-steps and --threads-per-peer must be >= 1 and --timeout > 0", EXIT_BAD_INPUT)
+    out = Path(args.out)
+    try:
+        config = load_run_config(
+            args.config,
+            {
+                "model": args.model,
+                "diloco.inner_steps": args.inner_steps,
+                "diloco.outer_steps": args.outer_steps,
+                "data.paths": args.data,
+            },
+        )
+        from hivetrain.data import resolve_files
+
+        resolve_files(config.data.paths)
+    except (ValueError, FileNotFoundError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "run.toml"
+    config_path.write_text(tomli_w.dumps(config.to_dict()))
+
+    console = Console(stderr=True)
+    swarm = LocalSwarm(out, config_path, threads_per_peer=args.threads_per_peer, verbose=args.verbose)
+    started = time.time()
+    seen: dict[str, int] = {}
+    try:
+        address = swarm.start_coordinator()
+        console.print(
+            f"coordinator up at [bold]{address}[/]; starting {args.peers} peer(s), "
+            f"model {config.model}, H={config.diloco.inner_steps}, K={config.diloco.outer_steps}"
+        )
+        for _ in range(args.peers):
+            swarm.add_peer(args.peer_args.split())
+
+        def poll() -> None:
+            for peer in swarm.peers:
+                events = [e for e in read_events(peer.metrics_path) if e["event"] == "outer_step"]
+                if len(events) > seen.get(peer.name, 0):
+                    seen[peer.name] = len(events)
+                    e = events[-1]
+                    loss = f"{e['eval_loss']:.3f}" if e.get("eval_loss") is not None else "-"
+                    console.print(
+                        f"{peer.name}: epoch {e['epoch']}  eval loss {loss}  group {e['group_size']}  "
+                        f"state {e['state_hash'][:10]}  (+{time.time() - started:.0f}s)"
+                    )
+
+        finished = swarm.wait_peers(args.timeout, poll=poll)
+        poll()
+    except Interrupted:
+        swarm.close()
+        return EXIT_INTERRUPTED
+    except RuntimeError as exc:
+        swarm.close()
+        return fail(str(exc), EXIT_FAILED)
+    swarm.close()
+    summary = build_summary(swarm.peers, config.diloco.inner_steps, wall_s=time.time() - started)
+    summary["timed_out"] = not finished
+    summary["exit_codes"] = {p.name: p.popen.returncode for p in swarm.peers}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_summary(console, summary, out)
+    ok = finished and all(code == 0 for code in summary["exit_codes"].values())
+    return 0 if ok else EXIT_FAILED
+
+
+def _print_summary(console: Console, summary: dict, out: Path) -> None:
+    table = Table(title="local swarm summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    for key in (
+        "outer_steps",
+        "initial_eval_loss",
+        "final_eval_loss",
+        "wall_s",
+        "bytes_sent_total",
+        "bytes_ddp_equivalent",
+        "rounds_failed",
+        "state_downloads",
+    ):
+        table.add_row(key, fmt(summary.get(key)))
+    if summary["bytes_sent_total"]:
+        table.add_row(
+            "DDP bytes / DiLoCo bytes", f"{summary['bytes_ddp_equivalent'] / summary['bytes_sent_total']:.1f}x"
+        )
+    agree = all(len(set(h.values())) == 1 for h in summary["state_hashes"].values())
+    table.add_row("state hashes agree at every epoch", "yes" if agree else "NO")
+    console.print(table)
+    console.print(f"summary written to {out / 'summary.json'}; peer logs in {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""``hivetrain SUBCOMMAND``: one thin module per subcommand, imported only when used."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "coordinator": ("hivetrain.cli.coordinator", "host the run's bootstrap peer and publish its signed config"),
+    "local-swarm": ("hivetrain.cli.local_swarm", "run a coordinator and N peers on this machine"),
+    "join-swarm": ("hivetrain.cli.join_swarm", "join a run and train (same as the join-swarm command)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: hivetrain SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    lines += [f"  {name:<14} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "Run `hivetrain SUBCOMMAND --help` for its options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from hivetrain import __version__
+
+        print(f"hivetrain {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"error: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The coordinator: a long-running bootstrap peer that publishes the run's signed config and watches the swarm.
+
+It is a convenience, not a single point of failure: training peers need it only to bootstrap and read the config.
+Its peer ID is part of the address volunteers are given, and joiners accept only a config signed by that ID.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from hivemind.utils import get_dht_time
+from transformers import AutoModelForCausalLM
+
+from hivetrain import __version__
+from hivetrain.config import RunConfig
+from hivetrain.model import build_config, model_fingerprint
+from hivetrain.peers.node import PeerNode
+from hivetrain.peers.records import (
+    PeerRecord,
+    RunConfigRecord,
+    fetch_records,
+    publish_record,
+    publish_run_config,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """Args:
+    config_ttl_s: the published run config expires after this many seconds unless refreshed.
+    refresh_interval_s: how often the config and our record are re-published, seconds.
+    record_ttl_s: our peer record's lifetime, seconds.
+    """
+
+    config_ttl_s: float = 3600.0
+    refresh_interval_s: float = 10.0
+    record_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.refresh_interval_s >= min(self.config_ttl_s, self.record_ttl_s):
+            raise ValueError("refresh_interval_s must be shorter than config_ttl_s and record_ttl_s")
+
+
+def run_fingerprint(config: RunConfig, vocab_size: int = 256) -> str:
+    """The model fingerprint of a run, computed without allocating parameters (meta device)."""
+    model_config = build_config(config.model, vocab_size=vocab_size, max_seq_len=config.data.seq_len)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return model_fingerprint(model_config, model)
+
+
+class Coordinator:
+    """Publishes the run config and a coordinator record until ``stop()``."""
+
+    def __init__(
+        self, node: PeerNode, config: RunConfig, fingerprint: str, options: CoordinatorOptions = CoordinatorOptions()
+    ):
+        self.node, self.config, self.fingerprint, self.options = node, config, fingerprint, options
+        self._stop = threading.Event()
+        self.records: list[PeerRecord] = []
+        self.started_at = time.time()
+
+    def publish(self) -> None:
+        """Publish (refresh) the signed run config and our record."""
+        record = RunConfigRecord(
+            run_config=self.config.to_dict(),
+            version=__version__,
+            coordinator_id=self.node.peer_id,
+            published_at=get_dht_time(),
+        )
+        if not publish_run_config(self.node.dht, self.node.owner_marker, record, self.options.config_ttl_s):
+            logger.warning("no DHT node accepted the run config")
+        newest = max((r.epoch for r in self.records if r.role == "trainer"), default=0)
+        me = PeerRecord(
+            peer_id=self.node.peer_id,
+            role="coordinator",
+            version=__version__,
+            run_id=self.config.run_id,
+            model_fingerprint=self.fingerprint,
+            epoch=newest,
+            throughput=0.0,
+            maddrs=tuple(self.node.visible_maddrs()[:8]),
+            reachable=not self.node.config.client_mode,
+            updated_at=get_dht_time(),
+        )
+        publish_record(self.node.dht, self.node.owner_marker, me, self.options.record_ttl_s)
+
+    def poll(self) -> list[PeerRecord]:
+        """Refresh the view of the swarm (peer records of this run)."""
+        try:
+            self.records = fetch_records(self.node.dht, self.config.run_id)
+        except Exception as exc:  # noqa: BLE001 - keep the last view
+            logger.warning("could not read peer records: %r", exc)
+        return self.records
+
+    def run(self, on_tick=None) -> None:
+        """Publish and poll every ``refresh_interval_s`` until ``stop()``; ``on_tick(records)`` after each poll."""
+        while not self._stop.is_set():
+            try:
+                self.publish()
+            except Exception as exc:  # noqa: BLE001 - a DHT hiccup must not kill the coordinator
+                logger.warning("publishing failed: %r", exc)
+            records = self.poll()
+            if on_tick is not None:
+                on_tick(records)
+            self._stop.wait(self.options.refresh_interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()

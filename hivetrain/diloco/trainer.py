@@ -1,0 +1,338 @@
+"""A DiLoCo training peer: the train loop as named phases (state sync, inner steps, outer step, evaluation).
+
+DiLoCo (Douillard et al. 2023, Algorithm 1): from the shared θ every peer runs H inner AdamW steps on its own data,
+sends the pseudo-gradient Δ = θ − θ_local to a sample-weighted average with the peers of its epoch, and applies outer
+Nesterov SGD. Peers that fall behind, or whose state hash disagrees with the swarm's, download state first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.utils import get_dht_time
+
+from hivetrain import __version__
+from hivetrain.averaging.base import Averager, RoundFailed
+from hivetrain.config import RunConfig
+from hivetrain.data import Corpus, stream_seed
+from hivetrain.diloco.inner import InnerOptimizer
+from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
+from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
+from hivetrain.diloco.sync_policy import decide_sync, may_commit_alone
+from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.model import evaluate
+from hivetrain.peers.loop import LoopThread
+from hivetrain.peers.node import PeerNode
+from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """Per-peer settings that are not part of the run config.
+
+    Args:
+        public_name: shown on the contributors' board.
+        record_ttl_s: our peer record expires after this many seconds unless refreshed.
+        record_interval_s: refresh period of our record, seconds.
+        state_timeout_s: limit of one state-download network call, seconds.
+        max_outer_steps: stop after this epoch (0 = the run config's ``diloco.outer_steps``).
+    """
+
+    public_name: str = ""
+    record_ttl_s: float = 30.0
+    record_interval_s: float = 5.0
+    state_timeout_s: float = 30.0
+    max_outer_steps: int = 0
+
+
+@dataclass
+class TrainerStats:
+    """Counters for progress displays and summaries (bytes, samples, seconds)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    state_bytes_downloaded: int = 0
+    rounds_committed: int = 0
+    rounds_failed: int = 0
+    state_downloads: int = 0
+    samples_total: int = 0
+    compute_s: float = 0.0
+    last_loss: float | None = None
+    last_eval_loss: float | None = None
+    throughput: float = 0.0
+    peers_seen: int = 0
+    state_hashes: dict[int, str] = field(default_factory=dict)
+
+
+class DilocoTrainer:
+    """Runs one DiLoCo peer until ``stop()`` or the configured number of outer steps."""
+
+    def __init__(
+        self,
+        node: PeerNode,
+        loop: LoopThread,
+        config: RunConfig,
+        model: torch.nn.Module,
+        corpus: Corpus,
+        averager: Averager,
+        fingerprint: str,
+        options: TrainerOptions = TrainerOptions(),
+        faults: FaultInjector = NO_FAULTS,
+        on_event: Callable[[dict], None] | None = None,
+    ):
+        self.node, self.loop, self.config, self.model = node, loop, config, model
+        self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
+        self.options, self.faults = options, faults
+        self.on_event = on_event or (lambda event: None)
+        self.state = TrainingState.from_model(model)
+        self.stats = TrainerStats()
+        self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
+        self.stats.state_hashes[0] = self.state_hash
+        self.inner = InnerOptimizer(model, config.diloco)
+        self.batches = corpus.train_batches(
+            config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
+        )
+        self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
+        self.state_server = StateServer(lambda: self.state, faults=faults)
+        self._stop = threading.Event()
+        self._records: list[PeerRecord] = []
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="records", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    @property
+    def target_epoch(self) -> int:
+        return self.options.max_outer_steps or self.config.diloco.outer_steps
+
+    @property
+    def state_hash(self) -> str:
+        """sha256 of the current state, computed once per state object (hashing a large model takes seconds)."""
+        if self._hash_cache[0] is not self.state:
+            self._hash_cache = (self.state, self.state.state_hash())
+        return self._hash_cache[1]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> TrainerStats:
+        """Train until stopped or ``target_epoch`` is reached; returns the counters."""
+        p2p = self.loop.run(self.node.dht.replicate_p2p(), timeout_s=30)
+        self.loop.run(self.state_server.register(p2p, self.config.run_id), timeout_s=30)
+        self._p2p = p2p
+        self._publish()
+        self._heartbeat.start()
+        self._emit("start", eval_loss=self._evaluate())
+        while not self._stop.is_set() and not (self.target_epoch and self.state.epoch >= self.target_epoch):
+            if not self.sync_state():
+                continue
+            pseudo_grad, inner = self.inner_phase()
+            if pseudo_grad is None:
+                continue
+            self.outer_phase(pseudo_grad, inner.num_samples)
+        self._emit("finish", eval_loss=self._evaluate())
+        self._stop.set()
+        self._publish()
+        return self.stats
+
+    # ---- phases --------------------------------------------------------------------------------------------------
+    def sync_state(self) -> bool:
+        """Download state if we are behind or forked. Returns False if a needed download failed (retry later)."""
+        records = self._refresh_records()
+        decision = decide_sync(
+            self.node.peer_id,
+            self.state.epoch,
+            self.state_hash,
+            records,
+            get_dht_time(),
+            stale_after_s=self.options.record_ttl_s,
+        )
+        if decision.action == "train":
+            return True
+        logger.info("state download: %s", decision.reason)
+        from hivetrain.diloco.sync_policy import published_hashes
+
+        expected = published_hashes(r for r in records if r.peer_id != self.node.peer_id)
+        try:
+            state = self.loop.run(
+                download_state(
+                    self._p2p,
+                    self.config.run_id,
+                    list(decision.donors),
+                    expected,
+                    self.state,
+                    self.options.state_timeout_s,
+                    self.faults,
+                ),
+                timeout_s=self.options.state_timeout_s * 4,
+            )
+        except (StateDownloadFailed, TimeoutError, ValueError) as exc:
+            logger.warning("state download failed: %s", exc)
+            self._emit("state_download_failed", reason=str(exc))
+            self._stop.wait(1.0)
+            return False
+        self.state = state
+        self.stats.state_downloads += 1
+        self.stats.state_bytes_downloaded += state.num_bytes()
+        self.stats.state_hashes[state.epoch] = self.state_hash
+        self._emit("state_downloaded", reason=decision.reason)
+        self._publish()
+        return True
+
+    def inner_phase(self):
+        """H inner steps from θ. Returns (pseudo-gradient, InnerPhaseResult), or (None, None) if interrupted."""
+        load_into_model(self.state, self.model)
+        h = self.config.diloco.inner_steps
+        epoch = self.state.epoch
+
+        def on_step(i: int, loss: float) -> None:
+            self.stats.last_loss = loss
+            if self._stop.is_set():
+                raise _Interrupted()
+            self.on_event({"event": "inner_step", "epoch": epoch, "inner_step": epoch * h + i + 1, "loss": loss})
+
+        try:
+            result = self.inner.run(self.batches, first_step=epoch * h, num_steps=h, on_step=on_step)
+        except _Interrupted:
+            return None, None
+        except FloatingPointError as exc:
+            logger.error("inner phase diverged, discarding it: %s", exc)
+            self._emit("inner_diverged", reason=str(exc))
+            return None, None
+        self.stats.compute_s += result.duration_s
+        self.stats.throughput = result.samples_per_s
+        self._emit(
+            "inner_phase",
+            loss=result.mean_loss,
+            samples=result.num_samples,
+            tokens_per_s=result.num_tokens / max(result.duration_s, 1e-9),
+        )
+        return pseudo_gradient(self.state, self.model), result
+
+    def outer_phase(self, pseudo_grad: list[torch.Tensor], num_samples: int) -> bool:
+        """Average Δ with the epoch's group and apply the outer step; on failure keep θ and retry or resync."""
+        cfg = self.config.averaging
+        epoch = self.state.epoch
+        deadline = time.monotonic() + cfg.round_timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            self.faults.check("diloco.before_outer_step", epoch=epoch, peer=self.node.peer_id)
+            try:
+                result = self.averager.average(pseudo_grad, float(num_samples), epoch, cfg.round_timeout_s)
+                if len(result.group) == 1:
+                    ok, why = may_commit_alone(
+                        self.node.peer_id, epoch, self._refresh_records(), get_dht_time(), self.options.record_ttl_s
+                    )
+                    if not ok:
+                        raise RoundFailed("alone", why)
+            except RoundFailed as exc:
+                self.stats.rounds_failed += 1
+                logger.warning("epoch %d round attempt %d failed: %s", epoch, attempt, exc)
+                self._emit("round_failed", reason=exc.reason, detail=exc.detail, attempt=attempt)
+                records = self._refresh_records()
+                if (
+                    self._stop.is_set()
+                    or decide_sync(
+                        self.node.peer_id, epoch, self.state_hash, records, get_dht_time(), self.options.record_ttl_s
+                    ).action
+                    == "download"
+                ):
+                    return False  # others moved on: the next sync_state() downloads their state
+                # Peers of our epoch that are still in their inner phase will be ready soon: keep our Δ and retry.
+                # Past the retries (and past the deadline when nobody else is left), discard Δ and start over from θ.
+                waiting_for_peers = not may_commit_alone(
+                    self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s
+                )[0]
+                if attempt > cfg.max_retries and not (waiting_for_peers and time.monotonic() < deadline):
+                    self._emit("pseudo_gradient_discarded", reason=exc.reason)
+                    return False
+                continue
+            self.state = outer_step(
+                self.state, result.tensors, self.config.diloco.outer_lr, self.config.diloco.outer_momentum
+            )
+            self.stats.rounds_committed += 1
+            self.stats.samples_total += num_samples
+            self.stats.bytes_sent += result.bytes_sent
+            self.stats.bytes_received += result.bytes_received
+            self.stats.state_hashes[self.state.epoch] = self.state_hash
+            self._publish()
+            eval_every = self.config.diloco.eval_every
+            eval_loss = self._evaluate() if eval_every and self.state.epoch % eval_every == 0 else None
+            self._emit(
+                "outer_step",
+                group_size=len(result.group),
+                round_s=result.duration_s,
+                bytes_sent=result.bytes_sent,
+                eval_loss=eval_loss,
+                excluded=list(result.excluded),
+            )
+            return True
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    def _evaluate(self) -> float:
+        load_into_model(self.state, self.model)
+        loss = evaluate(self.model, self.eval_windows)
+        self.stats.last_eval_loss = loss
+        return loss
+
+    def _record(self) -> PeerRecord:
+        return PeerRecord(
+            peer_id=self.node.peer_id,
+            role="trainer",
+            version=__version__,
+            run_id=self.config.run_id,
+            model_fingerprint=self.fingerprint,
+            epoch=self.state.epoch,
+            throughput=self.stats.throughput,
+            state_hash=self.state_hash,
+            samples_total=self.stats.samples_total,
+            compute_s=self.stats.compute_s,
+            public_name=self.options.public_name,
+            maddrs=tuple(self.node.visible_maddrs()[:8]),
+            reachable=not self.node.config.client_mode,
+            loss=self.stats.last_loss,
+            updated_at=get_dht_time(),
+        )
+
+    def _publish(self) -> None:
+        try:
+            publish_record(self.node.dht, self.node.owner_marker, self._record(), self.options.record_ttl_s)
+        except Exception as exc:  # noqa: BLE001 - a failed refresh is retried by the heartbeat
+            logger.warning("could not publish our record: %r", exc)
+
+    def _refresh_records(self) -> list[PeerRecord]:
+        try:
+            records = fetch_records(self.node.dht, self.config.run_id)
+        except Exception as exc:  # noqa: BLE001 - keep the last view
+            logger.warning("could not read peer records: %r", exc)
+            return self._records
+        self._records = [r for r in records if r.model_fingerprint == self.fingerprint]
+        self.stats.peers_seen = len([r for r in self._records if r.role == "trainer"])
+        return self._records
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.options.record_interval_s):
+            self._publish()
+
+    def _emit(self, event: str, **fields) -> None:
+        payload = {
+            "event": event,
+            "time": time.time(),
+            "peer": self.node.peer_id,
+            "epoch": self.state.epoch,
+            "state_hash": self.state_hash,
+            "peers_seen": self.stats.peers_seen,
+            **fields,
+        }
+        self.on_event(payload)
+
+
+class _Interrupted(Exception):
+    pass

@@ -1,0 +1,157 @@
+"""Launch a coordinator and join-swarm peers as real processes on 127.0.0.1, and clean them up.
+
+Each process runs in its own session/process group, so that signalling the group reaches its p2pd daemon too.
+Only processes started here are ever signalled, by their process-group ID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass
+class PeerProcess:
+    """One launched process (coordinator or peer) and its files."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    metrics_path: Path | None = None
+    summary_path: Path | None = None
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the process group (the process and its p2pd)."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class LocalSwarm:
+    """Starts processes under ``out_dir`` and guarantees their cleanup in ``close()``."""
+
+    def __init__(self, out_dir: Path, config_path: Path, threads_per_peer: int = 1, verbose: bool = False):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = Path(config_path)
+        self.threads_per_peer = threads_per_peer
+        self.verbose = verbose
+        self.coordinator: PeerProcess | None = None
+        self.peers: list[PeerProcess] = []
+        self.address: str | None = None
+
+    def _spawn(self, name: str, argv: list[str], **paths) -> PeerProcess:
+        log_path = self.out_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_peer))
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
+        return PeerProcess(name=name, popen=popen, log_path=log_path, **paths)
+
+    def start_coordinator(self, timeout_s: float = 60.0, extra_args: list[str] = ()) -> str:
+        """Start the coordinator and wait for its address. Raises RuntimeError if it is not up in time."""
+        address_file = self.out_dir / "coordinator.addr"
+        address_file.unlink(missing_ok=True)
+        argv = [
+            "hivetrain.cli.main",
+            "coordinator",
+            "--config",
+            str(self.config_path),
+            "--identity-path",
+            str(self.out_dir / "coordinator.key"),
+            "--host-maddrs",
+            LOOPBACK,
+            "--address-file",
+            str(address_file),
+            "--refresh-interval",
+            "2",
+            *extra_args,
+        ]
+        self.coordinator = self._spawn("coordinator", argv)
+        deadline = time.monotonic() + timeout_s
+        while not address_file.exists():
+            if not self.coordinator.alive() or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"coordinator did not start; see {self.coordinator.log_path}:\n"
+                    + self.coordinator.log_path.read_text()[-2000:]
+                )
+            time.sleep(0.2)
+        self.address = address_file.read_text().split()[0]
+        return self.address
+
+    def add_peer(self, extra_args: list[str] = (), name: str | None = None) -> PeerProcess:
+        """Start one join-swarm process bootstrapping from the coordinator."""
+        assert self.address is not None, "start the coordinator first"
+        index = len(self.peers)
+        name = name or f"peer{index}"
+        metrics, summary = self.out_dir / f"{name}.jsonl", self.out_dir / f"{name}.json"
+        argv = [
+            "hivetrain.cli.join_swarm",
+            self.address,
+            "--identity-path",
+            str(self.out_dir / f"{name}.key"),
+            "--host-maddrs",
+            LOOPBACK,
+            "--metrics-file",
+            str(metrics),
+            "--summary-file",
+            str(summary),
+            "--threads",
+            str(self.threads_per_peer),
+            *extra_args,
+        ]
+        if self.verbose:
+            argv.append("--verbose")
+        peer = self._spawn(name, argv, metrics_path=metrics, summary_path=summary)
+        self.peers.append(peer)
+        return peer
+
+    def wait_peers(self, timeout_s: float, poll=None) -> bool:
+        """Wait until every peer has exited; ``poll()`` is called about once a second. Returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.alive() for p in self.peers):
+            if time.monotonic() > deadline:
+                return False
+            if poll is not None:
+                poll()
+            time.sleep(1.0)
+        return True
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group still running, then SIGKILL what is left after ``grace_s``."""
+        procs = [p for p in [*self.peers, self.coordinator] if p is not None]
+        for proc in procs:
+            if proc.alive():
+                proc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in procs:
+            proc.signal_group(signal.SIGKILL)  # also reaps a p2pd orphaned in the group
+            if proc.alive():
+                proc.popen.wait(timeout=5)
