@@ -48,5 +48,16 @@ class LoopThread:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop and join the thread; idempotent."""
         if self.loop.is_running():
+
+            async def cancel_all() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout_s)
+            except Exception:  # noqa: BLE001 - stopping must not fail
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)

@@ -1,0 +1,70 @@
+"""Run config validation, corpus handling and model presets."""
+
+import pytest
+import torch
+
+from hivetrain.config import DataConfig, RunConfig, load_run_config
+from hivetrain.data import load_corpus, resolve_files, stream_seed
+from hivetrain.model import build_config, build_model, count_parameters, model_fingerprint
+
+
+def test_defaults_round_trip_and_fingerprint_is_stable():
+    config = load_run_config()
+    again = RunConfig.from_dict(config.to_dict())
+    assert again == config and again.fingerprint() == config.fingerprint()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"diloco.outer_lr": -1.0}, "diloco.outer_lr"),
+    ({"diloco.inner_steps": 0}, "diloco.inner_steps"),
+    ({"data.seq_len": "long"}, "data.seq_len"),
+    ({"diloco.bogus": 1}, "diloco.bogus: unknown key"),
+    ({"model": "huge"}, "model"),
+    ({"averaging.round_timeout_s": 1.0}, "averaging.round_timeout_s"),
+])
+def test_invalid_values_raise_value_error_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        load_run_config(None, overrides)
+
+
+def test_toml_file_with_unknown_table_is_rejected(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('run_id = "x"\n[optimizer]\nlr = 1\n')
+    with pytest.raises(ValueError, match="optimizer: unknown key"):
+        load_run_config(path)
+    path.write_text("run_id = \n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_run_config(path)
+
+
+def test_missing_data_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="matches no readable text file"):
+        resolve_files([str(tmp_path / "nope.txt")])
+
+
+def test_default_corpus_is_the_stdlib_and_windows_are_shared(tmp_path):
+    files = resolve_files([])
+    assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files[:50])
+    corpus = load_corpus(DataConfig(max_corpus_bytes=2_000_000, seq_len=32, num_eval_windows=8))
+    again = load_corpus(DataConfig(max_corpus_bytes=2_000_000, seq_len=32, num_eval_windows=8))
+    assert corpus.vocab_size == 256
+    assert torch.equal(corpus.eval_windows(32, 8), again.eval_windows(32, 8))
+    a = next(corpus.train_batches(32, 4, stream_seed(0, "peerA")))
+    b = next(corpus.train_batches(32, 4, stream_seed(0, "peerB")))
+    assert a.shape == (4, 33) and not torch.equal(a, b)
+    # held-out windows never overlap the training region
+    assert corpus.eval_windows(32, 8).shape == (8, 33)
+
+
+def test_presets_have_the_documented_sizes_and_identical_init():
+    sizes = {}
+    for preset in ("tiny", "small"):
+        cfg = build_config(preset, 256, 128)
+        sizes[preset] = count_parameters(build_model(cfg, seed=0))
+    assert 0.3e6 < sizes["tiny"] < 0.7e6 and 3e6 < sizes["small"] < 7e6
+    cfg = build_config("tiny", 256, 128)
+    m1, m2 = build_model(cfg, 7), build_model(cfg, 7)
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
+    assert model_fingerprint(cfg, m1) == model_fingerprint(cfg, m2)
+    other = build_config("small", 256, 128)
+    assert model_fingerprint(other, build_model(other, 7)) != model_fingerprint(cfg, m1)
