@@ -36,6 +36,7 @@ from hivetrain.config import RunConfig, load_run_config
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
+from hivetrain.testing.byzantine import check_mode
 
 logger = logging.getLogger("hivetrain.join_swarm")
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--summary-file", default=None, help="write a JSON summary here when the peer stops")
     parser.add_argument("--public-name", default="", help="name shown on the contributors' board (<= 64 chars)")
     parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # chaos harness only
+    parser.add_argument("--byzantine", default="", help=argparse.SUPPRESS)  # chaos harness only
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_node_arguments(parser)
     add_run_override_arguments(parser)
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         faults = FaultInjector()
         for spec in args.fault:
             faults.arm(parse_fault_spec(spec))
+        check_mode(args.byzantine)
         device = pick_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -205,7 +208,7 @@ def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, fault
             corpus,
             averager,
             fingerprint,
-            TrainerOptions(public_name=args.public_name),
+            TrainerOptions(public_name=args.public_name, byzantine=args.byzantine),
             faults=faults,
             on_event=reporter.event,
         )

@@ -30,6 +30,7 @@ from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
+from hivetrain.testing.byzantine import corrupt_round_input, corrupt_served_state
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class TrainerOptions:
         record_interval_s: refresh period of our record, seconds.
         state_timeout_s: limit of one state-download network call, seconds.
         max_outer_steps: stop after this epoch (0 = the run config's ``diloco.outer_steps``).
+        byzantine: fault-harness only: misbehave this way (see ``hivetrain.testing.byzantine``).
     """
 
     public_name: str = ""
@@ -51,6 +53,7 @@ class TrainerOptions:
     record_interval_s: float = 5.0
     state_timeout_s: float = 30.0
     max_outer_steps: int = 0
+    byzantine: str = ""
 
 
 @dataclass
@@ -101,7 +104,7 @@ class DilocoTrainer:
             config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
         )
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
-        self.state_server = StateServer(lambda: self.state, faults=faults)
+        self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
         self._stop = threading.Event()
         self._records: list[PeerRecord] = []
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="records", daemon=True)
@@ -224,8 +227,11 @@ class DilocoTrainer:
         while True:
             attempt += 1
             self.faults.check("diloco.before_outer_step", epoch=epoch, peer=self.node.peer_id)
+            sent, weight = pseudo_grad, float(num_samples)
+            if self.options.byzantine:
+                sent, weight = corrupt_round_input(self.options.byzantine, pseudo_grad, weight)
             try:
-                result = self.averager.average(pseudo_grad, float(num_samples), epoch, cfg.round_timeout_s)
+                result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s)
                 if len(result.group) == 1:
                     ok, why = may_commit_alone(
                         self.node.peer_id, epoch, self._refresh_records(), get_dht_time(), self.options.record_ttl_s
