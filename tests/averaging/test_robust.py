@@ -1,0 +1,179 @@
+"""Robust aggregation: deterministic weighted mean, coordinate median, CenteredClip against one or more attackers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hivetrain.averaging.robust import (
+    NoValidContribution,
+    centered_clip,
+    coordinate_median,
+    median_distance_tau,
+    weighted_mean,
+)
+
+N = 4096
+
+
+def _honest(k: int, seed: int = 0, spread: float = 0.1) -> list[torch.Tensor]:
+    """k honest pseudo-gradients: a shared direction plus per-peer noise (||noise|| ~ spread * sqrt(N) = 6.4)."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(N, generator=gen)
+    return [base + spread * torch.randn(N, generator=gen) for _ in range(k)]
+
+
+def test_weighted_mean_matches_float64_reference_and_is_bit_identical() -> None:
+    parts = _honest(5)
+    weights = [1.0, 3.0, 0.0, 2.5, 7.0]
+    ref = sum(w * p.double() for w, p in zip(weights, parts, strict=True)) / sum(weights)
+    out = weighted_mean(parts, weights)
+    assert out.dtype == torch.float32 and out.shape == (N,)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = weighted_mean([p.clone() for p in parts], list(weights))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, single)
+    assert torch.equal(out, weighted_mean(parts, weights))
+    assert torch.equal(weighted_mean(parts[:1], [2.0]), parts[0])
+
+
+@pytest.mark.parametrize(
+    "parts,weights,match",
+    [
+        ([torch.ones(3), torch.ones(3)], [1.0, float("nan")], "finite"),
+        ([torch.ones(3), torch.ones(3)], [1.0, float("inf")], "finite"),
+        ([torch.ones(3), torch.ones(3)], [1.0, -1.0], ">= 0"),
+        ([torch.ones(3), torch.ones(3)], [0.0, 0.0], "total weight"),
+        ([torch.ones(3), torch.ones(4)], [1.0, 1.0], "1-D fp32"),
+        ([torch.ones(3), torch.ones(3, dtype=torch.float64)], [1.0, 1.0], "1-D fp32"),
+        ([torch.ones(3)], [1.0, 1.0], "2 weights"),
+        ([], [], "at least one"),
+    ],
+)
+def test_weighted_mean_rejects_bad_input(parts, weights, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        weighted_mean(parts, weights)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 7, 8, 33])
+def test_coordinate_median_matches_sort_reference(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    parts = [torch.randn(1000, generator=gen) for _ in range(k)]
+    parts[0][:10] = parts[-1][:10]  # ties
+    s = torch.sort(torch.stack(parts), dim=0).values
+    ref = s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
+    assert torch.equal(coordinate_median(parts), ref)
+
+
+def test_coordinate_median_across_chunk_boundary() -> None:
+    parts = [torch.randn(300_001) for _ in range(3)]
+    assert torch.equal(coordinate_median(parts), torch.median(torch.stack(parts), dim=0).values)
+
+
+ATTACKS = {
+    "sign_flip_x100": lambda honest: -100.0 * honest[0],
+    "huge_norm_1e6": lambda honest: torch.full((N,), 1e6),
+    "random_1e6": lambda honest: 1e6 * torch.randn(N, generator=torch.Generator().manual_seed(9)),
+    "near_tau": lambda honest: honest[0] + 10.0,
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_centered_clip_one_attacker_in_eight_stays_within_bound(attack: str) -> None:
+    """||result - honest mean|| <= tau * W_b / W_h + (W_b / W)^T ||e_0||  (module docstring), with k = 8."""
+    honest = _honest(7)
+    attacker = ATTACKS[attack](honest)
+    parts, weights = honest[:3] + [attacker] + honest[3:], [1.0] * 8
+    honest_mean = weighted_mean(honest, [1.0] * 7)
+    median = coordinate_median(parts)
+    tau = median_distance_tau(parts, median, factor=2.0)
+    num_iters = 5
+    result = centered_clip(parts, weights, tau=tau, num_iters=num_iters)
+    err = float(torch.linalg.vector_norm(result.value - honest_mean))
+    e0 = float(torch.linalg.vector_norm(median - honest_mean))
+    bound = tau * 1 / 7 + (1 / 8) ** num_iters * e0
+    assert err <= bound * (1 + 1e-4), f"error {err:.4f} > bound {bound:.4f} (tau {tau:.3f})"
+    naive = float(torch.linalg.vector_norm(weighted_mean(parts, weights) - honest_mean))
+    if attack != "near_tau":
+        assert result.clipped == (3,) and naive > 10 * bound  # the plain mean is wrecked; the clipped one is not
+    assert result.dropped == () and result.num_iters == num_iters
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_centered_clip_drops_non_finite_contribution(bad: float) -> None:
+    honest = _honest(7)
+    attacker = honest[0].clone()
+    attacker[123] = bad
+    parts = [attacker] + honest
+    result = centered_clip(parts, [1.0] * 8, tau=50.0, num_iters=3)
+    assert result.dropped == (0,) and result.clipped == () and math.isnan(result.distances[0])
+    torch.testing.assert_close(result.value, weighted_mean(honest, [1.0] * 7), rtol=0, atol=1e-5)
+
+
+def test_centered_clip_three_colluding_attackers_with_weights() -> None:
+    """Bound with unequal weights: W_b = 3 of W = 10 -> ||err|| <= tau * 3 / 7 + 0.3^T ||e_0||."""
+    honest = _honest(5)
+    attack = -50.0 * honest[0]
+    parts = honest + [attack] * 3
+    weights = [1.0, 2.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    honest_mean = weighted_mean(honest, weights[:5])
+    median = coordinate_median(parts)
+    tau = median_distance_tau(parts, median, factor=2.0)
+    result = centered_clip(parts, weights, tau=tau, num_iters=8)
+    err = float(torch.linalg.vector_norm(result.value - honest_mean))
+    e0 = float(torch.linalg.vector_norm(median - honest_mean))
+    assert err <= (tau * 3 / 7 + 0.3**8 * e0) * (1 + 1e-4)
+    assert result.clipped == (5, 6, 7)
+
+
+def test_centered_clip_without_attackers_is_the_mean_and_stops_early() -> None:
+    honest = _honest(6)
+    weights = [1.0, 2.0, 3.0, 1.0, 1.0, 5.0]
+    result = centered_clip(honest, weights, tau=1e3, num_iters=10, tolerance=1e-6)
+    torch.testing.assert_close(result.value, weighted_mean(honest, weights), rtol=0, atol=1e-5)
+    assert result.clipped == () and result.num_iters == 2  # one step reaches the mean, the second moves ~0
+    again = centered_clip(honest, weights, tau=1e3, num_iters=10, tolerance=1e-6)
+    assert torch.equal(again.value, result.value)
+
+
+def test_centered_clip_uses_init_and_validates() -> None:
+    parts = _honest(3)
+    init = torch.zeros(N)
+    one_step = centered_clip(parts, [1.0] * 3, tau=1.0, num_iters=1, init=init)
+    # from 0, every contribution (norm ~64) is clipped to length 1: v = mean of unit vectors
+    expected = sum(p / torch.linalg.vector_norm(p) for p in parts) / 3
+    torch.testing.assert_close(one_step.value, expected, rtol=1e-5, atol=1e-6)
+    assert one_step.clipped == (0, 1, 2) and torch.equal(init, torch.zeros(N))
+    with pytest.raises(ValueError, match="tau"):
+        centered_clip(parts, [1.0] * 3, tau=0.0, num_iters=1)
+    with pytest.raises(ValueError, match="num_iters"):
+        centered_clip(parts, [1.0] * 3, tau=1.0, num_iters=0)
+    with pytest.raises(ValueError, match="init"):
+        centered_clip(parts, [1.0] * 3, tau=1.0, num_iters=1, init=torch.full((N,), float("nan")))
+    with pytest.raises(NoValidContribution):
+        centered_clip([torch.full((N,), float("nan"))] * 2, [1.0, 1.0], tau=1.0, num_iters=1)
+    with pytest.raises(NoValidContribution):
+        centered_clip(parts + [torch.full((N,), float("inf"))], [0.0, 0.0, 0.0, 1.0], tau=1.0, num_iters=1)
+
+
+def test_centered_clip_survives_overflowing_difference() -> None:
+    honest = _honest(4)
+    huge = torch.full((N,), 3e38)
+    result = centered_clip(honest + [huge], [1.0] * 5, tau=20.0, num_iters=4, init=torch.full((N,), -3e38))
+    assert bool(torch.isfinite(result.value).all())
+
+
+def test_median_distance_tau_is_not_inflated_by_a_minority() -> None:
+    honest = _honest(7)
+    center = coordinate_median(honest)
+    clean = median_distance_tau(honest, center)
+    attacked = median_distance_tau(honest[:5] + [1e6 * honest[0], torch.full((N,), float("nan"))], center)
+    assert 0 < clean and attacked <= clean * 1.2
+    with pytest.raises(NoValidContribution):
+        median_distance_tau([torch.full((3,), float("nan"))], torch.zeros(3))
