@@ -9,6 +9,8 @@ SUBCOMMANDS = {
     "coordinator": ("hivetrain.cli.coordinator", "host the run's bootstrap peer and publish its signed config"),
     "local-swarm": ("hivetrain.cli.local_swarm", "run a coordinator and N peers on this machine"),
     "join-swarm": ("hivetrain.cli.join_swarm", "join a run and train (same as the join-swarm command)"),
+    "chaos": ("hivetrain.cli.chaos", "run fault-injection scenarios against a local swarm (chaos run/list)"),
+    "export": ("hivetrain.coordinator.export", "write a checkpoint as a transformers model directory"),
 }
 
 
