@@ -6,11 +6,11 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "coordinator": ("hivetrain.cli.coordinator", "host the run's bootstrap peer and publish its signed config"),
-    "local-swarm": ("hivetrain.cli.local_swarm", "run a coordinator and N peers on this machine"),
-    "join-swarm": ("hivetrain.cli.join_swarm", "join a run and train (same as the join-swarm command)"),
-    "chaos": ("hivetrain.cli.chaos", "run fault-injection scenarios against a local swarm (chaos run/list)"),
-    "export": ("hivetrain.coordinator.export", "write a checkpoint as a transformers model directory"),
+    "coordinator": ("hivetrain.cli.coordinator:main", "host the run's bootstrap peer and publish its signed config"),
+    "local-swarm": ("hivetrain.cli.local_swarm:main", "run a coordinator and N peers on this machine"),
+    "join-swarm": ("hivetrain.cli.join_swarm:main", "join a run and train (same as the join-swarm command)"),
+    "chaos": ("hivetrain.cli.chaos:main", "run fault-injection scenarios against a local swarm (chaos run/list)"),
+    "export": ("hivetrain.coordinator.export:run_export", "write a checkpoint as a transformers model directory"),
 }
 
 
@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"error: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return module.main(rest)
+    module_name, function = SUBCOMMANDS[name][0].split(":")
+    return getattr(importlib.import_module(module_name), function)(rest)
 
 
 if __name__ == "__main__":
