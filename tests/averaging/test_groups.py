@@ -117,10 +117,8 @@ def test_gossip_pairs() -> None:
         alone.add(next(g[0] for g in groups if len(g) == 1))
         assert groups == gossip_pairs(list(reversed(ids)), r, "seed")[0]
     assert len(alone) > 3  # the odd one out changes between rounds
-    assert (
-        gossip_pairs(ids[:4], 0, "s")[0] != gossip_pairs(ids[:4], 1, "s")[0]
-        or gossip_pairs(ids[:4], 2, "s")[0] != gossip_pairs(ids[:4], 1, "s")[0]
-    )
+    four = {tuple(map(tuple, gossip_pairs(ids[:4], r, "s")[0])) for r in range(10)}
+    assert len(four) == 3  # all three pairings of 4 peers occur
 
 
 @pytest.mark.parametrize("num_elements,num_peers", [(10, 3), (0, 2), (7, 7), (3, 5), (1_000_003, 8)])
@@ -138,6 +136,7 @@ def _comm_time(sizes: list[int], bandwidths: list[float], n: int) -> float:
     return max((n + (g - 2) * s) / b for s, b in zip(sizes, bandwidths, strict=True) if b > 0)
 
 
+@pytest.mark.filterwarnings("ignore:.*interior-point:DeprecationWarning")  # inside hivemind's reference solver
 def test_butterfly_partition_is_as_good_as_hivemind_lp() -> None:
     rng = random.Random(0)
     for _ in range(25):
