@@ -15,22 +15,55 @@ class AveragingConfig:
     """How pseudo-gradients are averaged across the peers of an epoch.
 
     Args:
-        strategy: "butterfly" = one group of all ready peers (Moshpit SGD with a single group).
+        strategy: "butterfly" = one group of all ready peers, butterfly all-reduce (Moshpit SGD with a single group);
+            "moshpit" = ``moshpit_rounds`` rounds of groups on a virtual grid (Ryabinin et al. 2021, "Moshpit SGD",
+            Alg. 1); "gossip" = random pairs, ``moshpit_rounds`` rounds (approximate average).
         target_group_size: the largest group matched for one all-reduce.
         min_group_size: rounds with fewer peers fail (1 = a lone peer applies its own pseudo-gradient).
-        matchmaking_time_s: how long a peer waits for others to join its group, seconds.
+        matchmaking_time_s: how long the first ready peer of an epoch waits for others, seconds.
         round_timeout_s: the whole round (matchmaking + all-reduce) must finish within this, seconds.
-        max_retries: failed rounds retried before the peer falls back to a state download.
+        max_retries: failed rounds retried (by the caller) before the peer falls back to a state download.
         max_samples_per_round: the largest weight (samples) a peer may claim for one round.
+        connect_timeout_s: dialing a member and the authentication handshake, seconds.
+        part_timeout_s: a member that sends no byte for this long while we wait on it is declared failed (stall
+            detection; it bounds how long a stalled or vanished member holds the others), seconds.
+        commit_timeout_s: after voting, wait at most this long for the other members' votes, seconds.
+        declare_grace_s: followers wait this long past the group deadline for the leader's declaration, seconds.
+        poll_interval_s: DHT polling period during matchmaking, seconds.
+        compression: wire codec of parts and results ("none" = fp32 bit-exact inputs; "fp16", "int8", "int4"
+            quantize what is sent; every member still ends bit-identical).
+        codec_block_size: elements per quantization block for int8/int4.
+        aggregation: "mean" = sample-weighted mean; "centered_clip" = weighted CenteredClip (Karimireddy et al.
+            2021, "Learning from History for Byzantine Robust Optimization"), robust to a minority of outliers.
+        clip_tau: CenteredClip radius (L2 norm per slice, in the units of the averaged tensors).
+        clip_iters: CenteredClip fixed-point iterations.
+        ban_time_s: a peer caught sending bad data is left out of our rounds for this long, seconds.
+        max_subrounds: how many times a round restarts its all-reduce without members caught sending bad data.
+        moshpit_rounds: averaging rounds per outer step for "moshpit" and "gossip".
+        socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of data-plane sockets, bytes (0 = the OS default).
     """
 
-    strategy: Literal["butterfly"] = "butterfly"
+    strategy: Literal["butterfly", "moshpit", "gossip"] = "butterfly"
     target_group_size: int = Field(default=64, ge=1, le=4096)
     min_group_size: int = Field(default=1, ge=1)
     matchmaking_time_s: float = Field(default=5.0, gt=0.0, le=600.0)
     round_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_retries: int = Field(default=2, ge=0, le=100)
     max_samples_per_round: int = Field(default=1_000_000, ge=1)
+    connect_timeout_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    part_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    commit_timeout_s: float = Field(default=5.0, gt=0.0, le=600.0)
+    declare_grace_s: float = Field(default=1.5, gt=0.0, le=60.0)
+    poll_interval_s: float = Field(default=0.1, gt=0.0, le=10.0)
+    compression: Literal["none", "fp16", "int8", "int4"] = "none"
+    codec_block_size: int = Field(default=64, ge=1, le=1 << 20)
+    aggregation: Literal["mean", "centered_clip"] = "mean"
+    clip_tau: float = Field(default=1.0, gt=0.0)
+    clip_iters: int = Field(default=5, ge=1, le=100)
+    ban_time_s: float = Field(default=300.0, ge=0.0)
+    max_subrounds: int = Field(default=2, ge=1, le=8)
+    moshpit_rounds: int = Field(default=2, ge=1, le=32)
+    socket_buffer_bytes: int = Field(default=4 * 2**20, ge=0, le=1 << 30)
 
     def __post_init__(self) -> None:
         if self.min_group_size > self.target_group_size:
@@ -43,3 +76,16 @@ class AveragingConfig:
                 f"averaging.round_timeout_s ({self.round_timeout_s}) must exceed "
                 f"averaging.matchmaking_time_s ({self.matchmaking_time_s})"
             )
+        for name in ("connect_timeout_s", "part_timeout_s", "commit_timeout_s"):
+            if getattr(self, name) >= self.round_timeout_s:
+                raise ValueError(
+                    f"averaging.{name} ({getattr(self, name)}) must be smaller than "
+                    f"averaging.round_timeout_s ({self.round_timeout_s})"
+                )
+        if self.poll_interval_s >= self.matchmaking_time_s:
+            raise ValueError(
+                f"averaging.poll_interval_s ({self.poll_interval_s}) must be smaller than "
+                f"averaging.matchmaking_time_s ({self.matchmaking_time_s})"
+            )
+        if self.strategy != "butterfly" and self.target_group_size < 2:
+            raise ValueError(f"averaging.strategy={self.strategy!r} needs averaging.target_group_size >= 2")

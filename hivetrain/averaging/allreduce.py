@@ -1,0 +1,580 @@
+"""One all-or-nothing butterfly all-reduce among an agreed group, over authenticated TCP links.
+
+Algorithm (butterfly all-reduce = reduce-scatter + all-gather; Moshpit SGD, Ryabinin et al. 2021, Sec. 3.1; the
+same cut as hivemind's ``AllReduceRunner``), for the ``k`` active members sorted by peer id:
+
+1. Scatter: the flat fp32 vector (n,) is cut into k contiguous slices (``groups.butterfly_partition``); member i
+   sends slice j, encoded by the round's codec, with its weight to member j (frame PART).
+2. Reduce: member j validates every contribution to its slice (exact size and codec, finite values, weight finite in
+   [0, max_samples_per_round]), drops the bad ones, aggregates the rest in peer-id order (``robust.weighted_mean`` or
+   ``robust.centered_clip``) and encodes the reduced slice *once*.
+3. Gather: member j sends those same bytes to every member (frame RESULT, with the weights it used and whom it
+   excluded); everyone, j included, decodes the same bytes, so the results are bit-identical. Receivers hash what they
+   receive (BLAKE3, while it arrives).
+4. If any member was excluded (bad data, or different weights to different reducers), every member sees it in the
+   RESULT frames; the round restarts from step 1 without them (a "subround"; the excluded members fail with
+   RoundFailed("excluded")), at most ``max_subrounds`` times.
+5. Commit: every member sends a vote (frame VOTE) with the hash of the full result, MACed with the pair key, to every
+   member, and returns the result only if all votes arrived within ``commit_timeout_s`` and match its own hash.
+
+Failure handling: any failure (a link closes, no byte for ``part_timeout_s``, a protocol violation, a deadline)
+makes the member close all its links and raise RoundFailed, so the others, blocked on it, fail at once too. While a
+member waits on others it sends HEARTBEAT frames on idle links (every ``part_timeout_s / 4``), so a member that is
+merely waiting for a slow third peer is not mistaken for a stalled one; a member whose round thread is stuck sends
+none. Inputs are never modified.
+
+The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, or a link
+broke) aborts while the others, who got every vote, commit. Members then hold different states. DiLoCo closes this
+gap: peers publish their state hash per epoch and a peer whose hash disagrees with the majority downloads the state.
+
+Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround``:
+    averaging.before_send    before sending parts; also ``flat`` (our fp32 vector) and ``frames`` (peer id ->
+                             [meta dict, payload buffers]) that a "call" fault may corrupt (tests of bad peers)
+    averaging.mid_transfer   once per subround, when the first part is half sent (from a sender thread)
+    averaging.after_reduce   after reducing our slice, before sending it; also ``reduced`` (the fp32 slice)
+    averaging.before_commit  holding the full result, before voting
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import blake3
+import msgpack
+import torch
+
+from hivetrain.averaging import codecs
+from hivetrain.averaging.base import RoundFailed
+from hivetrain.averaging.config import AveragingConfig
+from hivetrain.averaging.dataplane import DataPlaneServer, FrameType, Link, LinkClosed, RoundKeys, dial, mac
+from hivetrain.averaging.groups import butterfly_partition
+from hivetrain.averaging.robust import NoValidContribution, centered_clip, weighted_mean
+from hivetrain.averaging.validation import BadContribution, BanList, validate_part, validate_weight
+from hivetrain.faults import FaultInjector
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A group member's data-plane endpoint (from its signed ready entry)."""
+
+    peer_id: str
+    host: str
+    port: int
+    kx_public: bytes
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a committed round returns to the engine.
+
+    Attributes:
+        flat: the result, fp32, shape (n,); bit-identical on every member that committed.
+        contributors: peer ids whose contributions are in the result, sorted.
+        excluded: peer ids dropped for bad data (or claimed bad by a reducer), sorted.
+        total_weight: sum of the contributors' weights, samples.
+    """
+
+    flat: torch.Tensor
+    contributors: tuple[str, ...]
+    excluded: tuple[str, ...]
+    total_weight: float
+    bytes_sent: int
+    bytes_received: int
+
+
+@dataclass
+class _Plan:
+    """One subround: who takes part and which slice each one reduces."""
+
+    active: tuple[str, ...]
+    bounds: list[tuple[int, int]]
+    tag: bytes  # hash of the active set, carried in every PART so members notice a disagreement
+
+    def slice_of(self, peer_id: str) -> tuple[int, int]:
+        return self.bounds[self.active.index(peer_id)]
+
+
+@dataclass
+class _Inbox:
+    parts: dict[tuple[int, str], tuple[torch.Tensor | None, float, str]] = field(default_factory=dict)
+    results: dict[tuple[int, str], tuple[bool, str, bytes, dict]] = field(default_factory=dict)
+    votes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class _StopReading(Exception):
+    """The peer sent something after which its stream cannot be followed; it is already marked bad."""
+
+
+def _wire_num_bytes(codec: codecs.CodecConfig, num_elements: int) -> int:
+    if codec.name == "none":
+        return 4 * num_elements
+    scale = codec.scale_dtype if codec.name in ("int8", "int4") else None
+    block = codec.block_size if scale is not None else 0
+    return (
+        codecs.HEADER_NUM_BYTES
+        + codecs.payload_num_bytes(codec.name, num_elements)
+        + codecs.scales_num_bytes(codec.name, num_elements, block, scale)
+    )
+
+
+def _tensor_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+class ButterflyRound:
+    """Runs one round; create one per round, call ``run`` once from the round thread."""
+
+    def __init__(
+        self,
+        *,
+        round_id: str,
+        members: Sequence[Member],
+        me: str,
+        secret,
+        server: DataPlaneServer,
+        config: AveragingConfig,
+        faults: FaultInjector,
+        epoch: int,
+        bans: BanList,
+        banned: frozenset[str] = frozenset(),
+        max_weight: float | None = None,
+    ):
+        self.round_id, self.me, self.secret, self.server = round_id, me, secret, server
+        self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
+        if me not in self.members:
+            raise ValueError("we are not a member of this round")
+        self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
+        self.max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
+        self.codec_config = codecs.CodecConfig(
+            config.compression, config.codec_block_size if config.compression in ("int8", "int4") else 64
+        )
+        self.codec = codecs.make_codec(self.codec_config) if config.compression != "none" else None
+        self._cond = threading.Condition()
+        self._links: dict[str, Link] = {}
+        self._send_queues: dict[str, queue.Queue] = {}
+        self._plans: dict[int, _Plan] = {}
+        self._inbox = _Inbox()
+        self._done = False
+        self._waiting = False
+        self._out: torch.Tensor | None = None
+        self._mid_fired: set[int] = set()
+        self._hook_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # ---- public -------------------------------------------------------------------------------------------------
+    def run(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
+        """Average ``flat`` (fp32, shape (n,), finite; not modified) with weight ``weight`` (samples).
+
+        Args:
+            flat: our contribution, the same size on every member.
+            weight: our weight, finite, in [0, max_samples_per_round].
+            deadline: ``time.monotonic()`` by which the round must be over.
+
+        Returns:
+            The committed outcome.
+
+        Raises:
+            RoundFailed: "peer_failed" (a member closed, reset or stalled), "timeout", "aborted" (members disagree,
+                votes differ, too few honest members left), "excluded" (others found our data bad).
+        """
+        self._out = torch.empty_like(flat)
+        others = [p for p in self.members if p != self.me]
+        keys = RoundKeys(
+            self.round_id, self.me, self.secret, {p: self.members[p].kx_public for p in others}, self._attach
+        )
+        self.server.register(keys)
+        try:
+            self._connect(keys, others, deadline)
+            return self._run_subrounds(flat, weight, deadline)
+        except RoundFailed:
+            raise
+        except Exception as exc:
+            logger.exception("averaging round %s crashed", self.round_id[:8])
+            raise RoundFailed("aborted", f"local error: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.server.unregister(self.round_id)
+            self._finish()
+
+    # ---- links --------------------------------------------------------------------------------------------------
+    def _attach(self, link: Link) -> None:
+        with self._cond:
+            if self._done or link.peer_id in self._links:
+                link.close()
+                return
+            self._links[link.peer_id] = link
+            q: queue.Queue = queue.Queue()
+            self._send_queues[link.peer_id] = q
+            self._cond.notify_all()
+        for target, name in ((self._receiver, "recv"), (self._sender, "send")):
+            t = threading.Thread(target=target, args=(link,), name=f"hivetrain-avg-{name}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _connect(self, keys: RoundKeys, others: list[str], deadline: float) -> None:
+        cfg = self.config
+
+        def dial_one(peer_id: str) -> None:
+            m = self.members[peer_id]
+            try:
+                link = dial(m.host, m.port, keys, peer_id, connect_timeout_s=cfg.connect_timeout_s,
+                            part_timeout_s=cfg.part_timeout_s, buffer_num_bytes=cfg.socket_buffer_bytes)  # fmt: skip
+            except ConnectionError as exc:
+                self._post_error(peer_id, str(exc))
+                return
+            self._attach(link)
+
+        for p in others:
+            if p > self.me:  # the smaller id dials: one connection per pair
+                threading.Thread(target=dial_one, args=(p,), name="hivetrain-avg-dial", daemon=True).start()
+        connect_deadline = min(deadline, time.monotonic() + 2 * cfg.connect_timeout_s)
+        self._wait(lambda: all(p in self._links for p in others), others, connect_deadline, "connecting", "peer_failed")
+
+    def _post_error(self, peer_id: str, reason: str) -> None:
+        with self._cond:
+            self._inbox.errors.setdefault(peer_id, reason)
+            self._cond.notify_all()
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._done = True
+            links = list(self._links.values())
+            self._cond.notify_all()
+        for q in self._send_queues.values():
+            q.put(None)
+        for link in links:
+            link.close()
+
+    # ---- waiting ------------------------------------------------------------------------------------------------
+    def _wait(self, ready, watched: Sequence[str], deadline: float, what: str, reason: str = "timeout") -> None:
+        """Block until ``ready()`` (under the lock); raise RoundFailed if a watched member fails or at ``deadline``."""
+        with self._cond:
+            self._waiting = True
+            try:
+                while not ready():
+                    failed = [(p, self._inbox.errors[p]) for p in watched if p in self._inbox.errors]
+                    if failed:
+                        raise RoundFailed("peer_failed", f"{what}: {failed[0][0]}: {failed[0][1]}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = ", ".join(p for p in watched if p not in self._links)
+                        raise RoundFailed(reason, f"{what}: deadline reached" + (f" ({missing})" if missing else ""))
+                    self._cond.wait(min(left, 0.5))
+            finally:
+                self._waiting = False
+
+    # ---- threads ------------------------------------------------------------------------------------------------
+    def _sender(self, link: Link) -> None:
+        q = self._send_queues[link.peer_id]
+        heartbeat_s = self.config.part_timeout_s / 4
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=heartbeat_s)
+                except queue.Empty:
+                    if self._waiting and not self._done:  # alive and waiting on someone: say so
+                        link.send_frame(FrameType.HEARTBEAT, 0, {})
+                    continue
+                if item is None:
+                    return
+                ftype, sub, meta, payload = item
+                progress = self._mid_transfer_hook(sub) if ftype == FrameType.PART else None
+                link.send_frame(ftype, sub, meta, payload, on_progress=progress)
+        except LinkClosed as exc:
+            if not self._done:
+                self._post_error(link.peer_id, str(exc))
+
+    def _mid_transfer_hook(self, sub: int):
+        def on_progress(sent: int, total: int) -> None:
+            with self._hook_lock:
+                if 2 * sent < total or sub in self._mid_fired:
+                    return
+                self._mid_fired.add(sub)
+                self.faults.check("averaging.mid_transfer", epoch=self.epoch, peer=self.me, round_id=self.round_id,
+                                  subround=sub)  # fmt: skip
+
+        return on_progress
+
+    def _receiver(self, link: Link) -> None:
+        j = link.peer_id
+        try:
+            while True:
+                ftype, sub, meta, num_bytes = link.recv_header()
+                if ftype == FrameType.HEARTBEAT:
+                    continue
+                if ftype == FrameType.PART:
+                    self._recv_part(link, sub, meta, num_bytes)
+                elif ftype == FrameType.RESULT:
+                    self._recv_result(link, sub, meta, num_bytes)
+                elif ftype == FrameType.VOTE:
+                    h, m = meta.get("hash"), meta.get("mac")
+                    ok = isinstance(h, bytes) and isinstance(m, bytes)
+                    ok = ok and m == mac(link.key, b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), h)
+                    with self._cond:
+                        self._inbox.votes[j] = (sub, h if ok else b"bad-mac")
+                        self._cond.notify_all()
+                    return
+                else:
+                    raise LinkClosed(f"{j} sent an unexpected {ftype.name} frame")
+        except _StopReading:
+            return
+        except LinkClosed as exc:
+            if not self._done:
+                self._post_error(j, str(exc))
+
+    def _plan(self, sub: int) -> _Plan:
+        with self._cond:
+            if not self._cond.wait_for(lambda: sub in self._plans or self._done, self.config.part_timeout_s):
+                raise LinkClosed(f"subround {sub} never started here")
+            if self._done:
+                raise LinkClosed("round over")
+            return self._plans[sub]
+
+    def _recv_part(self, link: Link, sub: int, meta: dict, num_bytes: int) -> None:
+        j, plan = link.peer_id, self._plan(sub)
+        if meta.get("tag") != plan.tag or j not in plan.active:
+            raise LinkClosed(f"{j} disagrees on the members of subround {sub}")
+        start, end = plan.slice_of(self.me)
+        try:
+            weight = validate_weight(meta.get("w"), self.max_weight)
+            if meta.get("codec") != self.codec_config.name:
+                raise BadContribution("codec", f"{meta.get('codec')!r} instead of {self.codec_config.name!r}")
+            if num_bytes != _wire_num_bytes(self.codec_config, end - start):
+                raise BadContribution("size", f"{num_bytes} bytes for {end - start} elements")
+        except BadContribution as exc:
+            self._deliver_part(sub, j, None, 0.0, str(exc))
+            raise _StopReading from None  # its payload cannot be trusted to have the size it claims
+        if self.codec is None:
+            buf = torch.empty(end - start, dtype=torch.float32)
+            link.recv_into(_tensor_view(buf))
+            part: torch.Tensor | codecs.EncodedPart = buf
+        else:
+            raw = link.recv_exact(num_bytes)
+            try:
+                part = codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name}))
+            except codecs.MalformedPart as exc:
+                self._deliver_part(sub, j, None, 0.0, f"malformed: {exc}")
+                return
+        try:
+            tensor = validate_part(part, end - start)
+        except BadContribution as exc:
+            self._deliver_part(sub, j, None, 0.0, str(exc))
+            return
+        self._deliver_part(sub, j, tensor, weight, "")
+
+    def _deliver_part(self, sub: int, j: str, tensor: torch.Tensor | None, weight: float, bad: str) -> None:
+        with self._cond:
+            self._inbox.parts[(sub, j)] = (tensor, weight, bad)
+            self._cond.notify_all()
+
+    def _recv_result(self, link: Link, sub: int, meta: dict, num_bytes: int) -> None:
+        j, plan = link.peer_id, self._plan(sub)
+        if j not in plan.active:
+            raise LinkClosed(f"{j} is not a reducer of subround {sub}")
+        start, end = plan.slice_of(j)
+        if num_bytes != _wire_num_bytes(self.codec_config, end - start):
+            self._deliver_result(sub, j, False, f"result of {num_bytes} bytes for {end - start} elements", b"", meta)
+            raise _StopReading
+        hasher = blake3.blake3()
+        assert self._out is not None
+        dest = self._out[start:end]
+        if self.codec is None:
+            link.recv_into(_tensor_view(dest), on_chunk=hasher.update)
+            values = dest
+        else:
+            raw = link.recv_exact(num_bytes)
+            hasher.update(raw)
+            try:
+                values = codecs.decode(codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name})))
+            except codecs.MalformedPart as exc:
+                self._deliver_result(sub, j, False, f"malformed result: {exc}", b"", meta)
+                return
+        try:
+            validate_part(values, end - start)
+        except BadContribution as exc:
+            self._deliver_result(sub, j, False, f"bad result: {exc}", b"", meta)
+            return
+        if values is not dest:
+            dest.copy_(values)
+        self._deliver_result(sub, j, True, "", hasher.digest(), meta)
+
+    def _deliver_result(self, sub: int, j: str, ok: bool, why: str, digest: bytes, meta: dict) -> None:
+        with self._cond:
+            self._inbox.results[(sub, j)] = (ok, why, digest, meta)
+            self._cond.notify_all()
+
+    # ---- the round ----------------------------------------------------------------------------------------------
+    def _hook(self, point: str, sub: int, **extra) -> None:
+        self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, **extra)
+
+    def _send(self, peer_id: str, ftype: FrameType, sub: int, meta: dict, payload: Sequence = ()) -> None:
+        self._send_queues[peer_id].put((ftype, sub, meta, list(payload)))
+
+    def _encode(self, x: torch.Tensor) -> list:
+        if self.codec is None:
+            return [_tensor_view(x)]
+        return codecs.to_buffers(self.codec.encode(x))
+
+    def _run_subrounds(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
+        active = tuple(self.members)
+        excluded: set[str] = set()
+        for sub in range(self.config.max_subrounds):
+            tag = blake3.blake3(msgpack.packb([self.round_id, sub, list(active)])).digest()[:16]
+            plan = _Plan(active, butterfly_partition(flat.numel(), active), tag)
+            with self._cond:
+                self._plans[sub] = plan
+                self._cond.notify_all()
+            bad, result_meta, digests = self._subround(sub, plan, flat, weight, deadline)
+            if not bad:
+                return self._commit(sub, plan, result_meta, digests, sorted(excluded), deadline)
+            excluded |= bad
+            if self.me in bad:
+                raise RoundFailed("excluded", f"reducers found our data bad in subround {sub}")
+            active = tuple(p for p in active if p not in bad)
+            logger.warning("round %s: excluding %s, restarting without them", self.round_id[:8], sorted(bad))
+            for p in bad:
+                link = self._links.get(p)
+                if link is not None:
+                    link.close()
+            if len(active) < max(self.config.min_group_size, 1):
+                raise RoundFailed("aborted", f"{len(active)} honest members left after excluding {sorted(excluded)}")
+        raise RoundFailed("aborted", f"members kept being excluded after {self.config.max_subrounds} subrounds")
+
+    def _subround(self, sub: int, plan: _Plan, flat: torch.Tensor, weight: float, deadline: float):
+        """Scatter, reduce, gather. Returns (bad members, RESULT metas by reducer, result digests in slice order)."""
+        others = [p for p in plan.active if p != self.me]
+        frames = {}
+        for p in others:
+            start, end = plan.slice_of(p)
+            meta = {"w": weight, "codec": self.codec_config.name, "tag": plan.tag}
+            frames[p] = [meta, self._encode(flat[start:end])]
+        self._hook("averaging.before_send", sub, flat=flat, frames=frames)
+        for p in others:
+            self._send(p, FrameType.PART, sub, frames[p][0], frames[p][1])
+
+        # reduce our slice
+        inbox = self._inbox
+        self._wait(lambda: all((sub, p) in inbox.parts for p in others), others, deadline, "waiting for parts")
+        start, end = plan.slice_of(self.me)
+        mine = flat[start:end]
+        if self.codec is not None:  # our own contribution goes through the codec like everyone else's
+            mine = self.codec.decode(self.codec.encode(mine))
+        contributions = {self.me: (mine, weight, "")}
+        contributions.update({p: inbox.parts[(sub, p)] for p in others})
+        bad_here = {p for p, (_, _, why) in contributions.items() if why} | (set(plan.active) & self.banned)
+        now = time.time()
+        for p in sorted(bad_here - {self.me} - self.banned):
+            logger.warning("round %s: %s sent bad data: %s", self.round_id[:8], p, contributions[p][2])
+            if self.config.ban_time_s > 0:
+                self.bans.ban(p, now, self.config.ban_time_s, reason=contributions[p][2])
+        kept = [p for p in plan.active if p not in bad_here]
+        reduced = self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept])
+        self._hook("averaging.after_reduce", sub, reduced=reduced)
+        payload = self._encode(reduced)
+        hasher = blake3.blake3()
+        for buf in payload:
+            hasher.update(buf)
+        own_digest = hasher.digest()
+        own_meta = {"excluded": sorted(bad_here), "weights": {p: contributions[p][1] for p in kept}}
+        for p in others:
+            self._send(p, FrameType.RESULT, sub, own_meta, payload)
+        assert self._out is not None
+        if self.codec is None:
+            self._out[start:end].copy_(reduced)
+        else:
+            self._out[start:end].copy_(
+                codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start))
+            )
+
+        # gather everyone's slice
+        trusted = [p for p in others if p not in bad_here]  # we read nothing more from peers that sent bad parts
+        self._wait(lambda: all((sub, p) in inbox.results for p in trusted), trusted, deadline, "waiting for results")
+        metas, digests, bad = {self.me: own_meta}, [], set(bad_here)
+        for p in plan.active:
+            if p == self.me:
+                digests.append(own_digest)
+                continue
+            if p not in trusted:
+                continue
+            ok, why, digest, meta = inbox.results[(sub, p)]
+            if not ok:
+                logger.warning("round %s: reducer %s: %s", self.round_id[:8], p, why)
+                bad.add(p)
+                if self.config.ban_time_s > 0:
+                    self.bans.ban(p, now, self.config.ban_time_s, reason=why)
+                continue
+            metas[p] = meta
+            digests.append(digest)
+            bad |= self._claims(p, meta, plan)
+        bad |= self._weight_equivocators(metas)
+        return bad & set(plan.active), metas, digests
+
+    def _claims(self, reducer: str, meta: dict, plan: _Plan) -> set[str]:
+        claimed = meta.get("excluded")
+        weights = meta.get("weights")
+        if not isinstance(claimed, list) or not isinstance(weights, dict):
+            return {reducer}
+        return {p for p in claimed if isinstance(p, str) and p in plan.active}
+
+    @staticmethod
+    def _weight_equivocators(metas: dict[str, dict]) -> set[str]:
+        seen: dict[str, set] = {}
+        for meta in metas.values():
+            for p, w in meta.get("weights", {}).items():
+                seen.setdefault(p, set()).add(w)
+        return {p for p, ws in seen.items() if len(ws) > 1}
+
+    def _aggregate(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        if not parts:
+            raise RoundFailed("aborted", "no valid contribution to our slice")
+        if not math.fsum(weights) > 0:
+            weights = [1.0] * len(weights)
+        if self.config.aggregation == "centered_clip" and len(parts) > 2:
+            try:
+                return centered_clip(parts, weights, self.config.clip_tau, self.config.clip_iters).value
+            except NoValidContribution as exc:
+                raise RoundFailed("aborted", str(exc)) from None
+        return weighted_mean(parts, weights)
+
+    def _commit(self, sub: int, plan: _Plan, metas: dict, digests: list[bytes], excluded: list[str], deadline: float):
+        others = [p for p in plan.active if p != self.me]
+        weights = metas[self.me]["weights"]
+        summary = msgpack.packb([self.round_id, sub, list(plan.active), sorted(weights.items()), digests])
+        full_hash = blake3.blake3(summary).digest()
+        self._hook("averaging.before_commit", sub)
+        for p in others:
+            vote_mac = mac(self._links[p].key, b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), full_hash)
+            self._send(p, FrameType.VOTE, sub, {"hash": full_hash, "mac": vote_mac})
+        commit_deadline = min(deadline, time.monotonic() + self.config.commit_timeout_s)
+        inbox = self._inbox
+        self._wait(lambda: all(p in inbox.votes for p in others), others, commit_deadline, "waiting for votes")
+        disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
+        if disagree:
+            raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")
+        self._flush(commit_deadline)
+        assert self._out is not None
+        links = list(self._links.values())
+        return RoundOutcome(
+            flat=self._out,
+            contributors=tuple(sorted(weights)),
+            excluded=tuple(excluded),
+            total_weight=math.fsum(weights.values()),
+            bytes_sent=sum(link.bytes_sent for link in links),
+            bytes_received=sum(link.bytes_received for link in links),
+        )
+
+    def _flush(self, deadline: float) -> None:
+        """Let our votes leave before the links close (bounded by ``deadline``)."""
+        for q in self._send_queues.values():
+            q.put(None)
+        for t in self._threads:
+            if t.name == "hivetrain-avg-send":
+                t.join(max(0.0, deadline - time.monotonic()))

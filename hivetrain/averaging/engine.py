@@ -1,0 +1,274 @@
+"""GroupAverager: matchmaking over the DHT, then an all-or-nothing butterfly all-reduce over direct TCP.
+
+Lifecycle: ``GroupAverager(node, prefix, config)`` -> ``start()`` (binds the data port) -> ``wait_ready(timeout_s)``
+-> ``average(...)`` once per outer step, from any one thread at a time -> ``shutdown()``.
+
+Strategies:
+    "butterfly"  one group of all peers ready at the epoch (up to ``target_group_size``); the result is the exact
+                 sample-weighted mean, bit-identical on every member (Moshpit SGD with a single group).
+    "moshpit"    peers ready at the epoch agree on the list of participants, then run ``moshpit_rounds`` rounds in
+                 the groups of ``groups.moshpit_groups`` on a grid of ``grid_for(n, target_group_size)``
+                 (Ryabinin et al. 2021, Alg. 1); on a full grid d rounds reach the exact global weighted mean.
+    "gossip"     the same with random pairs (``groups.gossip_pairs``); an approximate average.
+For "moshpit"/"gossip" each inner round is all-or-nothing within its group, but different groups end with different
+values until the rounds mix them completely; a failed inner round keeps our current value and goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from hivetrain.averaging.allreduce import ButterflyRound, Member, RoundOutcome
+from hivetrain.averaging.base import RoundFailed, RoundResult
+from hivetrain.averaging.config import AveragingConfig
+from hivetrain.averaging.dataplane import DataPlaneServer
+from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
+from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration, Matchmaker
+from hivetrain.averaging.validation import BanConfig, BanList
+from hivetrain.faults import NO_FAULTS, FaultInjector
+
+logger = logging.getLogger(__name__)
+
+_FAILURES = {"late": "not_in_group", "not_in_group": "not_in_group", "no_group": "no_group", "too_small": "no_group"}
+
+
+def _announce_host_from(maddrs: Sequence[str]) -> str:
+    for addr in maddrs:
+        parts = str(addr).split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ("0.0.0.0", "::"):
+            return parts[2]
+    return "127.0.0.1"
+
+
+class GroupAverager:
+    """Averages tensors with the peers of the same epoch; implements ``hivetrain.averaging.base.Averager``.
+
+    Args:
+        node: our running DHT node (``hivetrain.peers.node.start_node``).
+        prefix: scopes the DHT keys of this averager, e.g. f"{run_id}.avg" or f"{run_id}.stage{k}.avg".
+        config: the ``[averaging]`` table.
+        faults: fault injector (tests, chaos harness).
+        listen_host: address the data port binds (port chosen by the OS).
+        announce_host: address others dial; None = ``listen_host`` if it is specific, else the first address of
+            the DHT node's visible multiaddrs.
+    """
+
+    def __init__(
+        self,
+        node,
+        prefix: str,
+        config: AveragingConfig,
+        *,
+        faults: FaultInjector = NO_FAULTS,
+        listen_host: str = "0.0.0.0",
+        announce_host: str | None = None,
+    ):
+        if not prefix:
+            raise ValueError("prefix must be a non-empty string")
+        self.node, self.prefix, self.config, self.faults = node, prefix, config, faults
+        self.listen_host, self.announce_host = listen_host, announce_host
+        self.server = DataPlaneServer(
+            listen_host,
+            connect_timeout_s=config.connect_timeout_s,
+            part_timeout_s=config.part_timeout_s,
+            buffer_num_bytes=config.socket_buffer_bytes,
+        )
+        self.matchmaker = Matchmaker(
+            node, prefix, poll_interval_s=config.poll_interval_s, declare_grace_s=config.declare_grace_s
+        )
+        ban_s = max(config.ban_time_s, 1.0)
+        self.bans = BanList(BanConfig(base_duration_s=ban_s, max_duration_s=max(3600.0, ban_s)))
+        self._lock = threading.Lock()
+        self._started = threading.Event()
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the data port and start accepting links. Raises OSError if ``listen_host`` cannot be bound."""
+        if self._started.is_set():
+            return
+        self.server.start()
+        if self.announce_host is None:
+            specific = self.listen_host not in ("0.0.0.0", "::", "")
+            self.announce_host = self.listen_host if specific else _announce_host_from(self.node.visible_maddrs())
+        self._started.set()
+        logger.info("averager %s listening on %s:%d", self.prefix, self.announce_host, self.server.port)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until started and the DHT node is alive. Raises TimeoutError after ``timeout_s`` seconds."""
+        if not self._started.wait(timeout_s):
+            raise TimeoutError(f"averager not started within {timeout_s}s (call start())")
+        if not self.node.dht.is_alive():
+            raise TimeoutError("the DHT node is not running")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting links; idempotent. A round in progress fails on its own within its timeouts."""
+        self._closed = True
+        self.server.shutdown(timeout_s)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    # ---- averaging ----------------------------------------------------------------------------------------------
+    def average(self, tensors: Sequence[torch.Tensor], weight: float, epoch: int, timeout_s: float) -> RoundResult:
+        """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight`` (see ``base.Averager``).
+
+        Args:
+            tensors: fp32 CPU tensors, the same shapes and order on every peer; not modified.
+            weight: our weight in samples, finite, in [0, max_samples_per_round].
+            epoch: only peers calling with the same epoch average together.
+            timeout_s: the whole call ends within this many seconds (plus at most ``poll_interval_s``).
+
+        Returns:
+            RoundResult: the mean (fp32, input shapes), bit-identical on every member for "butterfly".
+
+        Raises:
+            RoundFailed: "not_in_group" (a group formed without us: resync), "no_group" (nobody, or fewer than
+                ``min_group_size``), "peer_failed"/"timeout"/"aborted" (a member died, stalled or misbehaved; nothing
+                was applied anywhere, except in the two-phase-commit gap described in ``allreduce``), "excluded"
+                (others found our data bad). If a member dies mid-call, the survivors fail within about
+                ``part_timeout_s``.
+            ValueError / TypeError: bad local input.
+            RuntimeError: ``start()`` was not called, or the averager is shut down.
+        """
+        started = time.monotonic()
+        flat = self._check_input(tensors, weight, epoch, timeout_s)
+        if not self._started.is_set() or self._closed:
+            raise RuntimeError("GroupAverager is not running: call start() first")
+        deadline = started + timeout_s
+        with self._lock:
+            if self.config.strategy == "butterfly":
+                outcome, round_id, group = self._butterfly(flat, float(weight), epoch, deadline)
+            else:
+                outcome, round_id, group = self._mixing(flat, float(weight), epoch, deadline)
+        result_tensors, offset = [], 0
+        for t in tensors:
+            result_tensors.append(outcome.flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return RoundResult(
+            tensors=result_tensors,
+            group=group,
+            total_weight=outcome.total_weight,
+            round_id=round_id,
+            bytes_sent=outcome.bytes_sent,
+            bytes_received=outcome.bytes_received,
+            duration_s=time.monotonic() - started,
+            excluded=outcome.excluded,
+        )
+
+    def _check_input(self, tensors: Sequence[torch.Tensor], weight: float, epoch: int, timeout_s: float):
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence) or not tensors:
+            raise TypeError("tensors must be a non-empty sequence of torch.Tensor")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"tensors[{i}] is {t.dtype} on {t.device}; expected float32 on cpu")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+            raise ValueError(f"weight must be a finite number, got {weight!r}")
+        if not 0 <= weight <= self.config.max_samples_per_round:
+            raise ValueError(f"weight {weight} outside [0, max_samples_per_round={self.config.max_samples_per_round}]")
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        lo, hi = torch.aminmax(flat)
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+            raise ValueError("tensors hold NaN or Inf")
+        return flat
+
+    def _banned_now(self) -> frozenset[str]:
+        return frozenset(r.peer_id for r in self.bans.active(time.time()))
+
+    def _match(
+        self, round_key: str, target: int, deadline: float
+    ) -> tuple[GroupDeclaration, X25519PrivateKey, frozenset[str]]:
+        cfg = self.config
+        secret = X25519PrivateKey.generate()
+        kx_public = secret.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        wait_s = max(0.0, min(cfg.matchmaking_time_s, deadline - time.monotonic() - cfg.declare_grace_s))
+        assert self.announce_host is not None
+        me = self.matchmaker.make_entry(round_key, os.urandom(16), self.announce_host, self.port, kx_public, wait_s)
+        banned = self._banned_now()
+        decision, reason = self.matchmaker.match(
+            me,
+            target_group_size=target,
+            min_group_size=cfg.min_group_size,
+            ttl_s=cfg.round_timeout_s,
+            deadline_monotonic=deadline,
+            banned=banned,
+        )
+        if decision.action != "joined" or decision.declaration is None:
+            raise RoundFailed(_FAILURES.get(decision.action, "no_group"), reason)
+        return decision.declaration, secret, banned
+
+    def _run(
+        self, round_id: str, decl: GroupDeclaration, ids: Sequence[str], secret, flat, weight, epoch, deadline, **kw
+    ) -> RoundOutcome:
+        entries = {m.peer_id: m for m in decl.members}
+        members = [Member(p, entries[p].host, entries[p].port, entries[p].kx_public) for p in ids]
+        r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
+                           config=self.config, faults=self.faults, epoch=epoch, bans=self.bans, **kw)  # fmt: skip
+        return r.run(flat, weight, deadline)
+
+    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float):
+        decl, secret, banned = self._match(f"e{epoch}", self.config.target_group_size, deadline)
+        ids = decl.member_ids()
+        if len(ids) == 1:
+            solo = RoundOutcome(flat, ids, (), weight, 0, 0)
+            return solo, decl.round_id, ids
+        outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, banned=banned)
+        return outcome, decl.round_id, outcome.contributors
+
+    def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float):
+        """Moshpit / gossip: agree on the participants once, then ``moshpit_rounds`` rounds in derived groups."""
+        cfg = self.config
+        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline)
+        ids = decl.member_ids()
+        current, current_w = flat, weight
+        sent = received = 0
+        committed = 0
+        excluded: set[str] = set()
+        grid = grid_for(len(ids), cfg.target_group_size) if len(ids) > 1 else (2,)
+        for r in range(cfg.moshpit_rounds):
+            index = epoch * cfg.moshpit_rounds + r
+            if cfg.strategy == "moshpit":
+                groups, why = moshpit_groups(ids, grid, index, self.prefix)
+            else:
+                groups, why = gossip_pairs(ids, index, self.prefix)
+            group = next(g for g in groups if self.node.peer_id in g)
+            logger.debug("%s round %d: %s; our group %s", cfg.strategy, r, why, group)
+            if len(group) == 1:
+                continue
+            round_id = hashlib.sha256(f"{decl.round_id}|{r}|{','.join(group)}".encode()).hexdigest()[:32]
+            max_weight = cfg.max_samples_per_round * (cfg.target_group_size + 1) ** r
+            try:
+                outcome = self._run(round_id, decl, group, secret, current, current_w, epoch, deadline,
+                                    banned=banned, max_weight=max_weight)  # fmt: skip
+            except RoundFailed as exc:
+                logger.warning("%s round %d of epoch %d failed: %s", cfg.strategy, r, epoch, exc)
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            committed += 1
+            current = outcome.flat
+            if cfg.strategy == "moshpit":  # a group's mean stands for its members' total weight (exact on a full grid)
+                current_w = outcome.total_weight
+            sent, received = sent + outcome.bytes_sent, received + outcome.bytes_received
+            excluded |= set(outcome.excluded)
+        if committed == 0 and len(ids) > 1:
+            raise RoundFailed("aborted", f"none of the {cfg.moshpit_rounds} {cfg.strategy} rounds committed")
+        outcome = RoundOutcome(current, ids, tuple(sorted(excluded)), current_w, sent, received)
+        return outcome, decl.round_id, tuple(p for p in ids if p not in excluded)

@@ -1,0 +1,330 @@
+"""Agreeing on averaging groups over the DHT: signed readiness, a deterministic leader, a signed declaration.
+
+Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under ``{prefix}.{round_key}.*``:
+
+1. Every peer that calls ``average`` announces a ``ReadyEntry`` under ``.ready`` (DHT subkey = its owner marker, so
+   every DHT node checks hivemind's RSA signature). The entry also carries its own RSA signature (``signature``
+   over ``signed_bytes``) so that it can be embedded in someone else's declaration and still be checked offline.
+   It holds the data-plane address, a fresh session id and a fresh X25519 public key (``kx_public``) used to
+   authenticate data-plane connections (see ``dataplane``).
+2. Candidates are the announced, live, unbanned entries not yet consumed by a declaration. The group deadline is
+   the earliest candidate ``deadline`` (the first ready peer's arrival + ``matchmaking_time_s``): peers that call
+   ``average`` within ``matchmaking_time_s`` of the first one are grouped together. When ``target_group_size``
+   candidates are ready the group is declared at once ("full").
+3. The leader is the smallest peer id among the candidates. It stores a ``GroupDeclaration`` (signed: subkey = its
+   owner marker) listing the members' signed entries. Followers accept only a declaration that lists their own
+   current session, signed by its leader, whose embedded entries all verify; with several, the one with the
+   smallest leader id wins (the rare case of two leaders that did not see each other; if members then disagree,
+   the data-plane handshake or the commit vote fails the round and the callers retry).
+4. A follower not listed fails: ``late`` (a group closed its window before we announced) or, after the group
+   deadline + ``declare_grace_s``, ``not_in_group`` / ``no_group``.
+
+``decide`` is a pure function of what a peer has read and ``now`` (DHT time, seconds): tests drive it without a
+DHT. ``Matchmaker`` does the I/O. Clocks of peers are assumed synchronised within ~1 s (NTP), as hivemind does.
+Nothing read from the DHT is unpickled: values are msgpack dicts validated with pydantic; forged ones are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import msgpack
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from pydantic import BaseModel, ConfigDict, Field
+
+from hivetrain.peers.identity import peer_id_of_owner
+from hivetrain.peers.records import parse_signed
+
+logger = logging.getLogger(__name__)
+
+_DOMAIN = b"hivetrain.averaging.ready.v1"
+MAX_MEMBERS = 4096
+
+
+class ReadyEntry(BaseModel):
+    """A peer ready to average in one round key. Units: seconds of DHT (unix) time."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    round_key: str = Field(min_length=1, max_length=128)
+    session: bytes = Field(min_length=16, max_length=16)
+    host: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+    kx_public: bytes = Field(min_length=32, max_length=32, description="X25519 public key for this session")
+    announced_at: float = Field(ge=0.0)
+    deadline: float = Field(ge=0.0, description="the peer stops waiting for a group at this time")
+    public_key: bytes = Field(min_length=16, max_length=2048, description="RSA public key (hivemind ssh format)")
+    signature: bytes = Field(default=b"", max_length=1024)
+
+
+def signed_bytes(prefix: str, entry: ReadyEntry) -> bytes:
+    """The bytes an entry's ``signature`` covers: every field but the signature, bound to ``prefix``."""
+    fields = entry.model_dump(exclude={"signature"})
+    return _DOMAIN + msgpack.packb([prefix, *(fields[k] for k in sorted(fields))], use_bin_type=True)
+
+
+def sign_entry(prefix: str, entry: ReadyEntry, private_key: RSAPrivateKey) -> ReadyEntry:
+    """``entry`` with ``signature`` set by ``private_key`` (whose public key must be ``entry.public_key``)."""
+    return entry.model_copy(update={"signature": private_key.sign(signed_bytes(prefix, entry))})
+
+
+def verify_entry(prefix: str, entry: ReadyEntry) -> bool:
+    """Whether ``entry`` is signed by the key of ``entry.peer_id`` (never raises)."""
+    try:
+        marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", entry.public_key)
+        if peer_id_of_owner(marker) != entry.peer_id:
+            return False
+        return RSAPublicKey.from_bytes(entry.public_key).verify(signed_bytes(prefix, entry), entry.signature)
+    except Exception:  # noqa: BLE001 - any parse failure means "not verified"
+        return False
+
+
+class GroupDeclaration(BaseModel):
+    """The leader's word on who averages together. ``members`` are sorted by peer id; units: DHT seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    leader: str = Field(min_length=1, max_length=128)
+    round_key: str = Field(min_length=1, max_length=128)
+    round_id: str = Field(min_length=1, max_length=64)
+    members: tuple[ReadyEntry, ...] = Field(min_length=1, max_length=MAX_MEMBERS)
+    declared_at: float = Field(ge=0.0)
+    reason: Literal["full", "window"]
+
+    def member_ids(self) -> tuple[str, ...]:
+        return tuple(m.peer_id for m in self.members)
+
+    def includes(self, entry: ReadyEntry) -> bool:
+        return any(m.peer_id == entry.peer_id and m.session == entry.session for m in self.members)
+
+
+def make_round_id(prefix: str, round_key: str, members: Iterable[ReadyEntry]) -> str:
+    """Deterministic id of a group: sha256 over the prefix, round key and the members' (peer id, session)."""
+    h = hashlib.sha256(f"{prefix}|{round_key}".encode())
+    for m in sorted(members, key=lambda e: e.peer_id):
+        h.update(m.peer_id.encode() + b"|" + m.session)
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a peer does next. ``action``: "wait", "declare" (``members`` to declare), "joined" (``declaration``),
+    or a failure: "late", "not_in_group", "no_group", "too_small"."""
+
+    action: Literal["wait", "declare", "joined", "late", "not_in_group", "no_group", "too_small"]
+    reason: str
+    members: tuple[ReadyEntry, ...] = ()
+    declaration: GroupDeclaration | None = None
+
+
+def decide(
+    me: ReadyEntry,
+    entries: Iterable[ReadyEntry],
+    declarations: Iterable[GroupDeclaration],
+    now: float,
+    *,
+    target_group_size: int,
+    min_group_size: int,
+    declare_grace_s: float,
+    banned: frozenset[str] = frozenset(),
+) -> Decision:
+    """Decide the next matchmaking step of ``me`` from what it has read (pure: no I/O, no clock).
+
+    Args:
+        me: our own entry (our current session).
+        entries: verified ready entries read from the DHT (ours may or may not be among them).
+        declarations: verified group declarations of this round key.
+        now: current DHT time, seconds.
+        target_group_size: declare as soon as this many candidates are ready.
+        min_group_size: a group smaller than this is not formed ("too_small").
+        declare_grace_s: how long past the group deadline a follower waits for its leader's declaration, seconds.
+        banned: peer ids we refuse to group with.
+
+    Returns:
+        The decision and a human-readable reason.
+    """
+    declarations = list(declarations)
+    mine = sorted((d for d in declarations if d.includes(me)), key=lambda d: d.leader)
+    if mine:
+        return Decision("joined", f"declared by {mine[0].leader} ({len(mine[0].members)} members)", declaration=mine[0])
+    consumed = {(m.peer_id, m.session) for d in declarations for m in d.members}
+    late = [
+        d
+        for d in declarations
+        if d.reason == "window" and d.declared_at < me.announced_at and me.peer_id not in d.member_ids()
+    ]
+    if late:
+        return Decision("late", f"group of {late[0].leader} closed at {late[0].declared_at:.2f} before we announced")
+    by_id: dict[str, ReadyEntry] = {}
+    for e in [*entries, me]:
+        if e.round_key != me.round_key or e.peer_id in banned or (e.peer_id, e.session) in consumed:
+            continue
+        if e.peer_id != me.peer_id and e.deadline + declare_grace_s < now:
+            continue  # its owner gave up waiting: stale
+        if e.peer_id == me.peer_id and e.session != me.session:
+            continue
+        if e.peer_id not in by_id or e.announced_at > by_id[e.peer_id].announced_at:
+            by_id[e.peer_id] = e
+    candidates = sorted(by_id.values(), key=lambda e: e.peer_id)
+    group_deadline = min(e.deadline for e in candidates)
+    if len(candidates) >= target_group_size:
+        group, why = tuple(candidates[:target_group_size]), "full"
+    elif now >= group_deadline:
+        group, why = tuple(candidates), "window"
+    else:
+        return Decision("wait", f"{len(candidates)} ready, window closes in {group_deadline - now:.2f}s")
+    if group[0].peer_id == me.peer_id:
+        if len(group) < min_group_size:
+            return Decision("too_small", f"{len(group)} ready peers, min_group_size is {min_group_size}")
+        return Decision("declare", f"leader of {len(group)} ({why})", members=group)
+    if now < group_deadline + declare_grace_s:
+        return Decision("wait", f"waiting for leader {group[0].peer_id}'s declaration")
+    others = [d for d in declarations if d.declared_at >= me.announced_at]
+    if others:
+        return Decision("not_in_group", f"{len(others)} group(s) declared without us")
+    return Decision("no_group", f"leader {group[0].peer_id} declared nothing within {declare_grace_s}s")
+
+
+class Matchmaker:
+    """Runs ``decide`` against the DHT: announce, poll, declare. One per GroupAverager; not thread-safe."""
+
+    def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float):
+        self.node, self.prefix = node, prefix
+        self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
+
+    def _key(self, round_key: str, kind: str) -> str:
+        return f"{self.prefix}.{round_key}.{kind}"
+
+    def make_entry(
+        self, round_key: str, session: bytes, host: str, port: int, kx_public: bytes, wait_s: float
+    ) -> ReadyEntry:
+        """Our signed entry: ready now, waiting at most ``wait_s`` seconds for a group."""
+        now = get_dht_time()
+        entry = ReadyEntry(
+            peer_id=self.node.peer_id,
+            round_key=round_key,
+            session=session,
+            host=host,
+            port=port,
+            kx_public=kx_public,
+            announced_at=now,
+            deadline=now + wait_s,
+            public_key=self.node.identity.private_key.get_public_key().to_bytes(),
+        )
+        return sign_entry(self.prefix, entry, self.node.identity.private_key)
+
+    def announce(self, entry: ReadyEntry, ttl_s: float) -> bool:
+        """Store our entry until ``entry.deadline + ttl_s``. Returns whether any DHT node accepted it."""
+        value = entry.model_dump()
+        return bool(
+            self.node.dht.store(
+                self._key(entry.round_key, "ready"), value, entry.deadline + ttl_s, subkey=self.node.owner_marker
+            )
+        )
+
+    def declare(self, me: ReadyEntry, members: tuple[ReadyEntry, ...], reason: str, ttl_s: float) -> GroupDeclaration:
+        """Store the declaration of ``members`` (we are its leader) for ``ttl_s`` seconds and return it."""
+        decl = GroupDeclaration(
+            leader=me.peer_id,
+            round_key=me.round_key,
+            round_id=make_round_id(self.prefix, me.round_key, members),
+            members=members,
+            declared_at=get_dht_time(),
+            reason="full" if reason.endswith("(full)") else "window",
+        )
+        self.node.dht.store(
+            self._key(me.round_key, "group"),
+            decl.model_dump(),
+            decl.declared_at + ttl_s,
+            subkey=self.node.owner_marker,
+        )
+        return decl
+
+    def read(self, round_key: str) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+        """Verified ready entries and declarations of ``round_key`` (forged or malformed ones are dropped)."""
+        f_ready = self.node.dht.get(self._key(round_key, "ready"), latest=True, return_future=True)
+        f_group = self.node.dht.get(self._key(round_key, "group"), latest=True, return_future=True)
+        entries = [e for e in self._parse(f_ready, ReadyEntry, "peer_id") if e.round_key == round_key]
+        entries = [e for e in entries if verify_entry(self.prefix, e)]
+        decls = []
+        for d in self._parse(f_group, GroupDeclaration, "leader"):
+            members_ok = all(m.round_key == round_key and verify_entry(self.prefix, m) for m in d.members)
+            ids = d.member_ids()
+            if (
+                d.round_key == round_key
+                and members_ok
+                and list(ids) == sorted(set(ids))
+                and d.round_id == make_round_id(self.prefix, round_key, d.members)
+            ):
+                decls.append(d)
+            else:
+                logger.warning("dropping an invalid group declaration by %s", d.leader)
+        return entries, decls
+
+    def _parse(self, future, schema, id_field: str) -> list:
+        try:
+            found = future.result(timeout=max(5.0, 10 * self.poll_interval_s))
+        except Exception as exc:  # noqa: BLE001 - a failed poll is retried at the next interval
+            logger.debug("DHT read failed: %s", exc)
+            return []
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for subkey, item in found.value.items():
+            record = parse_signed(subkey, getattr(item, "value", None), schema, id_field=id_field)
+            if record is not None:
+                out.append(record)
+        return out
+
+    def match(
+        self,
+        me: ReadyEntry,
+        *,
+        target_group_size: int,
+        min_group_size: int,
+        ttl_s: float,
+        deadline_monotonic: float,
+        banned: frozenset[str] = frozenset(),
+    ) -> tuple[Decision, str]:
+        """Announce ``me`` and poll until a decision other than "wait" (or the call deadline).
+
+        Returns:
+            (decision, reason); ``decision.action`` is "joined" (with its declaration) or a failure action.
+            A "timeout" is reported as ("no_group", ...).
+        """
+        if not self.announce(me, ttl_s):
+            logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
+        declared: GroupDeclaration | None = None
+        while True:
+            entries, decls = self.read(me.round_key)
+            if declared is not None and declared not in decls:
+                decls.append(declared)  # our own store may not be visible yet
+            decision = decide(
+                me,
+                entries,
+                decls,
+                get_dht_time(),
+                target_group_size=target_group_size,
+                min_group_size=min_group_size,
+                declare_grace_s=self.declare_grace_s,
+                banned=banned,
+            )
+            if decision.action == "declare" and declared is None:
+                declared = self.declare(me, decision.members, decision.reason, ttl_s)
+                time.sleep(min(self.poll_interval_s, max(0.0, deadline_monotonic - time.monotonic())))
+                continue  # read once more: a smaller leader's declaration that lists us would win
+            if decision.action == "declare":  # we declared; decide() sees it now
+                decision = Decision("joined", "our declaration", declaration=declared)
+            if decision.action != "wait":
+                return decision, decision.reason
+            if time.monotonic() + self.poll_interval_s > deadline_monotonic:
+                return Decision("no_group", "call deadline reached during matchmaking"), "deadline"
+            time.sleep(self.poll_interval_s)
