@@ -2,6 +2,10 @@
 
 Each process runs in its own session/process group, so that signalling the group reaches its p2pd daemon too.
 Only processes started here are ever signalled, by their process-group ID.
+
+A process may run under a command prefix (``ip netns exec NS``, which execs in place, so the PID is the Python
+process's) and listen on another host than 127.0.0.1; the chaos harness uses both for network faults. The coordinator
+can be restarted with the same identity and port, so the address volunteers were given stays valid.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,12 +47,41 @@ class PeerProcess:
         except ProcessLookupError:
             pass
 
+    def group_pids(self) -> list[int]:
+        """PIDs of every live process in this process's group (itself, its p2pd, orphans it left)."""
+        return group_pids(self.popen.pid)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """PIDs of the live (non-zombie) processes whose process group is ``pgid`` (scans /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry))
+    return found
+
 
 class LocalSwarm:
     """Starts processes under ``out_dir`` and guarantees their cleanup in ``close()``."""
 
-    def __init__(self, out_dir: Path, config_path: Path, threads_per_peer: int = 1, verbose: bool = False):
+    def __init__(
+        self,
+        out_dir: Path,
+        config_path: Path,
+        threads_per_peer: int = 1,
+        verbose: bool = False,
+        extra_env: dict[str, str] | None = None,
+    ):
         self.out_dir = Path(out_dir)
+        self.extra_env = dict(extra_env or {})
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = Path(config_path)
         self.threads_per_peer = threads_per_peer
@@ -55,25 +89,39 @@ class LocalSwarm:
         self.coordinator: PeerProcess | None = None
         self.peers: list[PeerProcess] = []
         self.address: str | None = None
+        self._coordinator_launch: tuple[list[str], list[str]] | None = None  # (argv, prefix) for restarts
+        self.history: list[PeerProcess] = []  # every process ever started, restarts included
 
-    def _spawn(self, name: str, argv: list[str], **paths) -> PeerProcess:
+    def _spawn(self, name: str, argv: list[str], prefix: Sequence[str] = (), **paths) -> PeerProcess:
         log_path = self.out_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_peer))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_peer), **self.extra_env}
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", *argv],
+                [*prefix, sys.executable, "-m", *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 env=env,
             )
-        return PeerProcess(name=name, popen=popen, log_path=log_path, **paths)
+        proc = PeerProcess(name=name, popen=popen, log_path=log_path, **paths)
+        self.history.append(proc)
+        return proc
 
-    def start_coordinator(self, timeout_s: float = 60.0, extra_args: list[str] = ()) -> str:
-        """Start the coordinator and wait for its address. Raises RuntimeError if it is not up in time."""
-        address_file = self.out_dir / "coordinator.addr"
-        address_file.unlink(missing_ok=True)
+    def start_coordinator(
+        self,
+        timeout_s: float = 60.0,
+        extra_args: Sequence[str] = (),
+        prefix: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> str:
+        """Start the coordinator and wait for its address. Raises RuntimeError if it is not up in time.
+
+        Args:
+            prefix: command prefix (e.g. ``["ip", "netns", "exec", NS]``).
+            host, port: where it listens (port 0 = any free port).
+        """
         argv = [
             "hivetrain.cli.main",
             "coordinator",
@@ -82,14 +130,33 @@ class LocalSwarm:
             "--identity-path",
             str(self.out_dir / "coordinator.key"),
             "--host-maddrs",
-            LOOPBACK,
+            f"/ip4/{host}/tcp/{port}",
             "--address-file",
-            str(address_file),
+            str(self.out_dir / "coordinator.addr"),
             "--refresh-interval",
             "2",
             *extra_args,
         ]
-        self.coordinator = self._spawn("coordinator", argv)
+        self._coordinator_launch = (argv, list(prefix))
+        return self._launch_coordinator(timeout_s)
+
+    def restart_coordinator(self, timeout_s: float = 60.0) -> str:
+        """Start the coordinator again (after it died) with the same identity, host and port: the same address.
+
+        Raises RuntimeError if it is not up in time (e.g. the port is taken).
+        """
+        assert self._coordinator_launch is not None and self.address is not None, "start the coordinator first"
+        argv, prefix = self._coordinator_launch
+        port = self.address.split("/tcp/")[1].split("/")[0]
+        argv = [a if not a.startswith("/ip4/") else a.rsplit("/", 1)[0] + f"/{port}" for a in argv]
+        self._coordinator_launch = (argv, prefix)
+        return self._launch_coordinator(timeout_s)
+
+    def _launch_coordinator(self, timeout_s: float) -> str:
+        argv, prefix = self._coordinator_launch
+        address_file = self.out_dir / "coordinator.addr"
+        address_file.unlink(missing_ok=True)
+        self.coordinator = self._spawn("coordinator", argv, prefix)
         deadline = time.monotonic() + timeout_s
         while not address_file.exists():
             if not self.coordinator.alive() or time.monotonic() > deadline:
@@ -101,19 +168,32 @@ class LocalSwarm:
         self.address = address_file.read_text().split()[0]
         return self.address
 
-    def add_peer(self, extra_args: list[str] = (), name: str | None = None) -> PeerProcess:
-        """Start one join-swarm process bootstrapping from the coordinator."""
+    def add_peer(
+        self,
+        extra_args: Sequence[str] = (),
+        name: str | None = None,
+        prefix: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        address: str | None = None,
+    ) -> PeerProcess:
+        """Start one join-swarm process bootstrapping from the coordinator.
+
+        Args:
+            prefix: command prefix (e.g. ``["ip", "netns", "exec", NS]``).
+            host: the address it listens on.
+            address: bootstrap from this multiaddr instead of the coordinator's (e.g. a proxy in front of it).
+        """
         assert self.address is not None, "start the coordinator first"
         index = len(self.peers)
         name = name or f"peer{index}"
         metrics, summary = self.out_dir / f"{name}.jsonl", self.out_dir / f"{name}.json"
         argv = [
             "hivetrain.cli.join_swarm",
-            self.address,
+            address or self.address,
             "--identity-path",
             str(self.out_dir / f"{name}.key"),
             "--host-maddrs",
-            LOOPBACK,
+            f"/ip4/{host}/tcp/0",
             "--metrics-file",
             str(metrics),
             "--summary-file",
@@ -124,7 +204,7 @@ class LocalSwarm:
         ]
         if self.verbose:
             argv.append("--verbose")
-        peer = self._spawn(name, argv, metrics_path=metrics, summary_path=summary)
+        peer = self._spawn(name, argv, prefix, metrics_path=metrics, summary_path=summary)
         self.peers.append(peer)
         return peer
 
@@ -141,7 +221,7 @@ class LocalSwarm:
 
     def close(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group still running, then SIGKILL what is left after ``grace_s``."""
-        procs = [p for p in [*self.peers, self.coordinator] if p is not None]
+        procs = [p for p in self.history if p.alive() or p.group_pids()]
         for proc in procs:
             if proc.alive():
                 proc.signal_group(signal.SIGTERM)

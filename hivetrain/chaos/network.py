@@ -1,0 +1,266 @@
+"""Network faults: private network namespaces on a bridge (bandwidth limits, partitions) and a delaying TCP proxy.
+
+Namespaces (root only; ``ip`` and ``tc`` from iproute2)::
+
+    <tag>-hub  : bridges br0 (the swarm) and br1 (the far side of a partition), no addresses
+    <tag>-m<i> : one per process: lo + eth0 (10.231.x.y/16), the other end "m<i>" of its veth on a hub bridge
+
+Nothing is created in the host's namespace: traffic stays on addresses inside these namespaces. A bandwidth limit is
+a ``tc tbf`` qdisc on both ends of the member's veth (its upload and its download). A partition moves members' hub
+ports to br1, so the two sides share no L2 segment (packets between them are dropped, TCP connections stall as they
+would on a real cut) until they are moved back. ``netem`` is not available here; latency and loss come from
+``TcpProxy``, which delays each chunk it forwards and, with probability ``loss``, adds ``rto_ms`` to model the
+retransmission a lost segment costs TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+SUBNET_PREFIX = "10.231"
+_CMD_TIMEOUT_S = 10.0
+
+
+class NetnsError(RuntimeError):
+    """An ``ip``/``tc`` command failed (not root, missing iproute2, or a kernel without bridge/veth/tbf)."""
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+    except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
+        raise NetnsError(f"{' '.join(argv)}: {exc}") from exc
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+@dataclass(frozen=True)
+class Member:
+    """One namespace attached to the hub: ``exec_prefix`` runs a command inside it; ``ip`` is its address."""
+
+    index: int
+    netns: str
+    ip: str
+    hub_port: str
+
+    @property
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns]
+
+
+class NetnsTopology:
+    """Creates the hub and members on demand; ``close()`` deletes every namespace it created (idempotent).
+
+    Args:
+        tag: prefix of the namespace names; default a fresh unique one.
+
+    Raises:
+        NetnsError: from ``create``/``add_member``/... when a command fails.
+    """
+
+    def __init__(self, tag: str | None = None):
+        self.tag = tag or f"htc{secrets.token_hex(3)}"
+        self.hub = f"{self.tag}-hub"
+        self.members: dict[int, Member] = {}
+        self._created: list[str] = []
+        self._isolated: set[int] = set()
+
+    def create(self) -> None:
+        _sh("ip", "netns", "add", self.hub)
+        self._created.append(self.hub)
+        for bridge in ("br0", "br1"):
+            _sh("ip", "-n", self.hub, "link", "add", bridge, "type", "bridge")
+            _sh("ip", "-n", self.hub, "link", "set", bridge, "up")
+
+    def add_member(self) -> Member:
+        """A new namespace on br0 with the next address (10.231.0.1, 10.231.0.2, ...)."""
+        index = len(self.members)
+        if index >= 250 * 250:
+            raise NetnsError("too many members")
+        netns = f"{self.tag}-m{index}"
+        _sh("ip", "netns", "add", netns)
+        self._created.append(netns)
+        ip = f"{SUBNET_PREFIX}.{index // 250}.{index % 250 + 1}"
+        port = f"m{index}"
+        _sh("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _sh("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+        _sh("ip", "-n", netns, "addr", "add", f"{ip}/16", "dev", "eth0")
+        _sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", netns, "link", "set", "lo", "up")
+        member = Member(index=index, netns=netns, ip=ip, hub_port=port)
+        self.members[index] = member
+        return member
+
+    def set_bandwidth(self, member: Member, mbps: float) -> None:
+        """Limit the member's upload and download to ``mbps`` megabit/s (tc tbf, burst >= one 4 ms tick)."""
+        burst_bytes = max(16 * 1024, int(mbps * 1e6 / 8 / 250))
+        for netns, dev in ((member.netns, "eth0"), (self.hub, member.hub_port)):
+            _sh(
+                "ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                "rate", f"{mbps}mbit", "burst", str(burst_bytes), "latency", "200ms",
+            )  # fmt: skip
+
+    def isolate(self, members: list[Member]) -> None:
+        """Partition: move ``members`` to br1; they reach each other but nobody on br0."""
+        for member in members:
+            _sh("ip", "-n", self.hub, "link", "set", member.hub_port, "master", "br1")
+            self._isolated.add(member.index)
+
+    def heal(self) -> None:
+        """Move every isolated member back to br0."""
+        for index in sorted(self._isolated):
+            _sh("ip", "-n", self.hub, "link", "set", self.members[index].hub_port, "master", "br0")
+        self._isolated.clear()
+
+    def close(self) -> None:
+        """Delete every namespace created here (their veths go with them). Safe to call twice."""
+        while self._created:
+            _sh("ip", "netns", "del", self._created.pop(), check=False)
+
+    def __enter__(self) -> NetnsTopology:
+        self.create()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def netns_available() -> tuple[bool, str]:
+    """Can this process create network namespaces? Returns (ok, reason)."""
+    probe = NetnsTopology(tag=f"htp{secrets.token_hex(3)}")
+    try:
+        probe.create()
+        return True, "ok"
+    except NetnsError as exc:
+        return False, str(exc)
+    finally:
+        probe.close()
+
+
+class TcpProxy:
+    """Forwards TCP connections from ``listen_host:port`` to ``target``, delaying every chunk each way.
+
+    Each chunk read (<= 64 KiB) is delivered ``latency_ms`` ± ``jitter_ms`` later, plus ``rto_ms`` with probability
+    ``loss``; order is kept. Runs its own asyncio loop in a daemon thread. Deterministic given ``seed`` and the
+    sequence of chunks. When either side closes or resets, both directions of that connection are closed.
+
+    Args:
+        target_host, target_port: where connections go.
+        latency_ms, jitter_ms, loss, rto_ms: the delay model (ms; loss is a probability in [0, 1)).
+        seed: seeds jitter and loss draws.
+        listen_host: address to listen on (port chosen by the OS).
+    """
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        latency_ms: float = 0.0,
+        jitter_ms: float = 0.0,
+        loss: float = 0.0,
+        rto_ms: float = 200.0,
+        seed: int = 0,
+        listen_host: str = "127.0.0.1",
+    ):
+        if latency_ms < 0 or jitter_ms < 0 or rto_ms < 0 or not 0.0 <= loss < 1.0:
+            raise ValueError("latency_ms, jitter_ms, rto_ms must be >= 0 and loss in [0, 1)")
+        self.target = (target_host, target_port)
+        self.latency_ms, self.jitter_ms, self.loss, self.rto_ms = latency_ms, jitter_ms, loss, rto_ms
+        self.listen_host = listen_host
+        self.port: int | None = None
+        self.num_bytes_forwarded = 0
+        self.num_chunks_lost = 0
+        self.num_connections = 0
+        self._rng = random.Random(seed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def delay_s(self) -> float:
+        """The delay of the next chunk, seconds (draws from the seeded generator)."""
+        delay = self.latency_ms + (self._rng.uniform(-1.0, 1.0) * self.jitter_ms if self.jitter_ms else 0.0)
+        if self.loss and self._rng.random() < self.loss:
+            self.num_chunks_lost += 1
+            delay += self.rto_ms
+        return max(0.0, delay) / 1000.0
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        """Start listening; returns the port. Raises RuntimeError if not listening within ``timeout_s``."""
+        self._thread = threading.Thread(target=self._run, name="chaos-proxy", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.port is None:
+            raise RuntimeError(f"proxy did not start: {self._error!r}")
+        return self.port
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            self._server = loop.run_until_complete(asyncio.start_server(self._handle, self.listen_host, 0))
+            self.port = self._server.sockets[0].getsockname()[1]
+            self._ready.set()
+            loop.run_forever()
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._error = exc
+            self._ready.set()
+        finally:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            loop.run_until_complete(asyncio.sleep(0))
+            if self._server is not None:
+                self._server.close()
+            loop.close()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            upstream_r, upstream_w = await asyncio.wait_for(asyncio.open_connection(*self.target), timeout=10.0)
+        except (OSError, asyncio.TimeoutError):
+            client_w.close()
+            return
+        await asyncio.gather(self._pump(client_r, upstream_w, client_w), self._pump(upstream_r, client_w, upstream_w))
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, src_w: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                deliver_at, data = await queue.get()
+                if data is None:
+                    return
+                wait_s = deliver_at - time.monotonic()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                dst.write(data)
+                await dst.drain()
+                self.num_bytes_forwarded += len(data)
+
+        writer = asyncio.ensure_future(deliver())
+        last_at = 0.0
+        try:
+            while data := await src.read(65536):
+                last_at = max(last_at, time.monotonic() + self.delay_s())
+                await queue.put((last_at, data))
+            await queue.put((last_at, None))
+            await writer
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.cancel()
+            for w in (dst, src_w):
+                w.close()

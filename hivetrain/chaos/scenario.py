@@ -1,0 +1,371 @@
+"""Chaos scenarios: a TOML file describing a swarm, its run config and the faults to apply, strictly validated.
+
+Example (``scenarios/kill-one-of-four.toml``)::
+
+    name = "kill-one-of-four"
+    description = "SIGKILL 1 of 4 peers (and its p2pd) while a round is in flight"
+    peers = 4
+    max_duration_s = 240
+
+    [run]                      # a run config (hivetrain.config.RunConfig); diloco.outer_steps >= 1
+    model = "tiny"
+    [run.diloco]
+    inner_steps = 10
+    outer_steps = 6
+
+    [[faults]]
+    kind = "kill"
+    peer = 1
+    on_event = "inner_phase"   # when peer 1 has finished its inner phase of epoch 2 ...
+    on_peer = 1
+    on_epoch = 2
+    delay_s = 0.5              # ... plus 0.5 s: it is matching or sending when it dies
+
+Peers are numbered in launch order: ``0 .. peers-1`` at the start, then the peers of each ``join`` fault in the order
+of the faults. Peers started by ``churn`` have no index. A triggered fault fires at ``at_s`` seconds after the swarm
+started, or ``delay_s`` after the first metrics event matching ``on_event``/``on_peer``/``on_epoch``. Launch-time
+faults (``hook``, ``byzantine``, ``latency``) are armed when their peer (or the swarm) starts and take no trigger.
+
+Every error is a ``ValueError`` naming the field (``faults[2].peer: ...``); unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hivetrain import faults as _faults
+from hivetrain.config import RunConfig
+from hivetrain.testing.byzantine import MODES as BYZANTINE_MODES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+EVENTS = ("start", "inner_phase", "outer_step", "round_failed", "state_downloaded", "pseudo_gradient_discarded")
+HOOK_POINTS = tuple(sorted(set(re.findall(r"^ {4}([a-z_]+\.[a-z_]+) ", _faults.__doc__ or "", re.M)))) + (
+    "checkpoint.mid_write",
+)
+LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency")
+TRIGGERED_KINDS = ("kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn")
+KINDS = TRIGGERED_KINDS + LAUNCH_TIME_KINDS
+
+
+class _Fault(BaseModel):
+    """Fields every fault has. ``label`` is shown on the plot and in the summary (default: derived)."""
+
+    model_config = _STRICT
+    label: str = Field(default="", max_length=40)
+    at_s: float | None = Field(default=None, ge=0.0)
+    on_event: Literal[EVENTS] | None = None  # type: ignore[valid-type]
+    on_peer: int | None = Field(default=None, ge=0)
+    on_epoch: int | None = Field(default=None, ge=0)
+    delay_s: float = Field(default=0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _one_trigger(self):
+        kind = self.kind  # type: ignore[attr-defined]
+        has_event = self.on_event is not None
+        if kind in LAUNCH_TIME_KINDS:
+            if self.at_s is not None or has_event or self.delay_s:
+                raise ValueError(f"a {kind!r} fault is armed at launch: it takes no at_s, on_event or delay_s")
+        elif (self.at_s is None) == (not has_event):
+            raise ValueError("give exactly one trigger: at_s (seconds after start) or on_event")
+        if not has_event and (self.on_peer is not None or self.on_epoch is not None):
+            raise ValueError("on_peer and on_epoch refine on_event; set on_event too")
+        return self
+
+    def busy_s(self) -> float:
+        """Seconds the fault lasts after it fires (0 = instantaneous)."""
+        return 0.0
+
+    def describe(self) -> str:
+        return self.label or self.kind  # type: ignore[attr-defined]
+
+
+class KillFault(_Fault):
+    """SIGKILL a peer's process group (the peer and its p2pd)."""
+
+    kind: Literal["kill"]
+    peer: int = Field(ge=0)
+
+
+class PauseFault(_Fault):
+    """SIGSTOP a peer's process group for ``duration_s`` seconds, then SIGCONT (a laptop lid closing)."""
+
+    kind: Literal["pause"]
+    peer: int = Field(ge=0)
+    duration_s: float = Field(gt=0.0)
+
+    def busy_s(self) -> float:
+        return self.duration_s
+
+
+class KillP2pdFault(_Fault):
+    """SIGKILL only a peer's p2pd daemon; the Python process lives on without its libp2p host."""
+
+    kind: Literal["kill_p2pd"]
+    peer: int = Field(ge=0)
+
+
+class KillCoordinatorFault(_Fault):
+    """SIGKILL the coordinator, restart it after ``down_s`` seconds with the same identity and address."""
+
+    kind: Literal["kill_coordinator"]
+    down_s: float = Field(ge=0.0)
+
+    def busy_s(self) -> float:
+        return self.down_s
+
+
+class JoinFault(_Fault):
+    """Start ``count`` new peers at once (late joiners); they take the next peer indices."""
+
+    kind: Literal["join"]
+    count: int = Field(default=1, ge=1, le=8)
+
+
+class BandwidthFault(_Fault):
+    """Limit a peer's link to ``mbps`` megabit/s each way (tc tbf on its veth; needs ``network = "netns"``)."""
+
+    kind: Literal["bandwidth"]
+    peer: int = Field(ge=0)
+    mbps: float = Field(gt=0.0, le=100_000.0)
+
+
+class PartitionFault(_Fault):
+    """Cut the peers in ``side`` off from the others (and the coordinator) for ``heal_after_s`` seconds."""
+
+    kind: Literal["partition"]
+    side: tuple[int, ...] = Field(min_length=1)
+    heal_after_s: float = Field(gt=0.0)
+
+    def busy_s(self) -> float:
+        return self.heal_after_s
+
+
+class ChurnFault(_Fault):
+    """Random joins and kills (seeded) for ``duration_s``: a Poisson process of mean interval ``mean_interval_s``,
+    keeping between ``min_peers`` and ``max_peers`` peers alive."""
+
+    kind: Literal["churn"]
+    duration_s: float = Field(gt=0.0)
+    mean_interval_s: float = Field(gt=0.0)
+    min_peers: int = Field(default=2, ge=1)
+    max_peers: int = Field(default=6, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_peers > self.max_peers:
+            raise ValueError(f"min_peers ({self.min_peers}) must not exceed max_peers ({self.max_peers})")
+        return self
+
+    def busy_s(self) -> float:
+        return self.duration_s
+
+
+class HookFault(_Fault):
+    """Arm ``join-swarm --fault POINT:ACTION[:SECONDS][@KEY=VALUE,...]`` on a peer at launch (hivetrain.faults)."""
+
+    kind: Literal["hook"]
+    peer: int = Field(ge=0)
+    point: str
+    action: Literal["raise", "sleep", "exit", "stop"]
+    seconds: float = Field(default=0.0, ge=0.0)
+    when: dict[str, int | str] = Field(default_factory=dict)
+
+    @field_validator("point")
+    @classmethod
+    def _known_point(cls, point: str) -> str:
+        if point not in HOOK_POINTS:
+            raise ValueError(f"unknown hook point {point!r}; known: {', '.join(HOOK_POINTS)}")
+        return point
+
+    @field_validator("when")
+    @classmethod
+    def _plain_when(cls, when: dict[str, int | str]) -> dict[str, int | str]:
+        for key, value in when.items():
+            if not re.fullmatch(r"[a-z_]+", key) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(value)):
+                raise ValueError(f"when: {key}={value!r} must be a lowercase name and a plain value")
+        return when
+
+    def spec(self) -> str:
+        """The ``--fault`` argument of join-swarm (parsed by ``hivetrain.faults.parse_fault_spec``)."""
+        head = f"{self.point}:{self.action}" + (f":{self.seconds:g}" if self.seconds else "")
+        cond = ",".join(f"{k}={v}" for k, v in self.when.items())
+        return head + (f"@{cond}" if cond else "")
+
+
+class ByzantineFault(_Fault):
+    """Launch a peer with ``join-swarm --byzantine MODE`` (hivetrain.testing.byzantine)."""
+
+    kind: Literal["byzantine"]
+    peer: int = Field(ge=0)
+    mode: Literal[BYZANTINE_MODES]  # type: ignore[valid-type]
+
+
+class LatencyFault(_Fault):
+    """Peers reach the coordinator through a TCP proxy adding ``latency_ms`` (± ``jitter_ms``) per chunk each way,
+    and, with probability ``loss``, a further ``rto_ms`` (what a lost segment costs TCP: a retransmission)."""
+
+    kind: Literal["latency"]
+    latency_ms: float = Field(ge=0.0, le=10_000.0)
+    jitter_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
+    loss: float = Field(default=0.0, ge=0.0, lt=1.0)
+    rto_ms: float = Field(default=200.0, ge=0.0, le=60_000.0)
+
+
+Fault = Annotated[
+    KillFault
+    | PauseFault
+    | KillP2pdFault
+    | KillCoordinatorFault
+    | JoinFault
+    | BandwidthFault
+    | PartitionFault
+    | ChurnFault
+    | HookFault
+    | ByzantineFault
+    | LatencyFault,
+    Field(discriminator="kind"),
+]
+
+
+class Scenario(BaseModel):
+    """One chaos scenario.
+
+    Args:
+        name: short name (letters, digits, '-'), used for ``chaos run NAME`` of a bundled scenario.
+        description: one line shown by ``chaos list``.
+        peers: peers started at the beginning (indices 0..peers-1).
+        max_duration_s: the scenario is stopped (and fails) after this many seconds; every fault must end before.
+        seed: seeds churn plans and the proxy's jitter/loss; a scenario run twice applies the same faults.
+        threads_per_peer: torch CPU threads of each peer.
+        network: "loopback" (127.0.0.1) or "netns" (each process in its own network namespace on a bridge; needed
+            by bandwidth and partition faults; root only).
+        max_rss_growth_mb: the RSS growth allowed per peer from its first committed step to its last sample, MiB.
+        run: the run config (``hivetrain.config.RunConfig`` fields); ``diloco.outer_steps`` must be >= 1.
+        faults: what to break and when.
+    """
+
+    model_config = _STRICT
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9\-]{0,63}$")
+    description: str = Field(min_length=1, max_length=160)
+    peers: int = Field(ge=1, le=16)
+    max_duration_s: float = Field(gt=0.0, le=6 * 3600)
+    seed: int = Field(default=0, ge=0)
+    threads_per_peer: int = Field(default=1, ge=1, le=64)
+    network: Literal["loopback", "netns"] = "loopback"
+    max_rss_growth_mb: float = Field(default=256.0, gt=0.0)
+    run: dict[str, Any] = Field(default_factory=dict)
+    faults: tuple[Fault, ...] = ()
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        config = RunConfig.from_dict(self.run)  # ValueError names the field; re-prefixed by load_scenario
+        if config.diloco.outer_steps < 1:
+            raise ValueError("run.diloco.outer_steps must be >= 1: a scenario trains a finite number of outer steps")
+        num_total = self.num_indexed_peers
+        for i, fault in enumerate(self.faults):
+            where = f"faults[{i}] ({fault.kind})"
+            end = (fault.at_s or 0.0) + fault.delay_s + fault.busy_s()
+            if end >= self.max_duration_s:
+                raise ValueError(
+                    f"{where}: fires or lasts until {end:g}s, past the end of the scenario "
+                    f"(max_duration_s = {self.max_duration_s:g})"
+                )
+            targets = [("peer", getattr(fault, "peer", None)), ("on_peer", fault.on_peer)]
+            targets += [("side", p) for p in getattr(fault, "side", ())]
+            for field, index in targets:
+                if index is not None and index >= num_total:
+                    raise ValueError(
+                        f"{where}.{field} = {index}: peer index out of range; the scenario has peers 0..{num_total - 1}"
+                        f" ({self.peers} at start + {num_total - self.peers} joining)"
+                    )
+            if fault.kind in ("bandwidth", "partition") and self.network != "netns":
+                raise ValueError(f'{where}: needs network = "netns" (network namespaces with tc)')
+            if fault.kind == "partition" and len(set(fault.side)) >= self.peers:
+                raise ValueError(f"{where}.side: leave at least one initial peer on the coordinator's side")
+        if sum(f.kind == "latency" for f in self.faults) > 1:
+            raise ValueError("at most one latency fault (it sits in front of the coordinator)")
+        return self
+
+    @property
+    def num_indexed_peers(self) -> int:
+        """Initial peers plus the peers of every join fault."""
+        return self.peers + sum(f.count for f in self.faults if f.kind == "join")
+
+    def run_config(self) -> RunConfig:
+        return RunConfig.from_dict(self.run)
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = []
+        for item in err["loc"]:
+            if isinstance(item, int):
+                loc.append(f"[{item}]")
+            elif item not in KINDS:
+                loc.append(f".{item}")
+        field = "".join(loc).lstrip(".")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] not in ("value_error", "union_tag_invalid"):
+            msg += f" (got {err.get('input')!r})"
+        parts.append(f"{field}: {msg}" if field else msg)
+    return "; ".join(parts)
+
+
+def parse_scenario(raw: dict[str, Any], source: str = "scenario") -> Scenario:
+    """Validate a parsed scenario. Raises ValueError (``"<source>: faults[1].peer: ..."``)."""
+    try:
+        return Scenario.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(f"{source}: {_describe(exc)}") from None
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Load and validate a scenario TOML file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not TOML, unknown key, bad value, fault past the end, peer index out of range (names the field).
+    """
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    return parse_scenario(raw, str(path))
+
+
+def scenarios_dir() -> Path:
+    """The bundled scenarios: ``scenarios/`` at the root of the source tree (next to the ``hivetrain`` package)."""
+    return Path(__file__).resolve().parents[2] / "scenarios"
+
+
+def bundled_scenarios() -> dict[str, Path]:
+    """name (file stem) -> path of every bundled scenario, sorted by name."""
+    root = scenarios_dir()
+    return {p.stem: p for p in sorted(root.glob("*.toml"))} if root.is_dir() else {}
+
+
+def resolve_scenario(name_or_path: str) -> Path:
+    """A path to a TOML file, or the name of a bundled scenario. Raises FileNotFoundError listing the bundled ones."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.exists():
+            raise FileNotFoundError(f"no scenario file {path}")
+        return path
+    bundled = bundled_scenarios()
+    if name_or_path in bundled:
+        return bundled[name_or_path]
+    raise FileNotFoundError(f"no scenario {name_or_path!r}; bundled: {', '.join(bundled) or '(none)'}")
