@@ -42,14 +42,10 @@ CodecName = Literal["none", "fp16", "int8", "int4"]
 ScaleDtype = Literal["fp32", "fp16"]
 
 CODEC_IDS: dict[str, int] = {"none": 0, "fp16": 1, "int8": 2, "int4": 3}
-_CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 _SCALE_IDS: dict[str | None, int] = {None: 0, "fp32": 1, "fp16": 2}
-_SCALE_NAMES = {v: k for k, v in _SCALE_IDS.items()}
-_SCALE_TORCH = {"fp32": torch.float32, "fp16": torch.float16}
-_SCALE_ITEMSIZE = {None: 0, "fp32": 4, "fp16": 2}
-_MAGIC = b"HVP1"
-_VERSION = 1
-_HEADER = struct.Struct("<4sBBBBIQQQ")
+_CODEC_NAMES, _SCALE_NAMES = {v: k for k, v in CODEC_IDS.items()}, {v: k for k, v in _SCALE_IDS.items()}
+_SCALE_TORCH, _SCALE_ITEMSIZE = {"fp32": torch.float32, "fp16": torch.float16}, {None: 0, "fp32": 4, "fp16": 2}
+_MAGIC, _VERSION, _HEADER = b"HVP1", 1, struct.Struct("<4sBBBBIQQQ")
 HEADER_NUM_BYTES = _HEADER.size
 MAX_BLOCK_SIZE = 1 << 20
 _FP16_MAX = 65504.0
@@ -100,20 +96,15 @@ def scales_num_bytes(codec: str, num_elements: int, block_size: int, scale_dtype
     return -(-num_elements // block_size) * _SCALE_ITEMSIZE[scale_dtype]
 
 
-def _all_finite(x: torch.Tensor) -> bool:
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x)  # NaN propagates into both
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+def _all_finite(x: torch.Tensor) -> bool:  # NaN propagates into min and max; ~5x faster than isfinite(x).all()
+    return x.numel() == 0 or all(bool(torch.isfinite(v)) for v in torch.aminmax(x))
 
 
 def _as_tensor(buf: bytes | bytearray | memoryview, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """A tensor over ``buf`` and whether it owns its memory (read-only buffers are copied, never aliased)."""
     mv = memoryview(buf).cast("B")
-    if mv.nbytes == 0:
-        return torch.empty(0, dtype=dtype), True
-    if mv.readonly:
-        return torch.frombuffer(bytearray(mv), dtype=dtype), True
+    if mv.nbytes == 0 or mv.readonly:
+        return (torch.frombuffer(bytearray(mv), dtype=dtype) if mv.nbytes else torch.empty(0, dtype=dtype)), True
     return torch.frombuffer(mv, dtype=dtype), False
 
 
@@ -134,10 +125,10 @@ class CodecConfig:
     """Which codec compresses parts on the wire.
 
     Args:
-    name: "none" (fp32), "fp16", "int8" or "int4".
-    block_size: elements per quantization block for int8/int4 (1..2**20); ignored by "none"/"fp16".
-    scale_dtype: dtype of the per-block scales, "fp32" (exact) or "fp16" (half the overhead; the encoder raises
-        ValueError for blocks whose absmax exceeds fp16 range * levels).
+        name: "none" (fp32), "fp16", "int8" or "int4".
+        block_size: elements per quantization block for int8/int4 (1..2**20); ignored by "none"/"fp16".
+        scale_dtype: dtype of the per-block scales, "fp32" (exact) or "fp16" (half the overhead; the encoder raises
+            ValueError for blocks whose absmax exceeds fp16 range * levels).
     """
 
     name: CodecName = "int8"
@@ -397,7 +388,7 @@ class ErrorFeedback:
 
     def commit(self) -> None:
         """Forget the rollback copies (the round committed); frees their memory."""
-        self._previous.clear()
+        self._previous = {}
 
     def residual(self, name: str) -> torch.Tensor | None:
         """The residual that the next ``compress(name, ...)`` adds, or None."""

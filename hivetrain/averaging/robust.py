@@ -77,9 +77,9 @@ def _check_parts(parts: Sequence[torch.Tensor], weights: Sequence[float] | None 
 
 
 def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum_i w_i x_i / sum_i w_i, in list order, in fp32.
+    """sum_i (w_i / W) x_i with W = sum_i w_i, in list order, in fp32 (w_i / W is computed in float64).
 
-    Every operation is elementwise (one multiply and one add per contribution, then one division), so the result is
+    Every operation is elementwise (one multiply and one add per contribution), so the result is
     bit-identical for identical inputs on any IEEE-754 machine and any thread count. Pass contributions in an order
     every peer agrees on (e.g. sorted by peer id).
 
@@ -97,11 +97,11 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     total = math.fsum(w)
     if not total > 0:
         raise ValueError("total weight is zero")
-    acc = torch.mul(parts[0], w[0])
+    acc = torch.mul(parts[0], w[0] / total)  # normalised weights: no overflow unless the mean itself overflows
     tmp = torch.empty_like(acc)
     for p, wi in zip(parts[1:], w[1:], strict=True):
-        acc.add_(torch.mul(p, wi, out=tmp))
-    return acc.div_(total)
+        acc.add_(torch.mul(p, wi / total, out=tmp))
+    return acc
 
 
 def _network_median(cols: list[torch.Tensor]) -> torch.Tensor:
@@ -112,7 +112,12 @@ def _network_median(cols: list[torch.Tensor]) -> torch.Tensor:
             lo = torch.minimum(xs[i], xs[i + 1])
             torch.maximum(xs[i], xs[i + 1], out=xs[i + 1])
             xs[i] = lo
-    return xs[k // 2] if k % 2 else xs[k // 2 - 1].add_(xs[k // 2]).mul_(0.5)
+    return xs[k // 2] if k % 2 else _midpoint(xs[k // 2 - 1], xs[k // 2])
+
+
+def _midpoint(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / 2 + b / 2 (never overflows, unlike (a + b) / 2); overwrites ``a``."""
+    return a.mul_(0.5).add_(b * 0.5)
 
 
 def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -122,7 +127,7 @@ def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         parts: k tensors, fp32, shape (n,) each, all finite.
 
     Returns:
-        A new fp32 tensor of shape (n,); deterministic (only comparisons, one add and one halving).
+        A new fp32 tensor of shape (n,); deterministic (only comparisons, two halvings and one add).
     """
     _check_parts(parts)
     k, n = len(parts), parts[0].numel()
@@ -133,7 +138,7 @@ def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
             out[start : start + _CHUNK_NUM_ELEMENTS] = _network_median(cols)
         else:
             s = torch.sort(torch.stack(cols), dim=0).values  # (k, chunk)
-            out[start : start + _CHUNK_NUM_ELEMENTS] = s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) * 0.5
+            out[start : start + _CHUNK_NUM_ELEMENTS] = s[k // 2] if k % 2 else _midpoint(s[k // 2 - 1], s[k // 2])
     return out
 
 

@@ -61,14 +61,20 @@ def test_weighted_mean_rejects_bad_input(parts, weights, match: str) -> None:
         weighted_mean(parts, weights)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 7, 8, 33])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 7, 8, 33, 34])
 def test_coordinate_median_matches_sort_reference(k: int) -> None:
     gen = torch.Generator().manual_seed(k)
     parts = [torch.randn(1000, generator=gen) for _ in range(k)]
     parts[0][:10] = parts[-1][:10]  # ties
     s = torch.sort(torch.stack(parts), dim=0).values
-    ref = s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
+    ref = s[k // 2] if k % 2 else s[k // 2 - 1] / 2 + s[k // 2] / 2
     assert torch.equal(coordinate_median(parts), ref)
+
+
+def test_coordinate_median_and_mean_do_not_overflow() -> None:
+    big = torch.full((10,), 3e38)
+    assert torch.equal(coordinate_median([big, big, -big, big]), big)  # (3e38 + 3e38) / 2 would be inf
+    assert torch.equal(weighted_mean([big, big], [1e6, 1e6]), big)  # 1e6 * 3e38 would be inf
 
 
 def test_coordinate_median_across_chunk_boundary() -> None:
