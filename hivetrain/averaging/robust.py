@@ -16,8 +16,9 @@ of every honest x_i to every iterate v_t (no honest contribution is clipped), on
 With one attacker of the same weight in a group of k: ||result - honest mean|| <= tau / (k - 1) + (1/k)^T ||e_0||,
 whatever the attacker sends (sign-flipped, scaled by 1e6, ...). Contributions with NaN/Inf are dropped first, so
 they do not count in B. The start v_0 is the coordinate-wise median, which with fewer than k/2 attackers lies inside
-the honest per-coordinate range, so ||e_0|| is at most the honest spread. Choose ``tau`` a bit above the honest
-spread: ``median_distance_tau(parts, center)`` (factor x the median distance to the median) is one robust choice.
+the honest per-coordinate range, so ||e_0|| <= ||max_h x_h - min_h x_h|| (coordinate-wise max and min). Choose
+``tau`` a bit above the honest spread: ``median_distance_tau(parts, center)`` (factor x the median distance to the
+median) is one robust choice; a fixed tau below the honest spread clips honest peers and slows convergence.
 """
 
 from __future__ import annotations
