@@ -1,0 +1,1 @@
+"""SWARM pipeline parallelism: stage servers, stochastic wiring, rerouting, rebalancing, per-stage DiLoCo."""

@@ -1,0 +1,206 @@
+"""Entry points of the real processes a pipelined swarm runs: ``python -m hivetrain.swarm.server`` / ``.trainer``.
+
+Both read one JSON config file (``write_process_config``: the ``RunConfig`` and the ``SwarmConfig``), start a DHT
+node bootstrapping from ``--initial-peers`` and run until done (trainer) or SIGTERM (server). Each writes a JSON
+stats file (``--stats-file``) on exit; the trainer also appends one JSON line per step to ``--metrics-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import TypeAdapter
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hivetrain.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    Interrupted,
+    add_node_arguments,
+    fail,
+    install_signal_handlers,
+    node_config,
+    setup_logging,
+)
+from hivetrain.config import DataConfig, RunConfig
+from hivetrain.faults import FaultInjector, parse_fault_spec
+from hivetrain.model import build_config, model_fingerprint
+from hivetrain.swarm.config import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+
+def write_process_config(path: Path, run: RunConfig, swarm: SwarmConfig) -> None:
+    path.write_text(json.dumps({"run": run.to_dict(), "swarm": _plain(dataclasses.asdict(swarm))}, indent=2))
+
+
+def read_process_config(path: Path) -> tuple[RunConfig, SwarmConfig]:
+    """Raises ValueError (naming the field) for an invalid file, FileNotFoundError if it is missing."""
+    raw = json.loads(Path(path).read_text())
+    if set(raw) != {"run", "swarm"}:
+        raise ValueError(f"{path}: expected keys 'run' and 'swarm', got {sorted(raw)}")
+    return RunConfig.from_dict(raw["run"]), TypeAdapter(SwarmConfig).validate_python(raw["swarm"])
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def vocab_size_of(data: DataConfig) -> int:
+    if not data.tokenizer:
+        return 256
+    from hivetrain.data import LocalTokenizer
+
+    return LocalTokenizer(data.tokenizer).vocab_size
+
+
+def describe_model(run: RunConfig) -> tuple[LlamaConfig, str]:
+    """The uncut model's config and fingerprint (shapes only: built on the meta device, no memory)."""
+    config = build_config(run.model, vocab_size=vocab_size_of(run.data), max_seq_len=run.data.seq_len)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    config._attn_implementation = "sdpa"
+    return config, model_fingerprint(config, model)
+
+
+def group_averager_factory(run: RunConfig, faults: FaultInjector, listen_host: str, timeout_s: float = 30.0):
+    """An ``AveragerFactory`` building hivetrain's ``GroupAverager`` for one stage."""
+
+    def make(node, prefix: str):
+        from hivetrain.averaging import GroupAverager
+
+        averager = GroupAverager(
+            node, prefix=f"{prefix}.avg", config=run.averaging, faults=faults, listen_host=listen_host
+        )
+        averager.start()
+        averager.wait_ready(timeout_s)
+        return averager
+
+    return make
+
+
+def _common_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="JSON process config (run + swarm), see write_process_config")
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of running peers")
+    parser.add_argument("--stats-file", default=None, help="write a JSON stats file here on exit")
+    parser.add_argument("--fault", action="append", default=[], help="POINT:ACTION[:SECONDS][@KEY=VALUE,...]")
+    parser.add_argument("--verbose", action="store_true")
+    add_node_arguments(parser)
+    return parser
+
+
+def server_main(argv: list[str] | None = None) -> int:
+    """Run a stage server until SIGTERM/SIGINT."""
+    from hivetrain.peers.node import start_node
+    from hivetrain.swarm.server import StageServer
+
+    parser = _common_parser("Serve one stage of a pipelined (SWARM) model.")
+    parser.add_argument("--stage", default="auto", help="stage index, or 'auto' = the least-served stage")
+    parser.add_argument("--listen-host", default="0.0.0.0", help="address the stage averager's data port binds")
+    parser.add_argument("--address-file", default=None, help="write this server's multiaddrs here once serving")
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    install_signal_handlers()
+    try:
+        run, swarm = read_process_config(Path(args.config))
+        faults = FaultInjector()
+        for spec in args.fault:
+            faults.arm(parse_fault_spec(spec))
+        stage = None if args.stage == "auto" else int(args.stage)
+        model_config, fingerprint = describe_model(run)
+        node = start_node(node_config(args, args.initial_peers))
+    except (ValueError, FileNotFoundError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    server = None
+    started = time.time()
+    try:
+        if swarm.num_threads:
+            torch.set_num_threads(swarm.num_threads)
+        factory = group_averager_factory(run, faults, args.listen_host) if swarm.average_stage else None
+        server = StageServer(node, run, swarm, model_config, fingerprint, stage, faults, factory)
+        server.start()
+        if args.address_file:
+            Path(args.address_file).write_text("\n".join(node.visible_maddrs()))
+        while True:
+            time.sleep(1.0)
+    except Interrupted:
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - report and exit non-zero
+        logger.exception("stage server failed")
+        return fail(repr(exc), EXIT_FAILED)
+    finally:
+        if server is not None:
+            if args.stats_file:
+                Path(args.stats_file).write_text(json.dumps(server_stats(server, started), indent=2))
+            server.shutdown()
+        node.shutdown()
+
+
+def server_stats(server, started: float) -> dict:
+    rt = server.runtime
+    return {
+        "peer_id": server.node.peer_id,
+        "stage": rt.spec.index if rt else None,
+        "epoch": rt.state.epoch if rt else 0,
+        "forward": rt.num_forward if rt else 0,
+        "backward": rt.num_backward if rt else 0,
+        "expired": rt.num_expired if rt else 0,
+        "throughput": rt.throughput() if rt else 0.0,
+        "rebalances": server.rebalances,
+        "rebalance_reasons": server.rebalance_reasons,
+        "state_downloads": server.state_downloads,
+        "outer_steps": dict(server.outer_steps),
+        "wall_s": time.time() - started,
+    }
+
+
+def trainer_main(argv: list[str] | None = None) -> int:
+    """Train through the stage servers for ``--steps`` steps (or until SIGTERM); 0 on success."""
+    from hivetrain.peers.node import start_node
+    from hivetrain.swarm.trainer import run_training
+
+    parser = _common_parser("Train a pipelined (SWARM) model through its stage servers.")
+    parser.add_argument("--steps", type=int, required=True, help="trainer steps to run (0 = until interrupted)")
+    parser.add_argument("--metrics-file", default=None, help="append one JSON line per step here")
+    parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows evaluated at start and end")
+    parser.add_argument("--index", type=int, default=0, help="this trainer's index (seeds its data stream)")
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    install_signal_handlers()
+    try:
+        run, swarm = read_process_config(Path(args.config))
+        node = start_node(node_config(args, args.initial_peers))
+    except (ValueError, FileNotFoundError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    stats: dict = {}
+    try:
+        if swarm.num_threads:
+            torch.set_num_threads(swarm.num_threads)
+        stats = run_training(node, run, swarm, args.steps, args.index, args.metrics_file, args.eval_windows)
+        return EXIT_OK if stats.get("completed") else EXIT_FAILED
+    except Interrupted:
+        stats["interrupted"] = True
+        return EXIT_INTERRUPTED
+    finally:
+        if args.stats_file:
+            Path(args.stats_file).write_text(json.dumps(stats, indent=2, default=str))
+        node.shutdown()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(server_main())

@@ -1,0 +1,415 @@
+"""A stage server's lifecycle: join a stage, serve it, announce it, rebalance, run the stage's DiLoCo outer steps.
+
+``StageServer.start`` picks a stage (the given one, or the least-served one: ``rebalance.choose_stage``), obtains its
+parameters (downloaded from the stage's servers, hash-checked, when there are any; else the seed's θ₀), measures its
+throughput, registers its RPC handlers and starts a background thread that every ``announce_interval_s``:
+
+* publishes its signed ``StageRecord`` (and a generic ``PeerRecord`` for the coordinator's dashboard),
+* resets its uncommitted gradients if it was stalled longer than ``record_ttl_s`` (trainers presumed it dead and
+  replayed them elsewhere),
+* after an outer step, downloads the stage state if its stage peers are ahead or hold a different state,
+* every ``rebalance_interval_s``, asks ``rebalance.decide_move`` and moves to the bottleneck stage if told to.
+
+Per-stage DiLoCo (Douillard et al. 2023, run per stage as in SWARM's per-stage optimizers): every ``diloco.inner_steps``
+inner steps the stage's servers average their pseudo-gradients through an ``Averager`` (``prefix`` per stage) and apply
+the outer Nesterov step (``hivetrain.diloco.outer.outer_step``); a failed round abandons the phase (trainers replay
+it). Consistency: servers of one stage that committed epoch e hold bit-identical θ_e; different stages advance their
+epochs independently (no lockstep across stages, as in SWARM), and within a phase a stage's replicas drift apart
+by their own inner steps. A backward pass is recomputed with the server's current parameters, so a stage's
+parameter gradients are exact for its input, while the output gradient it receives may come from a downstream
+replica that has taken an inner step since (bounded staleness of at most one microbatch's round trip).
+
+Run one with ``python -m hivetrain.swarm.server --config FILE --initial-peers ADDR [--stage N]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig
+
+from hivetrain import __version__
+from hivetrain.averaging.base import Averager
+from hivetrain.config import RunConfig
+from hivetrain.diloco.outer import outer_step
+from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_sync import StateServer, download_state
+from hivetrain.diloco.sync_policy import decide_sync
+from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.peers.loop import LoopThread
+from hivetrain.peers.node import PeerNode
+from hivetrain.peers.records import publish_record
+from hivetrain.swarm.announce import ServerState, StageRecord, fetch_stage_records, publish_stage_record
+from hivetrain.swarm.config import SwarmConfig
+from hivetrain.swarm.handler import StageHandler
+from hivetrain.swarm.rebalance import choose_stage, decide_move
+from hivetrain.swarm.runtime import StageRuntime
+from hivetrain.swarm.stages import PipelineStage, StageSpec, build_stage, plan_stages
+
+logger = logging.getLogger(__name__)
+
+AveragerFactory = Callable[[PeerNode, str], Averager]
+"""(node, prefix) -> a started averager for one stage's servers."""
+
+
+def stage_prefix(run_id: str, fingerprint: str, stage: int) -> str:
+    return f"{run_id}.{fingerprint[:8]}.stage{stage}"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class StageServer:
+    """Serves one stage of the pipeline (and may move to another).
+
+    Args:
+        node: this server's DHT node (its identity signs the records).
+        run: the run (model, seed, data.seq_len, diloco, averaging).
+        swarm: the pipeline settings.
+        model_config: the uncut model's config (``build_config`` of the run's preset).
+        fingerprint: the uncut model's fingerprint.
+        stage: the stage to serve; None = the least-served one.
+        averager_factory: builds the stage's averager; required when ``swarm.average_stage``.
+    """
+
+    def __init__(
+        self,
+        node: PeerNode,
+        run: RunConfig,
+        swarm: SwarmConfig,
+        model_config: LlamaConfig,
+        fingerprint: str,
+        stage: int | None = None,
+        faults: FaultInjector = NO_FAULTS,
+        averager_factory: AveragerFactory | None = None,
+    ):
+        if swarm.average_stage and averager_factory is None:
+            raise ValueError("swarm.average_stage needs an averager_factory (or set average_stage = false)")
+        if stage is not None and not 0 <= stage < swarm.num_stages:
+            raise ValueError(f"stage {stage} is outside [0, {swarm.num_stages})")
+        self.node, self.run, self.swarm, self.model_config = node, run, swarm, model_config
+        self.fingerprint, self.faults, self.averager_factory = fingerprint, faults, averager_factory
+        self.specs: list[StageSpec] = plan_stages(
+            model_config.num_hidden_layers, swarm.num_stages, swarm.layers_per_stage
+        )
+        self.requested_stage = stage
+        self.device = resolve_device(swarm.device)
+        self.status: ServerState = "joining"
+        self.loop: LoopThread | None = None
+        self.p2p = None
+        self.runtime: StageRuntime | None = None
+        self.handler: StageHandler | None = None
+        self._averagers: dict[int, Averager] = {}
+        self._state_stages: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_announce_ok = time.monotonic()
+        self._last_rebalance = time.monotonic()
+        self._last_move = time.monotonic()
+        self._checked_phase = 0
+        self._busy_at_last_announce = 0.0
+        self._announced_at = time.monotonic()
+        self.rebalances = 0
+        self.rebalance_reasons: list[str] = []
+        self.state_downloads = 0
+        self.outer_steps: Counter[int] = Counter()
+        self._hashed_state: TrainingState | None = None
+        self._hash = ""
+
+    @property
+    def stage(self) -> int:
+        assert self.runtime is not None, "start the server first"
+        return self.runtime.spec.index
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Join a stage and start serving; returns once the server's record is published.
+
+        Raises:
+            TimeoutError: the P2P daemon, a state download or the benchmark did not finish within ``timeout_s``.
+            hivetrain.diloco.state_sync.StateDownloadFailed: peers of the stage exist but none served a valid state.
+        """
+        self.loop = LoopThread(name=f"swarm-server-{self.node.peer_id[-6:]}")
+        self.p2p = self.loop.run(self.node.dht.replicate_p2p(), timeout_s)
+        records = self._fetch_records()
+        stage = self.requested_stage
+        if stage is None:
+            stage, reason = choose_stage(records, self.swarm.num_stages, time.time(), self.swarm.record_ttl_s)
+            logger.info("joining %s", reason)
+        module, state = self._obtain_stage(stage, records, timeout_s)
+        self.runtime = StageRuntime(
+            module,
+            state,
+            self.swarm,
+            self.run.diloco,
+            self.device,
+            self.faults,
+            on_phase_end=self._outer_step if self.swarm.average_stage else None,
+            label=self.node.peer_id[-6:],
+        )
+        shape = (self.swarm.microbatch_size, self.run.data.seq_len)
+        self.runtime.call(lambda: self.runtime.benchmark(shape), timeout_s)
+        self.handler = StageHandler(
+            self.runtime, self.swarm, self.run.data.seq_len, is_accepting=lambda: self.status == "serving"
+        )
+        self.loop.run(self.handler.register(self.p2p, self.run.run_id), timeout_s)
+        self._serve_state(stage, timeout_s)
+        self.status = "serving"
+        self._announce()
+        self._last_move = time.monotonic()
+        self._thread = threading.Thread(target=self._background, name="swarm-announce", daemon=True)
+        self._thread.start()
+        logger.info(
+            "serving stage %d/%d (%.1f microbatches/s)", stage, self.swarm.num_stages, self.runtime.throughput()
+        )
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop announcing, unregister handlers, stop the runtime and the loop; idempotent. The node is the caller's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self.loop is not None and self.handler is not None and self.p2p is not None:
+            try:
+                self.loop.run(self.handler.unregister(self.p2p, self.run.run_id), min(timeout_s, 5.0))
+            except Exception as exc:  # noqa: BLE001 - the daemon may be gone already
+                logger.debug("unregister failed: %r", exc)
+        if self.runtime is not None:
+            self.runtime.shutdown(timeout_s)
+        for averager in self._averagers.values():
+            averager.shutdown(timeout_s=min(timeout_s, 5.0))
+        self._averagers.clear()
+        if self.loop is not None:
+            self.loop.stop(timeout_s)
+
+    # ---- stage state ---------------------------------------------------------------------------------------------
+
+    def _fetch_records(self) -> list[StageRecord]:
+        return [
+            r for r in fetch_stage_records(self.node.dht, self.run.run_id) if r.model_fingerprint == self.fingerprint
+        ]
+
+    def _obtain_stage(
+        self, stage: int, records: list[StageRecord], timeout_s: float
+    ) -> tuple[PipelineStage, TrainingState]:
+        """The stage module and committed state: downloaded from the stage's servers, or θ₀ from the seed."""
+        spec = self.specs[stage]
+        donors = [
+            r
+            for r in records
+            if r.stage == stage and r.peer_id != self.node.peer_id and r.state_hash and r.status != "moving"
+        ]
+        if not donors:
+            module = build_stage(self.model_config, spec, self.run.seed)
+            return module, TrainingState.from_model(module)
+        module = PipelineStage(self.model_config, spec)
+        reference = TrainingState.from_model(module)
+        expected = _majority_hashes(donors)
+        state = self.loop.run(
+            download_state(
+                self.p2p,
+                self._state_name(stage),
+                [r.peer_id for r in donors],
+                expected,
+                reference,
+                timeout_s=self.swarm.request_timeout_s,
+                faults=self.faults,
+            ),
+            timeout_s,
+        )
+        self.state_downloads += 1
+        logger.info("downloaded stage %d state of epoch %d from %d peer(s)", stage, state.epoch, len(donors))
+        return module, state
+
+    def _state_name(self, stage: int) -> str:
+        return f"{self.run.run_id}.swarm.stage{stage}"
+
+    def _serve_state(self, stage: int, timeout_s: float) -> None:
+        """Serve this stage's committed state to joiners (one handler per stage ever served)."""
+        if stage in self._state_stages:
+            return
+        runtime = self.runtime
+
+        def current(stage=stage):
+            return runtime.state if runtime.spec.index == stage and self.status != "moving" else None
+
+        self.loop.run(StateServer(current, faults=self.faults).register(self.p2p, self._state_name(stage)), timeout_s)
+        self._state_stages.add(stage)
+
+    # ---- announcing and background duties --------------------------------------------------------------------------
+
+    def record(self) -> StageRecord:
+        rt = self.runtime
+        now = time.monotonic()
+        load = min(1.0, max(0.0, (rt.busy_s - self._busy_at_last_announce) / max(now - self._announced_at, 1e-3)))
+        self._busy_at_last_announce, self._announced_at = rt.busy_s, now
+        return StageRecord(
+            peer_id=self.node.peer_id,
+            run_id=self.run.run_id,
+            model_fingerprint=self.fingerprint,
+            stage=rt.spec.index,
+            num_stages=self.swarm.num_stages,
+            status=self.status,
+            throughput=rt.throughput(),
+            queue_len=rt.queue_len(),
+            load=load,
+            epoch=rt.state.epoch,
+            state_hash=self._state_hash(rt.state),
+            incarnation=rt.incarnation,
+            open_window=rt.phase,
+            abandoned=tuple(rt.abandoned),
+            served_total=rt.num_backward,
+            rebalances=self.rebalances,
+            updated_at=time.time(),
+        )
+
+    def _state_hash(self, state: TrainingState) -> str:
+        """sha256 of the committed state, computed once per state object (states are replaced, never mutated)."""
+        if self._hashed_state is not state:
+            self._hashed_state, self._hash = state, state.state_hash()
+        return self._hash
+
+    def _announce(self) -> None:
+        record = self.record()
+        ok = publish_stage_record(self.node.dht, self.node.owner_marker, record, self.swarm.record_ttl_s)
+        publish_record(
+            self.node.dht,
+            self.node.owner_marker,
+            record.as_peer_record(__version__, self.swarm.microbatch_size),
+            self.swarm.record_ttl_s,
+        )
+        if ok:
+            self._last_announce_ok = time.monotonic()
+
+    def _background(self) -> None:
+        while not self._stop.wait(self.swarm.announce_interval_s):
+            try:
+                self._tick()
+            except Exception as exc:  # noqa: BLE001 - a failed tick is retried at the next interval
+                logger.warning("stage server background tick failed: %r", exc)
+
+    def _tick(self) -> None:
+        rt = self.runtime
+        if time.monotonic() - self._last_announce_ok > self.swarm.record_ttl_s:
+            rt.call(lambda: rt.reincarnate("stalled past the record TTL"), self.swarm.request_timeout_s)
+        self._announce()
+        if rt.phase != self._checked_phase:
+            self._checked_phase = rt.phase
+            self._maybe_resync()
+        now = time.monotonic()
+        if (
+            self.swarm.rebalance_interval_s > 0
+            and now - self._last_rebalance >= self.swarm.rebalance_interval_s
+            and now - self._last_move >= self.swarm.rebalance_cooldown_s
+        ):
+            self._last_rebalance = now
+            self.maybe_rebalance()
+
+    def maybe_rebalance(self) -> int | None:
+        """Ask ``decide_move`` and move if told to. Returns the new stage, or None."""
+        records = self._fetch_records()
+        target, reason = decide_move(
+            records,
+            self.stage,
+            time.time(),
+            self.swarm.rebalance_margin,
+            my_peer_id=self.node.peer_id,
+            num_stages=self.swarm.num_stages,
+            max_age_s=self.swarm.record_ttl_s,
+        )
+        logger.info("rebalance: %s", reason)
+        if target is None:
+            return None
+        self.rebalance_reasons.append(reason)
+        self.move_to(target)
+        return target
+
+    def move_to(self, target: int, timeout_s: float = 60.0) -> None:
+        """Leave the current stage (its open phase is abandoned) and serve ``target`` with downloaded parameters."""
+        rt = self.runtime
+        old = rt.spec.index
+        self.status = "moving"
+        self._announce()
+        rt.reject_queued("moving to another stage")
+        records = self._fetch_records()
+        module, state = self._obtain_stage(target, records, timeout_s)
+        rt.call(lambda: rt.replace(module, state), timeout_s)
+        rt.call(lambda: rt.benchmark((self.swarm.microbatch_size, self.run.data.seq_len)), timeout_s)
+        self._serve_state(target, timeout_s)
+        self._checked_phase = rt.phase
+        self.rebalances += 1
+        self._last_move = time.monotonic()
+        self.status = "serving"
+        self._announce()
+        logger.info("moved from stage %d to stage %d", old, target)
+
+    def _maybe_resync(self) -> None:
+        """After an outer step: download the stage state if the stage's peers are ahead or hold another state."""
+        rt = self.runtime
+        peers = [r for r in self._fetch_records() if r.stage == rt.spec.index and r.status == "serving"]
+        peer_records = [r.as_peer_record(__version__, self.swarm.microbatch_size) for r in peers]
+        decision = decide_sync(
+            self.node.peer_id, rt.state.epoch, rt.state.state_hash(), peer_records, time.time(), self.swarm.record_ttl_s
+        )
+        if decision.action != "download":
+            return
+        logger.info("stage %d: %s; downloading", rt.spec.index, decision.reason)
+        donors = [r for r in peers if r.peer_id in decision.donors]
+        _, state = self._obtain_stage(rt.spec.index, donors, self.run.averaging.round_timeout_s)
+        rt.call(lambda: rt.adopt_state(state), self.swarm.request_timeout_s)
+        self._checked_phase = rt.phase
+
+    # ---- per-stage DiLoCo ----------------------------------------------------------------------------------------
+
+    def _outer_step(self, runtime: StageRuntime, deltas: list[torch.Tensor]) -> TrainingState:
+        """Average the stage's pseudo-gradients with its peers and apply the outer step (runtime thread).
+
+        Raises:
+            RoundFailed: no round committed (the runtime abandons the phase).
+        """
+        stage = runtime.spec.index
+        self.status = "syncing"
+        runtime.reject_queued("syncing the stage")
+        try:
+            self._announce()
+            averager = self._averagers.get(stage)
+            if averager is None:
+                averager = self._averagers[stage] = self.averager_factory(
+                    self.node, stage_prefix(self.run.run_id, self.fingerprint, stage)
+                )
+            weight = float(self.diloco_phase_microbatches())
+            result = averager.average(deltas, weight, runtime.state.epoch, self.run.averaging.round_timeout_s)
+            new_state = outer_step(
+                runtime.state, result.tensors, self.run.diloco.outer_lr, self.run.diloco.outer_momentum
+            )
+            self.outer_steps[stage] += 1
+            return new_state
+        finally:
+            self.status = "serving"
+
+    def diloco_phase_microbatches(self) -> int:
+        return self.run.diloco.inner_steps * max(self.swarm.microbatches_per_inner_step, 1)
+
+
+def _majority_hashes(records: list[StageRecord]) -> dict[int, str]:
+    """epoch -> the state hash most of ``records`` announce for it (ties broken by the hash string)."""
+    votes: dict[int, Counter[str]] = {}
+    for record in records:
+        votes.setdefault(record.epoch, Counter())[record.state_hash] += 1
+    return {epoch: max(counter.items(), key=lambda kv: (kv[1], kv[0]))[0] for epoch, counter in votes.items()}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    from hivetrain.swarm.process import server_main
+
+    sys.exit(server_main())

@@ -1,0 +1,504 @@
+"""The pipeline trainer: sends microbatches through one server per stage, reroutes around failures, replays lost
+gradients.
+
+Per microbatch (SWARM parallelism, Ryabinin et al., ICML 2023, Sec. 3.2):
+
+1. forward: for s = 0..S-1 pick a server of stage s by stochastic wiring (``routing.choose_server``), send it the
+   stage input and keep that input (serialized, as sent); its output is the next stage's input.
+2. loss: next-token cross-entropy of the logits on the trainer, and its gradient w.r.t. the logits.
+3. backward: for s = S-1..0 send the kept input and the output gradient to the server that ran the forward; it
+   recomputes the stage and returns the input gradient, adding the parameter gradients to its accumulator.
+
+A call that fails (timeout, dead server, malformed or non-finite tensor) bans the server with backoff and resends
+the same kept input to another server of the stage: a forward is replayed from the stage input, a backward is
+recomputed there from the kept input, so the gradients are those of the no-failure run. "busy" replies (the server
+is syncing or moving) are retried elsewhere without a ban. Accepted backward calls enter the ``GradientLedger``,
+which replays them if the server's phase is lost (see ``hivetrain.swarm.ledger``).
+
+Shape legend: B = windows per microbatch, T = tokens per window, D = hidden size, V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.proto import runtime_pb2
+from transformers import LlamaConfig
+
+from hivetrain.config import RunConfig
+from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.peers.loop import LoopThread
+from hivetrain.peers.node import PeerNode
+from hivetrain.swarm import wire
+from hivetrain.swarm.announce import StageRecord, fetch_stage_records
+from hivetrain.swarm.client import CallFailed, StageClient
+from hivetrain.swarm.config import SwarmConfig
+from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
+from hivetrain.swarm.routing import BanList, choose_server
+
+logger = logging.getLogger(__name__)
+
+_NAN_STRIKES = 4
+_WAIT_FOR_SERVER_S = 0.2
+
+
+class PipelineStalled(RuntimeError):
+    """A microbatch could not pass a stage: no usable server, too many failures, or the step timed out."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One trainer step. Units: nats, microbatches, seconds."""
+
+    loss: float
+    num_microbatches: int
+    reroutes: int
+    duration_s: float
+
+
+@dataclass
+class TrainerStats:
+    """Counters over the trainer's life."""
+
+    microbatches: int = 0
+    reroutes: int = 0
+    replays: int = 0
+    busy_retries: int = 0
+    bans: Counter = field(default_factory=Counter)
+    ban_reasons: list[str] = field(default_factory=list)
+    served_by: Counter = field(default_factory=Counter)
+
+
+class PipelineTrainer:
+    """Trains through stage servers found in the DHT.
+
+    Args:
+        node: this trainer's DHT node.
+        run_id: the run whose ``{run_id}.swarm.servers`` records list the stage servers.
+        swarm: pipeline settings (S, compression, timeouts, bans).
+        model_config: the model's config (D, V; stage servers hold the same).
+        fingerprint: model fingerprint; servers of another model are ignored.
+        seed: seeds stochastic wiring.
+    """
+
+    def __init__(
+        self,
+        node: PeerNode,
+        run_id: str,
+        swarm: SwarmConfig,
+        model_config: LlamaConfig,
+        fingerprint: str,
+        faults: FaultInjector = NO_FAULTS,
+        seed: int = 0,
+        loop: LoopThread | None = None,
+    ):
+        self.node, self.run_id, self.swarm, self.model_config = node, run_id, swarm, model_config
+        self.fingerprint, self.faults = fingerprint, faults
+        self.loop = loop or LoopThread(name="swarm-trainer")
+        self._owns_loop = loop is None
+        self.rng = random.Random(seed)
+        self.bans = BanList(swarm.ban_base_s, swarm.ban_max_s)
+        self.ledger = GradientLedger()
+        self.stats = TrainerStats()
+        self.inflight: Counter[str] = Counter()
+        self.trainer_tag = f"{node.peer_id[-6:]}{secrets.token_hex(3)}"
+        self.client: StageClient | None = None
+        self._records: list[StageRecord] = []
+        self._records_at = -1e9
+        self._missing: Counter[str] = Counter()
+        self._pending_replays: list[LedgerEntry] = []
+        self._replay_tasks: set[asyncio.Task] = set()
+        self._step = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Connect to the DHT's P2P daemon. Raises TimeoutError if it does not answer within ``timeout_s``."""
+        p2p = self.loop.run(self.node.dht.replicate_p2p(), timeout_s)
+        self.client = StageClient(p2p, self.run_id, self.swarm, self.model_config)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Cancel replays in flight and stop the loop this trainer owns; idempotent."""
+        if self._replay_tasks:
+            for task in list(self._replay_tasks):
+                self.loop.loop.call_soon_threadsafe(task.cancel)
+        if self._owns_loop:
+            self.loop.stop(timeout_s)
+
+    # ---- public API ----------------------------------------------------------------------------------------------
+
+    def step(self, batch_BT1: torch.Tensor) -> StepResult:
+        """One training step on (B, T+1) int64 windows (B a multiple of ``swarm.microbatch_size``).
+
+        Every microbatch is forwarded and backpropagated through one server per stage; servers accumulate the
+        parameter gradients. Returns the mean loss of the microbatches.
+
+        Raises:
+            ValueError: B is not a multiple of the microbatch size, or T+1 < 2.
+            PipelineStalled: a microbatch could not be completed within ``swarm.step_timeout_s``.
+        """
+        num_microbatches = self.swarm.num_microbatches(batch_BT1.shape[0])
+        if batch_BT1.ndim != 2 or batch_BT1.shape[1] < 2:
+            raise ValueError(f"expected (B, T+1) windows, got shape {tuple(batch_BT1.shape)}")
+        self._step += 1
+        started, reroutes_before = time.perf_counter(), self.stats.reroutes
+        chunks = batch_BT1.split(self.swarm.microbatch_size)
+        ids = [f"{self.trainer_tag}:{self._step}:{i}" for i in range(num_microbatches)]
+        losses = self.loop.run(self._run_step(chunks, ids, train=True), self.swarm.step_timeout_s + 5.0)
+        return StepResult(
+            loss=sum(losses) / len(losses),
+            num_microbatches=num_microbatches,
+            reroutes=self.stats.reroutes - reroutes_before,
+            duration_s=time.perf_counter() - started,
+        )
+
+    def evaluate(self, windows_NT1: torch.Tensor) -> float:
+        """Mean next-token loss (nats) of the pipeline on (N, T+1) windows (forward passes only).
+
+        Raises:
+            PipelineStalled: as ``step``.
+        """
+        chunks = windows_NT1.split(self.swarm.microbatch_size)
+        self._step += 1
+        ids = [f"{self.trainer_tag}:eval{self._step}:{i}" for i in range(len(chunks))]
+        losses = self.loop.run(self._run_step(chunks, ids, train=False), self.swarm.step_timeout_s + 5.0)
+        sizes = [c.shape[0] for c in chunks]
+        return sum(loss * n for loss, n in zip(losses, sizes, strict=False)) / sum(sizes)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until no replay is pending: servers that died or dropped a phase have had their entries recomputed
+        elsewhere. Returns False if replays are still pending after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            pending = self.loop.run(self._settle_once(), timeout_s)
+            if not pending:
+                return True
+            time.sleep(min(0.5, self.swarm.announce_interval_s))
+        return False
+
+    def records(self) -> list[StageRecord]:
+        """The stage records seen at the last refresh."""
+        return list(self._records)
+
+    def summary(self) -> dict:
+        """Counters for summary.json: microbatches, reroutes, replays, bans, bytes."""
+        return {
+            "microbatches": self.stats.microbatches,
+            "reroutes": self.stats.reroutes,
+            "replays": self.stats.replays,
+            "busy_retries": self.stats.busy_retries,
+            "bans": dict(self.stats.bans),
+            "ban_reasons": self.stats.ban_reasons[-20:],
+            "pending_replays": len(self._pending_replays),
+            "unprotected_gradients": self.ledger.num_unprotected,
+            "bytes_sent": self.client.bytes_sent if self.client else 0,
+            "bytes_received": self.client.bytes_received if self.client else 0,
+        }
+
+    # ---- step internals --------------------------------------------------------------------------------------------
+
+    async def _run_step(self, chunks, ids: list[str], train: bool) -> list[float]:
+        await self._refresh_records(force=True)
+        semaphore = asyncio.Semaphore(self.swarm.max_inflight_microbatches)
+        deadline = time.monotonic() + self.swarm.step_timeout_s
+
+        async def one(chunk: torch.Tensor, microbatch_id: str) -> float:
+            async with semaphore:
+                return await self._microbatch(chunk, microbatch_id, deadline, train)
+
+        try:
+            return list(
+                await asyncio.wait_for(
+                    asyncio.gather(*(one(c, i) for c, i in zip(chunks, ids, strict=False))), self.swarm.step_timeout_s
+                )
+            )
+        except asyncio.TimeoutError:
+            raise PipelineStalled(f"step did not finish within {self.swarm.step_timeout_s:.0f}s") from None
+
+    async def _microbatch(self, chunk_BT1: torch.Tensor, microbatch_id: str, deadline: float, train: bool) -> float:
+        num_stages = self.swarm.num_stages
+        inputs: list[runtime_pb2.Tensor] = [wire.encode(chunk_BT1[:, :-1].contiguous())]  # (B, T) int64 ids
+        servers: list[str] = []
+        logits_BTV = None
+        for stage in range(num_stages):
+            peer, out_proto, out = await self._hop_forward(stage, microbatch_id, inputs[stage], deadline)
+            servers.append(peer)
+            if stage + 1 < num_stages:
+                inputs.append(out_proto)
+            else:
+                logits_BTV = out
+        targets_BT = chunk_BT1[:, 1:]
+        logits_BTV.requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+        if not train:
+            return loss.item()
+        (grad_BTV,) = torch.autograd.grad(loss, [logits_BTV])
+        grad = wire.encode(grad_BTV, self.swarm.compression)
+        for stage in reversed(range(num_stages)):
+            grad = await self._hop_backward(stage, microbatch_id, inputs[stage], grad, servers[stage], deadline)
+        self.stats.microbatches += 1
+        return loss.item()
+
+    def _live_records(self) -> list[StageRecord]:
+        return [r for r in self._records if r.model_fingerprint == self.fingerprint]
+
+    async def _choose(self, stage: int, exclude: set[str], deadline: float) -> StageRecord:
+        """A server for ``stage``; waits (refreshing records) while none is usable, until ``deadline``."""
+        while True:
+            record, reason = choose_server(
+                self._live_records(), stage, time.monotonic(), self.bans, self.rng, self.inflight, exclude
+            )
+            if record is not None:
+                return record
+            exclude.clear()  # servers that were busy or failed this hop may be tried again (bans still apply)
+            if time.monotonic() + _WAIT_FOR_SERVER_S > deadline:
+                raise PipelineStalled(f"no usable server: {reason}")
+            await asyncio.sleep(_WAIT_FOR_SERVER_S)
+            await self._refresh_records(force=True)
+
+    def _ban(self, peer_id: str, stage: int, reason: str, strikes: int = 1) -> None:
+        self.bans.ban(peer_id, time.monotonic(), reason, strikes)
+        self.stats.bans[peer_id] += 1
+        self.stats.ban_reasons.append(f"stage {stage} {peer_id[:12]}: {reason}")
+        self.stats.reroutes += 1
+        logger.info("banned stage %d server %s: %s", stage, peer_id[:12], reason)
+
+    async def _hop(self, stage: int, deadline: float, call, preferred: str | None = None):
+        """Run ``call(peer_id)`` on servers of ``stage`` until one answers "ok"; returns (peer_id, reply, result)."""
+        exclude: set[str] = set()
+        failures = 0
+        while True:
+            if preferred is not None and not self.bans.is_banned(preferred, time.monotonic()):
+                peer_id, preferred = preferred, None
+            else:
+                peer_id, preferred = (await self._choose(stage, exclude, deadline)).peer_id, None
+            self.inflight[peer_id] += 1
+            try:
+                reply, result = await call(peer_id)
+            except wire.BadTensor as exc:
+                self._ban(peer_id, stage, f"bad tensor: {exc}", strikes=_NAN_STRIKES)
+                reply = None
+            except CallFailed as exc:
+                self._ban(peer_id, stage, str(exc))
+                reply = None
+            finally:
+                self.inflight[peer_id] -= 1
+            if reply is not None:
+                self._observe(peer_id, reply)
+                if reply.status == "ok":
+                    self.bans.succeeded(peer_id)
+                    self.stats.served_by[peer_id] += 1
+                    return peer_id, reply, result
+                if reply.status == "busy":
+                    self.stats.busy_retries += 1
+                    exclude.add(peer_id)
+                    continue
+                self._ban(peer_id, stage, f"replied {reply.status}: {reply.detail}")
+            failures += 1
+            exclude.add(peer_id)
+            if failures >= self.swarm.max_attempts_per_hop or time.monotonic() > deadline:
+                raise PipelineStalled(f"stage {stage}: {failures} failed attempt(s)")
+
+    async def _hop_forward(self, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, deadline: float):
+        async def call(peer_id: str):
+            reply, proto, out = await self.client.forward(peer_id, stage, microbatch_id, x, self._timeout(deadline))
+            return reply, (proto, out)
+
+        peer_id, _, (proto, out) = await self._hop(stage, deadline, call)
+        return peer_id, proto, out
+
+    async def _hop_backward(
+        self,
+        stage: int,
+        microbatch_id: str,
+        x: runtime_pb2.Tensor,
+        grad: runtime_pb2.Tensor,
+        preferred: str,
+        deadline: float,
+    ) -> runtime_pb2.Tensor | None:
+        async def call(peer_id: str):
+            return await self.client.backward(peer_id, stage, microbatch_id, x, grad, self._timeout(deadline))
+
+        peer_id, reply, grad_input = await self._hop(stage, deadline, call, preferred=preferred)
+        if reply.window >= 0:
+            self.ledger.add(LedgerEntry(stage, microbatch_id, peer_id, reply.incarnation, reply.window, x, grad))
+        return grad_input
+
+    def _timeout(self, deadline: float) -> float:
+        return max(0.1, min(self.swarm.request_timeout_s, deadline - time.monotonic()))
+
+    # ---- ledger and replays --------------------------------------------------------------------------------------
+
+    def _observe(self, peer_id: str, reply: wire.ReplyMeta) -> None:
+        self._queue_replays(self.ledger.observe(peer_id, reply.incarnation, reply.open_window, reply.abandoned))
+
+    def _queue_replays(self, entries: list[LedgerEntry]) -> None:
+        if not entries:
+            return
+        logger.info("replaying %d gradient(s) lost at %s", len(entries), entries[0].peer_id[:12])
+        self._pending_replays.extend(entries)
+        for entry in entries:
+            task = asyncio.get_running_loop().create_task(self._replay(entry))
+            self._replay_tasks.add(task)
+            task.add_done_callback(self._replay_tasks.discard)
+
+    async def _replay(self, entry: LedgerEntry) -> None:
+        deadline = time.monotonic() + self.swarm.step_timeout_s
+
+        async def call(peer_id: str):
+            return await self.client.backward(
+                peer_id,
+                entry.stage,
+                entry.microbatch_id + ":replay",
+                entry.stage_input,
+                entry.grad_output,
+                self._timeout(deadline),
+                replay=True,
+            )
+
+        try:
+            peer_id, reply, _ = await self._hop(entry.stage, deadline, call)
+        except PipelineStalled as exc:
+            logger.warning("replay of %s at stage %d failed (%s); will retry", entry.microbatch_id, entry.stage, exc)
+            return
+        self._pending_replays.remove(entry)
+        self.stats.replays += 1
+        if reply.window >= 0:
+            self.ledger.add(
+                LedgerEntry(
+                    entry.stage,
+                    entry.microbatch_id,
+                    peer_id,
+                    reply.incarnation,
+                    reply.window,
+                    entry.stage_input,
+                    entry.grad_output,
+                )
+            )
+
+    async def _settle_once(self) -> int:
+        await self._refresh_records(force=True)
+        if self._replay_tasks:
+            await asyncio.wait(list(self._replay_tasks), timeout=self.swarm.step_timeout_s)
+        orphans = list(self._pending_replays)
+        if orphans and not self._replay_tasks:
+            self._pending_replays = []
+            self._queue_replays(orphans)
+        return len(self._pending_replays) + len(self._replay_tasks)
+
+    async def _refresh_records(self, force: bool = False) -> None:
+        """Re-read stage records (at most every half announce interval unless ``force``); servers whose records
+        vanished on two consecutive reads get their ledger entries replayed."""
+        now = time.monotonic()
+        if not force and now - self._records_at < self.swarm.announce_interval_s / 2:
+            return
+        records = await asyncio.get_running_loop().run_in_executor(
+            None, fetch_stage_records, self.node.dht, self.run_id
+        )
+        self._records, self._records_at = records, time.monotonic()
+        live = {r.peer_id: (r.incarnation, r.open_window, r.abandoned) for r in records}
+        replays = []
+        for peer_id in list(self.ledger.entries):
+            if peer_id in live:
+                self._missing[peer_id] = 0
+                replays.extend(self.ledger.observe(peer_id, *live[peer_id]))
+            else:
+                self._missing[peer_id] += 1  # one miss may be a transient DHT failure; two mean the record expired
+                if self._missing[peer_id] >= 2:
+                    replays.extend(self.ledger.forget(peer_id))
+        self._queue_replays(replays)
+
+    def wait_for_stages(self, timeout_s: float) -> None:
+        """Block until every stage has a serving server. Raises PipelineStalled after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.loop.run(self._refresh_records(force=True), timeout_s)
+            served = {r.stage for r in self._live_records() if r.status == "serving"}
+            if served >= set(range(self.swarm.num_stages)):
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.swarm.num_stages)) - served)
+                raise PipelineStalled(f"no server for stage(s) {missing} after {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+
+def run_training(
+    node: PeerNode,
+    run: RunConfig,
+    swarm: SwarmConfig,
+    steps: int,
+    index: int = 0,
+    metrics_file: str | None = None,
+    num_eval_windows: int = 8,
+    wait_s: float = 120.0,
+) -> dict:
+    """Train for ``steps`` steps (0 = until interrupted) on the run's corpus; returns the trainer's stats.
+
+    Raises:
+        PipelineStalled: the pipeline never became complete within ``wait_s`` seconds.
+    """
+    from hivetrain.data import load_corpus, stream_seed
+    from hivetrain.swarm.process import describe_model
+
+    corpus = load_corpus(run.data)
+    model_config, fingerprint = describe_model(run)
+    trainer = PipelineTrainer(node, run.run_id, swarm, model_config, fingerprint, seed=run.seed * 1000 + index)
+    stats: dict = {"peer_id": node.peer_id, "completed": False, "steps": 0, "failed_steps": 0}
+    metrics = open(metrics_file, "a") if metrics_file else None  # noqa: SIM115 - closed in finally
+    try:
+        trainer.start()
+        trainer.wait_for_stages(wait_s)
+        eval_windows = corpus.eval_windows(run.data.seq_len, num_eval_windows)
+        stats["initial_eval_loss"] = trainer.evaluate(eval_windows)
+        batches = corpus.train_batches(run.data.seq_len, run.data.batch_size, stream_seed(run.seed, node.peer_id))
+        started = time.time()
+        step = 0
+        while steps == 0 or step < steps:
+            try:
+                result = trainer.step(next(batches))
+            except PipelineStalled as exc:
+                stats["failed_steps"] += 1
+                logger.warning("step failed: %s", exc)
+                if stats["failed_steps"] > max(3, steps // 4):
+                    raise
+                continue
+            step += 1
+            event = {
+                "event": "step",
+                "t": time.time(),
+                "step": step,
+                "loss": result.loss,
+                "microbatches": result.num_microbatches,
+                "reroutes": result.reroutes,
+                "duration_s": result.duration_s,
+            }
+            if metrics is not None:
+                metrics.write(json.dumps(event) + "\n")
+                metrics.flush()
+        stats["train_wall_s"] = time.time() - started
+        stats["settled"] = trainer.settle(timeout_s=3 * swarm.record_ttl_s)
+        stats["final_eval_loss"] = trainer.evaluate(eval_windows)
+        stats["steps"] = step
+        stats["completed"] = True
+    finally:
+        stats.update(trainer.summary())
+        trainer.shutdown()
+        if metrics is not None:
+            metrics.close()
+    return stats
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    from hivetrain.swarm.process import trainer_main
+
+    sys.exit(trainer_main())
