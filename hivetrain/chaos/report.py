@@ -1,0 +1,291 @@
+"""What a chaos run survived: figures and post-run invariants, computed from what the processes left behind.
+
+Pure functions of ``PeerRun`` records (each peer's metrics events, summary, exit, RSS samples) and the fault log the
+runner kept; ``build_report`` returns the dict written to ``report.json`` and ``format_summary`` its readable form.
+
+Invariants (every one must hold for ``passed``):
+    state_hashes_agree     survivors (honest peers that finished) hold the same state hash at every epoch they share
+    no_diverged_peers      no honest survivor ends on a state the majority does not hold (``diverged_peers``)
+    eval_loss_decreased    mean final eval loss of the survivors < initial eval loss
+    finished               every survivor reached the run's outer_steps and exited 0 before max_duration_s
+    no_leftover_processes  no launched process or p2pd is alive after the run
+    no_torn_checkpoint     every checkpoint on disk verifies (``CheckpointStore.list``)
+    rss_growth_bounded     RSS growth per peer (first committed step -> max) <= scenario.max_rss_growth_mb
+    faults_fired           every fault of the scenario fired
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hivetrain.chaos.scenario import Scenario
+
+MIB = 2**20
+
+
+@dataclass
+class PeerRun:
+    """One peer process as the runner saw it. Times are seconds since the swarm started.
+
+    Attributes:
+        name: "peer3" or "churn2".
+        index: its scenario index (None for churn peers).
+        byzantine: its --byzantine mode ("" = honest).
+        events: its metrics events (dicts, with "t_s" added).
+        summary: its summary file (None if it was killed before writing one).
+        exit_code: None while alive at the end (then it was stopped by the runner).
+        killed: the harness killed it on purpose (kill or churn fault).
+        rss: (t_s, bytes) samples of the peer and its p2pd together.
+    """
+
+    name: str
+    index: int | None
+    byzantine: str = ""
+    started_at_s: float = 0.0
+    exited_at_s: float | None = None
+    exit_code: int | None = None
+    killed: bool = False
+    events: list[dict] = field(default_factory=list)
+    summary: dict | None = None
+    rss: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def honest(self) -> bool:
+        return not self.byzantine
+
+    @property
+    def survived(self) -> bool:
+        return self.exit_code == 0 and not self.killed
+
+
+def commit_times(peers: list[PeerRun]) -> list[tuple[float, int]]:
+    """(t_s, epoch) of the first commit of each epoch by an honest peer, in time order."""
+    first: dict[int, float] = {}
+    for peer in peers:
+        if not peer.honest:
+            continue
+        for e in peer.events:
+            if e["event"] == "outer_step" and (e["epoch"] not in first or e["t_s"] < first[e["epoch"]]):
+                first[e["epoch"]] = e["t_s"]
+    return sorted((t, epoch) for epoch, t in first.items())
+
+
+def lost_samples(peers: list[PeerRun]) -> list[tuple[float, int, str]]:
+    """(t_s, num_samples, peer) of inner phases whose pseudo-gradient was never committed.
+
+    An inner phase is lost when the peer discarded it, downloaded state instead, or died before committing it.
+    """
+    lost = []
+    for peer in peers:
+        pending: tuple[float, int] | None = None
+        for e in peer.events:
+            kind = e["event"]
+            if kind == "inner_phase":
+                if pending is not None:
+                    lost.append((*pending, peer.name))
+                pending = (e["t_s"], int(e.get("samples", 0)))
+            elif kind == "outer_step":
+                pending = None
+            elif kind in ("pseudo_gradient_discarded", "state_downloaded") and pending is not None:
+                lost.append((e["t_s"], pending[1], peer.name))
+                pending = None
+        if pending is not None:
+            lost.append((peer.exited_at_s if peer.exited_at_s is not None else pending[0], pending[1], peer.name))
+    return sorted(lost)
+
+
+def hash_agreement(peers: list[PeerRun]) -> tuple[bool, list[str], dict[str, list[str]]]:
+    """Compare the survivors' state hashes per epoch.
+
+    Returns:
+        (all epochs agree, names of diverged survivors, epoch -> distinct hashes where they disagree).
+    """
+    survivors = [p for p in peers if p.survived and p.honest and p.summary]
+    by_epoch: dict[str, dict[str, str]] = {}
+    for peer in survivors:
+        for epoch, digest in peer.summary.get("state_hashes", {}).items():
+            by_epoch.setdefault(str(epoch), {})[peer.name] = digest
+    disagreements = {
+        epoch: sorted(set(hashes.values())) for epoch, hashes in by_epoch.items() if len(set(hashes.values())) > 1
+    }
+    diverged: set[str] = set()
+    for epoch in disagreements:
+        majority = Counter(by_epoch[epoch].values()).most_common(1)[0][0]
+        diverged |= {name for name, digest in by_epoch[epoch].items() if digest != majority}
+    return not disagreements, sorted(diverged), disagreements
+
+
+def transient_forks(peers: list[PeerRun]) -> int:
+    """Epochs at which honest peers committed different states (later repaired by a state download, or not)."""
+    by_epoch: dict[int, set[str]] = {}
+    for peer in peers:
+        if peer.honest:
+            for e in peer.events:
+                if e["event"] == "outer_step":
+                    by_epoch.setdefault(e["epoch"], set()).add(e["state_hash"])
+    return sum(1 for hashes in by_epoch.values() if len(hashes) > 1)
+
+
+def rss_growth_mib(peer: PeerRun) -> float:
+    """RSS growth of a peer from its first committed step to its largest sample, MiB (0 without samples)."""
+    first_commit = next((e["t_s"] for e in peer.events if e["event"] == "outer_step"), None)
+    if first_commit is None:
+        return 0.0
+    warm = [rss for t, rss in peer.rss if t >= first_commit]
+    return (max(warm) - warm[0]) / MIB if warm else 0.0
+
+
+def eval_series(peer: PeerRun) -> list[tuple[float, float]]:
+    """(t_s, eval loss) of a peer: at start, after evaluated outer steps and at finish."""
+    return [(e["t_s"], e["eval_loss"]) for e in peer.events if e.get("eval_loss") is not None]
+
+
+def build_report(
+    scenario: Scenario,
+    peers: list[PeerRun],
+    faults: list[dict],
+    *,
+    wall_s: float,
+    timed_out: bool,
+    leftover_pids: list[int],
+    checkpoints: list[dict],
+) -> dict:
+    """The content of ``report.json``.
+
+    Args:
+        faults: the runner's fault log: dicts with at least kind, label, fired_at_s (None = never fired),
+            ended_at_s; recovery_s and samples_lost are added here.
+        leftover_pids: launched processes (or their p2pd) still alive after cleanup.
+        checkpoints: {"path", "status", "reason"} for every checkpoint found.
+    """
+    target = scenario.run_config().diloco.outer_steps
+    commits = commit_times(peers)
+    start_s = min((e["t_s"] for p in peers for e in p.events if e["event"] == "start"), default=0.0)
+    marks = [start_s] + [t for t, _ in commits]
+    gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    lost = lost_samples(peers)
+
+    fired_times = sorted(f["fired_at_s"] for f in faults if f.get("fired_at_s") is not None)
+    for fault in faults:
+        fired = fault.get("fired_at_s")
+        if fired is None:
+            fault.update(recovery_s=None, samples_lost=0)
+            continue
+        after = [t for t, _ in commits if t > fired]
+        fault["recovery_s"] = round(after[0] - fired, 2) if after else None
+        later = [t for t in fired_times if t > fired]
+        window_end = min([after[0] if after else float("inf")] + ([later[0]] if later else []))
+        fault["samples_lost"] = sum(n for t, n, _ in lost if fired <= t <= window_end)
+
+    agree, diverged, disagreements = hash_agreement(peers)
+    honest = [p for p in peers if p.honest]
+    survivors = [p for p in honest if p.survived]
+    initial = [e["eval_loss"] for p in honest for e in p.events if e["event"] == "start" and e.get("eval_loss")]
+    final = [p.summary["final_eval_loss"] for p in survivors if p.summary and p.summary.get("final_eval_loss")]
+    initial_loss = statistics.median(initial) if initial else None
+    final_loss = statistics.fmean(final) if final else None
+    rss = {p.name: round(rss_growth_mib(p), 1) for p in peers}
+    finished = (
+        not timed_out
+        and bool(survivors)
+        and all(p.summary and p.summary.get("epoch", 0) >= target for p in survivors)
+        and all(p.exit_code in (0, None) or p.killed or p.byzantine for p in peers)
+    )
+    invariants = {
+        "state_hashes_agree": agree,
+        "no_diverged_peers": not diverged,
+        "eval_loss_decreased": initial_loss is not None and final_loss is not None and final_loss < initial_loss,
+        "finished": finished,
+        "no_leftover_processes": not leftover_pids,
+        "no_torn_checkpoint": all(c["status"] != "torn" for c in checkpoints),
+        "rss_growth_bounded": all(v <= scenario.max_rss_growth_mb for v in rss.values()),
+        "faults_fired": all(f.get("fired_at_s") is not None for f in faults),
+    }
+    recoveries = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
+    return {
+        "scenario": scenario.name,
+        "description": scenario.description,
+        "passed": all(invariants.values()),
+        "invariants": invariants,
+        "faults": faults,
+        "diverged_peers": diverged,
+        "figures": {
+            "outer_steps_committed": len(commits),
+            "target_outer_steps": target,
+            "longest_gap_s": round(max(gaps), 2) if gaps else None,
+            "max_recovery_s": max(recoveries) if recoveries else None,
+            "samples_lost": sum(n for _, n, _ in lost),
+            "samples_committed": sum(
+                int(e.get("samples", 0)) for p in honest for e in p.events if e["event"] == "inner_phase"
+            )
+            - sum(n for _, n, name in lost if name in {p.name for p in honest}),
+            "peers_diverged": len(diverged),
+            "transient_forks": transient_forks(peers),
+            "initial_eval_loss": initial_loss,
+            "final_eval_loss": final_loss,
+            "wall_s": round(wall_s, 1),
+            "rss_growth_mib": rss,
+            "rounds_failed": sum(1 for p in peers for e in p.events if e["event"] == "round_failed"),
+            "state_downloads": sum(1 for p in peers for e in p.events if e["event"] == "state_downloaded"),
+        },
+        "hash_disagreements": disagreements,
+        "peers": [
+            {
+                "name": p.name,
+                "index": p.index,
+                "byzantine": p.byzantine,
+                "started_at_s": round(p.started_at_s, 2),
+                "exited_at_s": None if p.exited_at_s is None else round(p.exited_at_s, 2),
+                "exit_code": p.exit_code,
+                "killed": p.killed,
+                "final_epoch": p.summary.get("epoch") if p.summary else None,
+            }
+            for p in peers
+        ],
+        "commits": [{"t_s": round(t, 2), "epoch": epoch} for t, epoch in commits],
+        "leftover_pids": leftover_pids,
+        "checkpoints": checkpoints,
+        "timed_out": timed_out,
+    }
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def format_summary(report: dict) -> str:
+    """A readable summary of a report (plain text, ~30 lines)."""
+    fig = report["figures"]
+    lines = [
+        f"scenario {report['scenario']}: {'PASSED' if report['passed'] else 'FAILED'}  ({report['description']})",
+        "",
+        "invariants:",
+        *[f"  {'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["invariants"].items()],
+        "",
+        "figures:",
+        f"  outer steps committed     {fig['outer_steps_committed']} / {fig['target_outer_steps']}",
+        f"  longest gap without step  {_fmt(fig['longest_gap_s'])} s",
+        f"  worst recovery            {_fmt(fig['max_recovery_s'])} s",
+        f"  samples lost              {fig['samples_lost']} (committed {fig['samples_committed']})",
+        f"  peers diverged            {fig['peers_diverged']}  (transient forks: {fig['transient_forks']})",
+        f"  eval loss                 {_fmt(fig['initial_eval_loss'])} -> {_fmt(fig['final_eval_loss'])}",
+        f"  rounds failed / state downloads  {fig['rounds_failed']} / {fig['state_downloads']}",
+        f"  wall time                 {fig['wall_s']} s",
+        f"  RSS growth per peer (MiB) {', '.join(f'{k} {v}' for k, v in fig['rss_growth_mib'].items())}",
+        "",
+        "faults:",
+    ]
+    for f in report["faults"]:
+        lines.append(
+            f"  {f['label']:<28} fired {_fmt(f.get('fired_at_s')):>8} s  recovery {_fmt(f.get('recovery_s')):>7} s"
+            f"  samples lost {f.get('samples_lost', 0):>5}  {f.get('detail', '')}"
+        )
+    if report["diverged_peers"]:
+        lines.append(f"diverged peers: {', '.join(report['diverged_peers'])}")
+    if report["leftover_pids"]:
+        lines.append(f"processes left behind: {report['leftover_pids']}")
+    return "\n".join(lines)

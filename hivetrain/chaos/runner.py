@@ -1,0 +1,402 @@
+"""Run a chaos scenario: launch a coordinator and peers as real processes, apply the faults, write the report.
+
+``run_scenario(scenario, out_dir)`` is the whole lifecycle: set up (network namespaces, proxy, coordinator, initial
+peers), a poll loop a few times a second (read the peers' metrics, fire due faults and timers, sample RSS, notice
+exits), then tear everything down in ``finally`` and compute ``report.json``, ``summary.txt`` and ``plot.png`` in
+``out_dir``. Whatever happens (an exception, Ctrl+C), every process group it started is killed and every namespace it
+created is deleted before it returns or raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from hivetrain.chaos import process
+from hivetrain.chaos.network import Member, NetnsTopology, TcpProxy
+from hivetrain.chaos.plot import plot_run
+from hivetrain.chaos.report import PeerRun, build_report, format_summary
+from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, Scenario
+from hivetrain.chaos.schedule import ChurnStep, Observed, churn_decision, churn_plan, due_faults
+from hivetrain.testing.launcher import LocalSwarm, PeerProcess
+from hivetrain.testing.summary import read_peer_summary
+
+logger = logging.getLogger(__name__)
+
+RSS_INTERVAL_S = 2.0
+_NORMAL_EXITS = (0, 2, 3, 4, 130)
+
+
+@dataclass
+class _Peer:
+    proc: PeerProcess
+    run: PeerRun
+    member: Member | None = None
+    offset: int = 0
+    hooks: list[int] = field(default_factory=list)  # indices of hook faults armed on it
+
+
+@dataclass
+class _Timer:
+    at_s: float
+    action: Callable[[], None]
+
+
+class ChaosRunner:
+    """One run of one scenario. Use ``run()`` once.
+
+    Args:
+        scenario: the validated scenario.
+        out_dir: logs, metrics, report.json, summary.txt and plot.png go here.
+        log: receives one human-readable line per notable thing (faults, commits).
+        poll_interval_s: period of the control loop, seconds.
+    """
+
+    def __init__(
+        self, scenario: Scenario, out_dir: Path, log: Callable[[str], None] = print, poll_interval_s: float = 0.25
+    ):
+        self.scenario, self.out_dir, self.log, self.poll_interval_s = scenario, Path(out_dir), log, poll_interval_s
+        self.config = scenario.run_config()
+        self.t0 = 0.0
+        self.peers: list[_Peer] = []
+        self.by_index: dict[int, _Peer] = {}
+        self.observed: list[Observed] = []
+        self.faults: list[dict] = [
+            {"index": i, "kind": f.kind, "label": f.describe(), "fired_at_s": None, "ended_at_s": None, "detail": ""}
+            for i, f in enumerate(scenario.faults)
+        ]
+        self.timers: list[_Timer] = []
+        self.topology: NetnsTopology | None = None
+        self.coordinator_member: Member | None = None
+        self.proxy: TcpProxy | None = None
+        self.peer_address: str | None = None
+        self.swarm: LocalSwarm | None = None
+        self.p2pds: dict[int, float] = {}
+        self.orphans: list[int] = []
+        self._next_index = scenario.peers
+        self._num_churn = 0
+        self._last_rss = 0.0
+        self._last_epoch = 0
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Run the scenario to its end; returns the report (also written to ``out_dir``)."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.out_dir / "run.toml"
+        config_path.write_text(tomli_w.dumps(self.config.to_dict()))
+        (self.out_dir / "scenario.json").write_text(self.scenario.model_dump_json(indent=2))
+        timed_out = False
+        self.t0 = time.time()
+        try:
+            self._setup(config_path)
+            timed_out = not self._loop()
+        finally:
+            leftover = self._teardown()
+        wall_s = time.time() - self.t0
+        checkpoints = process.check_checkpoints(self.out_dir)
+        runs = [p.run for p in self.peers]
+        report = build_report(
+            self.scenario,
+            runs,
+            self.faults,
+            wall_s=wall_s,
+            timed_out=timed_out,
+            leftover_pids=leftover,
+            checkpoints=checkpoints,
+        )
+        report["orphans_after_crash"] = self.orphans
+        (self.out_dir / "report.json").write_text(json.dumps(report, indent=2))
+        (self.out_dir / "summary.txt").write_text(format_summary(report) + "\n")
+        try:
+            plot_run(report, runs, self.out_dir / "plot.png")
+        except Exception as exc:  # noqa: BLE001 - a plotting failure must not hide the report
+            logger.warning("could not draw the plot: %r", exc)
+        return report
+
+    def _setup(self, config_path: Path) -> None:
+        scenario = self.scenario
+        self.swarm = LocalSwarm(self.out_dir, config_path, threads_per_peer=scenario.threads_per_peer)
+        prefix, host = (), "127.0.0.1"
+        if scenario.network == "netns":
+            self.topology = NetnsTopology()
+            self.topology.create()
+            self.coordinator_member = self.topology.add_member()
+            prefix, host = self.coordinator_member.exec_prefix, self.coordinator_member.ip
+        address = self.swarm.start_coordinator(timeout_s=90, prefix=prefix, host=host)
+        self.log(f"[{self.now():6.1f}s] coordinator up at {address}")
+        for i, fault in enumerate(scenario.faults):
+            if fault.kind == "latency":
+                port = int(address.split("/tcp/")[1].split("/")[0])
+                self.proxy = TcpProxy(
+                    host, port, fault.latency_ms, fault.jitter_ms, fault.loss, fault.rto_ms, seed=scenario.seed
+                )
+                proxy_port = self.proxy.start()
+                self.peer_address = address.replace(f"/tcp/{port}/", f"/tcp/{proxy_port}/")
+                self._fired(i, f"proxy on port {proxy_port} in front of the coordinator")
+        for index in range(scenario.peers):
+            self._launch(index)
+
+    def _loop(self) -> bool:
+        """Returns False when the scenario ran past max_duration_s."""
+        pending = [i for i, f in enumerate(self.scenario.faults) if f.kind not in LAUNCH_TIME_KINDS]
+        while True:
+            now = self.now()
+            self._poll_peers()
+            for index, reason in due_faults(pending, self.scenario, self.observed, now):
+                pending.remove(index)
+                self._fire(index, reason)
+            for timer in [t for t in self.timers if t.at_s <= now]:
+                self.timers.remove(timer)
+                timer.action()
+            if now - self._last_rss >= RSS_INTERVAL_S:
+                self._last_rss = now
+                self._sample()
+            if now > self.scenario.max_duration_s:
+                self.log(f"[{now:6.1f}s] max_duration_s reached: stopping")
+                return False
+            alive = any(p.proc.alive() for p in self.peers)
+            waiting_on_time = any(self.scenario.faults[i].at_s is not None for i in pending)
+            if not alive and not self.timers and not waiting_on_time:
+                return True
+            time.sleep(self.poll_interval_s)
+
+    def _teardown(self) -> list[int]:
+        """Stop everything started; returns PIDs still alive afterwards."""
+        leftover: list[int] = []
+        try:
+            if self.swarm is not None:
+                for proc in self.swarm.history:
+                    proc.signal_group(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                self.swarm.close(grace_s=10.0)
+                time.sleep(0.5)
+                leftover = process.leftovers(self.swarm.history, self.p2pds)
+                for proc in self.swarm.history:  # never leave anything behind, even after reporting it
+                    proc.signal_group(signal.SIGKILL)
+        finally:
+            if self.proxy is not None:
+                self.proxy.close()
+            if self.topology is not None:
+                self.topology.close()
+        return leftover
+
+    # ---- peers ------------------------------------------------------------------------------------------------
+    def _launch(self, index: int | None) -> _Peer:
+        assert self.swarm is not None
+        args: list[str] = []
+        hooks, byzantine = [], ""
+        for i, fault in enumerate(self.scenario.faults):
+            if index is not None and getattr(fault, "peer", None) == index and fault.kind in ("hook", "byzantine"):
+                if fault.kind == "hook":
+                    args += ["--fault", fault.spec()]
+                    hooks.append(i)
+                else:
+                    args += ["--byzantine", fault.mode]
+                    byzantine = fault.mode
+        if index is None:
+            self._num_churn += 1
+            name = f"churn{self._num_churn}"
+        else:
+            name = f"peer{index}"
+        member = self.topology.add_member() if self.topology is not None else None
+        proc = self.swarm.add_peer(
+            args,
+            name=name,
+            prefix=member.exec_prefix if member else (),
+            host=member.ip if member else "127.0.0.1",
+            address=self.peer_address,
+        )
+        peer = _Peer(proc=proc, run=PeerRun(name=name, index=index, byzantine=byzantine, started_at_s=self.now()))
+        peer.member, peer.hooks = member, hooks
+        self.peers.append(peer)
+        if index is not None:
+            self.by_index[index] = peer
+        for i, fault in enumerate(self.scenario.faults):
+            if fault.kind == "byzantine" and fault.peer == index:
+                self._fired(i, f"{name} launched with --byzantine {fault.mode}")
+        self.log(f"[{self.now():6.1f}s] started {name}" + (f" ({' '.join(args)})" if args else ""))
+        return peer
+
+    def _poll_peers(self) -> None:
+        for peer in self.peers:
+            self._read_events(peer)
+            run = peer.run
+            if run.exit_code is None and not peer.proc.alive():
+                run.exit_code, run.exited_at_s = peer.proc.popen.returncode, self.now()
+                run.summary = read_peer_summary(peer.proc)
+                self.log(f"[{run.exited_at_s:6.1f}s] {run.name} exited with code {run.exit_code}")
+                self._after_exit(peer)
+            if peer.hooks and run.exit_code is None:
+                self._check_hooks(peer)
+
+    def _read_events(self, peer: _Peer) -> None:
+        path = peer.proc.metrics_path
+        if path is None or not path.exists():
+            return
+        with open(path, "rb") as f:
+            f.seek(peer.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        peer.offset += end + 1
+        for line in chunk[: end + 1].splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            event["t_s"] = event.get("time", self.t0) - self.t0
+            peer.run.events.append(event)
+            self.observed.append(Observed(peer.run.index, event["event"], int(event.get("epoch", 0)), event["t_s"]))
+            if event["event"] == "outer_step" and event["epoch"] > self._last_epoch and not peer.run.byzantine:
+                self._last_epoch = event["epoch"]
+                loss = event.get("eval_loss")
+                self.log(
+                    f"[{event['t_s']:6.1f}s] epoch {event['epoch']} committed by {peer.run.name} "
+                    f"(group {event.get('group_size')}, eval loss {loss if loss is None else round(loss, 3)})"
+                )
+
+    def _after_exit(self, peer: _Peer) -> None:
+        """A peer exited: a normal exit must have taken its p2pd along; a crash may orphan it (recorded, reaped)."""
+        left = peer.proc.group_pids()
+        if left:
+            if peer.run.exit_code in _NORMAL_EXITS:
+                deadline = time.monotonic() + 3.0
+                while left and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    left = peer.proc.group_pids()
+            if left and not peer.run.killed:
+                self.orphans += left
+                self.log(f"[{self.now():6.1f}s] {peer.run.name} left {len(left)} process(es) behind: reaping them")
+            peer.proc.signal_group(signal.SIGKILL)
+        for i in peer.hooks:
+            fault = self.scenario.faults[i]
+            if fault.action == "exit" and peer.run.exit_code == 137 and self.faults[i]["fired_at_s"] is None:
+                self._fired(i, f"{peer.run.name} exited at a hook ({fault.spec()})", at_s=peer.run.exited_at_s)
+
+    def _check_hooks(self, peer: _Peer) -> None:
+        for i in peer.hooks:
+            fault = self.scenario.faults[i]
+            if self.faults[i]["fired_at_s"] is not None:
+                continue
+            if fault.action == "stop" and process.is_stopped(peer.proc):
+                self._fired(i, f"{peer.run.name} stopped itself at {fault.point}; SIGCONT in {fault.seconds:g}s")
+                self.faults[i]["ended_at_s"] = self.now() + fault.seconds
+                self.timers.append(_Timer(self.now() + fault.seconds, lambda p=peer.proc: process.resume(p)))
+            elif fault.action in ("raise", "sleep"):
+                text = peer.proc.log_path.read_text(errors="replace") if peer.proc.log_path.exists() else ""
+                if f"fault injected at {fault.point}" in text or f"fault fired: {fault.point}" in text:
+                    self._fired(i, f"{peer.run.name}: {fault.spec()} (seen in its log)")
+
+    def _sample(self) -> None:
+        for peer in self.peers:
+            if peer.proc.alive():
+                process.remember_p2pds(peer.proc, self.p2pds)
+                peer.run.rss.append((self.now(), process.group_rss_bytes(peer.proc)))
+
+    # ---- faults -----------------------------------------------------------------------------------------------
+    def _fired(self, index: int, detail: str, at_s: float | None = None) -> None:
+        record = self.faults[index]
+        record["fired_at_s"] = round(self.now() if at_s is None else at_s, 2)
+        record["detail"] = detail
+        self.log(f"[{record['fired_at_s']:6.1f}s] FAULT {record['label']}: {detail}")
+
+    def _peer(self, index: int) -> _Peer | None:
+        return self.by_index.get(index)
+
+    def _fire(self, index: int, reason: str) -> None:
+        fault = self.scenario.faults[index]
+        kind = fault.kind
+        target = self._peer(fault.peer) if hasattr(fault, "peer") else None
+        if hasattr(fault, "peer") and (target is None or not target.proc.alive()):
+            self._fired(index, f"peer {fault.peer} was not running ({reason}); nothing to do")
+            self.faults[index]["fired_at_s"] = None  # it did not fire: faults_fired fails
+            return
+        if kind == "kill":
+            target.run.killed = True
+            process.kill(target.proc)
+            self._fired(index, f"SIGKILL {target.run.name} and its p2pd ({reason})")
+        elif kind == "pause":
+            process.pause(target.proc)
+            self._fired(index, f"SIGSTOP {target.run.name} for {fault.duration_s:g}s ({reason})")
+            self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
+            self.timers.append(_Timer(self.now() + fault.duration_s, lambda p=target.proc: process.resume(p)))
+        elif kind == "kill_p2pd":
+            pids = process.kill_p2pd(target.proc)
+            self._fired(index, f"SIGKILL p2pd {pids} of {target.run.name} ({reason})")
+        elif kind == "kill_coordinator":
+            assert self.swarm is not None and self.swarm.coordinator is not None
+            process.kill(self.swarm.coordinator)
+            self._fired(index, f"SIGKILL coordinator, back in {fault.down_s:g}s ({reason})")
+            self.timers.append(_Timer(self.now() + fault.down_s, lambda i=index: self._restart_coordinator(i)))
+        elif kind == "join":
+            names = [self._launch(self._take_index()).run.name for _ in range(fault.count)]
+            self._fired(index, f"started {', '.join(names)} ({reason})")
+        elif kind == "bandwidth":
+            assert self.topology is not None and target.member is not None
+            self.topology.set_bandwidth(target.member, fault.mbps)
+            self._fired(index, f"{target.run.name} limited to {fault.mbps:g} Mbit/s each way ({reason})")
+        elif kind == "partition":
+            assert self.topology is not None
+            side = [self.by_index[i] for i in fault.side if i in self.by_index]
+            self.topology.isolate([p.member for p in side if p.member is not None])
+            self._fired(index, f"cut {', '.join(p.run.name for p in side)} off for {fault.heal_after_s:g}s ({reason})")
+            self.faults[index]["ended_at_s"] = round(self.now() + fault.heal_after_s, 2)
+            self.timers.append(_Timer(self.now() + fault.heal_after_s, self._heal))
+        elif kind == "churn":
+            plan = churn_plan(fault, self.now(), self.scenario.seed)
+            self._fired(index, f"{len(plan)} churn events over {fault.duration_s:g}s ({reason})")
+            self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
+            for step in plan:
+                self.timers.append(_Timer(step.t_s, lambda s=step, f=fault: self._churn_step(s, f)))
+
+    def _take_index(self) -> int:
+        index = self._next_index
+        self._next_index += 1
+        return index
+
+    def _restart_coordinator(self, index: int) -> None:
+        assert self.swarm is not None
+        try:
+            address = self.swarm.restart_coordinator(timeout_s=90)
+            self.faults[index]["ended_at_s"] = round(self.now(), 2)
+            self.log(f"[{self.now():6.1f}s] coordinator restarted at {address}")
+        except RuntimeError as exc:
+            self.faults[index]["detail"] += f"; restart failed: {exc}"
+            self.log(f"[{self.now():6.1f}s] coordinator restart FAILED: {exc}")
+
+    def _heal(self) -> None:
+        assert self.topology is not None
+        self.topology.heal()
+        self.log(f"[{self.now():6.1f}s] partition healed")
+
+    def _churn_step(self, step: ChurnStep, fault) -> None:
+        live = {p.run.name: p for p in self.peers if p.proc.alive() and not p.run.killed}
+        protected = [name for name, p in live.items() if p.run.byzantine]
+        action, victim, why = churn_decision(step, list(live), protected, fault.min_peers, fault.max_peers)
+        record = {"index": None, "kind": f"churn:{action}", "fired_at_s": round(self.now(), 2), "ended_at_s": None}
+        if action == "join":
+            name = self._launch(None).run.name
+            record.update(label=f"+{name}", detail=f"started {name} ({why})")
+        elif action == "kill":
+            live[victim].run.killed = True
+            process.kill(live[victim].proc)
+            record.update(label=f"-{victim}", detail=f"SIGKILL {victim} ({why})")
+        else:
+            return
+        self.faults.append(record)
+        self.log(f"[{self.now():6.1f}s] CHURN {record['detail']}")
+
+
+def run_scenario(scenario: Scenario, out_dir: Path, log: Callable[[str], None] = print) -> dict:
+    """Run ``scenario`` with its processes' files in ``out_dir``; returns the report (also in out_dir/report.json)."""
+    return ChaosRunner(scenario, out_dir, log=log).run()
