@@ -1,0 +1,129 @@
+"""Report figures and invariants computed from synthetic peer records; the plot is written and readable."""
+
+from hivetrain.chaos.plot import plot_run
+from hivetrain.chaos.report import PeerRun, build_report, format_summary, lost_samples
+from hivetrain.chaos.scenario import parse_scenario
+
+SCENARIO = parse_scenario(
+    {
+        "name": "t",
+        "description": "kill one",
+        "peers": 3,
+        "max_duration_s": 100,
+        "max_rss_growth_mb": 100,
+        "run": {"diloco": {"inner_steps": 10, "outer_steps": 3}},
+        "faults": [{"kind": "kill", "peer": 2, "at_s": 12}],
+    }
+)
+
+
+def ev(kind, t, epoch, **kw):
+    return {"event": kind, "t_s": t, "epoch": epoch, "state_hash": kw.pop("h", f"h{epoch}"), **kw}
+
+
+def honest_peer(name, index, hashes=None, final_loss=3.0):
+    hashes = hashes or {"0": "h0", "1": "h1", "2": "h2", "3": "h3"}
+    events = [ev("start", 1.0, 0, eval_loss=5.0)]
+    for epoch in (1, 2, 3):
+        events += [ev("inner_phase", 10.0 * epoch - 2, epoch - 1, samples=80), ev("outer_step", 10.0 * epoch, epoch)]
+    return PeerRun(
+        name=name,
+        index=index,
+        exit_code=0,
+        exited_at_s=31.0,
+        events=events,
+        summary={"epoch": 3, "state_hashes": hashes, "final_eval_loss": final_loss},
+        rss=[(5.0, 100 * 2**20), (10.0, 150 * 2**20), (30.0, 160 * 2**20)],
+    )
+
+
+def killed_peer():
+    events = [ev("start", 1.0, 0, eval_loss=5.0), ev("inner_phase", 8.0, 0, samples=80), ev("outer_step", 10.0, 1)]
+    events.append(ev("inner_phase", 11.5, 1, samples=80))  # never committed: killed at 12 s
+    return PeerRun(name="peer2", index=2, exit_code=-9, exited_at_s=12.2, killed=True, events=events)
+
+
+def fault_log():
+    return [{"index": 0, "kind": "kill", "label": "kill peer2", "fired_at_s": 12.0, "ended_at_s": None}]
+
+
+def report_of(peers, **kw):
+    args = dict(wall_s=35.0, timed_out=False, leftover_pids=[], checkpoints=[])
+    args.update(kw)
+    return build_report(SCENARIO, peers, fault_log(), **args)
+
+
+def test_clean_run_passes_with_figures():
+    report = report_of([honest_peer("peer0", 0), honest_peer("peer1", 1), killed_peer()])
+    assert report["passed"], report["invariants"]
+    fig = report["figures"]
+    assert fig["outer_steps_committed"] == 3
+    assert fig["longest_gap_s"] == 10.0  # start at 1 s, commits at 10, 20, 30 -> gaps 9, 10, 10
+    assert report["faults"][0]["recovery_s"] == 8.0  # killed at 12 s, next commit at 20 s
+    assert report["faults"][0]["samples_lost"] == 80
+    assert fig["samples_lost"] == 80 and report["diverged_peers"] == []
+    assert fig["rss_growth_mib"]["peer0"] == 10.0  # from the first commit at 10 s: 150 -> 160 MiB
+    assert "PASSED" in format_summary(report)
+
+
+def test_diverged_survivor_breaks_hash_invariants():
+    forked = honest_peer("peer1", 1, hashes={"0": "h0", "1": "h1", "2": "X", "3": "h3"})
+    report = report_of([honest_peer("peer0", 0), forked, honest_peer("peer3", 3)])
+    assert not report["passed"]
+    assert report["invariants"]["state_hashes_agree"] is False
+    assert report["diverged_peers"] == ["peer1"]
+    assert report["hash_disagreements"] == {"2": ["X", "h2"]}
+
+
+def test_byzantine_peer_is_not_counted_as_diverged():
+    bad = honest_peer("peer2", 2, hashes={"0": "h0", "1": "bad", "2": "bad", "3": "bad"})
+    bad.byzantine = "nan"
+    report = report_of([honest_peer("peer0", 0), honest_peer("peer1", 1), bad])
+    assert report["invariants"]["state_hashes_agree"] and report["diverged_peers"] == []
+
+
+def test_each_invariant_can_fail():
+    peers = [honest_peer("peer0", 0, final_loss=6.0), honest_peer("peer1", 1, final_loss=6.0)]
+    peers[1].rss.append((31.0, 400 * 2**20))
+    report = build_report(
+        SCENARIO,
+        peers,
+        [{"index": 0, "kind": "kill", "label": "k", "fired_at_s": None, "ended_at_s": None}],
+        wall_s=100.0,
+        timed_out=True,
+        leftover_pids=[4242],
+        checkpoints=[{"path": "x", "epoch": 3, "status": "torn", "reason": "no manifest"}],
+    )
+    broken = {k for k, ok in report["invariants"].items() if not ok}
+    assert broken == {
+        "eval_loss_decreased",
+        "finished",
+        "no_leftover_processes",
+        "no_torn_checkpoint",
+        "rss_growth_bounded",
+        "faults_fired",
+    }
+    assert not report["passed"] and "FAIL finished" in format_summary(report)
+
+
+def test_lost_samples_counts_discarded_and_replaced_phases():
+    peer = PeerRun(
+        name="p",
+        index=0,
+        events=[
+            ev("inner_phase", 1.0, 0, samples=10),
+            ev("pseudo_gradient_discarded", 2.0, 0),
+            ev("inner_phase", 3.0, 0, samples=20),
+            ev("state_downloaded", 4.0, 2),
+            ev("inner_phase", 5.0, 2, samples=30),
+            ev("outer_step", 6.0, 3),
+        ],
+    )
+    assert [(t, n) for t, n, _ in lost_samples([peer])] == [(2.0, 10), (4.0, 20)]
+
+
+def test_plot_is_written(tmp_path):
+    peers = [honest_peer("peer0", 0), honest_peer("peer1", 1), killed_peer()]
+    report = report_of(peers)
+    path = plot_run(report, peers, tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
