@@ -168,6 +168,8 @@ class ButterflyRound:
         self._out: torch.Tensor | None = None
         self._mid_fired: set[int] = set()
         self._hook_lock = threading.Lock()
+        self._vote_sent_at: dict[str, float] = {}
+        self._vote_received_at: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
 
     # ---- public -------------------------------------------------------------------------------------------------
@@ -226,7 +228,8 @@ class ButterflyRound:
             m = self.members[peer_id]
             try:
                 link = dial(m.host, m.port, keys, peer_id, connect_timeout_s=cfg.connect_timeout_s,
-                            part_timeout_s=cfg.part_timeout_s, buffer_num_bytes=cfg.socket_buffer_bytes)  # fmt: skip
+                            part_timeout_s=cfg.part_timeout_s, buffer_num_bytes=cfg.socket_buffer_bytes,
+                            join_wait_s=cfg.connect_timeout_s + cfg.declare_grace_s)  # fmt: skip
             except ConnectionError as exc:
                 self._post_error(peer_id, str(exc))
                 return
@@ -235,7 +238,7 @@ class ButterflyRound:
         for p in others:
             if p > self.me:  # the smaller id dials: one connection per pair
                 threading.Thread(target=dial_one, args=(p,), name="hivetrain-avg-dial", daemon=True).start()
-        connect_deadline = min(deadline, time.monotonic() + 2 * cfg.connect_timeout_s)
+        connect_deadline = min(deadline, time.monotonic() + 3 * cfg.connect_timeout_s + cfg.declare_grace_s)
         self._wait(lambda: all(p in self._links for p in others), others, connect_deadline, "connecting", "peer_failed")
 
     def _post_error(self, peer_id: str, reason: str) -> None:
@@ -288,6 +291,8 @@ class ButterflyRound:
                 ftype, sub, meta, payload = item
                 progress = self._mid_transfer_hook(sub) if ftype == FrameType.PART else None
                 link.send_frame(ftype, sub, meta, payload, on_progress=progress)
+                if ftype == FrameType.VOTE:
+                    self._vote_sent_at[link.peer_id] = time.monotonic()
         except LinkClosed as exc:
             if not self._done:
                 self._post_error(link.peer_id, str(exc))
@@ -320,6 +325,7 @@ class ButterflyRound:
                     ok = ok and m == mac(link.key, b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), h)
                     with self._cond:
                         self._inbox.votes[j] = (sub, h if ok else b"bad-mac")
+                        self._vote_received_at[j] = time.monotonic()
                         self._cond.notify_all()
                     return
                 else:
@@ -560,6 +566,13 @@ class ButterflyRound:
         if disagree:
             raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")
         self._flush(commit_deadline)
+        # Narrow the two-phase-commit gap: member p aborts if our vote reaches it more than commit_timeout_s after it
+        # queued its own; we received p's vote one transit time after that and p gets ours one transit time after we
+        # sent it, so a vote sent later than commit_timeout_s - RTT after receiving p's arrives too late: abort too.
+        for p in others:
+            sent_at, margin_s = self._vote_sent_at.get(p), 2 * self._links[p].rtt_s + 0.01
+            if sent_at is None or sent_at - self._vote_received_at[p] > self.config.commit_timeout_s - margin_s:
+                raise RoundFailed("timeout", f"our vote reached {p} too late (or not at all); it has aborted")
         assert self._out is not None
         links = list(self._links.values())
         return RoundOutcome(

@@ -32,10 +32,12 @@ from __future__ import annotations
 import enum
 import hmac
 import logging
+import math
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -101,6 +103,7 @@ class Link:
         sock.settimeout(timeout_s)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.rtt_s = 0.0  # round-trip time measured during the handshake, seconds
         self._closed = False
 
     def set_timeout(self, timeout_s: float) -> None:
@@ -227,8 +230,10 @@ def dial(
     connect_timeout_s: float,
     part_timeout_s: float,
     buffer_num_bytes: int,
+    join_wait_s: float = 0.0,
 ) -> Link:
-    """Connect to member ``peer_id`` and authenticate both ways within ``connect_timeout_s``.
+    """Connect to member ``peer_id`` and authenticate both ways within ``connect_timeout_s`` (+ ``join_wait_s``,
+    how long the member may hold our HELLO until it has learned of the round itself).
 
     Raises:
         LinkClosed: unreachable, or it closed the connection (e.g. it is not in this round).
@@ -244,8 +249,13 @@ def dial(
     try:
         nonce = os.urandom(16)
         hello = {"round_id": keys.round_id, "sender": keys.my_id, "receiver": peer_id, "nonce": nonce}
+        sent_at = time.monotonic()
         link.send_frame(FrameType.HELLO, 0, hello)
+        link.set_timeout(connect_timeout_s + join_wait_s)
         ftype, _, meta, payload_len = link.recv_header(MAX_HANDSHAKE_META_BYTES)
+        held_s = meta.get("held_s")
+        held_s = float(held_s) if isinstance(held_s, float | int) and math.isfinite(held_s) else 0.0
+        link.rtt_s = max(0.0, time.monotonic() - sent_at - held_s)
         their_nonce, their_mac = meta.get("nonce"), meta.get("mac")
         if ftype != FrameType.CHALLENGE or payload_len or not isinstance(their_nonce, bytes) or len(their_nonce) != 16:
             raise AuthFailed(f"{peer_id} answered the handshake with a malformed {ftype.name}")
@@ -253,6 +263,7 @@ def dial(
             their_mac, mac(key, b"resp", nonce, their_nonce)
         ):
             raise AuthFailed(f"{peer_id} failed to prove its round key")
+        link.set_timeout(connect_timeout_s)
         link.send_frame(FrameType.AUTH, 0, {"mac": mac(key, b"init", their_nonce, nonce)})
     except BaseException:
         link.close()
@@ -263,12 +274,23 @@ def dial(
 
 
 class DataPlaneServer:
-    """Accepts links for the rounds registered with it. Lifecycle: ``start`` -> ``register``/``unregister`` ->
-    ``shutdown``. Threads: one acceptor, plus one short-lived handshake thread per incoming connection (at most
+    """Accepts links for the rounds registered with it; a HELLO for a round not registered yet is held up to
+    ``join_wait_s`` (members learn of a group at slightly different times).
+
+    Lifecycle: ``start`` -> ``register``/``unregister`` -> ``shutdown``. Threads: one acceptor, plus one
+    short-lived handshake thread per incoming connection (at most
     ``MAX_PENDING_CONNECTIONS`` at once; more are refused)."""
 
-    def __init__(self, listen_host: str, *, connect_timeout_s: float, part_timeout_s: float, buffer_num_bytes: int):
-        self.listen_host = listen_host
+    def __init__(
+        self,
+        listen_host: str,
+        *,
+        connect_timeout_s: float,
+        part_timeout_s: float,
+        buffer_num_bytes: int,
+        join_wait_s: float = 0.0,
+    ):
+        self.listen_host, self.join_wait_s = listen_host, join_wait_s
         self.connect_timeout_s, self.part_timeout_s = connect_timeout_s, part_timeout_s
         self.buffer_num_bytes = buffer_num_bytes
         self._rounds: dict[str, RoundKeys] = {}
@@ -340,16 +362,20 @@ class DataPlaneServer:
                 raise AuthFailed("malformed HELLO")
             if not isinstance(round_id, str) or not isinstance(sender, str):
                 raise AuthFailed("malformed HELLO")
+            arrived_at = time.monotonic()
             with self._cond:
-                self._cond.wait_for(lambda: round_id in self._rounds or self._stop.is_set(), self.connect_timeout_s)
+                self._cond.wait_for(lambda: round_id in self._rounds or self._stop.is_set(), self.join_wait_s)
                 keys = self._rounds.get(round_id)
             if keys is None or receiver != keys.my_id or sender not in keys.peers:
                 raise AuthFailed(f"unknown round {str(round_id)[:12]} or peer {sender}")
             key = pair_key(keys.secret, keys.peers[sender], round_id, keys.my_id, sender)
             link = Link(conn, sender, key, self.connect_timeout_s)
             my_nonce = os.urandom(16)
-            link.send_frame(FrameType.CHALLENGE, 0, {"nonce": my_nonce, "mac": mac(key, b"resp", nonce, my_nonce)})
+            challenge = {"nonce": my_nonce, "mac": mac(key, b"resp", nonce, my_nonce)}
+            challenge_at = time.monotonic()
+            link.send_frame(FrameType.CHALLENGE, 0, {**challenge, "held_s": challenge_at - arrived_at})
             ftype, _, meta, payload_len = link.recv_header(MAX_HANDSHAKE_META_BYTES)
+            link.rtt_s = time.monotonic() - challenge_at
             their_mac = meta.get("mac")
             if ftype != FrameType.AUTH or payload_len or not isinstance(their_mac, bytes):
                 raise AuthFailed(f"{sender} sent a malformed AUTH")

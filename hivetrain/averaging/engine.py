@@ -82,6 +82,7 @@ class GroupAverager:
             connect_timeout_s=config.connect_timeout_s,
             part_timeout_s=config.part_timeout_s,
             buffer_num_bytes=config.socket_buffer_bytes,
+            join_wait_s=config.connect_timeout_s + config.declare_grace_s,
         )
         self.matchmaker = Matchmaker(
             node, prefix, poll_interval_s=config.poll_interval_s, declare_grace_s=config.declare_grace_s

@@ -1,0 +1,231 @@
+"""GroupAverager on real DHT nodes (127.0.0.1): groups per epoch, bit-identical weighted means, solo and late peers,
+bad local input, stalls, compression, robust aggregation, moshpit and gossip."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+
+from hivetrain.averaging import AveragingConfig, RoundFailed, RoundResult
+from hivetrain.faults import Fault, FaultInjector
+
+from .conftest import run_threads
+
+FAST = dict(matchmaking_time_s=1.0, part_timeout_s=2.0, commit_timeout_s=2.0, connect_timeout_s=2.0)
+SHAPES = [(37, 5), (11,), (3, 2, 4)]
+
+
+def _inputs(num: int, seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) * (i + 1) for s in SHAPES] for i in range(num)]
+
+
+def _weighted_mean(inputs: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    total = sum(weights)
+    return [
+        sum(w * x[k].double() for x, w in zip(inputs, weights, strict=True)).float() / total for k in range(len(SHAPES))
+    ]
+
+
+def _average_all(avgs, inputs, weights, epoch: int = 0, timeout_s: float = 20.0, epochs=None) -> list:
+    """Every averager calls ``average`` at once (on threads); returns results or exceptions, in order."""
+    epochs = epochs or [epoch] * len(avgs)
+    calls = [
+        lambda a=a, x=x, w=w, e=e: a.average(x, w, e, timeout_s)
+        for a, x, w, e in zip(avgs, inputs, weights, epochs, strict=True)
+    ]
+    return run_threads(calls, timeout_s=timeout_s + 15)
+
+
+def _digest(result: RoundResult) -> str:
+    h = hashlib.sha256()
+    for t in result.tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("num_peers", [2, 3, 4, 8])
+def test_butterfly_results_are_bit_identical_weighted_means(make_averagers, num_peers: int) -> None:
+    avgs = make_averagers(num_peers, AveragingConfig(target_group_size=num_peers, **FAST))
+    inputs, weights = _inputs(num_peers), [float(3 * i + 1) for i in range(num_peers)]
+    kept = [[t.clone() for t in x] for x in inputs]
+    results = _average_all(avgs, inputs, weights)
+    assert all(isinstance(r, RoundResult) for r in results), results
+    assert len({_digest(r) for r in results}) == 1
+    assert len({r.round_id for r in results}) == 1
+    expected = _weighted_mean(inputs, weights)
+    for r in results:
+        assert r.group == tuple(sorted(a.node.peer_id for a in avgs))
+        assert r.total_weight == pytest.approx(sum(weights))
+        assert r.excluded == ()
+        for got, want, x in zip(r.tensors, expected, inputs[0], strict=True):
+            assert got.shape == x.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        assert r.bytes_sent > 0 and r.bytes_received > 0
+    for x, k in zip(inputs, kept, strict=True):  # inputs untouched
+        assert all(torch.equal(a, b) for a, b in zip(x, k, strict=True))
+
+
+def test_lone_peer_gets_a_solo_result_after_matchmaking_time(make_averagers) -> None:
+    (avg,) = make_averagers(1, AveragingConfig(**FAST))
+    x = _inputs(1)[0]
+    started = time.monotonic()
+    result = avg.average(x, 5.0, 3, 10.0)
+    elapsed = time.monotonic() - started
+    assert FAST["matchmaking_time_s"] <= elapsed < FAST["matchmaking_time_s"] + 3.0
+    assert result.group == (avg.node.peer_id,) and result.total_weight == 5.0
+    assert all(torch.equal(a, b) for a, b in zip(result.tensors, x, strict=True))
+
+
+def test_lone_peer_below_min_group_size_fails_no_group(make_averagers) -> None:
+    (avg,) = make_averagers(1, AveragingConfig(min_group_size=2, **FAST))
+    with pytest.raises(RoundFailed) as info:
+        avg.average(_inputs(1)[0], 1.0, 0, 10.0)
+    assert info.value.reason == "no_group"
+
+
+def test_peers_of_different_epochs_never_average_together(make_averagers) -> None:
+    avgs = make_averagers(4, AveragingConfig(**FAST))
+    inputs, epochs = _inputs(4), [5, 6, 5, 6]
+    results = _average_all(avgs, inputs, [1.0] * 4, epochs=epochs)
+    for epoch in (5, 6):
+        idx = [i for i, e in enumerate(epochs) if e == epoch]
+        assert {results[i].group for i in idx} == {tuple(sorted(avgs[i].node.peer_id for i in idx))}
+        expected = _weighted_mean([inputs[i] for i in idx], [1.0, 1.0])
+        for i in idx:
+            for got, want in zip(results[i].tensors, expected, strict=True):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_a_late_peer_fails_fast_with_not_in_group(make_averagers) -> None:
+    avgs = make_averagers(3, AveragingConfig(**FAST))
+    inputs = _inputs(3)
+    first = _average_all(avgs[:2], inputs[:2], [1.0, 1.0], epoch=2)
+    assert all(isinstance(r, RoundResult) and len(r.group) == 2 for r in first), first
+    started = time.monotonic()
+    with pytest.raises(RoundFailed) as info:
+        avgs[2].average(inputs[2], 1.0, 2, 20.0)
+    assert info.value.reason == "not_in_group"
+    assert time.monotonic() - started < 1.0  # did not wait for a window of its own
+
+
+def test_retry_at_the_same_epoch_forms_a_fresh_group(make_averagers) -> None:
+    avgs = make_averagers(2, AveragingConfig(target_group_size=2, **FAST))
+    inputs = _inputs(2)
+    for _ in range(2):  # the second call must not be confused by the first call's declaration
+        results = _average_all(avgs, inputs, [1.0, 1.0])
+        assert all(isinstance(r, RoundResult) for r in results), results
+        assert results[0].round_id == results[1].round_id and _digest(results[0]) == _digest(results[1])
+
+
+@pytest.mark.parametrize(
+    "tensors, weight, error",
+    [
+        ([torch.tensor([1.0, float("nan")])], 1.0, ValueError),
+        ([torch.tensor([1.0, float("inf")])], 1.0, ValueError),
+        ([torch.ones(3, dtype=torch.float16)], 1.0, ValueError),
+        ([torch.ones(3)], float("nan"), ValueError),
+        ([torch.ones(3)], -1.0, ValueError),
+        ([torch.ones(3)], 1e12, ValueError),
+        ([], 1.0, TypeError),
+        (torch.ones(3), 1.0, TypeError),
+    ],
+)
+def test_bad_local_input_is_rejected_before_any_network_call(make_averagers, tensors, weight, error) -> None:
+    (avg,) = make_averagers(1, AveragingConfig(**FAST))
+    started = time.monotonic()
+    with pytest.raises(error):
+        avg.average(tensors, weight, 0, 10.0)
+    assert time.monotonic() - started < 0.5
+
+
+@pytest.mark.parametrize("point", ["averaging.after_reduce", "averaging.before_commit", "averaging.before_send"])
+def test_a_stalled_member_makes_the_others_fail_within_the_part_timeout(make_averagers, point: str) -> None:
+    staller = FaultInjector()
+    staller.arm(Fault(point, "sleep", seconds=4.0))
+    avgs = make_averagers(3, AveragingConfig(target_group_size=3, **FAST), faults=[None, None, staller])
+    inputs = _inputs(3)
+    done_at: list[float] = [0.0] * 3
+
+    def call(i: int):
+        try:
+            return avgs[i].average(inputs[i], 1.0, 0, 30.0)
+        finally:
+            done_at[i] = time.monotonic()
+
+    started = time.monotonic()
+    results = run_threads([lambda i=i: call(i) for i in range(3)], timeout_s=40)
+    assert staller.fired_count(point) == 1
+    for i in (0, 1):
+        assert isinstance(results[i], RoundFailed), results[i]
+        assert results[i].reason in ("peer_failed", "timeout")
+        # matchmaking (~0.3 s) + detection (part_timeout_s or commit_timeout_s) + slack
+        assert done_at[i] - started < 0.5 + max(FAST["part_timeout_s"], FAST["commit_timeout_s"]) + 2.0
+    assert isinstance(results[2], RoundFailed)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "int8", "int4"])
+def test_compressed_rounds_stay_bit_identical(make_averagers, compression: str) -> None:
+    avgs = make_averagers(3, AveragingConfig(target_group_size=3, compression=compression, **FAST))
+    inputs, weights = _inputs(3), [1.0, 2.0, 3.0]
+    results = _average_all(avgs, inputs, weights)
+    assert all(isinstance(r, RoundResult) for r in results), results
+    assert len({_digest(r) for r in results}) == 1
+    expected = _weighted_mean(inputs, weights)
+    scale = max(float(t.abs().max()) for x in inputs for t in x)
+    atol = {"fp16": 2e-3, "int8": 0.05, "int4": 0.8}[compression] * scale
+    for got, want in zip(results[0].tensors, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def test_centered_clip_resists_a_scaled_attacker(make_averagers) -> None:
+    attacker = FaultInjector()
+
+    def scale_up(ctx: dict) -> None:
+        ctx["flat"].mul_(1e6)  # finite, so validation lets it through: only the aggregator can resist it
+
+    attacker.arm(Fault("averaging.before_send", "call", callback=scale_up))
+    cfg = AveragingConfig(target_group_size=4, aggregation="centered_clip", clip_tau=1.0, clip_iters=10, **FAST)
+    avgs = make_averagers(4, cfg, faults=[None, None, None, attacker])
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(400, generator=g)
+    inputs = [[base + 0.01 * torch.randn(400, generator=g)] for _ in range(4)]
+    results = _average_all(avgs, inputs, [1.0] * 4)
+    assert attacker.fired_count("averaging.before_send") == 1
+    honest_mean = sum(x[0] for x in inputs[:3]) / 3
+    assert len({_digest(r) for r in results}) == 1
+    # each reducer's slice is within tau / (k - 1) of the honest mean (robust.py's bound), k = 4
+    err = float((results[0].tensors[0] - honest_mean).norm())
+    assert err < 4 * 1.0 / 3, err
+
+
+def test_moshpit_reaches_the_global_mean_within_three_rounds(make_averagers) -> None:
+    cfg = AveragingConfig(strategy="moshpit", target_group_size=2, moshpit_rounds=3, **FAST)
+    avgs = make_averagers(8, cfg)
+    inputs, weights = _inputs(8, seed=3), [float(i + 1) for i in range(8)]
+    results = _average_all(avgs, inputs, weights, timeout_s=30.0)
+    assert all(isinstance(r, RoundResult) for r in results), results
+    expected = _weighted_mean(inputs, weights)
+    for r in results:
+        assert r.total_weight == pytest.approx(sum(weights))
+        for got, want in zip(r.tensors, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_gossip_preserves_the_weighted_sum_and_contracts(make_averagers) -> None:
+    cfg = AveragingConfig(strategy="gossip", target_group_size=2, moshpit_rounds=2, **FAST)
+    avgs = make_averagers(4, cfg)
+    inputs, weights = _inputs(4, seed=4), [1.0, 2.0, 3.0, 4.0]
+    results = _average_all(avgs, inputs, weights, timeout_s=30.0)
+    assert all(isinstance(r, RoundResult) for r in results), results
+    for k in range(len(SHAPES)):
+        before = sum(w * x[k].double() for x, w in zip(inputs, weights, strict=True))
+        after = sum(w * r.tensors[k].double() for r, w in zip(results, weights, strict=True))
+        torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-5)
+    mean = _weighted_mean(inputs, weights)[0]  # pairwise weighted averaging strictly lowers the weighted variance
+    var_before = sum(w * float((x[0] - mean).square().sum()) for x, w in zip(inputs, weights, strict=True))
+    var_after = sum(w * float((r.tensors[0] - mean).square().sum()) for r, w in zip(results, weights, strict=True))
+    assert var_after < 0.9 * var_before
