@@ -79,7 +79,7 @@ class ChaosRunner:
         self.peer_address: str | None = None
         self.swarm: LocalSwarm | None = None
         self.p2pds: dict[int, float] = {}
-        self.orphans: list[int] = []
+        self.orphans: list[dict] = []  # {peer, exit_code, pids} of processes a peer left behind when it exited
         self._next_index = scenario.peers
         self._num_churn = 0
         self._last_rss = 0.0
@@ -102,6 +102,8 @@ class ChaosRunner:
             timed_out = not self._loop()
         finally:
             leftover = self._teardown()
+        # a peer that exited on its own (not crashed on purpose) must not have left its p2pd/DHT processes behind
+        leftover += [pid for o in self.orphans if o["exit_code"] in _NORMAL_EXITS for pid in o["pids"]]
         wall_s = time.time() - self.t0
         checkpoints = process.check_checkpoints(self.out_dir)
         runs = [p.run for p in self.peers]
@@ -266,7 +268,16 @@ class ChaosRunner:
                 )
 
     def _after_exit(self, peer: _Peer) -> None:
-        """A peer exited: a normal exit must have taken its p2pd along; a crash may orphan it (recorded, reaped)."""
+        """A peer exited: a normal exit must have taken its p2pd along; a crash may orphan it (recorded, reaped).
+
+        A hard crash (``os._exit`` at a hook, like a segfault) leaves the peer's p2pd and DHT child processes behind
+        on a volunteer's machine; the harness records them in ``orphans_after_crash`` and reaps them.
+        """
+        for i in peer.hooks:
+            fault = self.scenario.faults[i]
+            if fault.action == "exit" and peer.run.exit_code == 137 and self.faults[i]["fired_at_s"] is None:
+                peer.run.killed = True  # died on purpose: not a survivor, and not a failure of the run
+                self._fired(i, f"{peer.run.name} exited at a hook ({fault.spec()})", at_s=peer.run.exited_at_s)
         left = peer.proc.group_pids()
         if left:
             if peer.run.exit_code in _NORMAL_EXITS:
@@ -274,14 +285,10 @@ class ChaosRunner:
                 while left and time.monotonic() < deadline:
                     time.sleep(0.2)
                     left = peer.proc.group_pids()
-            if left and not peer.run.killed:
-                self.orphans += left
+            if left:
+                self.orphans.append({"peer": peer.run.name, "exit_code": peer.run.exit_code, "pids": left})
                 self.log(f"[{self.now():6.1f}s] {peer.run.name} left {len(left)} process(es) behind: reaping them")
             peer.proc.signal_group(signal.SIGKILL)
-        for i in peer.hooks:
-            fault = self.scenario.faults[i]
-            if fault.action == "exit" and peer.run.exit_code == 137 and self.faults[i]["fired_at_s"] is None:
-                self._fired(i, f"{peer.run.name} exited at a hook ({fault.spec()})", at_s=peer.run.exited_at_s)
 
     def _check_hooks(self, peer: _Peer) -> None:
         for i in peer.hooks:

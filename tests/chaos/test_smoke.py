@@ -1,0 +1,36 @@
+"""CI smoke suite: a few short bundled scenarios against real processes; any broken invariant fails the test.
+
+Each runs a coordinator and 3-4 join-swarm peers (tiny model) on 127.0.0.1 for about a minute. The runner kills every
+process group it started before returning, whatever happened; the test checks that too.
+"""
+
+import json
+
+import pytest
+
+from hivetrain.chaos.runner import run_scenario
+from hivetrain.chaos.scenario import bundled_scenarios, load_scenario
+
+SMOKE = ("kill-one-of-four", "pause-mid-round", "nan-peer")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("name", SMOKE)
+def test_smoke_scenario_passes(name, tmp_path):
+    scenario = load_scenario(bundled_scenarios()[name])
+    lines: list[str] = []
+    report = run_scenario(scenario, tmp_path, log=lines.append)
+    log = "\n".join(lines)
+    assert report["passed"], (
+        f"broken invariants {report['invariants']}\n{(tmp_path / 'summary.txt').read_text()}\n{log}"
+    )
+    assert json.loads((tmp_path / "report.json").read_text())["passed"] is True
+    assert (tmp_path / "plot.png").stat().st_size > 20_000
+    assert all(f["fired_at_s"] is not None for f in report["faults"])
+    assert report["figures"]["outer_steps_committed"] == scenario.run_config().diloco.outer_steps
+    assert report["diverged_peers"] == [] and report["leftover_pids"] == []
+    if name == "kill-one-of-four":
+        assert report["faults"][0]["recovery_s"] is not None and report["faults"][0]["recovery_s"] < 60
+    if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
+        assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
