@@ -27,6 +27,7 @@ import random
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,7 @@ class PipelineTrainer:
         model_config: the model's config (D, V; stage servers hold the same).
         fingerprint: model fingerprint; servers of another model are ignored.
         seed: seeds stochastic wiring.
+        router: the wiring policy, ``routing.choose_server`` or a function with its signature (tests pin routes).
     """
 
     def __init__(
@@ -99,12 +101,14 @@ class PipelineTrainer:
         faults: FaultInjector = NO_FAULTS,
         seed: int = 0,
         loop: LoopThread | None = None,
+        router: Callable[..., tuple[StageRecord | None, str]] = choose_server,
     ):
         self.node, self.run_id, self.swarm, self.model_config = node, run_id, swarm, model_config
         self.fingerprint, self.faults = fingerprint, faults
         self.loop = loop or LoopThread(name="swarm-trainer")
         self._owns_loop = loop is None
         self.rng = random.Random(seed)
+        self.router = router
         self.bans = BanList(swarm.ban_base_s, swarm.ban_max_s)
         self.ledger = GradientLedger()
         self.stats = TrainerStats()
@@ -114,6 +118,7 @@ class PipelineTrainer:
         self._records: list[StageRecord] = []
         self._records_at = -1e9
         self._missing: Counter[str] = Counter()
+        self._suspects: set[str] = set()  # servers whose last call failed in the network (maybe dead)
         self._pending_replays: list[LedgerEntry] = []
         self._replay_tasks: set[asyncio.Task] = set()
         self._step = 0
@@ -174,8 +179,9 @@ class PipelineTrainer:
         return sum(loss * n for loss, n in zip(losses, sizes, strict=False)) / sum(sizes)
 
     def settle(self, timeout_s: float) -> bool:
-        """Wait until no replay is pending: servers that died or dropped a phase have had their entries recomputed
-        elsewhere. Returns False if replays are still pending after ``timeout_s`` seconds."""
+        """Wait until the gradients at servers that failed a call are resolved: replayed elsewhere once their records
+        expire (dead), or kept because they answer again (alive), and no replay is pending. Returns False if that did
+        not happen within ``timeout_s`` seconds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             pending = self.loop.run(self._settle_once(), timeout_s)
@@ -253,7 +259,7 @@ class PipelineTrainer:
     async def _choose(self, stage: int, exclude: set[str], deadline: float) -> StageRecord:
         """A server for ``stage``; waits (refreshing records) while none is usable, until ``deadline``."""
         while True:
-            record, reason = choose_server(
+            record, reason = self.router(
                 self._live_records(), stage, time.monotonic(), self.bans, self.rng, self.inflight, exclude
             )
             if record is not None:
@@ -288,11 +294,13 @@ class PipelineTrainer:
                 reply = None
             except CallFailed as exc:
                 self._ban(peer_id, stage, str(exc))
+                self._suspects.add(peer_id)
                 reply = None
             finally:
                 self.inflight[peer_id] -= 1
             if reply is not None:
                 self._observe(peer_id, reply)
+                self._suspects.discard(peer_id)
                 if reply.status == "ok":
                     self.bans.succeeded(peer_id)
                     self.stats.served_by[peer_id] += 1
@@ -392,7 +400,8 @@ class PipelineTrainer:
         if orphans and not self._replay_tasks:
             self._pending_replays = []
             self._queue_replays(orphans)
-        return len(self._pending_replays) + len(self._replay_tasks)
+        at_suspects = sum(len(self.ledger.entries.get(p, ())) for p in self._suspects)
+        return len(self._pending_replays) + len(self._replay_tasks) + at_suspects
 
     async def _refresh_records(self, force: bool = False) -> None:
         """Re-read stage records (at most every half announce interval unless ``force``); servers whose records
