@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import Literal, TypeVar
 
 import msgpack
+import numpy as np
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
@@ -190,7 +191,10 @@ def decode(
         if int.from_bytes(proto.buffer[:8], "little", signed=True) != _UINT8_CODEBOOK:
             raise BadTensor("8-bit tensor with a malformed codebook")
     try:
-        tensor = deserialize_torch_tensor(proto).detach().to(dtype).clone()
+        if proto.compression == _CODES["uint8"]:
+            tensor = _extract_uint8(proto.buffer, shape)
+        else:
+            tensor = deserialize_torch_tensor(proto).detach().to(dtype).clone()
     except Exception as exc:  # noqa: BLE001 - hivemind raises several types on corrupt buffers
         raise BadTensor(f"undecodable tensor: {exc!r}") from None
     tensor.requires_grad_(False)
@@ -200,6 +204,16 @@ def decode(
     elif not torch.isfinite(tensor).all():
         raise BadTensor("tensor contains NaN or Inf")
     return tensor
+
+
+def _extract_uint8(buffer: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+    """hivemind's UNIFORM_8BIT layout: int64 codebook size (256), 256 float32 bucket means, uint8 indices.
+
+    (Decoded here: hivemind 1.1.12's own extract breaks under NumPy 2.)
+    """
+    codebook = np.frombuffer(buffer, offset=8, count=_UINT8_CODEBOOK, dtype=np.float32)
+    indices = np.frombuffer(buffer, offset=8 + _UINT8_CODEBOOK * 4, dtype=np.uint8)
+    return torch.from_numpy(codebook[indices].reshape(shape).copy())
 
 
 def message_num_bytes(tensors: Iterable[runtime_pb2.Tensor]) -> int:

@@ -1,0 +1,155 @@
+"""Pure decisions: stochastic wiring, bans with backoff, rebalancing, the joiner's stage, the gradient ledger."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from hivetrain.swarm import wire
+from hivetrain.swarm.announce import StageRecord
+from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
+from hivetrain.swarm.rebalance import choose_stage, decide_move, stage_throughputs
+from hivetrain.swarm.routing import BanList, choose_server
+
+NOW = 1_000.0
+
+
+def rec(peer: str, stage: int, throughput: float, queue_len: int = 0, status="serving", age_s=0.0, **kw):
+    return StageRecord(
+        peer_id=peer,
+        run_id="r",
+        model_fingerprint="f",
+        stage=stage,
+        num_stages=3,
+        status=status,
+        throughput=throughput,
+        queue_len=queue_len,
+        updated_at=NOW - age_s,
+        **kw,
+    )
+
+
+# ---- stochastic wiring and bans -------------------------------------------------------------------------------------
+
+
+def test_choose_server_is_proportional_to_throughput_over_queue():
+    records = [rec("fast", 1, 30.0), rec("slow", 1, 10.0), rec("queued", 1, 30.0, queue_len=2), rec("other", 0, 99.0)]
+    bans, rng = BanList(1.0, 10.0), random.Random(0)
+    picks = Counter(choose_server(records, 1, NOW, bans, rng)[0].peer_id for _ in range(20_000))
+    # weights 30, 10, 30/3 = 10 -> 0.6, 0.2, 0.2; the stage-0 server is never a candidate
+    assert set(picks) == {"fast", "slow", "queued"}
+    assert picks["fast"] / 20_000 == pytest.approx(0.6, abs=0.02)
+    assert picks["slow"] / 20_000 == pytest.approx(0.2, abs=0.02)
+    assert picks["queued"] / 20_000 == pytest.approx(0.2, abs=0.02)
+
+
+def test_choose_server_counts_this_trainers_inflight_work_and_skips_busy_excluded_and_banned():
+    records = [rec("a", 0, 10.0), rec("b", 0, 10.0), rec("c", 0, 10.0, status="syncing"), rec("d", 0, 10.0)]
+    bans, rng = BanList(1.0, 10.0), random.Random(1)
+    bans.ban("d", NOW, "timeout")
+    picks = Counter(choose_server(records, 0, NOW, bans, rng, inflight={"a": 3})[0].peer_id for _ in range(4000))
+    assert set(picks) == {"a", "b"} and picks["b"] / 4000 == pytest.approx(0.8, abs=0.03)  # 10/4 vs 10
+    chosen, _ = choose_server(records, 0, NOW, bans, rng, exclude={"a"})
+    assert chosen.peer_id == "b"
+    none, reason = choose_server(records, 0, NOW, bans, rng, exclude={"a", "b"})
+    assert none is None and "1 not serving" in reason and "1 banned" in reason
+    assert choose_server(records, 2, NOW, bans, rng)[0] is None
+
+
+def test_bans_back_off_exponentially_and_success_clears_strikes():
+    bans = BanList(base_s=2.0, max_s=10.0)
+    assert bans.ban("p", NOW, "x") == NOW + 2.0
+    assert bans.is_banned("p", NOW + 1.9) and not bans.is_banned("p", NOW + 2.1)
+    assert bans.ban("p", NOW + 3, "x") == NOW + 3 + 4.0
+    assert bans.ban("p", NOW + 10, "x") == NOW + 10 + 8.0
+    assert bans.ban("p", NOW + 20, "x") == NOW + 20 + 10.0  # capped
+    bans.succeeded("p")
+    assert bans.ban("p", NOW + 40, "x") == NOW + 42.0
+    assert bans.ban("q", NOW, "nan", strikes=3) == NOW + 8.0  # worse offences start longer
+    with pytest.raises(ValueError):
+        BanList(base_s=5.0, max_s=1.0)
+
+
+# ---- rebalancing ---------------------------------------------------------------------------------------------------
+
+
+def test_decide_move_moves_the_best_server_from_over_to_under_served_stage():
+    records = [rec("a", 0, 10), rec("b", 0, 10), rec("c", 0, 10), rec("d", 1, 10), rec("e", 2, 10), rec("f", 2, 10)]
+    assert stage_throughputs(records, 3) == [30, 10, 20]
+    target, reason = decide_move(records, 0, NOW, margin=0.2)
+    assert target == 1 and "10.00 to 20.00" in reason
+    # only one server of the donor stage moves (the lowest peer ID among equally good movers)
+    assert decide_move(records, 0, NOW, 0.2, my_peer_id="a")[0] == 1
+    assert decide_move(records, 0, NOW, 0.2, my_peer_id="b") == (None, "a is the better server of stage 0 to move")
+    # servers of the bottleneck or of a stage with less spare throughput stay
+    assert decide_move(records, 1, NOW, 0.2)[0] is None
+    assert decide_move(records, 2, NOW, 0.2, my_peer_id="e")[0] is None
+
+
+def test_decide_move_does_nothing_when_the_gain_is_under_the_margin():
+    # stage throughputs [40, 20, 25]: moving a stage-0 server (worth 10 * 20/10 = 20 at stage 1) gives [30, 40, 25],
+    # so the pipeline goes from 20 to 25 mb/s: +25%
+    records = [rec(p, 0, 10) for p in "abcz"] + [rec("d", 1, 20), rec("e", 2, 25)]
+    target, reason = decide_move(records, 0, NOW, margin=0.5)
+    assert target is None and "20.00 to 25.00" in reason and "not above the 50% margin" in reason
+    assert decide_move(records, 0, NOW, margin=0.1)[0] == 1
+    assert decide_move(records, 0, NOW, margin=0.25)[0] is None  # exactly the margin is not enough
+
+
+def test_decide_move_estimates_cost_ratio_ignores_stale_and_keeps_a_server_per_stage():
+    # stage 1 servers are half as fast as stage 0's: a mover brings 20 * (5 / 20) = 5 mb/s to stage 1
+    records = [rec("a", 0, 20), rec("b", 0, 20), rec("c", 1, 5), rec("d", 2, 30)]
+    target, reason = decide_move(records, 0, NOW, 0.2)
+    assert target == 1 and "5.00 to 10.00" in reason
+    # a lone server never leaves its stage
+    lone = [rec("a", 0, 100), rec("c", 1, 5), rec("d", 2, 100)]
+    assert decide_move(lone, 0, NOW, 0.2)[0] is None
+    # an empty stage is the bottleneck; stale records (a dead server) do not count
+    stale = [rec("a", 0, 10), rec("b", 0, 10), rec("c", 1, 10, age_s=60), rec("d", 2, 10)]
+    assert decide_move(stale, 0, NOW, 0.2, max_age_s=5.0, num_stages=3)[0] == 1
+    with pytest.raises(ValueError):
+        decide_move(records, 5, NOW, 0.2)
+
+
+def test_choose_stage_picks_the_least_served_stage():
+    records = [rec("a", 0, 10), rec("b", 1, 30), rec("c", 2, 10), rec("d", 2, 10)]
+    assert choose_stage(records, 3, NOW, 5.0)[0] == 0
+    assert choose_stage([], 3, NOW, 5.0)[0] == 0
+    assert choose_stage([rec("a", 0, 10), rec("c", 2, 10, age_s=60)], 3, NOW, 5.0)[0] == 1
+
+
+# ---- the gradient ledger -------------------------------------------------------------------------------------------
+
+
+def entry(peer: str, window: int, mb: str, incarnation="i1", stage=1):
+    x = wire.encode(torch.zeros(1, 2, 4))
+    return LedgerEntry(stage, mb, peer, incarnation, window, x, x)
+
+
+def test_ledger_drops_committed_windows_and_replays_abandoned_ones_exactly_once():
+    ledger = GradientLedger()
+    for e in [entry("a", 0, "m0"), entry("a", 0, "m1"), entry("a", 1, "m2"), entry("a", 2, "m3"), entry("b", 0, "m4")]:
+        ledger.add(e)
+    replay = ledger.observe("a", "i1", open_window=2, abandoned=(1,))
+    assert [e.microbatch_id for e in replay] == ["m2"]  # window 1 abandoned
+    assert ledger.num_durable == 2  # window 0 committed
+    assert [e.microbatch_id for e in ledger.entries["a"]] == ["m3"]  # window 2 still open
+    assert ledger.observe("a", "i1", open_window=2, abandoned=(1,)) == []  # nothing twice
+    # a new incarnation (restart / reset after a stall) loses everything uncommitted
+    assert [e.microbatch_id for e in ledger.observe("a", "i2", 0, ())] == ["m3"]
+    # a server whose record vanished is replayed in full
+    assert [e.microbatch_id for e in ledger.observe_live({})] == ["m4"]
+    assert len(ledger) == 0 and ledger.num_bytes == 0
+
+
+def test_ledger_byte_cap_drops_the_oldest_entries_unprotected():
+    one = entry("a", 0, "m0").num_bytes()
+    ledger = GradientLedger(max_num_bytes=2 * one)
+    ledger.add(entry("a", 0, "m0"))
+    ledger.add(entry("b", 0, "m1"))
+    ledger.add(entry("a", 0, "m2"))
+    assert ledger.num_unprotected == 1
+    assert sorted(e.microbatch_id for v in ledger.entries.values() for e in v) == ["m1", "m2"]
