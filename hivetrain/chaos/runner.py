@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import tomli_w
 
-from hivetrain.chaos import process
+from hivetrain.chaos import adversary, process
 from hivetrain.chaos.network import Member, NetnsTopology, TcpProxy
 from hivetrain.chaos.plot import plot_run
 from hivetrain.chaos.report import PeerRun, build_report, format_summary
@@ -78,6 +79,7 @@ class ChaosRunner:
         self.proxy: TcpProxy | None = None
         self.peer_address: str | None = None
         self.swarm: LocalSwarm | None = None
+        self.adversaries: list = []  # Popen of adversary processes (own process groups)
         self.p2pds: dict[int, float] = {}
         self.orphans: list[dict] = []  # {peer, exit_code, pids} of processes a peer left behind when it exited
         self._next_index = scenario.peers
@@ -179,6 +181,10 @@ class ChaosRunner:
             if self.swarm is not None:
                 for proc in self.swarm.history:
                     proc.signal_group(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                for popen in self.adversaries:
+                    if popen.poll() is None:
+                        os.killpg(popen.pid, signal.SIGKILL)
+                    popen.wait(timeout=10)
                 self.swarm.close(grace_s=10.0)
                 time.sleep(0.5)
                 leftover = process.leftovers(self.swarm.history, self.p2pds)
@@ -359,12 +365,34 @@ class ChaosRunner:
             self._fired(index, f"cut {', '.join(p.run.name for p in side)} off for {fault.heal_after_s:g}s ({reason})")
             self.faults[index]["ended_at_s"] = round(self.now() + fault.heal_after_s, 2)
             self.timers.append(_Timer(self.now() + fault.heal_after_s, self._heal))
+        elif kind == "adversary":
+            self._attack(index, fault, target, reason)
         elif kind == "churn":
             plan = churn_plan(fault, self.now(), self.scenario.seed)
             self._fired(index, f"{len(plan)} churn events over {fault.duration_s:g}s ({reason})")
             self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
             for step in plan:
                 self.timers.append(_Timer(step.t_s, lambda s=step, f=fault: self._churn_step(s, f)))
+
+    def _attack(self, index: int, fault, target: _Peer, reason: str) -> None:
+        python, maddr = adversary.adversary_python(), adversary.peer_maddr(target.proc.log_path)
+        if python is None or maddr is None:
+            why = "py-libp2p is not installed (scripts/setup_adversary)" if python is None else "no address logged"
+            self.faults[index]["detail"] = f"adversary not started: {why}"
+            self.log(f"[{self.now():6.1f}s] adversary not started: {why}")
+            return
+        out_path = self.out_dir / f"adversary{index}.jsonl"
+        popen = adversary.launch(
+            python, maddr, self.config.run_id, fault.duration_s, fault.slowloris, self.scenario.seed, out_path
+        )
+        self.adversaries.append(popen)
+        self._fired(index, f"py-libp2p adversary attacks {target.run.name} for {fault.duration_s:g}s ({reason})")
+        self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
+
+        def done() -> None:
+            self.faults[index]["detail"] += "; " + adversary.summarize(out_path)
+
+        self.timers.append(_Timer(self.now() + fault.duration_s + 5.0, done))
 
     def _take_index(self) -> int:
         index = self._next_index

@@ -53,7 +53,9 @@ HOOK_POINTS = tuple(sorted(set(re.findall(r"^ {4}([a-z_]+\.[a-z_]+) ", _faults._
     "checkpoint.mid_write",
 )
 LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency")
-TRIGGERED_KINDS = ("kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn")
+TRIGGERED_KINDS = (
+    "kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn", "adversary",
+)  # fmt: skip
 KINDS = TRIGGERED_KINDS + LAUNCH_TIME_KINDS
 
 
@@ -221,6 +223,19 @@ class LatencyFault(_Fault):
     rto_ms: float = Field(default=200.0, ge=0.0, le=60_000.0)
 
 
+class AdversaryFault(_Fault):
+    """A hostile py-libp2p client (``hivetrain/chaos/adversary/attack.py``, its own interpreter) sends malformed
+    and hostile messages to a peer's state server for ``duration_s``, holding ``slowloris`` half-open streams."""
+
+    kind: Literal["adversary"]
+    peer: int = Field(ge=0)
+    duration_s: float = Field(gt=0.0, le=3600.0)
+    slowloris: int = Field(default=16, ge=0, le=1024)
+
+    def busy_s(self) -> float:
+        return self.duration_s
+
+
 Fault = Annotated[
     KillFault
     | PauseFault
@@ -232,7 +247,8 @@ Fault = Annotated[
     | ChurnFault
     | HookFault
     | ByzantineFault
-    | LatencyFault,
+    | LatencyFault
+    | AdversaryFault,
     Field(discriminator="kind"),
 ]
 
@@ -288,6 +304,8 @@ class Scenario(BaseModel):
                         f"{where}.{field} = {index}: peer index out of range; the scenario has peers 0..{num_total - 1}"
                         f" ({self.peers} at start + {num_total - self.peers} joining)"
                     )
+            if fault.kind in ("latency", "adversary") and self.network != "loopback":
+                raise ValueError(f'{where}: needs network = "loopback" (it runs in the host namespace)')
             if fault.kind in ("bandwidth", "partition") and self.network != "netns":
                 raise ValueError(f'{where}: needs network = "netns" (network namespaces with tc)')
             if fault.kind == "partition" and len(set(fault.side)) >= self.peers:

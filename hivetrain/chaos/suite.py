@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: python -m hivetrain.chaos.suite OUT_DIR [SCENARIO ...]", file=sys.stderr)
         return 2
+    from hivetrain.cli.common import install_signal_handlers
+
+    install_signal_handlers()  # SIGTERM/SIGINT unwind through the runner's cleanup (even when run in background)
     out = Path(argv[0])
     names = argv[1:] or list(bundled_scenarios())
     reports, rows = {}, []

@@ -107,3 +107,10 @@ def test_bundled_scenarios_are_valid_and_cover_the_acceptance_list():
     assert {"kill", "pause", "kill_coordinator", "join", "partition", "bandwidth", "churn", "byzantine"} <= kinds
     modes = {f.mode for s in scenarios.values() for f in s.faults if f.kind == "byzantine"}
     assert {"nan", "sign_flip"} <= modes
+
+
+def test_adversary_and_latency_need_loopback():
+    with pytest.raises(ValueError, match='needs network = "loopback"'):
+        scenario_with({"kind": "adversary", "peer": 0, "at_s": 1, "duration_s": 5}, network="netns")
+    s = scenario_with({"kind": "adversary", "peer": 0, "at_s": 1, "duration_s": 5})
+    assert s.faults[0].busy_s() == 5
