@@ -1,0 +1,99 @@
+"""A group member process killed at each averaging hook point (an armed ``exit`` fault: ``os._exit(137)``, no cleanup,
+like SIGKILL): the survivors fail fast with their inputs unchanged, then a retry without the dead peer commits
+bit-identical results."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from hivetrain.averaging import AveragingConfig, RoundFailed, RoundResult
+
+from .conftest import LOOPBACK, run_threads
+
+CONFIG = dict(target_group_size=3, matchmaking_time_s=1.0, part_timeout_s=2.0, commit_timeout_s=2.0,
+              connect_timeout_s=2.0)  # fmt: skip
+NUM_ELEMENTS = 1_000_000
+POINTS = ["averaging.before_send", "averaging.mid_transfer", "averaging.after_reduce", "averaging.before_commit"]
+
+
+def _victim(initial_peers: tuple[str, ...], prefix: str, point: str, to_parent, go) -> None:
+    """Child process: join the swarm, arm ``exit`` at ``point``, average when told to."""
+    from hivetrain.averaging import GroupAverager
+    from hivetrain.faults import Fault, FaultInjector
+    from hivetrain.peers.node import NodeConfig, start_node
+
+    node = start_node(NodeConfig(host_maddrs=LOOPBACK, initial_peers=initial_peers, startup_timeout_s=30))
+    faults = FaultInjector()
+    faults.arm(Fault(point, "exit"))
+    avg = GroupAverager(node, prefix, AveragingConfig(**CONFIG), faults=faults, listen_host="127.0.0.1")
+    avg.start()
+    to_parent.put(node.peer_id)
+    if go.wait(60):
+        try:
+            avg.average([torch.full((NUM_ELEMENTS,), 100.0)], 1.0, 0, 30.0)
+            to_parent.put("committed")
+        except RoundFailed as exc:
+            to_parent.put(f"failed: {exc}")
+    avg.shutdown()
+    node.shutdown()
+
+
+def _exit_code(proc, timeout_s: float) -> int | None:
+    """Poll the exit code (``join`` would wait on a pipe the victim's orphaned DHT process still holds)."""
+    end = time.monotonic() + timeout_s
+    while proc.exitcode is None and time.monotonic() < end:
+        time.sleep(0.05)
+    return proc.exitcode
+
+
+def _sha(result: RoundResult) -> str:
+    return hashlib.sha256(result.tensors[0].numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS)
+def test_member_killed_at_hook_point_aborts_the_round_on_survivors(make_averagers, swarm, prefix, point: str) -> None:
+    survivors = make_averagers(2, AveragingConfig(**CONFIG))
+    ctx = mp.get_context("spawn")
+    to_parent, go = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_victim, args=(tuple(swarm[0].visible_maddrs()), prefix, point, to_parent, go))
+    proc.start()
+    descendants: list[int] = []
+    try:
+        victim_id = to_parent.get(timeout=90)
+        descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]  # its DHT and p2pd
+        inputs = [[torch.full((NUM_ELEMENTS,), float(i))] for i in range(2)]
+        go.set()
+        started = time.monotonic()
+        calls = [lambda a=a, x=x: a.average(x, 1.0, 0, 30.0) for a, x in zip(survivors, inputs, strict=True)]
+        results = run_threads(calls, 40)
+        elapsed = time.monotonic() - started
+        assert _exit_code(proc, 10.0) == 137, f"the fault at {point} did not fire (exit code {proc.exitcode})"
+        for r in results:
+            assert isinstance(r, RoundFailed) and r.reason in ("peer_failed", "timeout", "aborted"), r
+        assert elapsed < CONFIG["matchmaking_time_s"] + CONFIG["part_timeout_s"] + 3.0, elapsed
+        for i, x in enumerate(inputs):
+            assert torch.equal(x[0], torch.full((NUM_ELEMENTS,), float(i)))
+
+        retry = run_threads(calls, 40)
+        assert all(isinstance(r, RoundResult) for r in retry), retry
+        assert victim_id not in retry[0].group and len(retry[0].group) == 2
+        assert _sha(retry[0]) == _sha(retry[1])
+        torch.testing.assert_close(retry[0].tensors[0], torch.full((NUM_ELEMENTS,), 0.5), atol=1e-6, rtol=0)
+    finally:
+        go.set()
+        _exit_code(proc, 5.0)
+        for pid in [*descendants, proc.pid]:  # the victim's orphaned DHT process and p2pd
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        proc.join(5)
