@@ -14,8 +14,11 @@ def make_node(tmp_path):
 
     def factory(initial_peers=(), name=None):
         identity = str(tmp_path / f"{name}.key") if name else None
-        node = start_node(NodeConfig(initial_peers=tuple(initial_peers), host_maddrs=LOOPBACK,
-                                     identity_path=identity, startup_timeout_s=30))
+        node = start_node(
+            NodeConfig(
+                initial_peers=tuple(initial_peers), host_maddrs=LOOPBACK, identity_path=identity, startup_timeout_s=30
+            )
+        )
         nodes.append(node)
         return node
 

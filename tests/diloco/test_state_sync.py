@@ -12,8 +12,9 @@ from hivetrain.peers.loop import LoopThread
 def _state(epoch, seed, n=300_000):
     gen = torch.Generator().manual_seed(seed)
     params = {"a": torch.randn(n, generator=gen), "b": torch.randn(7, 3, generator=gen)}
-    return TrainingState(epoch=epoch, params=params, momentum={k: torch.randn(v.shape, generator=gen)
-                                                                for k, v in params.items()})
+    return TrainingState(
+        epoch=epoch, params=params, momentum={k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    )
 
 
 @pytest.fixture
@@ -63,7 +64,11 @@ def test_donor_dying_mid_download_hands_its_chunks_to_the_others(make_node, loop
     for d in donors:
         _serve(loop, d, good)
     p2p = loop.run(joiner.dht.replicate_p2p(), 30)
-    got = loop.run(download_state(p2p, "run", [d.peer_id for d in donors], {2: good.state_hash()},
-                                  _state(0, seed=9), 5, faults=faults), 90)
+    got = loop.run(
+        download_state(
+            p2p, "run", [d.peer_id for d in donors], {2: good.state_hash()}, _state(0, seed=9), 5, faults=faults
+        ),
+        90,
+    )
     assert fault.fired == 1
     assert got.state_hash() == good.state_hash()

@@ -7,8 +7,17 @@ NOW = 1000.0
 
 
 def rec(peer, epoch, digest, role="trainer", age=0.0):
-    return PeerRecord(peer_id=peer, role=role, version="0.1.0", run_id="r", model_fingerprint="f", epoch=epoch,
-                      throughput=1.0, state_hash=digest, updated_at=NOW - age)
+    return PeerRecord(
+        peer_id=peer,
+        role=role,
+        version="0.1.0",
+        run_id="r",
+        model_fingerprint="f",
+        epoch=epoch,
+        throughput=1.0,
+        state_hash=digest,
+        updated_at=NOW - age,
+    )
 
 
 def test_in_sync_keeps_training():

@@ -50,8 +50,16 @@ def test_malformed_initial_peer_is_a_value_error(addr, match):
 
 
 def _record(node, **kw):
-    fields = dict(peer_id=node.peer_id, role="trainer", version="0.1.0", run_id="r", model_fingerprint="f",
-                  epoch=1, throughput=2.0, updated_at=time.time())
+    fields = dict(
+        peer_id=node.peer_id,
+        role="trainer",
+        version="0.1.0",
+        run_id="r",
+        model_fingerprint="f",
+        epoch=1,
+        throughput=2.0,
+        updated_at=time.time(),
+    )
     fields.update(kw)
     return PeerRecord(**fields)
 
@@ -72,20 +80,36 @@ def test_run_config_accepted_only_from_trusted_signer(make_node):
     coord = make_node()
     other = make_node(coord.visible_maddrs())
     now = time.time()
-    publish_run_config(coord.dht, coord.owner_marker,
-                       RunConfigRecord(run_config={"run_id": "x"}, version="0.1.0", coordinator_id=coord.peer_id,
-                                       published_at=now), 60)
-    publish_run_config(other.dht, other.owner_marker,
-                       RunConfigRecord(run_config={"run_id": "evil"}, version="0.1.0", coordinator_id=other.peer_id,
-                                       published_at=now + 1), 60)
+    publish_run_config(
+        coord.dht,
+        coord.owner_marker,
+        RunConfigRecord(run_config={"run_id": "x"}, version="0.1.0", coordinator_id=coord.peer_id, published_at=now),
+        60,
+    )
+    publish_run_config(
+        other.dht,
+        other.owner_marker,
+        RunConfigRecord(
+            run_config={"run_id": "evil"}, version="0.1.0", coordinator_id=other.peer_id, published_at=now + 1
+        ),
+        60,
+    )
     trusted = trusted_ids(tuple(coord.visible_maddrs()))
     assert trusted == {coord.peer_id}
     assert fetch_run_config(other.dht, trusted).run_config == {"run_id": "x"}
 
 
 def test_compatibility_checks_name_the_difference():
-    rec = PeerRecord(peer_id="p", role="trainer", version="0.1.3", run_id="r", model_fingerprint="abc",
-                     epoch=0, throughput=0, updated_at=0)
+    rec = PeerRecord(
+        peer_id="p",
+        role="trainer",
+        version="0.1.3",
+        run_id="r",
+        model_fingerprint="abc",
+        epoch=0,
+        throughput=0,
+        updated_at=0,
+    )
     assert check_compatible(rec, "r", "abc")[0]
     ok, reason = check_compatible(rec, "r", "xyz")
     assert not ok and "different model" in reason

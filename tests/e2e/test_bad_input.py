@@ -1,0 +1,52 @@
+"""Bad input to join-swarm: a clear message, a non-zero exit code, bounded time, and nobody else disturbed."""
+
+import subprocess
+import sys
+import time
+
+from hivetrain.testing.summary import read_events
+from tests.e2e.conftest import wait_for_event, write_config
+
+JOIN = [sys.executable, "-m", "hivetrain.cli.join_swarm"]
+BOGUS = "/ip4/127.0.0.1/tcp/9/p2p/QmZaPV7t8Ru4TUBX6qryUsdLzF6JuQCx8oH3c9xuuuBkGm"
+
+
+def run(args, timeout_s=60):
+    started = time.monotonic()
+    proc = subprocess.run(
+        [*JOIN, *args, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], capture_output=True, text=True, timeout=timeout_s
+    )
+    return proc, time.monotonic() - started
+
+
+def test_unreachable_bootstrap_exits_nonzero_quickly_naming_the_address():
+    proc, elapsed = run([BOGUS, "--bootstrap-timeout", "10"])
+    assert proc.returncode == 2
+    assert BOGUS in proc.stderr and "could not reach any initial peer" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 30
+
+
+def test_invalid_config_value_is_refused_naming_the_field(tmp_path):
+    config = write_config(tmp_path / "bad.toml", **{"diloco.inner_steps": -5})
+    proc, _ = run(["--config", str(config)])
+    assert proc.returncode == 2 and "diloco.inner_steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_data_path_is_refused(tmp_path):
+    config = write_config(tmp_path / "run.toml", **{"data.paths": [str(tmp_path / "missing.txt")]})
+    proc, _ = run(["--config", str(config)])
+    assert proc.returncode == 2 and "missing.txt" in proc.stderr
+
+
+def test_peer_with_different_model_is_refused_and_others_keep_training(local_swarm, tmp_path):
+    swarm = local_swarm(**{"diloco.outer_steps": 3, "diloco.inner_steps": 20})
+    honest = swarm.add_peer()
+    wait_for_event(honest, lambda e: e["event"] == "start", timeout_s=90)
+    other = write_config(tmp_path / "other.toml", model="small")
+    proc, _ = run([swarm.address, "--config", str(other)], timeout_s=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "different model" in proc.stderr
+    assert swarm.wait_peers(timeout_s=180)
+    assert honest.popen.returncode == 0
+    assert [e["epoch"] for e in read_events(honest.metrics_path) if e["event"] == "outer_step"] == [1, 2, 3]
