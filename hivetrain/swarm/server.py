@@ -38,7 +38,7 @@ from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_sync import StateServer, download_state
+from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.sync_policy import decide_sync
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.loop import LoopThread
@@ -198,36 +198,51 @@ class StageServer:
         ]
 
     def _obtain_stage(
-        self, stage: int, records: list[StageRecord], timeout_s: float
+        self, stage: int, records: list[StageRecord], timeout_s: float, attempts: int = 4
     ) -> tuple[PipelineStage, TrainingState]:
-        """The stage module and committed state: downloaded from the stage's servers, or θ₀ from the seed."""
+        """The stage module and committed state: downloaded from the stage's servers, or θ₀ from the seed.
+
+        A donor that committed a newer phase since its last announcement offers a state whose hash no record
+        names yet; the download is then retried with fresh records, up to ``attempts`` times.
+
+        Raises:
+            StateDownloadFailed: the stage has servers but none served a state matching the announced hashes.
+        """
         spec = self.specs[stage]
-        donors = [
-            r
-            for r in records
-            if r.stage == stage and r.peer_id != self.node.peer_id and r.state_hash and r.status != "moving"
-        ]
-        if not donors:
-            module = build_stage(self.model_config, spec, self.run.seed)
-            return module, TrainingState.from_model(module)
-        module = PipelineStage(self.model_config, spec)
-        reference = TrainingState.from_model(module)
-        expected = _majority_hashes(donors)
-        state = self.loop.run(
-            download_state(
-                self.p2p,
-                self._state_name(stage),
-                [r.peer_id for r in donors],
-                expected,
-                reference,
-                timeout_s=self.swarm.request_timeout_s,
-                faults=self.faults,
-            ),
-            timeout_s,
-        )
-        self.state_downloads += 1
-        logger.info("downloaded stage %d state of epoch %d from %d peer(s)", stage, state.epoch, len(donors))
-        return module, state
+        for attempt in range(attempts):
+            donors = [
+                r
+                for r in records
+                if r.stage == stage and r.peer_id != self.node.peer_id and r.state_hash and r.status != "moving"
+            ]
+            if not donors:
+                module = build_stage(self.model_config, spec, self.run.seed)
+                return module, TrainingState.from_model(module)
+            module = PipelineStage(self.model_config, spec)
+            try:
+                state = self.loop.run(
+                    download_state(
+                        self.p2p,
+                        self._state_name(stage),
+                        [r.peer_id for r in donors],
+                        _majority_hashes(donors),
+                        TrainingState.from_model(module),
+                        timeout_s=self.swarm.request_timeout_s,
+                        faults=self.faults,
+                    ),
+                    timeout_s,
+                )
+            except StateDownloadFailed as exc:
+                if attempt + 1 == attempts:
+                    raise
+                logger.info("stage %d state download failed (%s); retrying with fresh records", stage, exc)
+                time.sleep(self.swarm.announce_interval_s)
+                records = self._fetch_records()
+                continue
+            self.state_downloads += 1
+            logger.info("downloaded stage %d state of epoch %d from %d peer(s)", stage, state.epoch, len(donors))
+            return module, state
+        raise AssertionError("unreachable")
 
     def _state_name(self, stage: int) -> str:
         return f"{self.run.run_id}.swarm.stage{stage}"
