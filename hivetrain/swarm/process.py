@@ -157,6 +157,7 @@ def server_stats(server, started: float) -> dict:
         "peer_id": server.node.peer_id,
         "stage": rt.spec.index if rt else None,
         "epoch": rt.state.epoch if rt else 0,
+        "state_hash": rt.state.state_hash() if rt else "",
         "forward": rt.num_forward if rt else 0,
         "backward": rt.num_backward if rt else 0,
         "expired": rt.num_expired if rt else 0,

@@ -179,7 +179,7 @@ class StageServer:
             self._thread.join(timeout_s)
         if self.loop is not None and self.handler is not None and self.p2p is not None:
             try:
-                self.loop.run(self.handler.unregister(self.p2p, self.run.run_id), min(timeout_s, 5.0))
+                self.loop.run(self.handler.unregister(self.p2p, self.run.run_id), min(timeout_s, 2.0))
             except Exception as exc:  # noqa: BLE001 - the daemon may be gone already
                 logger.debug("unregister failed: %r", exc)
         if self.runtime is not None:

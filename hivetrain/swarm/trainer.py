@@ -26,7 +26,7 @@ import logging
 import random
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -76,6 +76,9 @@ class TrainerStats:
     bans: Counter = field(default_factory=Counter)
     ban_reasons: list[str] = field(default_factory=list)
     served_by: Counter = field(default_factory=Counter)
+    completed_at: deque = field(default_factory=lambda: deque(maxlen=1_000_000))  # unix time per microbatch
+    rerouted_completed_at: deque = field(default_factory=lambda: deque(maxlen=100_000))  # ... that needed a reroute
+    replayed_at: deque = field(default_factory=lambda: deque(maxlen=100_000))  # unix time per finished replay
 
 
 class PipelineTrainer:
@@ -233,9 +236,10 @@ class PipelineTrainer:
         num_stages = self.swarm.num_stages
         inputs: list[runtime_pb2.Tensor] = [wire.encode(chunk_BT1[:, :-1].contiguous())]  # (B, T) int64 ids
         servers: list[str] = []
+        trace: list[str] = []  # failures this microbatch met
         logits_BTV = None
         for stage in range(num_stages):
-            peer, out_proto, out = await self._hop_forward(stage, microbatch_id, inputs[stage], deadline)
+            peer, out_proto, out = await self._hop_forward(stage, microbatch_id, inputs[stage], deadline, trace)
             servers.append(peer)
             if stage + 1 < num_stages:
                 inputs.append(out_proto)
@@ -249,8 +253,11 @@ class PipelineTrainer:
         (grad_BTV,) = torch.autograd.grad(loss, [logits_BTV])
         grad = wire.encode(grad_BTV, self.swarm.compression)
         for stage in reversed(range(num_stages)):
-            grad = await self._hop_backward(stage, microbatch_id, inputs[stage], grad, servers[stage], deadline)
+            grad = await self._hop_backward(stage, microbatch_id, inputs[stage], grad, servers[stage], deadline, trace)
         self.stats.microbatches += 1
+        self.stats.completed_at.append(time.time())
+        if trace:
+            self.stats.rerouted_completed_at.append(time.time())
         return loss.item()
 
     def _live_records(self) -> list[StageRecord]:
@@ -277,7 +284,7 @@ class PipelineTrainer:
         self.stats.reroutes += 1
         logger.info("banned stage %d server %s: %s", stage, peer_id[:12], reason)
 
-    async def _hop(self, stage: int, deadline: float, call, preferred: str | None = None):
+    async def _hop(self, stage: int, deadline: float, call, preferred: str | None = None, trace: list | None = None):
         """Run ``call(peer_id)`` on servers of ``stage`` until one answers "ok"; returns (peer_id, reply, result)."""
         exclude: set[str] = set()
         failures = 0
@@ -312,15 +319,19 @@ class PipelineTrainer:
                 self._ban(peer_id, stage, f"replied {reply.status}: {reply.detail}")
             failures += 1
             exclude.add(peer_id)
+            if trace is not None:
+                trace.append(peer_id)
             if failures >= self.swarm.max_attempts_per_hop or time.monotonic() > deadline:
                 raise PipelineStalled(f"stage {stage}: {failures} failed attempt(s)")
 
-    async def _hop_forward(self, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, deadline: float):
+    async def _hop_forward(
+        self, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, deadline: float, trace: list | None = None
+    ):
         async def call(peer_id: str):
             reply, proto, out = await self.client.forward(peer_id, stage, microbatch_id, x, self._timeout(deadline))
             return reply, (proto, out)
 
-        peer_id, _, (proto, out) = await self._hop(stage, deadline, call)
+        peer_id, _, (proto, out) = await self._hop(stage, deadline, call, trace=trace)
         return peer_id, proto, out
 
     async def _hop_backward(
@@ -331,11 +342,12 @@ class PipelineTrainer:
         grad: runtime_pb2.Tensor,
         preferred: str,
         deadline: float,
+        trace: list | None = None,
     ) -> runtime_pb2.Tensor | None:
         async def call(peer_id: str):
             return await self.client.backward(peer_id, stage, microbatch_id, x, grad, self._timeout(deadline))
 
-        peer_id, reply, grad_input = await self._hop(stage, deadline, call, preferred=preferred)
+        peer_id, reply, grad_input = await self._hop(stage, deadline, call, preferred=preferred, trace=trace)
         if reply.window >= 0:
             self.ledger.add(LedgerEntry(stage, microbatch_id, peer_id, reply.incarnation, reply.window, x, grad))
         return grad_input
@@ -379,6 +391,7 @@ class PipelineTrainer:
             return
         self._pending_replays.remove(entry)
         self.stats.replays += 1
+        self.stats.replayed_at.append(time.time())
         if reply.window >= 0:
             self.ledger.add(
                 LedgerEntry(
