@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", type=int, default=3, help="number of training peers (>= 1)")
     parser.add_argument("--out", required=True, help="directory for logs, metrics and summary.json")
     parser.add_argument("--config", default=None, help="run config TOML (default: built-in defaults)")
-    parser.add_argument("--outer-steps", type=int, default=5, help="K, outer steps to train (>= 1)")
+    parser.add_argument(
+        "--outer-steps",
+        type=int,
+        default=None,
+        help="K, outer steps to train (default: the config's, or 5 if it trains forever)",
+    )
     parser.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
     parser.add_argument("--model", default=None, help="model preset: tiny, small or base")
     parser.add_argument(
@@ -54,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(False)
     install_signal_handlers()
-    if args.peers < 1 or args.outer_steps < 1 or args.threads_per_peer < 1 or args.timeout <= 0:
+    if (
+        args.peers < 1
+        or (args.outer_steps is not None and args.outer_steps < 1)
+        or args.threads_per_peer < 1
+        or args.timeout <= 0
+    ):
         return fail("--peers, --outer-steps and --threads-per-peer must be >= 1 and --timeout > 0", EXIT_BAD_INPUT)
     out = Path(args.out)
     try:
