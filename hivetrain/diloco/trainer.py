@@ -72,6 +72,9 @@ class TrainerStats:
     last_eval_loss: float | None = None
     throughput: float = 0.0
     peers_seen: int = 0
+    last_round_s: float | None = None
+    last_group_size: int = 0
+    last_failure: str = ""
     state_hashes: dict[int, str] = field(default_factory=dict)
 
 
@@ -240,6 +243,7 @@ class DilocoTrainer:
                         raise RoundFailed("alone", why)
             except RoundFailed as exc:
                 self.stats.rounds_failed += 1
+                self.stats.last_failure = f"epoch {epoch}: {exc.reason}"
                 logger.warning("epoch %d round attempt %d failed: %s", epoch, attempt, exc)
                 self._emit("round_failed", reason=exc.reason, detail=exc.detail, attempt=attempt)
                 records = self._refresh_records()
@@ -264,6 +268,7 @@ class DilocoTrainer:
                 self.state, result.tensors, self.config.diloco.outer_lr, self.config.diloco.outer_momentum
             )
             self.stats.rounds_committed += 1
+            self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
             self.stats.samples_total += num_samples
             self.stats.bytes_sent += result.bytes_sent
             self.stats.bytes_received += result.bytes_received

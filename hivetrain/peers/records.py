@@ -54,7 +54,13 @@ class PeerRecord(BaseModel):
     maddrs: tuple[str, ...] = Field(default=(), max_length=16)
     reachable: bool = True
     stage: int | None = Field(default=None, ge=0, le=1024)
-    loss: float | None = None
+    loss: float | None = Field(default=None, description="mean training loss of the last inner phase, nats")
+    eval_loss: float | None = Field(default=None, description="held-out loss at `epoch`, nats")
+    rounds_committed: int = Field(default=0, ge=0)
+    rounds_failed: int = Field(default=0, ge=0)
+    last_round_s: float | None = Field(default=None, ge=0.0, description="duration of the last committed round")
+    last_group_size: int = Field(default=0, ge=0)
+    last_failure: str = Field(default="", max_length=200, description="reason of the last failed round")
     updated_at: float = Field(ge=0.0)
 
 
