@@ -38,6 +38,8 @@ class StageRecord(BaseModel):
         epoch: committed outer steps of the stage state this server holds; ``state_hash`` is that state's sha256.
         incarnation: changes when the server restarts or drops its uncommitted gradients.
         open_window: the server's current phase; lower phases are closed (committed unless listed in ``abandoned``).
+        phase_microbatches: microbatches accumulated in the open phase (the stage's servers end their phase together
+            once their sum reaches the stage's target).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -55,6 +57,7 @@ class StageRecord(BaseModel):
     state_hash: str = Field(default="", max_length=64)
     incarnation: str = Field(default="", max_length=64)
     open_window: int = Field(default=0, ge=0)
+    phase_microbatches: int = Field(default=0, ge=0)
     abandoned: tuple[int, ...] = Field(default=(), max_length=256)
     served_total: int = Field(default=0, ge=0)
     rebalances: int = Field(default=0, ge=0)

@@ -91,6 +91,9 @@ class StageRuntime:
         on_phase_end: called on the worker thread when a phase ends, with (runtime, pseudo_gradient list);
             returns the next committed TrainingState or raises to abandon the phase. None = commit locally.
         deadline_margin_s: a backward finishing later than ``deadline - deadline_margin_s`` is not accumulated.
+        external_phase_end: phases end only when ``request_phase_end`` is called (the server does when the stage's
+            servers together reached their target, so they all enter the outer step together); False = after
+            ``diloco.inner_steps`` local inner steps.
     """
 
     def __init__(
@@ -104,9 +107,12 @@ class StageRuntime:
         on_phase_end: Callable[[StageRuntime, list[torch.Tensor]], TrainingState] | None = None,
         deadline_margin_s: float = 0.5,
         label: str = "",
+        external_phase_end: bool = False,
     ):
         self.swarm, self.diloco, self.device, self.faults = swarm, diloco, device, faults
         self.on_phase_end = on_phase_end
+        self.external_phase_end = external_phase_end
+        self._phase_end_pending = False
         self.deadline_margin_s = deadline_margin_s
         self.label = label
         self._queue: queue.PriorityQueue[_Task] = queue.PriorityQueue()
@@ -137,6 +143,7 @@ class StageRuntime:
         self.num_accumulated = 0
         self.inner_step = state.epoch * self.diloco.inner_steps
         self.phase_inner_steps = 0
+        self.phase_microbatches = 0
         self.incarnation = secrets.token_hex(8)
         self.phase = 0
         self.abandoned: collections.deque[int] = collections.deque(maxlen=64)
@@ -159,6 +166,7 @@ class StageRuntime:
         self.abandoned.append(self.phase)
         self.phase += 1
         self.phase_inner_steps = 0
+        self.phase_microbatches = 0
         self.inner_step = self.state.epoch * self.diloco.inner_steps
 
     def _commit(self, new_state: TrainingState) -> None:
@@ -166,6 +174,7 @@ class StageRuntime:
         self._load_theta()
         self.phase += 1
         self.phase_inner_steps = 0
+        self.phase_microbatches = 0
         self.inner_step = new_state.epoch * self.diloco.inner_steps
 
     # ---- entry points (any thread) -------------------------------------------------------------------------------
@@ -335,6 +344,7 @@ class StageRuntime:
         while len(self._accumulated_ids) > _MAX_REMEMBERED_IDS:
             self._accumulated_ids.popitem(last=False)
         self.num_accumulated += 1
+        self.phase_microbatches += 1
         if self.swarm.microbatches_per_inner_step and self.num_accumulated >= self.swarm.microbatches_per_inner_step:
             self._inner_step()
         return BackwardResult(grad_input, window)
@@ -354,8 +364,34 @@ class StageRuntime:
         self._zero_accumulator()
         self.inner_step += 1
         self.phase_inner_steps += 1
-        if self.phase_inner_steps >= self.diloco.inner_steps:
+        if not self.external_phase_end and self.phase_inner_steps >= self.diloco.inner_steps:
             self._end_phase()
+
+    def request_phase_end(self) -> bool:
+        """Queue the end of the open phase (the outer step) on the worker thread without waiting for it.
+        Returns False if one is already queued or the phase holds no microbatch."""
+        if self._phase_end_pending or self.phase_microbatches == 0:
+            return False
+        self._phase_end_pending = True
+
+        def end() -> None:
+            try:
+                if self.phase_microbatches:
+                    if self.num_accumulated:
+                        self._inner_step_without_phase_end()
+                    self._end_phase()
+            finally:
+                self._phase_end_pending = False
+
+        self._submit(_PRIORITY_CONTROL, end)
+        return True
+
+    def _inner_step_without_phase_end(self) -> None:
+        external, self.external_phase_end = self.external_phase_end, True
+        try:
+            self._inner_step()
+        finally:
+            self.external_phase_end = external
 
     def _end_phase(self) -> None:
         local = {n: p.detach().to("cpu", torch.float32) for n, p in self.params.items()}
@@ -380,8 +416,10 @@ class StageRuntime:
         self._install(module, state)
 
     def adopt_state(self, state: TrainingState) -> None:
-        """Load a downloaded committed state of the same stage; the open phase is abandoned."""
-        self._abandon_phase(f"adopting downloaded state of epoch {state.epoch}")
+        """Load a downloaded committed state of the same stage. An open phase that took inner steps is abandoned
+        (they were taken from the old θ); gradients only accumulated so far are kept for the next inner step."""
+        if self.phase_inner_steps:
+            self._abandon_phase(f"adopting downloaded state of epoch {state.epoch}")
         self.state = state
         self._load_theta()
         self.inner_step = state.epoch * self.diloco.inner_steps
@@ -394,6 +432,7 @@ class StageRuntime:
         self.incarnation = secrets.token_hex(8)
         self.phase = 0
         self.phase_inner_steps = 0
+        self.phase_microbatches = 0
         self.abandoned.clear()
         self._accumulated_ids.clear()
 

@@ -155,6 +155,7 @@ class StageServer:
             self.faults,
             on_phase_end=self._outer_step if self.swarm.average_stage else None,
             label=self.node.peer_id[-6:],
+            external_phase_end=self.swarm.average_stage,
         )
         shape = (self.swarm.microbatch_size, self.run.data.seq_len)
         self.runtime.call(lambda: self.runtime.benchmark(shape), timeout_s)
@@ -280,6 +281,7 @@ class StageServer:
             state_hash=self._state_hash(rt.state),
             incarnation=rt.incarnation,
             open_window=rt.phase,
+            phase_microbatches=rt.phase_microbatches,
             abandoned=tuple(rt.abandoned),
             served_total=rt.num_backward,
             rebalances=self.rebalances,
@@ -316,6 +318,8 @@ class StageServer:
         if time.monotonic() - self._last_announce_ok > self.swarm.record_ttl_s:
             rt.call(lambda: rt.reincarnate("stalled past the record TTL"), self.swarm.request_timeout_s)
         self._announce()
+        if self.swarm.average_stage:
+            self._maybe_end_phase()
         if rt.phase != self._checked_phase:
             self._checked_phase = rt.phase
             self._maybe_resync()
@@ -327,6 +331,31 @@ class StageServer:
         ):
             self._last_rebalance = now
             self.maybe_rebalance()
+
+    def _maybe_end_phase(self) -> None:
+        """End the phase once the stage's servers at our epoch together accumulated ``inner_steps *
+        microbatches_per_inner_step`` microbatches per server (hivemind Optimizer's collaborative target, per stage):
+        they all see the total cross the target within about one announce interval and meet in the same round."""
+        rt = self.runtime
+        peers = [
+            r
+            for r in self._fetch_records()
+            if r.stage == rt.spec.index
+            and r.epoch == rt.state.epoch
+            and r.peer_id != self.node.peer_id
+            and r.status in ("serving", "syncing")
+        ]
+        total = rt.phase_microbatches + sum(r.phase_microbatches for r in peers)
+        target = self.diloco_phase_microbatches() * (1 + len(peers))
+        if total >= target and rt.request_phase_end():
+            logger.info(
+                "stage %d epoch %d: %d/%d microbatches over %d server(s): outer step",
+                rt.spec.index,
+                rt.state.epoch,
+                total,
+                target,
+                1 + len(peers),
+            )
 
     def maybe_rebalance(self) -> int | None:
         """Ask ``decide_move`` and move if told to. Returns the new stage, or None."""
@@ -400,7 +429,7 @@ class StageServer:
                 averager = self._averagers[stage] = self.averager_factory(
                     self.node, stage_prefix(self.run.run_id, self.fingerprint, stage)
                 )
-            weight = float(self.diloco_phase_microbatches())
+            weight = float(runtime.phase_microbatches)
             result = averager.average(deltas, weight, runtime.state.epoch, self.run.averaging.round_timeout_s)
             new_state = outer_step(
                 runtime.state, result.tensors, self.run.diloco.outer_lr, self.run.diloco.outer_momentum

@@ -223,14 +223,18 @@ class PipelineTrainer:
             async with semaphore:
                 return await self._microbatch(chunk, microbatch_id, deadline, train)
 
+        tasks = [asyncio.create_task(one(c, i)) for c, i in zip(chunks, ids, strict=True)]
         try:
-            return list(
-                await asyncio.wait_for(
-                    asyncio.gather(*(one(c, i) for c, i in zip(chunks, ids, strict=False))), self.swarm.step_timeout_s
-                )
-            )
-        except asyncio.TimeoutError:
-            raise PipelineStalled(f"step did not finish within {self.swarm.step_timeout_s:.0f}s") from None
+            done, pending = await asyncio.wait(tasks, timeout=self.swarm.step_timeout_s, return_when="FIRST_EXCEPTION")
+            failed = [t for t in done if t.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            if pending:
+                raise PipelineStalled(f"step did not finish within {self.swarm.step_timeout_s:.0f}s")
+            return [t.result() for t in tasks]
+        finally:
+            for task in tasks:  # a failed step leaves no microbatch running into the next one
+                task.cancel()
 
     async def _microbatch(self, chunk_BT1: torch.Tensor, microbatch_id: str, deadline: float, train: bool) -> float:
         num_stages = self.swarm.num_stages
