@@ -194,9 +194,12 @@ class ButterflyRound:
             self.round_id, self.me, self.secret, {p: self.members[p].kx_public for p in others}, self._attach
         )
         self.server.register(keys)
+        committed = False
         try:
             self._connect(keys, others, deadline)
-            return self._run_subrounds(flat, weight, deadline)
+            outcome = self._run_subrounds(flat, weight, deadline)
+            committed = True
+            return outcome
         except RoundFailed:
             raise
         except Exception as exc:
@@ -204,7 +207,7 @@ class ButterflyRound:
             raise RoundFailed("aborted", f"local error: {type(exc).__name__}: {exc}") from exc
         finally:
             self.server.unregister(self.round_id)
-            self._finish()
+            self._finish(graceful=committed)
 
     # ---- links --------------------------------------------------------------------------------------------------
     def _attach(self, link: Link) -> None:
@@ -218,8 +221,8 @@ class ButterflyRound:
             self._cond.notify_all()
         for target, name in ((self._receiver, "recv"), (self._sender, "send")):
             t = threading.Thread(target=target, args=(link,), name=f"hivetrain-avg-{name}", daemon=True)
-            self._threads.append(t)
             t.start()
+            self._threads.append(t)
 
     def _connect(self, keys: RoundKeys, others: list[str], deadline: float) -> None:
         cfg = self.config
@@ -246,7 +249,9 @@ class ButterflyRound:
             self._inbox.errors.setdefault(peer_id, reason)
             self._cond.notify_all()
 
-    def _finish(self) -> None:
+    def _finish(self, graceful: bool) -> None:
+        """End the round: after a commit, FIN every link (the receivers drain and close them); after a failure,
+        close every link at once so that members blocked on us fail now."""
         with self._cond:
             self._done = True
             links = list(self._links.values())
@@ -254,21 +259,26 @@ class ButterflyRound:
         for q in self._send_queues.values():
             q.put(None)
         for link in links:
-            link.close()
+            if graceful:
+                link.finish()
+            else:
+                link.close()
 
     # ---- waiting ------------------------------------------------------------------------------------------------
-    def _wait(self, ready, watched: Sequence[str], deadline: float, what: str, reason: str = "timeout") -> None:
-        """Block until ``ready()`` (under the lock); raise RoundFailed if a watched member fails or at ``deadline``."""
+    def _wait(self, ready, watched, deadline: float, what: str, reason: str = "timeout") -> None:
+        """Block until ``ready()`` (under the lock); raise RoundFailed if a watched member (``watched``: peer ids, or a
+        function returning them) fails, or at ``deadline``."""
         with self._cond:
             self._waiting = True
             try:
                 while not ready():
-                    failed = [(p, self._inbox.errors[p]) for p in watched if p in self._inbox.errors]
+                    ids = watched() if callable(watched) else watched
+                    failed = [(p, self._inbox.errors[p]) for p in ids if p in self._inbox.errors]
                     if failed:
                         raise RoundFailed("peer_failed", f"{what}: {failed[0][0]}: {failed[0][1]}")
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        missing = ", ".join(p for p in watched if p not in self._links)
+                        missing = ", ".join(p for p in ids if p not in self._links)
                         raise RoundFailed(reason, f"{what}: deadline reached" + (f" ({missing})" if missing else ""))
                     self._cond.wait(min(left, 0.5))
             finally:
@@ -327,14 +337,17 @@ class ButterflyRound:
                         self._inbox.votes[j] = (sub, h if ok else b"bad-mac")
                         self._vote_received_at[j] = time.monotonic()
                         self._cond.notify_all()
-                    return
+                    break
                 else:
                     raise LinkClosed(f"{j} sent an unexpected {ftype.name} frame")
         except _StopReading:
-            return
+            pass
         except LinkClosed as exc:
             if not self._done:
                 self._post_error(j, str(exc))
+            link.close()
+            return
+        link.drain(self.config.part_timeout_s)  # nothing more is expected: drop the rest until the peer closes
 
     def _plan(self, sub: int) -> _Plan:
         with self._cond:
@@ -446,10 +459,6 @@ class ButterflyRound:
                 raise RoundFailed("excluded", f"reducers found our data bad in subround {sub}")
             active = tuple(p for p in active if p not in bad)
             logger.warning("round %s: excluding %s, restarting without them", self.round_id[:8], sorted(bad))
-            for p in bad:
-                link = self._links.get(p)
-                if link is not None:
-                    link.close()
             if len(active) < max(self.config.min_group_size, 1):
                 raise RoundFailed("aborted", f"{len(active)} honest members left after excluding {sorted(excluded)}")
         raise RoundFailed("aborted", f"members kept being excluded after {self.config.max_subrounds} subrounds")
@@ -501,15 +510,27 @@ class ButterflyRound:
             )
 
         # gather everyone's slice
-        trusted = [p for p in others if p not in bad_here]  # we read nothing more from peers that sent bad parts
-        self._wait(lambda: all((sub, p) in inbox.results for p in trusted), trusted, deadline, "waiting for results")
+        # We wait for no result from a member known to be bad (we read nothing more from one that sent us a bad
+        # part; one that another reducer excluded may have failed already without sending us its result).
+        def suspects() -> set[str]:
+            found = set(bad_here)
+            for p in others:
+                got = inbox.results.get((sub, p))
+                if got is not None and got[0]:
+                    found |= self._claims(p, got[3], plan)
+            return found
+
+        def awaited() -> list[str]:
+            return [p for p in others if p not in suspects()]
+
+        self._wait(lambda: all((sub, p) in inbox.results for p in awaited()), awaited, deadline, "waiting for results")
         metas, digests, bad = {self.me: own_meta}, [], set(bad_here)
         for p in plan.active:
             if p == self.me:
                 digests.append(own_digest)
                 continue
-            if p not in trusted:
-                continue
+            if (sub, p) not in inbox.results:
+                continue  # a suspect: its slice is recomputed in the next subround
             ok, why, digest, meta = inbox.results[(sub, p)]
             if not ok:
                 logger.warning("round %s: reducer %s: %s", self.round_id[:8], p, why)
@@ -561,7 +582,8 @@ class ButterflyRound:
             self._send(p, FrameType.VOTE, sub, {"hash": full_hash, "mac": vote_mac})
         commit_deadline = min(deadline, time.monotonic() + self.config.commit_timeout_s)
         inbox = self._inbox
-        self._wait(lambda: all(p in inbox.votes for p in others), others, commit_deadline, "waiting for votes")
+        awaited = lambda: [p for p in others if p not in inbox.votes]  # noqa: E731 - a voter may close after voting
+        self._wait(lambda: not awaited(), awaited, commit_deadline, "waiting for votes")
         disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
         if disagree:
             raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")

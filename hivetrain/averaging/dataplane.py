@@ -177,6 +177,27 @@ class Link:
         except (OSError, ValueError) as exc:
             raise LinkClosed(f"receiving from {self.peer_id}: {_describe(exc)}") from None
 
+    def finish(self) -> None:
+        """Graceful end: send FIN after everything queued, keep the read side open so that whatever the peer still
+        sends (e.g. a heartbeat) is read and dropped by ``drain`` instead of answered with a reset (a reset would make
+        the peer's kernel discard data it has not read yet, such as our vote)."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def drain(self, timeout_s: float) -> None:
+        """Read and drop bytes until the peer closes, an error, or ``timeout_s`` without a byte; then close."""
+        scratch = bytearray(1 << 16)
+        try:
+            self.sock.settimeout(timeout_s)
+            while self.sock.recv_into(scratch):
+                pass
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Shut the connection down (wakes any thread blocked on it); idempotent."""
         if self._closed:

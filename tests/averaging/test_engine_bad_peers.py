@@ -1,0 +1,103 @@
+"""A member that sends bad data (NaN, Inf, wrong size, wrong dtype, huge/negative/equivocated weight) is excluded:
+the honest members still commit a bit-identical weighted mean of their own contributions, learn who was excluded,
+and ban the offender."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+
+from hivetrain.averaging import AveragingConfig, RoundFailed, RoundResult
+from hivetrain.faults import Fault, FaultInjector
+
+from .conftest import run_threads
+
+CONFIG = dict(target_group_size=4, matchmaking_time_s=1.0, part_timeout_s=2.0, commit_timeout_s=2.0,
+              connect_timeout_s=2.0)  # fmt: skip
+NUM_ELEMENTS = 1000
+
+
+def _all_frames(mutate):
+    def callback(ctx: dict) -> None:
+        for meta_and_payload in ctx["frames"].values():
+            mutate(meta_and_payload)
+
+    return callback
+
+
+def _set_nan(ctx: dict) -> None:
+    ctx["flat"].fill_(float("nan"))
+
+
+def _inf_to_one_reducer(ctx: dict) -> None:
+    peer = sorted(ctx["frames"])[0]
+    payload = torch.frombuffer(bytearray(ctx["frames"][peer][1][0]), dtype=torch.float32)
+    payload[3] = float("inf")
+    ctx["frames"][peer][1] = [memoryview(payload.numpy()).cast("B")]
+
+
+def _set(key, value):
+    return lambda frame: frame[0].__setitem__(key, value)
+
+
+def _truncate(frame) -> None:
+    frame[1] = [bytes(frame[1][0])[:-4]]
+
+
+def _as_fp16(frame) -> None:
+    values = torch.frombuffer(bytearray(frame[1][0]), dtype=torch.float32)
+    frame[1] = [values.half().numpy().tobytes()]
+
+
+def _equivocate(ctx: dict) -> None:
+    for i, peer in enumerate(sorted(ctx["frames"])):
+        ctx["frames"][peer][0]["w"] = 1.0 + i  # valid weights, but a different one to each reducer
+
+
+CORRUPTIONS = {
+    "nan": _set_nan,
+    "inf_to_one_reducer": _inf_to_one_reducer,
+    "huge_weight": _all_frames(_set("w", 1e12)),
+    "negative_weight": _all_frames(_set("w", -5.0)),
+    "nan_weight": _all_frames(_set("w", float("nan"))),
+    "string_weight": _all_frames(_set("w", "lots")),
+    "wrong_size": _all_frames(_truncate),
+    "wrong_dtype": _all_frames(_as_fp16),
+    "wrong_codec_label": _all_frames(_set("codec", "int8")),
+    "equivocated_weight": _equivocate,
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_bad_member_is_excluded_and_honest_members_commit(make_averagers, corruption: str) -> None:
+    bad = FaultInjector()
+    bad.arm(Fault("averaging.before_send", "call", callback=CORRUPTIONS[corruption]))
+    avgs = make_averagers(4, AveragingConfig(**CONFIG), faults=[None, None, None, bad])
+    g = torch.Generator().manual_seed(7)
+    inputs = [[torch.randn(NUM_ELEMENTS, generator=g)] for _ in range(4)]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    calls = [lambda a=a, x=x, w=w: a.average(x, w, 0, 20.0) for a, x, w in zip(avgs, inputs, weights, strict=True)]
+    started = time.monotonic()
+    results = run_threads(calls, timeout_s=35)
+    assert bad.fired_count("averaging.before_send") == 1
+    assert time.monotonic() - started < 10.0
+    honest, bad_id = results[:3], avgs[3].node.peer_id
+    assert all(isinstance(r, RoundResult) for r in honest), [str(r) for r in results]
+    assert isinstance(results[3], RoundFailed) and results[3].reason == "excluded", results[3]
+    digests = {hashlib.sha256(r.tensors[0].numpy().tobytes()).hexdigest() for r in honest}
+    assert len(digests) == 1
+    expected = sum(w * x[0] for x, w in zip(inputs[:3], weights[:3], strict=True)) / sum(weights[:3])
+    for r in honest:
+        assert r.excluded == (bad_id,)
+        assert r.group == tuple(sorted(a.node.peer_id for a in avgs[:3]))
+        assert r.total_weight == pytest.approx(sum(weights[:3]))
+        torch.testing.assert_close(r.tensors[0], expected, atol=1e-6, rtol=0)
+    observers = [a for a in avgs[:3] if a.bans.is_banned(bad_id, time.time())]
+    if corruption == "equivocated_weight":  # no reducer saw anything wrong by itself: excluded, but not banned
+        assert not observers
+    else:
+        assert observers, "nobody banned the peer that sent bad data"
+    assert all(not a.bans.is_banned(b.node.peer_id, time.time()) for a in avgs[:3] for b in avgs[:3])
