@@ -42,21 +42,33 @@ def test_new_server_joins_the_under_served_stage_downloads_its_parameters_and_se
     assert all(server.runtime.num_expired == 0 for server in [stage1, newcomer, *others])
 
 
-def test_server_moves_to_another_stage_with_that_stages_parameters(make_pipeline):
+def _pin_throughput(server, microbatches_per_s: float) -> None:
+    """Make a server announce a fixed capacity (its measured one depends on the machine's load)."""
+    rt = server.runtime
+    rt.fwd_s_ema = rt.bwd_s_ema = 0.5 / microbatches_per_s
+    server._announce()
+
+
+def test_rebalancing_moves_one_server_to_the_bottleneck_with_that_stages_parameters(make_pipeline):
     pipeline = make_pipeline(swarm=SWARM)
-    mover = pipeline.add_server(0)
-    servers = [pipeline.add_server(0), pipeline.add_server(1), pipeline.add_server(2)]
+    stage0 = [pipeline.add_server(0), pipeline.add_server(0), pipeline.add_server(0)]
+    stage1, stage2 = pipeline.add_server(1), pipeline.add_server(2)
     trainer = pipeline.add_trainer()
     trainer.step(BATCH)
-    old_incarnation = mover.runtime.incarnation
+    for server, throughput in [*((s, 10.0) for s in stage0), (stage1, 10.0), (stage2, 20.0)]:
+        _pin_throughput(server, throughput)
+    old_incarnations = {s.node.peer_id: s.runtime.incarnation for s in stage0}
 
-    mover.move_to(2)
+    # stage throughputs [30, 10, 20]: every stage-0 server sees the same records and only the best mover moves
+    moves = [server.maybe_rebalance() for server in stage0]
 
-    target = servers[2]
-    assert mover.stage == 2 and mover.rebalances == 1 and mover.status == "serving"
-    assert mover.runtime.state.state_hash() == target.runtime.state.state_hash()
-    assert mover.runtime.incarnation != old_incarnation  # trainers replay what it held for stage 0
-    assert set(mover.runtime.params) == {"model.norm.weight", "lm_head.weight"}
+    assert sorted(moves, key=str) == [1, None, None], moves
+    mover = stage0[moves.index(1)]
+    assert mover.stage == 1 and mover.rebalances == 1 and mover.status == "serving"
+    assert "10.00 to 20.00" in mover.rebalance_reasons[0]
+    assert mover.runtime.state.state_hash() == stage1.runtime.state.state_hash()
+    assert mover.runtime.incarnation != old_incarnations[mover.node.peer_id]  # trainers replay its stage-0 phase
+    assert set(mover.runtime.params) == set(stage1.runtime.params)
     moved_trainer = pipeline.add_trainer(router=prefer(mover.node.peer_id), seed=3)
     moved_trainer.step(BATCH)
-    assert mover.runtime.num_backward == 4
+    assert mover.runtime.num_backward == 4, "the mover serves its new stage"
