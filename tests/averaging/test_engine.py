@@ -20,7 +20,7 @@ SHAPES = [(37, 5), (11,), (3, 2, 4)]
 
 def _inputs(num: int, seed: int = 0) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=g) * (i + 1) for s in SHAPES] for i in range(num)]
+    return [[torch.randn(s, generator=g) + 0.5 * i for s in SHAPES] for i in range(num)]
 
 
 def _weighted_mean(inputs: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
