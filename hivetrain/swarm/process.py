@@ -35,6 +35,7 @@ from hivetrain.cli.common import (
 from hivetrain.config import DataConfig, RunConfig
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.model import build_config, model_fingerprint
+from hivetrain.peers.node import PeerNode
 from hivetrain.swarm.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,6 @@ def server_stats(server, started: float) -> dict:
 def trainer_main(argv: list[str] | None = None) -> int:
     """Train through the stage servers for ``--steps`` steps (or until SIGTERM); 0 on success."""
     from hivetrain.peers.node import start_node
-    from hivetrain.swarm.trainer import run_training
 
     parser = _common_parser("Train a pipelined (SWARM) model through its stage servers.")
     parser.add_argument("--steps", type=int, required=True, help="trainer steps to run (0 = until interrupted)")
@@ -201,6 +201,72 @@ def trainer_main(argv: list[str] | None = None) -> int:
         if args.stats_file:
             Path(args.stats_file).write_text(json.dumps(stats, indent=2, default=str))
         node.shutdown()
+
+
+def run_training(
+    node: PeerNode,
+    run: RunConfig,
+    swarm: SwarmConfig,
+    steps: int,
+    index: int = 0,
+    metrics_file: str | None = None,
+    num_eval_windows: int = 8,
+    wait_s: float = 120.0,
+) -> dict:
+    """Train for ``steps`` steps (0 = until interrupted) on the run's corpus; returns the trainer's stats.
+
+    Raises:
+        PipelineStalled: the pipeline never became complete within ``wait_s`` seconds.
+    """
+    from hivetrain.data import load_corpus, stream_seed
+    from hivetrain.swarm.trainer import PipelineStalled, PipelineTrainer
+
+    corpus = load_corpus(run.data)
+    model_config, fingerprint = describe_model(run)
+    trainer = PipelineTrainer(node, run.run_id, swarm, model_config, fingerprint, seed=run.seed * 1000 + index)
+    stats: dict = {"peer_id": node.peer_id, "completed": False, "steps": 0, "failed_steps": 0}
+    metrics = open(metrics_file, "a") if metrics_file else None  # noqa: SIM115 - closed in finally
+    try:
+        trainer.start()
+        trainer.wait_for_stages(wait_s)
+        eval_windows = corpus.eval_windows(run.data.seq_len, num_eval_windows)
+        stats["initial_eval_loss"] = trainer.evaluate(eval_windows)
+        batches = corpus.train_batches(run.data.seq_len, run.data.batch_size, stream_seed(run.seed, node.peer_id))
+        started = time.time()
+        step = 0
+        while steps == 0 or step < steps:
+            try:
+                result = trainer.step(next(batches))
+            except PipelineStalled as exc:
+                stats["failed_steps"] += 1
+                logger.warning("step failed: %s", exc)
+                if stats["failed_steps"] > max(3, steps // 4):
+                    raise
+                continue
+            step += 1
+            event = {
+                "event": "step",
+                "t": time.time(),
+                "step": step,
+                "loss": result.loss,
+                "microbatches": result.num_microbatches,
+                "reroutes": result.reroutes,
+                "duration_s": result.duration_s,
+            }
+            if metrics is not None:
+                metrics.write(json.dumps(event) + "\n")
+                metrics.flush()
+        stats["train_wall_s"] = time.time() - started
+        stats["settled"] = trainer.settle(timeout_s=3 * swarm.record_ttl_s)
+        stats["final_eval_loss"] = trainer.evaluate(eval_windows)
+        stats["steps"] = step
+        stats["completed"] = True
+    finally:
+        stats.update(trainer.summary())
+        trainer.shutdown()
+        if metrics is not None:
+            metrics.close()
+    return stats
 
 
 if __name__ == "__main__":  # pragma: no cover

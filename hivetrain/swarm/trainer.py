@@ -21,7 +21,6 @@ Shape legend: B = windows per microbatch, T = tokens per window, D = hidden size
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import secrets
@@ -34,7 +33,6 @@ import torch
 from hivemind.proto import runtime_pb2
 from transformers import LlamaConfig
 
-from hivetrain.config import RunConfig
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
@@ -454,72 +452,6 @@ class PipelineTrainer:
                 missing = sorted(set(range(self.swarm.num_stages)) - served)
                 raise PipelineStalled(f"no server for stage(s) {missing} after {timeout_s:.0f}s")
             time.sleep(0.5)
-
-
-def run_training(
-    node: PeerNode,
-    run: RunConfig,
-    swarm: SwarmConfig,
-    steps: int,
-    index: int = 0,
-    metrics_file: str | None = None,
-    num_eval_windows: int = 8,
-    wait_s: float = 120.0,
-) -> dict:
-    """Train for ``steps`` steps (0 = until interrupted) on the run's corpus; returns the trainer's stats.
-
-    Raises:
-        PipelineStalled: the pipeline never became complete within ``wait_s`` seconds.
-    """
-    from hivetrain.data import load_corpus, stream_seed
-    from hivetrain.swarm.process import describe_model
-
-    corpus = load_corpus(run.data)
-    model_config, fingerprint = describe_model(run)
-    trainer = PipelineTrainer(node, run.run_id, swarm, model_config, fingerprint, seed=run.seed * 1000 + index)
-    stats: dict = {"peer_id": node.peer_id, "completed": False, "steps": 0, "failed_steps": 0}
-    metrics = open(metrics_file, "a") if metrics_file else None  # noqa: SIM115 - closed in finally
-    try:
-        trainer.start()
-        trainer.wait_for_stages(wait_s)
-        eval_windows = corpus.eval_windows(run.data.seq_len, num_eval_windows)
-        stats["initial_eval_loss"] = trainer.evaluate(eval_windows)
-        batches = corpus.train_batches(run.data.seq_len, run.data.batch_size, stream_seed(run.seed, node.peer_id))
-        started = time.time()
-        step = 0
-        while steps == 0 or step < steps:
-            try:
-                result = trainer.step(next(batches))
-            except PipelineStalled as exc:
-                stats["failed_steps"] += 1
-                logger.warning("step failed: %s", exc)
-                if stats["failed_steps"] > max(3, steps // 4):
-                    raise
-                continue
-            step += 1
-            event = {
-                "event": "step",
-                "t": time.time(),
-                "step": step,
-                "loss": result.loss,
-                "microbatches": result.num_microbatches,
-                "reroutes": result.reroutes,
-                "duration_s": result.duration_s,
-            }
-            if metrics is not None:
-                metrics.write(json.dumps(event) + "\n")
-                metrics.flush()
-        stats["train_wall_s"] = time.time() - started
-        stats["settled"] = trainer.settle(timeout_s=3 * swarm.record_ttl_s)
-        stats["final_eval_loss"] = trainer.evaluate(eval_windows)
-        stats["steps"] = step
-        stats["completed"] = True
-    finally:
-        stats.update(trainer.summary())
-        trainer.shutdown()
-        if metrics is not None:
-            metrics.close()
-    return stats
 
 
 if __name__ == "__main__":  # pragma: no cover
