@@ -21,6 +21,7 @@ that may corrupt the context, e.g. a tensor).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -29,6 +30,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
 
 Action = Literal["raise", "sleep", "exit", "stop", "call"]
 
@@ -114,6 +117,9 @@ class FaultInjector:
             self._fire(chosen, context)
 
     def _fire(self, fault: Fault, context: dict[str, Any]) -> None:
+        logger.warning("fault fired: %s %s", fault.point, fault.action)
+        for handler in logger.handlers or logging.getLogger().handlers:
+            handler.flush()  # an 'exit' fault ends the process next: make the line reach the log first
         if fault.action == "raise":
             raise FaultInjected(f"fault injected at {fault.point}")
         if fault.action == "sleep":

@@ -20,8 +20,13 @@ class Interrupted(BaseException):
 def install_signal_handlers() -> None:
     """SIGINT and SIGTERM raise Interrupted in the main thread (once; a second signal exits at once)."""
     state = {"count": 0}
+    main_pid = os.getpid()
 
     def handler(signum, _frame):
+        if os.getpid() != main_pid:  # a forked helper (hivemind's DHT process) inherited us: die as it expects
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         state["count"] += 1
         if state["count"] > 1:
             os._exit(EXIT_INTERRUPTED)

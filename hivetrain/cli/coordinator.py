@@ -22,6 +22,7 @@ from hivetrain.cli.common import (
 from hivetrain.config import load_run_config
 from hivetrain.coordinator.coordinator import Coordinator, CoordinatorOptions, run_fingerprint
 from hivetrain.peers.node import BootstrapFailed, start_node
+from hivetrain.peers.reaper import start_reaper
 
 logger = logging.getLogger("hivetrain.coordinator")
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc), EXIT_BAD_INPUT)
     node = None
     try:
+        start_reaper()
         node = start_node(ncfg)
         coordinator = Coordinator(node, config, run_fingerprint(config), options)
         coordinator.publish()

@@ -35,6 +35,7 @@ from hivetrain.cli.progress import ProgressReporter
 from hivetrain.config import RunConfig, load_run_config
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
+from hivetrain.peers.reaper import start_reaper
 from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
 from hivetrain.testing.byzantine import check_mode
 
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     parser.add_argument("--metrics-file", default=None, help="append JSON-lines metrics here")
     parser.add_argument("--summary-file", default=None, help="write a JSON summary here when the peer stops")
+    parser.add_argument(
+        "--dht-lost-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a working DHT (e.g. p2pd died) before the peer gives up and exits",
+    )
     parser.add_argument("--public-name", default="", help="name shown on the contributors' board (<= 64 chars)")
     parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # chaos harness only
     parser.add_argument("--byzantine", default="", help=argparse.SUPPRESS)  # chaos harness only
@@ -146,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc), EXIT_BAD_INPUT)
     node = None
     try:
+        start_reaper()
         node = start_node(ncfg)
         return _train(args, node, device, faults)
     except BootstrapFailed as exc:
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, faults: FaultInjector) -> int:
     from hivetrain.averaging import GroupAverager
     from hivetrain.data import load_corpus
-    from hivetrain.diloco.trainer import DilocoTrainer, TrainerOptions
+    from hivetrain.diloco.trainer import DhtLost, DilocoTrainer, TrainerOptions
     from hivetrain.model import build_config, build_model, model_fingerprint
     from hivetrain.peers.loop import LoopThread
 
@@ -208,7 +216,9 @@ def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, fault
             corpus,
             averager,
             fingerprint,
-            TrainerOptions(public_name=args.public_name, byzantine=args.byzantine),
+            TrainerOptions(
+                public_name=args.public_name, byzantine=args.byzantine, dht_lost_after_s=args.dht_lost_timeout
+            ),
             faults=faults,
             on_event=reporter.event,
         )
@@ -221,6 +231,9 @@ def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, fault
             trainer.stop()
             _write_summary(args.summary_file, node, trainer, trainer.stats, interrupted=True)
         raise
+    except DhtLost as exc:
+        logger.error("%s; leaving", exc)
+        return EXIT_FAILED
     except Exception:
         logger.exception("training failed")
         return EXIT_FAILED

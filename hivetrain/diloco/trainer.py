@@ -45,6 +45,7 @@ class TrainerOptions:
         record_interval_s: refresh period of our record, seconds.
         state_timeout_s: limit of one state-download network call, seconds.
         max_outer_steps: stop after this epoch (0 = the run config's ``diloco.outer_steps``).
+        dht_lost_after_s: give up (DhtLost) after the DHT has been unreachable this long, seconds.
         byzantine: fault-harness only: misbehave this way (see ``hivetrain.testing.byzantine``).
     """
 
@@ -54,6 +55,7 @@ class TrainerOptions:
     state_timeout_s: float = 30.0
     max_outer_steps: int = 0
     byzantine: str = ""
+    dht_lost_after_s: float = 60.0
 
 
 @dataclass
@@ -110,6 +112,7 @@ class DilocoTrainer:
         self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
         self._stop = threading.Event()
         self._records: list[PeerRecord] = []
+        self._view_ok, self._view_ok_at = False, time.monotonic()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="records", daemon=True)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -136,6 +139,7 @@ class DilocoTrainer:
         self._heartbeat.start()
         self._emit("start", eval_loss=self._evaluate())
         while not self._stop.is_set() and not (self.target_epoch and self.state.epoch >= self.target_epoch):
+            self._check_dht()
             if not self.sync_state():
                 continue
             pseudo_grad, inner = self.inner_phase()
@@ -236,8 +240,11 @@ class DilocoTrainer:
             try:
                 result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s)
                 if len(result.group) == 1:
+                    records = self._refresh_records()
+                    if not self._view_ok:
+                        raise RoundFailed("alone", "cannot read the swarm's records (DHT unreachable): no solo step")
                     ok, why = may_commit_alone(
-                        self.node.peer_id, epoch, self._refresh_records(), get_dht_time(), self.options.record_ttl_s
+                        self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s
                     )
                     if not ok:
                         raise RoundFailed("alone", why)
@@ -263,6 +270,8 @@ class DilocoTrainer:
                 if attempt > cfg.max_retries and not (waiting_for_peers and time.monotonic() < deadline):
                     self._emit("pseudo_gradient_discarded", reason=exc.reason)
                     return False
+                self._check_dht()
+                self._stop.wait(min(0.25 * 2 ** (attempt - 1), 4.0))  # back off: failures must not spin
                 continue
             self.state = outer_step(
                 self.state, result.tensors, self.config.diloco.outer_lr, self.config.diloco.outer_momentum
@@ -319,14 +328,36 @@ class DilocoTrainer:
             logger.warning("could not publish our record: %r", exc)
 
     def _refresh_records(self) -> list[PeerRecord]:
+        """Read the swarm's records. ``_view_ok`` tells whether the read was real: our p2pd daemon answers and the
+        answer holds our own record (refreshed every few seconds). The DHT also answers from its local storage, so
+        an empty or stale answer from a node that lost its daemon must not look like an empty swarm: a peer that
+        believed it was alone would commit solo steps and fork the run."""
         try:
             records = fetch_records(self.node.dht, self.config.run_id)
         except Exception as exc:  # noqa: BLE001 - keep the last view
             logger.warning("could not read peer records: %r", exc)
+            records = []
+        self._view_ok = any(r.peer_id == self.node.peer_id for r in records) and self._p2pd_alive()
+        if not self._view_ok:
             return self._records
+        self._view_ok_at = time.monotonic()
         self._records = [r for r in records if r.model_fingerprint == self.fingerprint]
         self.stats.peers_seen = len([r for r in self._records if r.role == "trainer"])
         return self._records
+
+    def _p2pd_alive(self) -> bool:
+        try:
+            self.loop.run(self._p2p.list_peers(), timeout_s=5.0)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure means the daemon is not usable
+            logger.warning("p2pd daemon does not answer: %r", exc)
+            return False
+
+    def _check_dht(self) -> None:
+        """Raise DhtLost if the DHT (or its p2pd daemon) has been unreachable for too long to keep training."""
+        lost_s = time.monotonic() - self._view_ok_at
+        if not self.node.dht.is_alive() or lost_s > self.options.dht_lost_after_s:
+            raise DhtLost(f"lost the DHT: could not read the swarm for {lost_s:.0f}s (did the p2pd daemon die?)")
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.options.record_interval_s):
@@ -347,3 +378,7 @@ class DilocoTrainer:
 
 class _Interrupted(Exception):
     pass
+
+
+class DhtLost(RuntimeError):
+    """This peer can no longer reach the DHT; it stops rather than train on a view of the swarm it cannot check."""
