@@ -216,6 +216,10 @@ class StageRuntime:
             deadline,
         )
 
+    def submit_control(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn`` to run on the worker thread before any queued forward/backward; does not wait."""
+        return self._submit(_PRIORITY_CONTROL, fn)
+
     def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
         """Run ``fn`` on the worker thread between tasks (state swaps, reads) and return its result.
 

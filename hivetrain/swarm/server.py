@@ -110,7 +110,7 @@ class StageServer:
         self._averagers: dict[int, Averager] = {}
         self._state_stages: set[int] = set()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._last_announce_ok = time.monotonic()
         self._last_rebalance = time.monotonic()
         self._last_move = time.monotonic()
@@ -167,8 +167,12 @@ class StageServer:
         self.status = "serving"
         self._announce()
         self._last_move = time.monotonic()
-        self._thread = threading.Thread(target=self._background, name="swarm-announce", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._every_interval, args=(self._tick,), name="swarm-announce", daemon=True),
+            threading.Thread(target=self._every_interval, args=(self._maintain,), name="swarm-maintain", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
         logger.info(
             "serving stage %d/%d (%.1f microbatches/s)", stage, self.swarm.num_stages, self.runtime.throughput()
         )
@@ -176,8 +180,8 @@ class StageServer:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop announcing, unregister handlers, stop the runtime and the loop; idempotent. The node is the caller's."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        for thread in self._threads:
+            thread.join(timeout_s)
         if self.loop is not None and self.handler is not None and self.p2p is not None:
             try:
                 self.loop.run(self.handler.unregister(self.p2p, self.run.run_id), min(timeout_s, 2.0))
@@ -306,23 +310,32 @@ class StageServer:
         if ok:
             self._last_announce_ok = time.monotonic()
 
-    def _background(self) -> None:
+    def _every_interval(self, duty) -> None:
         while not self._stop.wait(self.swarm.announce_interval_s):
             try:
-                self._tick()
-            except Exception as exc:  # noqa: BLE001 - a failed tick is retried at the next interval
-                logger.warning("stage server background tick failed: %r", exc)
+                duty()
+            except Exception as exc:  # noqa: BLE001 - a failed duty is retried at the next interval
+                logger.warning("stage server %s failed: %r", duty.__name__, exc)
 
     def _tick(self) -> None:
+        """Announce thread: quick duties only, so that the record never lapses while the server is healthy."""
         rt = self.runtime
         if time.monotonic() - self._last_announce_ok > self.swarm.record_ttl_s:
-            rt.call(lambda: rt.reincarnate("stalled past the record TTL"), self.swarm.request_timeout_s)
+            # our record expired (the process was stopped or the DHT unreachable): trainers presumed us dead and
+            # replayed what we held, so drop it too
+            rt.submit_control(lambda: rt.reincarnate("no announcement reached the DHT within the record TTL"))
+            self._last_announce_ok = time.monotonic()
         self._announce()
         if self.swarm.average_stage:
             self._maybe_end_phase()
+
+    def _maintain(self) -> None:
+        """Maintenance thread: state downloads after outer steps and rebalancing moves (may take long)."""
+        rt = self.runtime
         if rt.phase != self._checked_phase:
             self._checked_phase = rt.phase
-            self._maybe_resync()
+            if self.swarm.average_stage:
+                self._maybe_resync()
         now = time.monotonic()
         if (
             self.swarm.rebalance_interval_s > 0

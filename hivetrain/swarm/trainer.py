@@ -118,7 +118,7 @@ class PipelineTrainer:
         self.client: StageClient | None = None
         self._records: list[StageRecord] = []
         self._records_at = -1e9
-        self._missing: Counter[str] = Counter()
+        self._missing: dict[str, tuple[float, int]] = {}  # peer -> (first read it was missing from, reads)
         self._suspects: set[str] = set()  # servers whose last call failed in the network (maybe dead)
         self._pending_replays: list[LedgerEntry] = []
         self._replay_tasks: set[asyncio.Task] = set()
@@ -419,25 +419,33 @@ class PipelineTrainer:
         return len(self._pending_replays) + len(self._replay_tasks) + at_suspects
 
     async def _refresh_records(self, force: bool = False) -> None:
-        """Re-read stage records (at most every half announce interval unless ``force``); servers whose records
-        vanished on two consecutive reads get their ledger entries replayed."""
+        """Re-read stage records (at most every half announce interval unless ``force``).
+
+        A server whose record is missing from two reads at least two announce intervals apart is dead (a live one
+        re-announces every interval): its ledger entries are replayed. A read that returns no record at all is
+        treated as a failed read (the DHT did not answer), not as every server gone.
+        """
         now = time.monotonic()
         if not force and now - self._records_at < self.swarm.announce_interval_s / 2:
             return
         records = await asyncio.get_running_loop().run_in_executor(
             None, fetch_stage_records, self.node.dht, self.run_id
         )
+        if not records and self._records:
+            return
         self._records, self._records_at = records, time.monotonic()
         live = {r.peer_id: (r.incarnation, r.open_window, r.abandoned) for r in records}
         replays = []
         for peer_id in list(self.ledger.entries):
             if peer_id in live:
-                self._missing[peer_id] = 0
+                self._missing.pop(peer_id, None)
                 replays.extend(self.ledger.observe(peer_id, *live[peer_id]))
-            else:
-                self._missing[peer_id] += 1  # one miss may be a transient DHT failure; two mean the record expired
-                if self._missing[peer_id] >= 2:
-                    replays.extend(self.ledger.forget(peer_id))
+                continue
+            first_miss, reads = self._missing.get(peer_id, (self._records_at, 0))
+            self._missing[peer_id] = (first_miss, reads + 1)
+            if reads + 1 >= 2 and self._records_at - first_miss >= 2 * self.swarm.announce_interval_s:
+                del self._missing[peer_id]
+                replays.extend(self.ledger.forget(peer_id))
         self._queue_replays(replays)
 
     def wait_for_stages(self, timeout_s: float) -> None:
