@@ -1,0 +1,1 @@
+"""The coordinator dashboard's parts: snapshot types, the SVG chart, and the Jinja2 templates (``templates/``)."""
