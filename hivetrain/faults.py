@@ -13,6 +13,9 @@ Hook points used by hivetrain (keep this list in sync with the code):
     state.before_serve         a state donor is about to stream its state
     state.mid_download         a joiner has received part of a state download
     diloco.before_outer_step   a peer is about to average its pseudo-gradient
+    swarm.server.mid_forward   a stage server computed a forward, before replying (SWARM)
+    swarm.server.mid_backward  a stage server accumulated a backward, before replying (SWARM)
+    checkpoint.mid_write       the coordinator is writing a checkpoint's files
 
 Actions: ``raise`` (raise FaultInjected), ``sleep`` (block ``seconds``), ``exit`` (``os._exit``: the process dies
 without cleanup, like SIGKILL), ``stop`` (SIGSTOP to itself; something else must SIGCONT it), ``call`` (run a callback

@@ -52,7 +52,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before everything is stopped")
     parser.add_argument("--peer-args", default="", help="extra join-swarm arguments for every peer (one string)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging in peers")
+    pipe = parser.add_argument_group("SWARM pipeline (for models too big for one volunteer; see README)")
+    pipe.add_argument(
+        "--pipeline",
+        type=int,
+        default=0,
+        metavar="STAGES",
+        help="cut the model into this many stages served by separate processes (0 = data-parallel DiLoCo)",
+    )
+    pipe.add_argument("--servers-per-stage", type=int, default=2, help="stage servers per stage")
+    pipe.add_argument("--trainers", type=int, default=2, help="pipeline trainer processes (they hold the data)")
+    pipe.add_argument("--steps", type=int, default=30, help="pipeline steps per trainer")
     return parser
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    """``--pipeline``: a local SWARM pipeline (hivetrain.swarm.local)."""
+    from hivetrain.swarm.local import run_local_pipeline
+
+    console = Console(stderr=True)
+    try:
+        summary = run_local_pipeline(
+            Path(args.out),
+            args.pipeline,
+            args.servers_per_stage,
+            args.trainers,
+            args.model or "tiny",
+            args.steps,
+            seed=0,
+            threads_per_process=args.threads_per_peer,
+            timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    except RuntimeError as exc:
+        return fail(str(exc), EXIT_FAILED)
+    table = Table(title="local pipeline summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print(f"summary written to {Path(args.out) / 'summary.json'}")
+    return 0 if not summary.get("timed_out") else EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,17 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         or args.timeout <= 0
     ):
         return fail("--peers, --outer-steps and --threads-per-peer must be >= 1 and --timeout > 0", EXIT_BAD_INPUT)
+    if args.pipeline:
+        return run_pipeline(args)
     out = Path(args.out)
     try:
-        config = load_run_config(
-            args.config,
-            {
-                "model": args.model,
-                "diloco.inner_steps": args.inner_steps,
-                "diloco.outer_steps": args.outer_steps,
-                "data.paths": args.data,
-            },
-        )
+        overrides = {
+            "model": args.model,
+            "diloco.inner_steps": args.inner_steps,
+            "diloco.outer_steps": args.outer_steps,
+            "data.paths": args.data,
+        }
+        config = load_run_config(args.config, overrides)
+        if config.diloco.outer_steps == 0:  # a local swarm must end: train K=5 unless told otherwise
+            config = load_run_config(args.config, {**overrides, "diloco.outer_steps": 5})
         from hivetrain.data import resolve_files
 
         resolve_files(config.data.paths)

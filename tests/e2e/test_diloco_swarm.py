@@ -1,26 +1,57 @@
 """A real swarm on loopback: peers agree bit-for-bit after every outer step, loss falls, late joiners catch up."""
 
 import json
+import subprocess
+import sys
 
-from hivetrain.testing.summary import build_summary, read_events
-from tests.e2e.conftest import wait_for_event
+from hivetrain.testing.summary import read_events
+from tests.e2e.conftest import wait_for_event, write_config
 
 
-def test_three_peers_train_with_equal_state_hashes_and_falling_loss(local_swarm):
-    swarm = local_swarm()
-    for _ in range(3):
-        swarm.add_peer()
-    assert swarm.wait_peers(timeout_s=240), "peers did not finish 3 outer steps in time"
-    assert [p.popen.returncode for p in swarm.peers] == [0, 0, 0], [p.log_path.read_text()[-2000:] for p in swarm.peers]
-    summary = build_summary(swarm.peers, inner_steps=10, wall_s=0)
-    assert summary["outer_steps"] == 3
+def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path):
+    config = write_config(tmp_path / "run.toml")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hivetrain.cli.main",
+            "local-swarm",
+            "--peers",
+            "3",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+            "--timeout",
+            "240",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in (
+        "peers",
+        "outer_steps",
+        "initial_eval_loss",
+        "final_eval_loss",
+        "state_hashes",
+        "wall_s",
+        "bytes_sent_total",
+        "bytes_ddp_equivalent",
+    ):
+        assert key in summary, key
+    assert len(summary["peers"]) == 3 and summary["outer_steps"] == 3
     for epoch in ("0", "1", "2", "3"):
         hashes = summary["state_hashes"][epoch]
         assert len(hashes) == 3 and len(set(hashes.values())) == 1, f"epoch {epoch}: {hashes}"
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+    assert 0 < summary["bytes_sent_total"] < summary["bytes_ddp_equivalent"]
     # every committed step averaged over the whole group of three
-    for peer in swarm.peers:
-        steps = [e for e in read_events(peer.metrics_path) if e["event"] == "outer_step"]
+    for name in ("peer0", "peer1", "peer2"):
+        steps = [e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"]
         assert [e["group_size"] for e in steps] == [3, 3, 3]
 
 
