@@ -38,7 +38,8 @@ from typing import Any, Literal
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save_file
 
 from hivetrain.diloco.state import MOMENTUM_PREFIX, TrainingState
 from hivetrain.faults import NO_FAULTS, FaultInjector
@@ -413,16 +414,27 @@ def _manifest_problem(manifest: Any) -> str:
 
 
 def _load_verified_tensors(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    state_path = path / STATE_FILE
-    expected = manifest["files"][STATE_FILE]["sha256"]
-    actual = _sha256_file(state_path)
-    if actual != expected:
-        raise CheckpointInvalid("tampered", f"{STATE_FILE} sha256 {actual[:12]}… != manifest {expected[:12]}…")
+    """The state file's tensors, hashed and parsed from one in-memory read.
+
+    Reading once into memory (not ``safetensors.load_file``, which maps the file) means the bytes that are hashed
+    are the bytes that are parsed, and a file truncated or rewritten later cannot crash this process (SIGBUS on a
+    mapped page) or change the loaded tensors. Peak memory is twice the state size.
+    """
+    entry = manifest["files"][STATE_FILE]
     try:
-        flat = load_file(str(state_path), device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
+        data = (path / STATE_FILE).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointInvalid("torn", f"{STATE_FILE} is missing") from None
+    if len(data) != entry["num_bytes"]:
+        status: Status = "torn" if len(data) < entry["num_bytes"] else "tampered"
+        raise CheckpointInvalid(status, f"{STATE_FILE} has {len(data)} bytes, manifest says {entry['num_bytes']}")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != entry["sha256"]:
+        raise CheckpointInvalid("tampered", f"{STATE_FILE} sha256 {actual[:12]}… != manifest {entry['sha256'][:12]}…")
+    try:
+        return load_tensors(data)
+    except (SafetensorError, ValueError) as exc:
         raise CheckpointInvalid("tampered", f"{STATE_FILE} does not load: {exc}") from None
-    return flat
 
 
 def _check_hash(state: TrainingState, manifest: dict[str, Any]) -> None:
