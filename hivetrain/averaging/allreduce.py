@@ -54,7 +54,7 @@ from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, FrameType, Link, LinkClosed, RoundKeys, dial, mac
 from hivetrain.averaging.groups import butterfly_partition
-from hivetrain.averaging.robust import NoValidContribution, centered_clip, weighted_mean
+from hivetrain.averaging.robust import NoValidContribution, centered_clip
 from hivetrain.averaging.validation import BadContribution, BanList, validate_part, validate_weight
 from hivetrain.faults import FaultInjector
 
@@ -130,6 +130,50 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite: one summation pass (~30 GB/s) in the common case; NaN and Inf
+    propagate into the sum. A sum that overflows from finite values falls back to an exact min/max pass."""
+    if x.numel() == 0 or math.isfinite(float(x.sum())):
+        return True
+    lo, hi = torch.aminmax(x)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def weighted_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``out = sum_i w_i parts_i / sum_i w_i`` in fp32, in list order, in place: one pass per part and no allocation
+    (``robust.weighted_mean`` does two passes per part and allocates, to be bit-reproducible across machines; here
+    only the reducer computes, everyone else receives its bytes). Weights finite, >= 0, with a positive sum."""
+    total = math.fsum(weights)
+    torch.mul(parts[0], weights[0], out=out)
+    for p, w in zip(parts[1:], weights[1:], strict=True):
+        out.add_(p, alpha=w)
+    return out.div_(total)
+
+
+class BufferPool:
+    """Reusable fp32 buffers, by size. Fresh memory costs a page fault per 4 KiB on first touch (~2 GB/s, slower
+    than the network on loopback), so receive buffers are kept between rounds. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, num_elements: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(num_elements)
+            if free:
+                return free.pop()
+        return torch.empty(num_elements, dtype=torch.float32)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(tensor.numel(), []).append(tensor)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
 class ButterflyRound:
     """Runs one round; create one per round, call ``run`` once from the round thread."""
 
@@ -147,6 +191,7 @@ class ButterflyRound:
         bans: BanList,
         banned: frozenset[str] = frozenset(),
         max_weight: float | None = None,
+        pool: BufferPool | None = None,
     ):
         self.round_id, self.me, self.secret, self.server = round_id, me, secret, server
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
@@ -154,6 +199,9 @@ class ButterflyRound:
             raise ValueError("we are not a member of this round")
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
         self.max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
+        self.pool = pool or BufferPool()
+        self._taken: list[torch.Tensor] = []
+        self._receiving = 0
         self.codec_config = codecs.CodecConfig(
             config.compression, config.codec_block_size if config.compression in ("int8", "int4") else 64
         )
@@ -169,17 +217,20 @@ class ButterflyRound:
         self._mid_fired: set[int] = set()
         self._hook_lock = threading.Lock()
         self._vote_sent_at: dict[str, float] = {}
+        self.timings: dict[str, float] = {}  # phase -> seconds it took (for logs and benchmarks)
+        self._last_mark = time.monotonic()
         self._vote_received_at: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
 
     # ---- public -------------------------------------------------------------------------------------------------
-    def run(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
+    def run(self, flat: torch.Tensor, weight: float, deadline: float, out: torch.Tensor | None = None) -> RoundOutcome:
         """Average ``flat`` (fp32, shape (n,), finite; not modified) with weight ``weight`` (samples).
 
         Args:
             flat: our contribution, the same size on every member.
             weight: our weight, finite, in [0, max_samples_per_round].
             deadline: ``time.monotonic()`` by which the round must be over.
+            out: where the result goes, fp32 (n,) (e.g. allocated and pre-faulted during matchmaking); None = new.
 
         Returns:
             The committed outcome.
@@ -188,7 +239,7 @@ class ButterflyRound:
             RoundFailed: "peer_failed" (a member closed, reset or stalled), "timeout", "aborted" (members disagree,
                 votes differ, too few honest members left), "excluded" (others found our data bad).
         """
-        self._out = torch.empty_like(flat)
+        self._out = torch.empty_like(flat) if out is None else out
         others = [p for p in self.members if p != self.me]
         keys = RoundKeys(
             self.round_id, self.me, self.secret, {p: self.members[p].kx_public for p in others}, self._attach
@@ -196,9 +247,13 @@ class ButterflyRound:
         self.server.register(keys)
         committed = False
         try:
+            self._mark("start")
             self._connect(keys, others, deadline)
+            self._mark("connect")
             outcome = self._run_subrounds(flat, weight, deadline)
+            self._mark("commit")
             committed = True
+            logger.debug("round %s phases (s): %s", self.round_id[:8], self.timings)
             return outcome
         except RoundFailed:
             raise
@@ -208,6 +263,27 @@ class ButterflyRound:
         finally:
             self.server.unregister(self.round_id)
             self._finish(graceful=committed)
+            self._return_buffers()
+
+    def _mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self._last_mark
+        self._last_mark = now
+
+    def _take(self, num_elements: int) -> torch.Tensor:
+        buf = self.pool.take(num_elements)
+        with self._cond:
+            self._taken.append(buf)
+        return buf
+
+    def _return_buffers(self) -> None:
+        """Give receive buffers back to the pool unless a receiver may still write into one (then they are dropped)."""
+        with self._cond:
+            taken, self._taken = self._taken, []
+            busy = self._receiving
+        if not busy:
+            for buf in taken:
+                self.pool.give(buf)
 
     # ---- links --------------------------------------------------------------------------------------------------
     def _attach(self, link: Link) -> None:
@@ -275,6 +351,8 @@ class ButterflyRound:
                     ids = watched() if callable(watched) else watched
                     failed = [(p, self._inbox.errors[p]) for p in ids if p in self._inbox.errors]
                     if failed:
+                        if self._claimed_bad_by_someone():  # the likely cause: members finished without us
+                            raise RoundFailed("excluded", f"a reducer found our data bad; then {failed[0][1]}")
                         raise RoundFailed("peer_failed", f"{what}: {failed[0][0]}: {failed[0][1]}")
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -283,6 +361,13 @@ class ButterflyRound:
                     self._cond.wait(min(left, 0.5))
             finally:
                 self._waiting = False
+
+    def _claimed_bad_by_someone(self) -> bool:
+        for ok, _, _, meta, _ in self._inbox.results.values():
+            claimed = meta.get("excluded") if ok and isinstance(meta, dict) else None
+            if isinstance(claimed, list) and self.me in claimed:
+                return True
+        return False
 
     # ---- threads ------------------------------------------------------------------------------------------------
     def _sender(self, link: Link) -> None:
@@ -372,8 +457,8 @@ class ButterflyRound:
             self._deliver_part(sub, j, None, 0.0, str(exc))
             raise _StopReading from None  # its payload cannot be trusted to have the size it claims
         if self.codec is None:
-            buf = torch.empty(end - start, dtype=torch.float32)
-            link.recv_into(_tensor_view(buf))
+            buf = self._take(end - start)
+            self._recv_tracked(link, buf)
             part: torch.Tensor | codecs.EncodedPart = buf
         else:
             raw = link.recv_exact(num_bytes)
@@ -381,12 +466,12 @@ class ButterflyRound:
                 part = codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name}))
             except codecs.MalformedPart as exc:
                 self._deliver_part(sub, j, None, 0.0, f"malformed: {exc}")
-                return
+                raise _StopReading from None
         try:
             tensor = validate_part(part, end - start)
         except BadContribution as exc:
             self._deliver_part(sub, j, None, 0.0, str(exc))
-            return
+            raise _StopReading from None  # it is out of the round: nothing more it sends matters
         self._deliver_part(sub, j, tensor, weight, "")
 
     def _deliver_part(self, sub: int, j: str, tensor: torch.Tensor | None, weight: float, bad: str) -> None:
@@ -402,12 +487,11 @@ class ButterflyRound:
         if num_bytes != _wire_num_bytes(self.codec_config, end - start):
             self._deliver_result(sub, j, False, f"result of {num_bytes} bytes for {end - start} elements", b"", meta)
             raise _StopReading
+        # Into a buffer of its own, not into the result: a late frame of a subround we have left must not land there.
         hasher = blake3.blake3()
-        assert self._out is not None
-        dest = self._out[start:end]
         if self.codec is None:
-            link.recv_into(_tensor_view(dest), on_chunk=hasher.update)
-            values = dest
+            values = self._take(end - start)
+            self._recv_tracked(link, values, hasher.update)
         else:
             raw = link.recv_exact(num_bytes)
             hasher.update(raw)
@@ -415,20 +499,30 @@ class ButterflyRound:
                 values = codecs.decode(codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name})))
             except codecs.MalformedPart as exc:
                 self._deliver_result(sub, j, False, f"malformed result: {exc}", b"", meta)
-                return
+                raise _StopReading from None
         try:
             validate_part(values, end - start)
         except BadContribution as exc:
             self._deliver_result(sub, j, False, f"bad result: {exc}", b"", meta)
-            return
-        if values is not dest:
-            dest.copy_(values)
-        self._deliver_result(sub, j, True, "", hasher.digest(), meta)
+            raise _StopReading from None
+        self._deliver_result(sub, j, True, "", hasher.digest(), meta, values)
 
-    def _deliver_result(self, sub: int, j: str, ok: bool, why: str, digest: bytes, meta: dict) -> None:
+    def _deliver_result(
+        self, sub: int, j: str, ok: bool, why: str, digest: bytes, meta: dict, values: torch.Tensor | None = None
+    ) -> None:
         with self._cond:
-            self._inbox.results[(sub, j)] = (ok, why, digest, meta)
+            self._inbox.results[(sub, j)] = (ok, why, digest, meta, values)
             self._cond.notify_all()
+
+    def _recv_tracked(self, link: Link, buf: torch.Tensor, on_chunk=None) -> None:
+        """Receive into a pooled buffer, counted so that buffers are not recycled while a receiver writes."""
+        with self._cond:
+            self._receiving += 1
+        try:
+            link.recv_into(_tensor_view(buf), on_chunk=on_chunk)
+        finally:
+            with self._cond:
+                self._receiving -= 1
 
     # ---- the round ----------------------------------------------------------------------------------------------
     def _hook(self, point: str, sub: int, **extra) -> None:
@@ -478,6 +572,7 @@ class ButterflyRound:
         # reduce our slice
         inbox = self._inbox
         self._wait(lambda: all((sub, p) in inbox.parts for p in others), others, deadline, "waiting for parts")
+        self._mark("parts")
         start, end = plan.slice_of(self.me)
         mine = flat[start:end]
         if self.codec is not None:  # our own contribution goes through the codec like everyone else's
@@ -491,9 +586,15 @@ class ButterflyRound:
             if self.config.ban_time_s > 0:
                 self.bans.ban(p, now, self.config.ban_time_s, reason=contributions[p][2])
         kept = [p for p in plan.active if p not in bad_here]
-        reduced = self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept])
+        assert self._out is not None
+        dest = self._out[start:end]  # without a codec we reduce straight into the result: no copy
+        reduced = dest if self.codec is None else self._take(end - start)
+        self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced)
+        self._mark("reduce")
         self._hook("averaging.after_reduce", sub, reduced=reduced)
         payload = self._encode(reduced)
+        if self.codec is not None:  # everyone, us included, uses the decoded bytes
+            dest.copy_(codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start)))
         hasher = blake3.blake3()
         for buf in payload:
             hasher.update(buf)
@@ -501,13 +602,6 @@ class ButterflyRound:
         own_meta = {"excluded": sorted(bad_here), "weights": {p: contributions[p][1] for p in kept}}
         for p in others:
             self._send(p, FrameType.RESULT, sub, own_meta, payload)
-        assert self._out is not None
-        if self.codec is None:
-            self._out[start:end].copy_(reduced)
-        else:
-            self._out[start:end].copy_(
-                codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start))
-            )
 
         # gather everyone's slice
         # We wait for no result from a member known to be bad (we read nothing more from one that sent us a bad
@@ -524,6 +618,7 @@ class ButterflyRound:
             return [p for p in others if p not in suspects()]
 
         self._wait(lambda: all((sub, p) in inbox.results for p in awaited()), awaited, deadline, "waiting for results")
+        self._mark("results")
         metas, digests, bad = {self.me: own_meta}, [], set(bad_here)
         for p in plan.active:
             if p == self.me:
@@ -531,7 +626,7 @@ class ButterflyRound:
                 continue
             if (sub, p) not in inbox.results:
                 continue  # a suspect: its slice is recomputed in the next subround
-            ok, why, digest, meta = inbox.results[(sub, p)]
+            ok, why, digest, meta, _ = inbox.results[(sub, p)]
             if not ok:
                 logger.warning("round %s: reducer %s: %s", self.round_id[:8], p, why)
                 bad.add(p)
@@ -542,7 +637,12 @@ class ButterflyRound:
             digests.append(digest)
             bad |= self._claims(p, meta, plan)
         bad |= self._weight_equivocators(metas)
-        return bad & set(plan.active), metas, digests
+        bad &= set(plan.active)
+        if not bad:  # final: assemble the result
+            for p in others:
+                begin, finish = plan.slice_of(p)
+                self._out[begin:finish].copy_(inbox.results[(sub, p)][4])
+        return bad, metas, digests
 
     def _claims(self, reducer: str, meta: dict, plan: _Plan) -> set[str]:
         claimed = meta.get("excluded")
@@ -559,17 +659,19 @@ class ButterflyRound:
                 seen.setdefault(p, set()).add(w)
         return {p for p, ws in seen.items() if len(ws) > 1}
 
-    def _aggregate(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    def _aggregate(self, parts: list[torch.Tensor], weights: list[float], out: torch.Tensor) -> None:
+        """Aggregate ``parts`` (fp32 (m,) each, in peer-id order) into ``out`` (fp32 (m,))."""
         if not parts:
             raise RoundFailed("aborted", "no valid contribution to our slice")
         if not math.fsum(weights) > 0:
             weights = [1.0] * len(weights)
         if self.config.aggregation == "centered_clip" and len(parts) > 2:
             try:
-                return centered_clip(parts, weights, self.config.clip_tau, self.config.clip_iters).value
+                out.copy_(centered_clip(parts, weights, self.config.clip_tau, self.config.clip_iters).value)
             except NoValidContribution as exc:
                 raise RoundFailed("aborted", str(exc)) from None
-        return weighted_mean(parts, weights)
+            return
+        weighted_mean_into(out, parts, weights)
 
     def _commit(self, sub: int, plan: _Plan, metas: dict, digests: list[bytes], excluded: list[str], deadline: float):
         others = [p for p in plan.active if p != self.me]

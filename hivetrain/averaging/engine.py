@@ -28,7 +28,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from hivetrain.averaging.allreduce import ButterflyRound, Member, RoundOutcome
+from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome, all_finite
 from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer
@@ -48,6 +48,19 @@ def _announce_host_from(maddrs: Sequence[str]) -> str:
         if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ("0.0.0.0", "::"):
             return parts[2]
     return "127.0.0.1"
+
+
+class _Prefault:
+    """Allocates a zeroed fp32 tensor on a background thread (first-touch page faults cost ~0.1 s per 200 MB)."""
+
+    def __init__(self, num_elements: int):
+        self._box: list[torch.Tensor] = []
+        self._thread = threading.Thread(target=lambda: self._box.append(torch.zeros(num_elements)), daemon=True)
+        self._thread.start()
+
+    def get(self) -> torch.Tensor:
+        self._thread.join()
+        return self._box[0]
 
 
 class GroupAverager:
@@ -89,6 +102,7 @@ class GroupAverager:
         )
         ban_s = max(config.ban_time_s, 1.0)
         self.bans = BanList(BanConfig(base_duration_s=ban_s, max_duration_s=max(3600.0, ban_s)))
+        self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._closed = False
@@ -144,15 +158,20 @@ class GroupAverager:
             RuntimeError: ``start()`` was not called, or the averager is shut down.
         """
         started = time.monotonic()
-        flat = self._check_input(tensors, weight, epoch, timeout_s)
+        self._check_input(tensors, weight, epoch, timeout_s)
         if not self._started.is_set() or self._closed:
             raise RuntimeError("GroupAverager is not running: call start() first")
         deadline = started + timeout_s
         with self._lock:
-            if self.config.strategy == "butterfly":
-                outcome, round_id, group = self._butterfly(flat, float(weight), epoch, deadline)
-            else:
-                outcome, round_id, group = self._mixing(flat, float(weight), epoch, deadline)
+            flat = self.pool.take(sum(t.numel() for t in tensors))  # reused between calls: no page faults
+            try:
+                torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+                if self.config.strategy == "butterfly":
+                    outcome, round_id, group = self._butterfly(flat, float(weight), epoch, deadline)
+                else:
+                    outcome, round_id, group = self._mixing(flat, float(weight), epoch, deadline)
+            finally:
+                self.pool.give(flat)
         result_tensors, offset = [], 0
         for t in tensors:
             result_tensors.append(outcome.flat[offset : offset + t.numel()].view(t.shape))
@@ -184,11 +203,9 @@ class GroupAverager:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        lo, hi = torch.aminmax(flat)
-        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
-            raise ValueError("tensors hold NaN or Inf")
-        return flat
+        for i, t in enumerate(tensors):
+            if not all_finite(t.detach().reshape(-1)):
+                raise ValueError(f"tensors[{i}] holds NaN or Inf")
 
     def _banned_now(self) -> frozenset[str]:
         return frozenset(r.peer_id for r in self.bans.active(time.time()))
@@ -216,21 +233,33 @@ class GroupAverager:
         return decision.declaration, secret, banned
 
     def _run(
-        self, round_id: str, decl: GroupDeclaration, ids: Sequence[str], secret, flat, weight, epoch, deadline, **kw
+        self,
+        round_id: str,
+        decl: GroupDeclaration,
+        ids: Sequence[str],
+        secret,
+        flat,
+        weight,
+        epoch,
+        deadline,
+        out,
+        **kw,
     ) -> RoundOutcome:
         entries = {m.peer_id: m for m in decl.members}
         members = [Member(p, entries[p].host, entries[p].port, entries[p].kx_public) for p in ids]
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
-                           config=self.config, faults=self.faults, epoch=epoch, bans=self.bans, **kw)  # fmt: skip
-        return r.run(flat, weight, deadline)
+                           config=self.config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
+                           **kw)  # fmt: skip
+        return r.run(flat, weight, deadline, out=out)
 
     def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float):
+        out = _Prefault(flat.numel())  # the result buffer is touched while we wait on the DHT
         decl, secret, banned = self._match(f"e{epoch}", self.config.target_group_size, deadline)
         ids = decl.member_ids()
         if len(ids) == 1:
-            solo = RoundOutcome(flat, ids, (), weight, 0, 0)
+            solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0)
             return solo, decl.round_id, ids
-        outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, banned=banned)
+        outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, out.get(), banned=banned)
         return outcome, decl.round_id, outcome.contributors
 
     def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float):
@@ -256,7 +285,7 @@ class GroupAverager:
             round_id = hashlib.sha256(f"{decl.round_id}|{r}|{','.join(group)}".encode()).hexdigest()[:32]
             max_weight = cfg.max_samples_per_round * (cfg.target_group_size + 1) ** r
             try:
-                outcome = self._run(round_id, decl, group, secret, current, current_w, epoch, deadline,
+                outcome = self._run(round_id, decl, group, secret, current, current_w, epoch, deadline, None,
                                     banned=banned, max_weight=max_weight)  # fmt: skip
             except RoundFailed as exc:
                 logger.warning("%s round %d of epoch %d failed: %s", cfg.strategy, r, epoch, exc)
@@ -271,5 +300,6 @@ class GroupAverager:
             excluded |= set(outcome.excluded)
         if committed == 0 and len(ids) > 1:
             raise RoundFailed("aborted", f"none of the {cfg.moshpit_rounds} {cfg.strategy} rounds committed")
-        outcome = RoundOutcome(current, ids, tuple(sorted(excluded)), current_w, sent, received)
+        result = current.clone() if current is flat else current  # ``flat`` goes back to the pool
+        outcome = RoundOutcome(result, ids, tuple(sorted(excluded)), current_w, sent, received)
         return outcome, decl.round_id, tuple(p for p in ids if p not in excluded)
