@@ -214,6 +214,7 @@ class ButterflyRound:
         self._done = False
         self._waiting = False
         self._out: torch.Tensor | None = None
+        self._outs: dict[int, torch.Tensor] = {}  # subround -> its result buffer
         self._mid_fired: set[int] = set()
         self._hook_lock = threading.Lock()
         self._vote_sent_at: dict[str, float] = {}
@@ -487,11 +488,13 @@ class ButterflyRound:
         if num_bytes != _wire_num_bytes(self.codec_config, end - start):
             self._deliver_result(sub, j, False, f"result of {num_bytes} bytes for {end - start} elements", b"", meta)
             raise _StopReading
-        # Into a buffer of its own, not into the result: a late frame of a subround we have left must not land there.
+        # Straight into this subround's result buffer (each subround has its own: a late frame of a subround we
+        # have left lands in a buffer nobody returns).
         hasher = blake3.blake3()
+        dest = self._outs[sub][start:end]
         if self.codec is None:
-            values = self._take(end - start)
-            self._recv_tracked(link, values, hasher.update)
+            values = dest
+            link.recv_into(_tensor_view(dest), on_chunk=hasher.update)
         else:
             raw = link.recv_exact(num_bytes)
             hasher.update(raw)
@@ -505,7 +508,9 @@ class ButterflyRound:
         except BadContribution as exc:
             self._deliver_result(sub, j, False, f"bad result: {exc}", b"", meta)
             raise _StopReading from None
-        self._deliver_result(sub, j, True, "", hasher.digest(), meta, values)
+        if values is not dest:
+            dest.copy_(values)
+        self._deliver_result(sub, j, True, "", hasher.digest(), meta)
 
     def _deliver_result(
         self, sub: int, j: str, ok: bool, why: str, digest: bytes, meta: dict, values: torch.Tensor | None = None
@@ -543,6 +548,7 @@ class ButterflyRound:
             tag = blake3.blake3(msgpack.packb([self.round_id, sub, list(active)])).digest()[:16]
             plan = _Plan(active, butterfly_partition(flat.numel(), active), tag)
             with self._cond:
+                self._outs[sub] = self._out if sub == 0 else torch.empty_like(flat)
                 self._plans[sub] = plan
                 self._cond.notify_all()
             bad, result_meta, digests = self._subround(sub, plan, flat, weight, deadline)
@@ -586,8 +592,7 @@ class ButterflyRound:
             if self.config.ban_time_s > 0:
                 self.bans.ban(p, now, self.config.ban_time_s, reason=contributions[p][2])
         kept = [p for p in plan.active if p not in bad_here]
-        assert self._out is not None
-        dest = self._out[start:end]  # without a codec we reduce straight into the result: no copy
+        dest = self._outs[sub][start:end]  # without a codec we reduce straight into the result: no copy
         reduced = dest if self.codec is None else self._take(end - start)
         self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced)
         self._mark("reduce")
@@ -638,10 +643,6 @@ class ButterflyRound:
             bad |= self._claims(p, meta, plan)
         bad |= self._weight_equivocators(metas)
         bad &= set(plan.active)
-        if not bad:  # final: assemble the result
-            for p in others:
-                begin, finish = plan.slice_of(p)
-                self._out[begin:finish].copy_(inbox.results[(sub, p)][4])
         return bad, metas, digests
 
     def _claims(self, reducer: str, meta: dict, plan: _Plan) -> set[str]:
@@ -697,10 +698,9 @@ class ButterflyRound:
             sent_at, margin_s = self._vote_sent_at.get(p), 2 * self._links[p].rtt_s + 0.01
             if sent_at is None or sent_at - self._vote_received_at[p] > self.config.commit_timeout_s - margin_s:
                 raise RoundFailed("timeout", f"our vote reached {p} too late (or not at all); it has aborted")
-        assert self._out is not None
         links = list(self._links.values())
         return RoundOutcome(
-            flat=self._out,
+            flat=self._outs[sub],
             contributors=tuple(sorted(weights)),
             excluded=tuple(excluded),
             total_weight=math.fsum(weights.values()),

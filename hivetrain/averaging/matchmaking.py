@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _DOMAIN = b"hivetrain.averaging.ready.v1"
 MAX_MEMBERS = 4096
+FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, seconds
 
 
 class ReadyEntry(BaseModel):
@@ -302,11 +303,8 @@ class Matchmaker:
         """
         if not self.announce(me, ttl_s):
             logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
-        declared: GroupDeclaration | None = None
         while True:
             entries, decls = self.read(me.round_key)
-            if declared is not None and declared not in decls:
-                decls.append(declared)  # our own store may not be visible yet
             decision = decide(
                 me,
                 entries,
@@ -317,14 +315,16 @@ class Matchmaker:
                 declare_grace_s=self.declare_grace_s,
                 banned=banned,
             )
-            if decision.action == "declare" and declared is None:
+            if decision.action == "declare":
+                # decide() would have returned "joined" had a smaller leader's declaration listed us; two leaders
+                # that did not see each other yield two groups whose overlap fails at the handshake and retries.
                 declared = self.declare(me, decision.members, decision.reason, ttl_s)
-                time.sleep(min(self.poll_interval_s, max(0.0, deadline_monotonic - time.monotonic())))
-                continue  # read once more: a smaller leader's declaration that lists us would win
-            if decision.action == "declare":  # we declared; decide() sees it now
-                decision = Decision("joined", "our declaration", declaration=declared)
+                return Decision("joined", decision.reason, declaration=declared), decision.reason
             if decision.action != "wait":
                 return decision, decision.reason
-            if time.monotonic() + self.poll_interval_s > deadline_monotonic:
+            # the leader is about to declare: poll fast so followers start the all-reduce soon after it does
+            imminent = decision.reason.startswith("waiting for leader")
+            interval_s = min(self.poll_interval_s, FAST_POLL_S) if imminent else self.poll_interval_s
+            if time.monotonic() + interval_s > deadline_monotonic:
                 return Decision("no_group", "call deadline reached during matchmaking"), "deadline"
-            time.sleep(self.poll_interval_s)
+            time.sleep(interval_s)
