@@ -53,6 +53,7 @@ _VERSION = 1
 HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 MAX_HANDSHAKE_META_BYTES = 4096
+MAX_DECLARE_META_BYTES = 8 << 20
 MAX_PENDING_CONNECTIONS = 256
 _CHUNK_BYTES = 8 << 20
 
@@ -65,6 +66,7 @@ class FrameType(enum.IntEnum):
     RESULT = 5
     VOTE = 6
     HEARTBEAT = 7
+    DECLARE = 8
 
 
 class LinkClosed(ConnectionError):
@@ -294,6 +296,22 @@ def dial(
     return link
 
 
+def send_declaration(host: str, port: int, declaration: dict, *, timeout_s: float) -> None:
+    """Push a signed group declaration (a plain dict) to a member's data port. Raises LinkClosed on failure.
+
+    The receiver trusts it only if it verifies (signed by its leader, every member entry by its member)."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise LinkClosed(f"cannot connect to {host}:{port}: {_describe(exc)}") from None
+    link = Link(sock, f"{host}:{port}", b"", timeout_s)
+    try:
+        link.send_frame(FrameType.DECLARE, 0, {"decl": declaration})
+    finally:
+        link.finish()
+        link.close()
+
+
 class DataPlaneServer:
     """Accepts links for the rounds registered with it; a HELLO for a round not registered yet is held up to
     ``join_wait_s`` (members learn of a group at slightly different times).
@@ -310,8 +328,9 @@ class DataPlaneServer:
         part_timeout_s: float,
         buffer_num_bytes: int,
         join_wait_s: float = 0.0,
+        on_declaration: Callable[[object], bool] | None = None,
     ):
-        self.listen_host, self.join_wait_s = listen_host, join_wait_s
+        self.listen_host, self.join_wait_s, self.on_declaration = listen_host, join_wait_s, on_declaration
         self.connect_timeout_s, self.part_timeout_s = connect_timeout_s, part_timeout_s
         self.buffer_num_bytes = buffer_num_bytes
         self._rounds: dict[str, RoundKeys] = {}
@@ -377,7 +396,15 @@ class DataPlaneServer:
             _tune(conn, self.buffer_num_bytes)
             conn.settimeout(self.connect_timeout_s)
             probe = Link(conn, "?", b"", self.connect_timeout_s)
-            ftype, _, meta, payload_len = probe.recv_header(MAX_HANDSHAKE_META_BYTES)
+            max_meta = MAX_DECLARE_META_BYTES if self.on_declaration is not None else MAX_HANDSHAKE_META_BYTES
+            ftype, _, meta, payload_len = probe.recv_header(max_meta)
+            if ftype == FrameType.DECLARE and self.on_declaration is not None and not payload_len:
+                if not self.on_declaration(meta.get("decl")):  # verifies the leader's signature
+                    self.rejected += 1
+                conn.close()
+                return
+            if probe.bytes_received > HEADER.size + MAX_HANDSHAKE_META_BYTES:
+                raise AuthFailed("oversized HELLO")
             round_id, sender, receiver, nonce = (meta.get(k) for k in ("round_id", "sender", "receiver", "nonce"))
             if ftype != FrameType.HELLO or payload_len or not isinstance(nonce, bytes) or len(nonce) != 16:
                 raise AuthFailed("malformed HELLO")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,8 +46,11 @@ from hivetrain.peers.records import parse_signed
 logger = logging.getLogger(__name__)
 
 _DOMAIN = b"hivetrain.averaging.ready.v1"
+_DECL_DOMAIN = b"hivetrain.averaging.group.v1"
 MAX_MEMBERS = 4096
+MAX_PUSHED = 64  # pushed declarations remembered per round key
 FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, seconds
+FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
 
 
 class ReadyEntry(BaseModel):
@@ -99,12 +103,40 @@ class GroupDeclaration(BaseModel):
     members: tuple[ReadyEntry, ...] = Field(min_length=1, max_length=MAX_MEMBERS)
     declared_at: float = Field(ge=0.0)
     reason: Literal["full", "window"]
+    signature: bytes = Field(default=b"", max_length=1024, description="the leader's RSA signature")
 
     def member_ids(self) -> tuple[str, ...]:
         return tuple(m.peer_id for m in self.members)
 
     def includes(self, entry: ReadyEntry) -> bool:
         return any(m.peer_id == entry.peer_id and m.session == entry.session for m in self.members)
+
+
+def _declaration_bytes(prefix: str, decl: GroupDeclaration) -> bytes:
+    fields = decl.model_dump(exclude={"signature"})
+    return _DECL_DOMAIN + msgpack.packb([prefix, *(fields[k] for k in sorted(fields))], use_bin_type=True)
+
+
+def sign_declaration(prefix: str, decl: GroupDeclaration, private_key: RSAPrivateKey) -> GroupDeclaration:
+    """``decl`` signed by its leader (so it can travel outside the DHT, e.g. pushed over the data plane)."""
+    return decl.model_copy(update={"signature": private_key.sign(_declaration_bytes(prefix, decl))})
+
+
+def verify_declaration(prefix: str, decl: GroupDeclaration) -> bool:
+    """Whether ``decl`` is well formed and signed by its leader, and every member entry by its member."""
+    ids = decl.member_ids()
+    leader = [m for m in decl.members if m.peer_id == decl.leader]
+    if list(ids) != sorted(set(ids)) or len(leader) != 1 or ids[0] != decl.leader:
+        return False
+    if decl.round_id != make_round_id(prefix, decl.round_key, decl.members):
+        return False
+    if not all(m.round_key == decl.round_key and verify_entry(prefix, m) for m in decl.members):
+        return False
+    try:
+        key = RSAPublicKey.from_bytes(leader[0].public_key)
+        return bool(key.verify(_declaration_bytes(prefix, decl), decl.signature))
+    except Exception:  # noqa: BLE001 - any parse failure means "not verified"
+        return False
 
 
 def make_round_id(prefix: str, round_key: str, members: Iterable[ReadyEntry]) -> str:
@@ -181,7 +213,8 @@ def decide(
     elif now >= group_deadline:
         group, why = tuple(candidates), "window"
     else:
-        return Decision("wait", f"{len(candidates)} ready, window closes in {group_deadline - now:.2f}s")
+        role = "leading" if candidates[0].peer_id == me.peer_id else "following"
+        return Decision("wait", f"{role}: {len(candidates)} ready, window closes in {group_deadline - now:.2f}s")
     if group[0].peer_id == me.peer_id:
         if len(group) < min_group_size:
             return Decision("too_small", f"{len(group)} ready peers, min_group_size is {min_group_size}")
@@ -197,9 +230,13 @@ def decide(
 class Matchmaker:
     """Runs ``decide`` against the DHT: announce, poll, declare. One per GroupAverager; not thread-safe."""
 
-    def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float):
-        self.node, self.prefix = node, prefix
+    def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None):
+        """``push(declaration, followers)``: optional, sends our declarations to followers directly."""
+        self.node, self.prefix, self.push = node, prefix, push
         self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
+        self._pushed: dict[str, list[GroupDeclaration]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
 
     def _key(self, round_key: str, kind: str) -> str:
         return f"{self.prefix}.{round_key}.{kind}"
@@ -222,13 +259,12 @@ class Matchmaker:
         )
         return sign_entry(self.prefix, entry, self.node.identity.private_key)
 
-    def announce(self, entry: ReadyEntry, ttl_s: float) -> bool:
-        """Store our entry until ``entry.deadline + ttl_s``. Returns whether any DHT node accepted it."""
+    def announce(self, entry: ReadyEntry, ttl_s: float):
+        """Start storing our entry until ``entry.deadline + ttl_s``; returns the DHT's future (True if stored)."""
         value = entry.model_dump()
-        return bool(
-            self.node.dht.store(
-                self._key(entry.round_key, "ready"), value, entry.deadline + ttl_s, subkey=self.node.owner_marker
-            )
+        key = self._key(entry.round_key, "ready")
+        return self.node.dht.store(
+            key, value, entry.deadline + ttl_s, subkey=self.node.owner_marker, return_future=True
         )
 
     def declare(self, me: ReadyEntry, members: tuple[ReadyEntry, ...], reason: str, ttl_s: float) -> GroupDeclaration:
@@ -241,13 +277,36 @@ class Matchmaker:
             declared_at=get_dht_time(),
             reason="full" if reason.endswith("(full)") else "window",
         )
-        self.node.dht.store(
+        decl = sign_declaration(self.prefix, decl, self.node.identity.private_key)
+        if self.push is not None:  # followers hear it at once instead of at their next DHT poll
+            self.push(decl, [m for m in members if m.peer_id != me.peer_id])
+        self.node.dht.store(  # for latecomers ("late") and followers the push missed; not awaited
             self._key(me.round_key, "group"),
             decl.model_dump(),
             decl.declared_at + ttl_s,
             subkey=self.node.owner_marker,
+            return_future=True,
         )
         return decl
+
+    def offer(self, raw: object) -> bool:
+        """A declaration pushed to us over the data plane (any thread). Kept if valid and signed; returns that."""
+        try:
+            decl = GroupDeclaration.model_validate(raw)
+        except ValueError:
+            return False
+        if not verify_declaration(self.prefix, decl):
+            logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
+            return False
+        with self._lock:
+            pushed = self._pushed.setdefault(decl.round_key, [])
+            if decl not in pushed:
+                pushed.append(decl)
+                del pushed[:-MAX_PUSHED]
+            while len(self._pushed) > MAX_PUSHED:  # forget the oldest round keys
+                del self._pushed[next(iter(self._pushed))]
+            self._wake.set()
+        return True
 
     def read(self, round_key: str) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
         """Verified ready entries and declarations of ``round_key`` (forged or malformed ones are dropped)."""
@@ -257,17 +316,12 @@ class Matchmaker:
         entries = [e for e in entries if verify_entry(self.prefix, e)]
         decls = []
         for d in self._parse(f_group, GroupDeclaration, "leader"):
-            members_ok = all(m.round_key == round_key and verify_entry(self.prefix, m) for m in d.members)
-            ids = d.member_ids()
-            if (
-                d.round_key == round_key
-                and members_ok
-                and list(ids) == sorted(set(ids))
-                and d.round_id == make_round_id(self.prefix, round_key, d.members)
-            ):
+            if d.round_key == round_key and verify_declaration(self.prefix, d):
                 decls.append(d)
             else:
                 logger.warning("dropping an invalid group declaration by %s", d.leader)
+        with self._lock:
+            decls += [d for d in self._pushed.get(round_key, ()) if d not in decls]
         return entries, decls
 
     def _parse(self, future, schema, id_field: str) -> list:
@@ -301,9 +355,12 @@ class Matchmaker:
             (decision, reason); ``decision.action`` is "joined" (with its declaration) or a failure action.
             A "timeout" is reported as ("no_group", ...).
         """
-        if not self.announce(me, ttl_s):
-            logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
+        stored = self.announce(me, ttl_s)  # we read meanwhile: our own entry is in our view anyway
         while True:
+            if stored is not None and stored.done():
+                if not stored.exception() and not stored.result():
+                    logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
+                stored = None
             entries, decls = self.read(me.round_key)
             decision = decide(
                 me,
@@ -322,9 +379,14 @@ class Matchmaker:
                 return Decision("joined", decision.reason, declaration=declared), decision.reason
             if decision.action != "wait":
                 return decision, decision.reason
-            # the leader is about to declare: poll fast so followers start the all-reduce soon after it does
-            imminent = decision.reason.startswith("waiting for leader")
+            # Poll fast when a declaration is imminent (followers whose window closed), and while we lead during the
+            # first second (the group may fill up any moment): one peer per group polls fast, the others do not.
+            just_started = get_dht_time() - me.announced_at < FAST_LEAD_S
+            imminent = decision.reason.startswith("waiting for leader") or (
+                decision.reason.startswith("leading") and just_started
+            )
             interval_s = min(self.poll_interval_s, FAST_POLL_S) if imminent else self.poll_interval_s
             if time.monotonic() + interval_s > deadline_monotonic:
                 return Decision("no_group", "call deadline reached during matchmaking"), "deadline"
-            time.sleep(interval_s)
+            self._wake.wait(interval_s)  # a pushed declaration wakes us early
+            self._wake.clear()
