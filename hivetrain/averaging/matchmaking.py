@@ -16,8 +16,9 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under ``{pre
    current session, signed by its leader, whose embedded entries all verify; with several, the one with the
    smallest leader id wins (the rare case of two leaders that did not see each other; if members then disagree,
    the data-plane handshake or the commit vote fails the round and the callers retry).
-4. A follower not listed fails: ``late`` (a group closed its window before we announced) or, after the group
-   deadline + ``declare_grace_s``, ``not_in_group`` / ``no_group``.
+4. A peer not listed in a group whose window closed fails at once: ``late`` (it closed before we announced) or
+   ``not_in_group`` (its leader did not see us in time); a follower whose leader declares nothing fails with
+   ``no_group`` after the group deadline + ``declare_grace_s``.
 
 ``decide`` is a pure function of what a peer has read and ``now`` (DHT time, seconds): tests drive it without a
 DHT. ``Matchmaker`` does the I/O. Clocks of peers are assumed synchronised within ~1 s (NTP), as hivemind does.
@@ -189,13 +190,14 @@ def decide(
     if mine:
         return Decision("joined", f"declared by {mine[0].leader} ({len(mine[0].members)} members)", declaration=mine[0])
     consumed = {(m.peer_id, m.session) for d in declarations for m in d.members}
-    late = [
-        d
-        for d in declarations
-        if d.reason == "window" and d.declared_at < me.announced_at and me.peer_id not in d.member_ids()
-    ]
-    if late:
-        return Decision("late", f"group of {late[0].leader} closed at {late[0].declared_at:.2f} before we announced")
+    # A window closed without us: before we announced (we are late), or after (its leader did not see us in time).
+    # Either way the epoch's group formed without us; fail fast so the caller resyncs. ("full" groups leave room
+    # for a next group.)
+    closed = [d for d in declarations if d.reason == "window" and me.peer_id not in d.member_ids()]
+    for d in closed:
+        if d.declared_at < me.announced_at:
+            return Decision("late", f"group of {d.leader} closed at {d.declared_at:.2f} before we announced")
+        return Decision("not_in_group", f"{d.leader} closed its window at {d.declared_at:.2f} without us")
     by_id: dict[str, ReadyEntry] = {}
     for e in [*entries, me]:
         if e.round_key != me.round_key or e.peer_id in banned or (e.peer_id, e.session) in consumed:

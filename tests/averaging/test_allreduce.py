@@ -1,0 +1,157 @@
+"""The data plane and the butterfly round without a DHT: authentication against strangers, empty slices, and
+heartbeats that keep a member waiting on a slow third peer from being declared stalled."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from hivetrain.averaging import AveragingConfig
+from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
+from hivetrain.averaging.dataplane import (
+    AuthFailed,
+    DataPlaneServer,
+    LinkClosed,
+    RoundKeys,
+    dial,
+    send_declaration,
+)
+from hivetrain.averaging.validation import BanList
+from hivetrain.faults import NO_FAULTS, Fault, FaultInjector
+
+from .conftest import run_threads
+
+TIMEOUTS = dict(connect_timeout_s=1.0, part_timeout_s=1.0, buffer_num_bytes=0)
+
+
+def _public(secret: X25519PrivateKey) -> bytes:
+    return secret.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+@pytest.fixture
+def servers():
+    """Factory of started data-plane servers on 127.0.0.1; all shut down at the end."""
+    made: list[DataPlaneServer] = []
+
+    def make(**kw) -> DataPlaneServer:
+        server = DataPlaneServer("127.0.0.1", **{**TIMEOUTS, "join_wait_s": 1.0, **kw})
+        server.start()
+        made.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.shutdown()
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """Whether the server closed (or reset) the connection without sending anything."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _wait_until(predicate, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_only_the_member_holding_its_announced_key_can_open_a_link(servers) -> None:
+    server = servers()
+    ours, theirs, stranger = X25519PrivateKey.generate(), X25519PrivateKey.generate(), X25519PrivateKey.generate()
+    attached = []
+    keys = RoundKeys("round-1", "A", ours, {"B": _public(theirs)}, attached.append)
+    server.register(keys)
+    # a stranger claiming to be B, with a key of its own: it cannot answer the challenge
+    fake = RoundKeys("round-1", "B", stranger, {"A": _public(ours)}, lambda link: None)
+    with pytest.raises((AuthFailed, LinkClosed)):
+        dial("127.0.0.1", server.port, fake, "A", **TIMEOUTS)
+    # bytes that are not a frame, and a HELLO for a round nobody registered
+    with socket.create_connection(("127.0.0.1", server.port), timeout=2) as raw:
+        raw.sendall(os.urandom(64))
+        assert _dropped(raw)
+    other = RoundKeys("round-2", "B", theirs, {"A": _public(ours)}, lambda link: None)
+    with pytest.raises((AuthFailed, LinkClosed)):
+        dial("127.0.0.1", server.port, other, "A", **TIMEOUTS, join_wait_s=1.0)
+    assert _wait_until(lambda: server.rejected >= 3, 3.0)
+    assert attached == []
+    # the real B gets in, and both sides measured the round trip
+    real = RoundKeys("round-1", "B", theirs, {"A": _public(ours)}, lambda link: None)
+    link = dial("127.0.0.1", server.port, real, "A", **TIMEOUTS)
+    assert _wait_until(lambda: len(attached) == 1, 3.0)
+    assert attached[0].peer_id == "B" and attached[0].key == link.key and link.rtt_s > 0
+    link.close()
+    attached[0].close()
+
+
+def test_a_forged_declaration_push_is_dropped(servers) -> None:
+    offered = []
+
+    def on_declaration(raw) -> bool:
+        offered.append(raw)
+        return False  # what Matchmaker.offer answers for a declaration that does not verify
+
+    server = servers(on_declaration=on_declaration)
+    send_declaration("127.0.0.1", server.port, {"leader": "X"}, timeout_s=2.0)
+    assert _wait_until(lambda: server.rejected == 1, 3.0)
+    assert offered == [{"leader": "X"}]
+
+
+def test_an_oversized_frame_header_is_refused_before_reading_it(servers) -> None:
+    server = servers()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=2) as raw:
+        raw.sendall(struct.pack("<4sBBHIQ", b"HVA1", 1, 1, 0, 1 << 30, 0))  # claims 1 GiB of metadata
+        assert _dropped(raw)
+    assert _wait_until(lambda: server.rejected == 1, 3.0)
+
+
+def _round(servers, num: int, numel: int, faults=None, **cfg) -> list:
+    config = AveragingConfig(**{"part_timeout_s": 1.0, "connect_timeout_s": 1.0, "commit_timeout_s": 1.0, **cfg})
+    srv = [servers() for _ in range(num)]
+    secrets = [X25519PrivateKey.generate() for _ in range(num)]
+    ids = [f"peer{i}" for i in range(num)]
+    members = [Member(ids[i], "127.0.0.1", srv[i].port, _public(secrets[i])) for i in range(num)]
+    rounds = [
+        ButterflyRound(round_id="r", members=members, me=ids[i], secret=secrets[i], server=srv[i], config=config,
+                       faults=(faults or {}).get(i, NO_FAULTS), epoch=0, bans=BanList(), pool=BufferPool())
+        for i in range(num)
+    ]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    flats = [torch.randn(numel, generator=g) for _ in range(num)]
+    results = run_threads(
+        [lambda r=r, f=f: r.run(f, 1.0, time.monotonic() + 20) for r, f in zip(rounds, flats, strict=False)], 25
+    )
+    return results, flats
+
+
+def test_fewer_elements_than_members_leaves_empty_slices_that_still_commit(servers) -> None:
+    results, flats = _round(servers, 4, 3)
+    assert all(isinstance(r, RoundOutcome) for r in results), results
+    expected = sum(flats) / 4
+    for r in results:
+        assert torch.equal(r.flat, results[0].flat)
+        torch.testing.assert_close(r.flat, expected, atol=1e-6, rtol=0)
+
+
+def test_heartbeats_keep_a_member_waiting_on_a_slow_peer_alive(servers) -> None:
+    # peer2 is slow to send its parts (0.6 part timeouts); peer1 then also pauses 0.6 part timeouts after reducing.
+    # peer0 hears nothing from peer1's data for 1.2 part timeouts, but peer1 sent heartbeats while it waited.
+    slow, pausing = FaultInjector(), FaultInjector()
+    slow.arm(Fault("averaging.before_send", "sleep", seconds=0.6))
+    pausing.arm(Fault("averaging.after_reduce", "sleep", seconds=0.6))
+    results, flats = _round(servers, 3, 3000, faults={1: pausing, 2: slow})
+    assert slow.fired_count("averaging.before_send") == 1 and pausing.fired_count("averaging.after_reduce") == 1
+    assert all(isinstance(r, RoundOutcome) for r in results), results
+    assert all(torch.equal(r.flat, results[0].flat) for r in results)

@@ -1,0 +1,148 @@
+"""Matchmaking decisions (pure, no DHT, no sleeps) and the signatures that let entries and declarations be checked
+offline."""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+
+from hivetrain.averaging.matchmaking import (
+    GroupDeclaration,
+    ReadyEntry,
+    decide,
+    make_round_id,
+    sign_declaration,
+    sign_entry,
+    verify_declaration,
+    verify_entry,
+)
+from hivetrain.peers.identity import peer_id_of_owner
+
+PREFIX = "run.avg"
+GRACE = 1.0
+
+
+def entry(peer: str, session: int = 1, at: float = 100.0, wait_s: float = 5.0, key: str = "e0") -> ReadyEntry:
+    return ReadyEntry(peer_id=peer, round_key=key, session=bytes([session]) * 16, host="127.0.0.1", port=4000,
+                      kx_public=bytes(32), announced_at=at, deadline=at + wait_s, public_key=b"k" * 16)  # fmt: skip
+
+
+def declaration(members: list[ReadyEntry], at: float, reason: str = "window") -> GroupDeclaration:
+    members = sorted(members, key=lambda m: m.peer_id)
+    key = members[0].round_key
+    return GroupDeclaration(leader=members[0].peer_id, round_key=key, declared_at=at, reason=reason,
+                            round_id=make_round_id(PREFIX, key, members), members=tuple(members))  # fmt: skip
+
+
+def run(me, entries=(), decls=(), now=101.0, target=8, min_size=1, banned=frozenset()):
+    return decide(me, entries, decls, now, target_group_size=target, min_group_size=min_size,
+                  declare_grace_s=GRACE, banned=banned)  # fmt: skip
+
+
+def test_a_lone_peer_waits_for_the_window_then_declares_itself() -> None:
+    me = entry("A")
+    assert run(me, now=102.0).action == "wait"
+    d = run(me, now=105.0)
+    assert d.action == "declare" and [m.peer_id for m in d.members] == ["A"]
+
+
+def test_the_smallest_id_leads_and_the_window_is_the_first_peers_deadline() -> None:
+    a, b, c = entry("A", at=101.0), entry("B", at=100.0), entry("C", at=102.0)
+    assert run(a, [a, b, c], now=104.9).action == "wait"
+    d = run(a, [a, b, c], now=105.0)  # B's deadline (100 + 5) closes the window
+    assert d.action == "declare" and [m.peer_id for m in d.members] == ["A", "B", "C"]
+    assert run(b, [a, b, c], now=105.0).action == "wait"  # B follows A
+
+
+def test_a_full_group_is_declared_at_once() -> None:
+    entries = [entry(p) for p in "ABCDE"]
+    d = run(entries[0], entries, now=100.1, target=4)
+    assert d.action == "declare" and [m.peer_id for m in d.members] == ["A", "B", "C", "D"]
+    assert "full" in d.reason
+    assert run(entries[4], entries, now=100.1, target=4).action == "wait"  # E forms the next group
+
+
+def test_followers_join_the_declaration_that_lists_their_session_smallest_leader_first() -> None:
+    a, b, c = entry("A"), entry("B"), entry("C")
+    by_b, by_a = declaration([b, c], 105.0), declaration([a, b, c], 105.1)
+    d = run(c, [a, b, c], [by_b, by_a], now=105.2)
+    assert d.action == "joined" and d.declaration == by_a
+
+
+def test_a_retry_ignores_the_failed_rounds_declaration_and_its_dead_member() -> None:
+    old_a, old_b, dead = entry("A", 1), entry("B", 1), entry("D", 1)
+    failed = declaration([old_a, old_b, dead], 105.0)
+    a, b = entry("A", 2, at=107.0), entry("B", 2, at=107.0)
+    entries = [a, b, dead]  # D's old entry is still in the DHT
+    assert run(a, entries, [failed], now=108.0).action == "wait"
+    d = run(a, entries, [failed], now=112.0)
+    assert d.action == "declare" and [m.peer_id for m in d.members] == ["A", "B"]
+
+
+def test_a_peer_arriving_after_a_closed_window_is_late() -> None:
+    a, b = entry("A"), entry("B")
+    closed = declaration([a, b], 105.0)
+    d = run(entry("C", at=106.0), [a, b], [closed], now=106.0)
+    assert d.action == "late"
+
+
+def test_a_peer_its_leader_did_not_see_fails_fast_and_a_silent_leader_after_the_grace() -> None:
+    a, b, c = entry("A"), entry("B"), entry("C", at=104.9)
+    without_c = declaration([a, b], 105.0)
+    assert run(c, [a, b, c], [without_c], now=105.1).action == "not_in_group"
+    c = entry("C")
+    assert run(c, [a, c], [], now=105.5).action == "wait"
+    assert run(c, [a, c], [], now=106.0).action == "no_group"  # the leader said nothing
+    assert run(c, [a, c], [], now=106.1).action == "declare"  # its entry went stale: the next peer leads
+
+
+def test_banned_stale_and_other_round_entries_are_not_candidates() -> None:
+    me = entry("B")
+    banned, stale, other = entry("A"), entry("0", at=90.0), entry("1", key="e1")
+    d = run(me, [banned, stale, other, me], now=105.0, banned=frozenset({"A"}))
+    assert d.action == "declare" and [m.peer_id for m in d.members] == ["B"]
+
+
+def test_below_min_group_size_the_leader_declares_nothing() -> None:
+    a, b = entry("A"), entry("B")
+    assert run(a, [a, b], now=105.0, min_size=3).action == "too_small"
+
+
+@pytest.fixture(scope="module")
+def keys() -> list[tuple[str, RSAPrivateKey]]:
+    out = []
+    for _ in range(3):
+        key = RSAPrivateKey()
+        marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+        out.append((peer_id_of_owner(marker), key))
+    return sorted(out, key=lambda pk: pk[0])
+
+
+def signed(peer_id: str, key: RSAPrivateKey, port: int = 4000) -> ReadyEntry:
+    raw = entry(peer_id).model_copy(update={"public_key": key.get_public_key().to_bytes(), "port": port})
+    return sign_entry(PREFIX, raw, key)
+
+
+def test_entries_verify_only_untampered_and_under_their_own_key(keys) -> None:
+    (pid, key), (other_pid, other_key) = keys[0], keys[1]
+    good = signed(pid, key)
+    assert verify_entry(PREFIX, good)
+    assert not verify_entry("other.avg", good)  # bound to the prefix
+    assert not verify_entry(PREFIX, good.model_copy(update={"port": 4001}))
+    assert not verify_entry(PREFIX, good.model_copy(update={"peer_id": other_pid}))  # speaks for someone else
+    impostor = sign_entry(PREFIX, good.model_copy(update={"public_key": other_key.get_public_key().to_bytes()}), key)
+    assert not verify_entry(PREFIX, impostor)
+
+
+def test_declarations_verify_only_as_signed_by_the_smallest_member(keys) -> None:
+    members = [signed(pid, key) for pid, key in keys]
+    leader_key = keys[0][1]
+    decl = sign_declaration(PREFIX, declaration(members, 105.0), leader_key)
+    assert verify_declaration(PREFIX, decl)
+    assert not verify_declaration(PREFIX, declaration(members, 105.0))  # unsigned
+    assert not verify_declaration(PREFIX, sign_declaration(PREFIX, declaration(members, 105.0), keys[1][1]))
+    moved = [members[0], members[1], members[2].model_copy(update={"port": 9999})]  # leader rewrites an endpoint
+    assert not verify_declaration(PREFIX, sign_declaration(PREFIX, declaration(moved, 105.0), leader_key))
+    not_smallest = declaration(members[1:], 105.0).model_copy(update={"leader": keys[2][0]})
+    assert not verify_declaration(PREFIX, sign_declaration(PREFIX, not_smallest, keys[2][1]))
