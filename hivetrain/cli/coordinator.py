@@ -1,10 +1,12 @@
-"""``hivetrain coordinator --config run.toml``: host the run's bootstrap peer and publish its signed config."""
+"""``hivetrain coordinator --config run.toml``: host the run's bootstrap peer, state copy, checkpoints and dashboard."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+import time
 from pathlib import Path
 
 from hivetrain.cli.common import (
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--initial-peers",
         nargs="*",
         default=[],
-        help="other peers of an existing run to bootstrap from (e.g. after a restart)",
+        help="peers of the running swarm to bootstrap from (e.g. after a restart on a new address)",
     )
     parser.add_argument(
         "--address-file", default=None, help="write the multiaddrs volunteers should use here, one per line, once ready"
@@ -44,6 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds between re-publishing the config and reading the swarm",
+    )
+    state = parser.add_argument_group("state copy and checkpoints")
+    state.add_argument(
+        "--no-state",
+        action="store_true",
+        help="only bootstrap and publish the config: keep no state copy, serve none, write no checkpoint",
+    )
+    state.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="directory for checkpoints (safetensors + manifest); restored from on restart",
+    )
+    state.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every N epochs (0 = never)")
+    state.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K complete checkpoints")
+    web = parser.add_argument_group("dashboard")
+    web.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the dashboard, JSON API and /metrics on this port (0 = any free port; unset = off)",
+    )
+    web.add_argument(
+        "--http-host", default="127.0.0.1", help="dashboard bind address (0.0.0.0 to publish it; it exposes no secret)"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_node_arguments(parser)
@@ -60,14 +85,41 @@ def main(argv: list[str] | None = None) -> int:
         config = load_run_config(args.config, run_overrides(args))
         ncfg = node_config(args, args.initial_peers)
         options = CoordinatorOptions(refresh_interval_s=args.refresh_interval)
+        if args.http_port is not None and not 0 <= args.http_port <= 65535:
+            raise ValueError(f"--http-port {args.http_port}: must be 0..65535")
+        if args.checkpoint_dir and args.no_state:
+            raise ValueError("--checkpoint-dir needs the state copy: drop --no-state")
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
-    node = None
+    node = loop = dashboard = None
     try:
         start_reaper()
-        node = start_node(ncfg)
-        coordinator = Coordinator(node, config, run_fingerprint(config), options)
+        node = _start_with_known_peers(ncfg, args)
+        fingerprint = run_fingerprint(config)
+        follower, observer, loop = None, None, None
+        from hivetrain.coordinator.dashboard import RunInfo, summarize_config
+        from hivetrain.coordinator.observer import SwarmObserver
+        from hivetrain.peers.loop import LoopThread
+
+        loop = LoopThread()
+        if not args.no_state:
+            follower = _make_follower(args, config, node, loop, fingerprint)
+        num_parameters = sum(t.numel() for t in follower.reference.params.values()) if follower else 0
+        observer = SwarmObserver(
+            RunInfo(config.run_id, config.model, num_parameters, summarize_config(config.to_dict()), time.time()),
+            config.data.seq_len,
+        )
+        coordinator = Coordinator(node, config, fingerprint, options, follower=follower, observer=observer)
         coordinator.publish()
+        if args.http_port is not None:
+            from hivetrain.coordinator.dashboard import DashboardServer
+
+            dashboard = DashboardServer(
+                lambda: observer.snapshot(time.time()), host=args.http_host, port=args.http_port
+            )
+            dashboard.start()
+            dashboard.wait_ready(timeout_s=30)
+            print(f"dashboard: {dashboard.url}", flush=True)
         addresses = node.visible_maddrs()
         if args.address_file:
             tmp = Path(args.address_file).with_suffix(".tmp")
@@ -83,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         def on_tick(records):
             trainers = [r for r in records if r.role == "trainer"]
             if trainers:
-                epochs = sorted({r.epoch for r in trainers})
-                logger.info("%d trainer(s), epochs %s", len(trainers), epochs)
+                logger.info("%d trainer(s), epochs %s", len(trainers), sorted({r.epoch for r in trainers}))
+                _save_known_peers(args, [a for r in trainers for a in r.maddrs[:2]])
 
         coordinator.run(on_tick)
         return 0
@@ -94,8 +146,67 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("coordinator stopping")
         return EXIT_INTERRUPTED
     finally:
+        if dashboard is not None:
+            dashboard.shutdown(timeout_s=5)
+        if loop is not None:
+            loop.stop(timeout_s=2)
         if node is not None:
             node.shutdown()
+
+
+def _known_peers_path(args) -> Path | None:
+    return Path(args.identity_path + ".peers") if args.identity_path else None
+
+
+def _save_known_peers(args, maddrs: list[str]) -> None:
+    """Remember where peers are, so that a restarted coordinator can rejoin the running swarm."""
+    path = _known_peers_path(args)
+    if path is None or not maddrs:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(dict.fromkeys(maddrs[:32])) + "\n")
+    tmp.replace(path)
+
+
+def _start_with_known_peers(ncfg, args):
+    """Start the DHT node; after a restart, bootstrap from the peers seen before so that the swarm finds us again
+    (peers do not re-dial a node that restarted). If none of them answers, start as a new swarm's first node."""
+    path = _known_peers_path(args)
+    known = [line for line in path.read_text().split() if "/p2p/" in line] if path and path.exists() else []
+    if known and not args.initial_peers:
+        try:
+            return start_node(dataclasses.replace(ncfg, initial_peers=tuple(known), startup_timeout_s=15.0))
+        except (BootstrapFailed, ValueError) as exc:
+            logger.warning("none of the %d peers seen before answered (%s); starting alone", len(known), exc)
+    return start_node(ncfg)
+
+
+def _make_follower(args, config, node, loop, fingerprint):
+    from hivetrain.coordinator.checkpoint import CheckpointStore
+    from hivetrain.coordinator.coordinator import run_vocab_size
+    from hivetrain.coordinator.follower import FollowerOptions, StateFollower
+    from hivetrain.diloco.state import TrainingState
+    from hivetrain.model import build_config, build_model
+
+    model = build_model(build_config(config.model, run_vocab_size(config), config.data.seq_len), seed=config.seed)
+    initial = TrainingState.from_model(model)
+    del model
+    store = CheckpointStore(Path(args.checkpoint_dir), keep_last=args.keep_checkpoints) if args.checkpoint_dir else None
+    follower = StateFollower(
+        node,
+        loop,
+        config.run_id,
+        initial,
+        store,
+        config.to_dict(),
+        fingerprint,
+        FollowerOptions(checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints),
+    )
+    restored = follower.restore()
+    if restored is not None:
+        print(f"restored checkpoint of epoch {restored}", flush=True)
+    follower.register()
+    return follower
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before everything is stopped")
     parser.add_argument("--peer-args", default="", help="extra join-swarm arguments for every peer (one string)")
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        help="serve the coordinator's dashboard on 127.0.0.1:PORT (0 = any free port)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging in peers")
     pipe = parser.add_argument_group("SWARM pipeline (for models too big for one volunteer; see README)")
     pipe.add_argument(
@@ -136,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     seen: dict[str, int] = {}
     try:
-        address = swarm.start_coordinator()
+        coordinator_args = ["--checkpoint-dir", str(out / "checkpoints")]
+        if args.dashboard_port is not None:
+            coordinator_args += ["--http-port", str(args.dashboard_port)]
+        address = swarm.start_coordinator(extra_args=coordinator_args)
         console.print(
             f"coordinator up at [bold]{address}[/]; starting {args.peers} peer(s), "
             f"model {config.model}, H={config.diloco.inner_steps}, K={config.diloco.outer_steps}"

@@ -2,6 +2,8 @@
 
 It is a convenience, not a single point of failure: training peers need it only to bootstrap and read the config.
 Its peer ID is part of the address volunteers are given, and joiners accept only a config signed by that ID.
+Optionally (``StateFollower``) it keeps a verified copy of the training state, serves it to joiners and writes
+checkpoints; and (``DashboardServer``) it serves a live dashboard, a JSON API and Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from hivetrain import __version__
 from hivetrain.config import RunConfig
+from hivetrain.coordinator.follower import StateFollower
+from hivetrain.coordinator.observer import SwarmObserver
 from hivetrain.model import build_config, model_fingerprint
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import (
@@ -34,7 +38,7 @@ logger = logging.getLogger(__name__)
 class CoordinatorOptions:
     """Args:
     config_ttl_s: the published run config expires after this many seconds unless refreshed.
-    refresh_interval_s: how often the config and our record are re-published, seconds.
+    refresh_interval_s: how often the config and our record are re-published and the swarm is read, seconds.
     record_ttl_s: our peer record's lifetime, seconds.
     """
 
@@ -47,24 +51,41 @@ class CoordinatorOptions:
             raise ValueError("refresh_interval_s must be shorter than config_ttl_s and record_ttl_s")
 
 
-def run_fingerprint(config: RunConfig, vocab_size: int = 256) -> str:
+def run_vocab_size(config: RunConfig) -> int:
+    """Vocabulary of the run's tokenizer: 256 for bytes, else the local tokenizer's size."""
+    if not config.data.tokenizer:
+        return 256
+    from hivetrain.data import LocalTokenizer
+
+    return LocalTokenizer(config.data.tokenizer).vocab_size
+
+
+def run_fingerprint(config: RunConfig) -> str:
     """The model fingerprint of a run, computed without allocating parameters (meta device)."""
-    model_config = build_config(config.model, vocab_size=vocab_size, max_seq_len=config.data.seq_len)
+    model_config = build_config(config.model, vocab_size=run_vocab_size(config), max_seq_len=config.data.seq_len)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     return model_fingerprint(model_config, model)
 
 
 class Coordinator:
-    """Publishes the run config and a coordinator record until ``stop()``."""
+    """Publishes the run config and a coordinator record, follows the state and feeds the dashboard until stop()."""
 
     def __init__(
-        self, node: PeerNode, config: RunConfig, fingerprint: str, options: CoordinatorOptions = CoordinatorOptions()
+        self,
+        node: PeerNode,
+        config: RunConfig,
+        fingerprint: str,
+        options: CoordinatorOptions = CoordinatorOptions(),
+        follower: StateFollower | None = None,
+        observer: SwarmObserver | None = None,
     ):
         self.node, self.config, self.fingerprint, self.options = node, config, fingerprint, options
+        self.follower, self.observer = follower, observer
         self._stop = threading.Event()
         self.records: list[PeerRecord] = []
         self.started_at = time.time()
+        self._follow_thread = threading.Thread(target=self._follow_loop, name="follower", daemon=True)
 
     def publish(self) -> None:
         """Publish (refresh) the signed run config and our record."""
@@ -76,15 +97,19 @@ class Coordinator:
         )
         if not publish_run_config(self.node.dht, self.node.owner_marker, record, self.options.config_ttl_s):
             logger.warning("no DHT node accepted the run config")
-        newest = max((r.epoch for r in self.records if r.role == "trainer"), default=0)
+        if self.follower is not None:
+            epoch, state_hash = self.follower.current().epoch, self.follower.state_hash
+        else:
+            epoch, state_hash = max((r.epoch for r in self.records if r.role == "trainer"), default=0), ""
         me = PeerRecord(
             peer_id=self.node.peer_id,
             role="coordinator",
             version=__version__,
             run_id=self.config.run_id,
             model_fingerprint=self.fingerprint,
-            epoch=newest,
+            epoch=epoch,
             throughput=0.0,
+            state_hash=state_hash,
             maddrs=tuple(self.node.visible_maddrs()[:8]),
             reachable=not self.node.config.client_mode,
             updated_at=get_dht_time(),
@@ -97,10 +122,14 @@ class Coordinator:
             self.records = fetch_records(self.node.dht, self.config.run_id)
         except Exception as exc:  # noqa: BLE001 - keep the last view
             logger.warning("could not read peer records: %r", exc)
+        if self.observer is not None:
+            self.observer.observe(self.records, time.time())
         return self.records
 
     def run(self, on_tick=None) -> None:
         """Publish and poll every ``refresh_interval_s`` until ``stop()``; ``on_tick(records)`` after each poll."""
+        if self.follower is not None:
+            self._follow_thread.start()
         while not self._stop.is_set():
             try:
                 self.publish()
@@ -110,6 +139,16 @@ class Coordinator:
             if on_tick is not None:
                 on_tick(records)
             self._stop.wait(self.options.refresh_interval_s)
+
+    def _follow_loop(self) -> None:
+        assert self.follower is not None
+        while not self._stop.wait(min(2.0, self.options.refresh_interval_s)):
+            try:
+                self.follower.step(self.records)
+                if self.observer is not None:
+                    self.observer.set_checkpoints(self.follower.checkpoint_rows(), self.follower.checkpoints_written)
+            except Exception:  # noqa: BLE001 - keep following; the next poll retries
+                logger.exception("following the swarm's state failed")
 
     def stop(self) -> None:
         self._stop.set()

@@ -350,7 +350,13 @@ class DashboardServer:
             raise
         self._socket, self._port = sock, sock.getsockname()[1]
         uv_config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", loop="asyncio", timeout_graceful_shutdown=2
+            self.app,
+            log_level="warning",
+            log_config=None,  # leave the host process's logging alone (uvicorn's dictConfig silenced our loggers)
+            access_log=False,
+            lifespan="off",
+            loop="asyncio",
+            timeout_graceful_shutdown=2,
         )
         self._server = uvicorn.Server(uv_config)
         self._thread = threading.Thread(

@@ -236,7 +236,7 @@ async def download_state(
     p2p: P2P,
     run_id: str,
     donors: list[str],
-    expected: dict[int, str],
+    expected: dict[int, str] | Callable[[], dict[int, str]],
     reference: TrainingState,
     timeout_s: float,
     faults: FaultInjector = NO_FAULTS,
@@ -245,7 +245,9 @@ async def download_state(
 
     Args:
         donors: base58 peer IDs to ask (e.g. peers at the newest epoch).
-        expected: epoch -> state hash that peers published for it (the majority hash per epoch).
+        expected: epoch -> state hash that peers published for it (the majority hash per epoch), or a function that
+            reads it afresh: donors that committed another outer step since the caller read the records offer a newer
+            epoch than ``expected`` knows, and one fresh read lets the download take that newer state.
         reference: a state with the model's names and shapes (e.g. the local one).
         timeout_s: per network call (one meta request or one chunk), seconds.
 
@@ -254,11 +256,21 @@ async def download_state(
             assembled state's hash differs. The local state is untouched in every case.
     """
     metas = await asyncio.gather(*(_fetch_meta(p2p, run_id, d, timeout_s) for d in donors))
-    offers = [
-        (d, m)
-        for d, m in zip(donors, metas, strict=False)
-        if m is not None and expected.get(m.get("epoch")) == m.get("state_hash")
-    ]
+    read_expected = expected if callable(expected) else (lambda: expected)
+    known = read_expected()
+
+    def offers_for(known: dict[int, str]) -> list[tuple[str, dict]]:
+        return [
+            (d, m)
+            for d, m in zip(donors, metas, strict=True)
+            if m is not None and known.get(m.get("epoch")) == m.get("state_hash")
+        ]
+
+    offers = offers_for(known)
+    newest_offered = max((m["epoch"] for m in metas if m is not None and isinstance(m.get("epoch"), int)), default=-1)
+    if callable(expected) and newest_offered > max((m["epoch"] for _, m in offers), default=-1):
+        known = await asyncio.get_running_loop().run_in_executor(None, read_expected)
+        offers = offers_for(known)
     if not offers:
         raise StateDownloadFailed(f"none of {len(donors)} donor(s) offered a state whose hash peers published")
     best_epoch = max(m["epoch"] for _, m in offers)

@@ -168,7 +168,9 @@ class DilocoTrainer:
         logger.info("state download: %s", decision.reason)
         from hivetrain.diloco.sync_policy import published_hashes
 
-        expected = published_hashes(r for r in records if r.peer_id != self.node.peer_id)
+        def expected() -> dict[int, str]:
+            return published_hashes(r for r in self._refresh_records() if r.peer_id != self.node.peer_id)
+
         try:
             state = self.loop.run(
                 download_state(
@@ -318,6 +320,12 @@ class DilocoTrainer:
             maddrs=tuple(self.node.visible_maddrs()[:8]),
             reachable=not self.node.config.client_mode,
             loss=self.stats.last_loss,
+            eval_loss=self.stats.last_eval_loss,
+            rounds_committed=self.stats.rounds_committed,
+            rounds_failed=self.stats.rounds_failed,
+            last_round_s=self.stats.last_round_s,
+            last_group_size=self.stats.last_group_size,
+            last_failure=self.stats.last_failure[:200],
             updated_at=get_dht_time(),
         )
 

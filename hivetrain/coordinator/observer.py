@@ -1,0 +1,129 @@
+"""What the coordinator remembers of the swarm for its dashboard: loss curve, rounds, peers, contributors.
+
+Peer records expire when peers leave, so the coordinator folds every poll into a bounded history: the eval loss of
+each epoch (all members of a committed step hold the same θ, so their held-out losses agree), the committed rounds
+and failures peers reported, and the samples and compute seconds each peer contributed. ``observe(records, now)``
+and ``snapshot(...)`` are plain functions of their inputs (time injected), so tests need no swarm.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from hivetrain.coordinator.dashboard import (
+    CheckpointRow,
+    ContributorRow,
+    DashboardSnapshot,
+    LossPoint,
+    PeerRow,
+    RoundRow,
+    RunInfo,
+)
+from hivetrain.peers.records import PeerRecord
+
+MAX_POINTS = 5000
+MAX_ROUNDS = 500
+MAX_CONTRIBUTORS = 10_000
+
+
+@dataclass
+class _Contribution:
+    public_name: str = ""
+    samples: int = 0
+    compute_s: float = 0.0
+
+
+@dataclass
+class SwarmObserver:
+    """Accumulates what peer records say. Thread-safe; memory bounded by the MAX_* constants."""
+
+    run: RunInfo
+    seq_len: int
+    loss_by_epoch: OrderedDict[int, LossPoint] = field(default_factory=OrderedDict)
+    rounds: OrderedDict[tuple[int, str], RoundRow] = field(default_factory=OrderedDict)
+    contributors: OrderedDict[str, _Contribution] = field(default_factory=OrderedDict)
+    records: list[PeerRecord] = field(default_factory=list)
+    failures_seen: set[tuple[str, str]] = field(default_factory=set)
+    checkpoints: list[CheckpointRow] = field(default_factory=list)
+    checkpoints_written: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, records: list[PeerRecord], now: float) -> None:
+        """Fold one poll of the run's records (``now``: unix seconds)."""
+        trainers = [r for r in records if r.role == "trainer"]
+        with self._lock:
+            self.records = list(records)
+            by_epoch: dict[int, list[PeerRecord]] = {}
+            for r in trainers:
+                by_epoch.setdefault(r.epoch, []).append(r)
+            for epoch, group in by_epoch.items():
+                losses = [r.eval_loss for r in group if r.eval_loss is not None]
+                if losses and epoch not in self.loss_by_epoch:
+                    self.loss_by_epoch[epoch] = LossPoint(now, epoch, statistics.median(losses))
+                committed = [r for r in group if r.last_group_size and r.last_round_s is not None]
+                if committed and epoch > 0 and (epoch, "") not in self.rounds:
+                    size = max(r.last_group_size for r in committed)
+                    duration = statistics.median(r.last_round_s for r in committed)
+                    self.rounds[(epoch, "")] = RoundRow(epoch, size, float(duration), True, "", now)
+            for r in trainers:
+                if r.last_failure and (r.peer_id, r.last_failure) not in self.failures_seen:
+                    self.failures_seen.add((r.peer_id, r.last_failure))
+                    epoch_text, _, reason = r.last_failure.partition(": ")
+                    epoch = int(epoch_text.split()[-1]) if epoch_text.split()[-1].isdigit() else r.epoch
+                    self.rounds[(epoch, r.peer_id)] = RoundRow(epoch, 0, 0.0, False, f"{r.peer_id[:10]}: {reason}", now)
+                entry = self.contributors.setdefault(r.peer_id, _Contribution())
+                entry.public_name = r.public_name or entry.public_name
+                entry.samples = max(entry.samples, r.samples_total)
+                entry.compute_s = max(entry.compute_s, r.compute_s)
+            _trim(self.loss_by_epoch, MAX_POINTS)
+            _trim(self.rounds, MAX_ROUNDS)
+            _trim(self.contributors, MAX_CONTRIBUTORS)
+
+    def set_checkpoints(self, rows: list[CheckpointRow], written_total: int) -> None:
+        with self._lock:
+            self.checkpoints, self.checkpoints_written = rows, written_total
+
+    def snapshot(self, now: float) -> DashboardSnapshot:
+        """The dashboard's view at ``now`` (unix seconds)."""
+        with self._lock:
+            trainers = [r for r in self.records if r.role == "trainer"]
+            peers = tuple(
+                PeerRow(
+                    r.peer_id,
+                    r.role,
+                    r.stage,
+                    r.throughput,
+                    r.epoch,
+                    max(0.0, now - r.updated_at),
+                    "public" if r.reachable else "client mode",
+                    r.public_name,
+                )
+                for r in sorted(self.records, key=lambda r: (r.role != "coordinator", -r.epoch, r.peer_id))
+            )
+            rounds = tuple(sorted(self.rounds.values(), key=lambda row: (row.epoch, row.finished_at), reverse=True))
+            contributors = tuple(
+                ContributorRow(pid, c.public_name, c.samples, c.compute_s)
+                for pid, c in sorted(self.contributors.items(), key=lambda kv: -kv[1].samples)
+            )
+            return DashboardSnapshot(
+                run=self.run,
+                epoch=max((r.epoch for r in self.records), default=0),
+                tokens_per_s=sum(r.throughput for r in trainers) * self.seq_len,
+                loss_curve=tuple(self.loss_by_epoch.values()),
+                peers=peers,
+                rounds=rounds,
+                checkpoints=tuple(self.checkpoints),
+                contributors=contributors,
+                rounds_committed_total=sum(1 for row in self.rounds.values() if row.committed),
+                rounds_failed_total=sum(1 for row in self.rounds.values() if not row.committed),
+                checkpoints_written_total=self.checkpoints_written,
+                taken_at=now,
+            )
+
+
+def _trim(mapping: OrderedDict, limit: int) -> None:
+    while len(mapping) > limit:
+        mapping.popitem(last=False)
