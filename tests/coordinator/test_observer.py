@@ -1,0 +1,63 @@
+"""The coordinator's memory of the swarm (pure: records and time in, dashboard snapshot out)."""
+
+from hivetrain.coordinator.dashboard import RunInfo
+from hivetrain.coordinator.observer import SwarmObserver
+from hivetrain.peers.records import PeerRecord
+
+
+def rec(peer, epoch, **kw):
+    fields = dict(
+        peer_id=peer,
+        role="trainer",
+        version="0.1.0",
+        run_id="r",
+        model_fingerprint="f",
+        epoch=epoch,
+        throughput=10.0,
+        updated_at=100.0,
+    )
+    fields.update(kw)
+    return PeerRecord(**fields)
+
+
+def test_loss_curve_rounds_and_contributors_survive_peers_leaving():
+    obs = SwarmObserver(RunInfo("r", "tiny", 1000), seq_len=64)
+    obs.observe(
+        [
+            rec("a", 1, eval_loss=4.0, last_group_size=2, last_round_s=1.5, samples_total=40, public_name="ann"),
+            rec("b", 1, eval_loss=4.0, last_group_size=2, last_round_s=2.5, samples_total=40),
+        ],
+        now=100.0,
+    )
+    obs.observe(
+        [
+            rec(
+                "a",
+                2,
+                eval_loss=3.0,
+                last_group_size=1,
+                last_round_s=1.0,
+                samples_total=80,
+                last_failure="epoch 1: peer_failed",
+            )
+        ],
+        now=110.0,
+    )  # b left
+    snap = obs.snapshot(now=111.0)
+    assert [(p.epoch, p.eval_loss) for p in snap.loss_curve] == [(1, 4.0), (2, 3.0)]
+    committed = {r.epoch: r for r in snap.rounds if r.committed}
+    assert committed[1].group_size == 2 and committed[1].duration_s == 2.0
+    failed = [r for r in snap.rounds if not r.committed]
+    assert len(failed) == 1 and "peer_failed" in failed[0].reason
+    board = {c.peer_id: c for c in snap.contributors}
+    assert board["a"].samples_contributed == 80 and board["a"].public_name == "ann"
+    assert board["b"].samples_contributed == 40, "a peer that left keeps its credit"
+    assert [p.peer_id for p in snap.peers] == ["a"]
+    assert snap.tokens_per_s == 10.0 * 64 and snap.epoch == 2
+
+
+def test_the_same_failure_is_counted_once():
+    obs = SwarmObserver(RunInfo("r", "tiny", 1000), seq_len=64)
+    for t in (1.0, 2.0, 3.0):
+        obs.observe([rec("a", 3, last_failure="epoch 3: timeout")], now=t)
+    assert obs.snapshot(4.0).rounds_failed_total == 1
