@@ -6,8 +6,8 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` active members sorted
 1. Scatter: the flat fp32 vector (n,) is cut into k contiguous slices (``groups.butterfly_partition``); member i
    sends slice j, encoded by the round's codec, with its weight to member j (frame PART).
 2. Reduce: member j validates every contribution to its slice (exact size and codec, finite values, weight finite in
-   [0, max_samples_per_round]), drops the bad ones, aggregates the rest in peer-id order (``robust.weighted_mean`` or
-   ``robust.centered_clip``) and encodes the reduced slice *once*.
+   [0, max_samples_per_round]), drops the bad ones, aggregates the rest in peer-id order (``weighted_mean_into``,
+   in place into the result, or ``robust.centered_clip``) and encodes the reduced slice *once*.
 3. Gather: member j sends those same bytes to every member (frame RESULT, with the weights it used and whom it
    excluded); everyone, j included, decodes the same bytes, so the results are bit-identical. Receivers hash what they
    receive (BLAKE3, while it arrives).
@@ -256,7 +256,10 @@ class ButterflyRound:
             committed = True
             logger.debug("round %s phases (s): %s", self.round_id[:8], self.timings)
             return outcome
-        except RoundFailed:
+        except RoundFailed as exc:
+            if exc.reason == "excluded":  # the others go on without us: let what we queued (results) reach them
+                self._flush(time.monotonic() + min(1.0, self.config.commit_timeout_s))
+                committed = True  # close gracefully
             raise
         except Exception as exc:
             logger.exception("averaging round %s crashed", self.round_id[:8])
@@ -612,12 +615,13 @@ class ButterflyRound:
         # We wait for no result from a member known to be bad (we read nothing more from one that sent us a bad
         # part; one that another reducer excluded may have failed already without sending us its result).
         def suspects() -> set[str]:
-            found = set(bad_here)
+            found, metas_so_far = set(bad_here), {self.me: own_meta}
             for p in others:
                 got = inbox.results.get((sub, p))
                 if got is not None and got[0]:
                     found |= self._claims(p, got[3], plan)
-            return found
+                    metas_so_far[p] = got[3]
+            return found | self._weight_equivocators(metas_so_far)
 
         def awaited() -> list[str]:
             return [p for p in others if p not in suspects()]
@@ -656,8 +660,10 @@ class ButterflyRound:
     def _weight_equivocators(metas: dict[str, dict]) -> set[str]:
         seen: dict[str, set] = {}
         for meta in metas.values():
-            for p, w in meta.get("weights", {}).items():
-                seen.setdefault(p, set()).add(w)
+            weights = meta.get("weights") if isinstance(meta, dict) else None
+            for p, w in weights.items() if isinstance(weights, dict) else ():
+                if isinstance(p, str) and isinstance(w, int | float):
+                    seen.setdefault(p, set()).add(float(w))
         return {p for p, ws in seen.items() if len(ws) > 1}
 
     def _aggregate(self, parts: list[torch.Tensor], weights: list[float], out: torch.Tensor) -> None:

@@ -161,6 +161,7 @@ class GroupAverager:
         """Stop accepting links; idempotent. A round in progress fails on its own within its timeouts."""
         self._closed = True
         self.server.shutdown(timeout_s)
+        self.pool.clear()
 
     def _push_declaration(self, decl: GroupDeclaration, followers: Sequence) -> None:
         """Send our signed declaration to each follower's data port (background threads, best effort: a follower

@@ -190,14 +190,17 @@ def decide(
     if mine:
         return Decision("joined", f"declared by {mine[0].leader} ({len(mine[0].members)} members)", declaration=mine[0])
     consumed = {(m.peer_id, m.session) for d in declarations for m in d.members}
-    # A window closed without us: before we announced (we are late), or after (its leader did not see us in time).
-    # Either way the epoch's group formed without us; fail fast so the caller resyncs. ("full" groups leave room
-    # for a next group.)
-    closed = [d for d in declarations if d.reason == "window" and me.peer_id not in d.member_ids()]
-    for d in closed:
-        if d.declared_at < me.announced_at:
+    # A window closed without us: after we announced (its leader did not see us in time), or before (we are late
+    # for a group that formed). Either way the epoch's group formed without us: fail fast so the caller resyncs.
+    # ("full" groups leave room for a next group; a lone peer's window is no group to be late for: its caller may
+    # refuse to commit alone and retry with us.)
+    for d in declarations:
+        if d.reason != "window" or me.peer_id in d.member_ids():
+            continue
+        if d.declared_at >= me.announced_at:
+            return Decision("not_in_group", f"{d.leader} closed its window at {d.declared_at:.2f} without us")
+        if len(d.members) > 1:
             return Decision("late", f"group of {d.leader} closed at {d.declared_at:.2f} before we announced")
-        return Decision("not_in_group", f"{d.leader} closed its window at {d.declared_at:.2f} without us")
     by_id: dict[str, ReadyEntry] = {}
     for e in [*entries, me]:
         if e.round_key != me.round_key or e.peer_id in banned or (e.peer_id, e.session) in consumed:

@@ -15,6 +15,8 @@ from hivetrain.faults import Fault, FaultInjector
 from .conftest import run_threads
 
 FAST = dict(matchmaking_time_s=1.0, part_timeout_s=2.0, commit_timeout_s=2.0, connect_timeout_s=2.0)
+# eight in-process peers on a loaded 2-core machine can lag seconds behind each other: generous timeouts
+SLOW_OK = dict(FAST, part_timeout_s=5.0, commit_timeout_s=5.0)
 SHAPES = [(37, 5), (11,), (3, 2, 4)]
 
 
@@ -49,7 +51,7 @@ def _digest(result: RoundResult) -> str:
 
 @pytest.mark.parametrize("num_peers", [2, 3, 4, 8])
 def test_butterfly_results_are_bit_identical_weighted_means(make_averagers, num_peers: int) -> None:
-    avgs = make_averagers(num_peers, AveragingConfig(target_group_size=num_peers, **FAST))
+    avgs = make_averagers(num_peers, AveragingConfig(target_group_size=num_peers, **SLOW_OK))
     inputs, weights = _inputs(num_peers), [float(3 * i + 1) for i in range(num_peers)]
     kept = [[t.clone() for t in x] for x in inputs]
     results = _average_all(avgs, inputs, weights)
@@ -70,7 +72,7 @@ def test_butterfly_results_are_bit_identical_weighted_means(make_averagers, num_
 
 
 def test_lone_peer_gets_a_solo_result_after_matchmaking_time(make_averagers) -> None:
-    (avg,) = make_averagers(1, AveragingConfig(**FAST))
+    (avg,) = make_averagers(1, AveragingConfig(**SLOW_OK))
     x = _inputs(1)[0]
     started = time.monotonic()
     result = avg.average(x, 5.0, 3, 10.0)
@@ -81,14 +83,14 @@ def test_lone_peer_gets_a_solo_result_after_matchmaking_time(make_averagers) -> 
 
 
 def test_lone_peer_below_min_group_size_fails_no_group(make_averagers) -> None:
-    (avg,) = make_averagers(1, AveragingConfig(min_group_size=2, **FAST))
+    (avg,) = make_averagers(1, AveragingConfig(min_group_size=2, **SLOW_OK))
     with pytest.raises(RoundFailed) as info:
         avg.average(_inputs(1)[0], 1.0, 0, 10.0)
     assert info.value.reason == "no_group"
 
 
 def test_peers_of_different_epochs_never_average_together(make_averagers) -> None:
-    avgs = make_averagers(4, AveragingConfig(**FAST))
+    avgs = make_averagers(4, AveragingConfig(**SLOW_OK))
     inputs, epochs = _inputs(4), [5, 6, 5, 6]
     results = _average_all(avgs, inputs, [1.0] * 4, epochs=epochs)
     for epoch in (5, 6):
@@ -101,7 +103,7 @@ def test_peers_of_different_epochs_never_average_together(make_averagers) -> Non
 
 
 def test_a_late_peer_fails_fast_with_not_in_group(make_averagers) -> None:
-    avgs = make_averagers(3, AveragingConfig(**FAST))
+    avgs = make_averagers(3, AveragingConfig(**SLOW_OK))
     inputs = _inputs(3)
     first = _average_all(avgs[:2], inputs[:2], [1.0, 1.0], epoch=2)
     assert all(isinstance(r, RoundResult) and len(r.group) == 2 for r in first), first
@@ -113,7 +115,7 @@ def test_a_late_peer_fails_fast_with_not_in_group(make_averagers) -> None:
 
 
 def test_retry_at_the_same_epoch_forms_a_fresh_group(make_averagers) -> None:
-    avgs = make_averagers(2, AveragingConfig(target_group_size=2, **FAST))
+    avgs = make_averagers(2, AveragingConfig(target_group_size=2, **SLOW_OK))
     inputs = _inputs(2)
     for _ in range(2):  # the second call must not be confused by the first call's declaration
         results = _average_all(avgs, inputs, [1.0, 1.0])
@@ -135,7 +137,7 @@ def test_retry_at_the_same_epoch_forms_a_fresh_group(make_averagers) -> None:
     ],
 )
 def test_bad_local_input_is_rejected_before_any_network_call(make_averagers, tensors, weight, error) -> None:
-    (avg,) = make_averagers(1, AveragingConfig(**FAST))
+    (avg,) = make_averagers(1, AveragingConfig(**SLOW_OK))
     started = time.monotonic()
     with pytest.raises(error):
         avg.average(tensors, weight, 0, 10.0)
@@ -169,7 +171,7 @@ def test_a_stalled_member_makes_the_others_fail_within_the_part_timeout(make_ave
 
 @pytest.mark.parametrize("compression", ["fp16", "int8", "int4"])
 def test_compressed_rounds_stay_bit_identical(make_averagers, compression: str) -> None:
-    avgs = make_averagers(3, AveragingConfig(target_group_size=3, compression=compression, **FAST))
+    avgs = make_averagers(3, AveragingConfig(target_group_size=3, compression=compression, **SLOW_OK))
     inputs, weights = _inputs(3), [1.0, 2.0, 3.0]
     results = _average_all(avgs, inputs, weights)
     assert all(isinstance(r, RoundResult) for r in results), results
@@ -188,7 +190,7 @@ def test_centered_clip_resists_a_scaled_attacker(make_averagers) -> None:
         ctx["flat"].mul_(1e6)  # finite, so validation lets it through: only the aggregator can resist it
 
     attacker.arm(Fault("averaging.before_send", "call", callback=scale_up))
-    cfg = AveragingConfig(target_group_size=4, aggregation="centered_clip", clip_tau=1.0, clip_iters=10, **FAST)
+    cfg = AveragingConfig(target_group_size=4, aggregation="centered_clip", clip_tau=1.0, clip_iters=10, **SLOW_OK)
     avgs = make_averagers(4, cfg, faults=[None, None, None, attacker])
     g = torch.Generator().manual_seed(1)
     base = torch.randn(400, generator=g)
@@ -203,7 +205,7 @@ def test_centered_clip_resists_a_scaled_attacker(make_averagers) -> None:
 
 
 def test_moshpit_reaches_the_global_mean_within_three_rounds(make_averagers) -> None:
-    cfg = AveragingConfig(strategy="moshpit", target_group_size=2, moshpit_rounds=3, **FAST)
+    cfg = AveragingConfig(strategy="moshpit", target_group_size=2, moshpit_rounds=3, **SLOW_OK)
     avgs = make_averagers(8, cfg)
     inputs, weights = _inputs(8, seed=3), [float(i + 1) for i in range(8)]
     results = _average_all(avgs, inputs, weights, timeout_s=30.0)
@@ -216,7 +218,7 @@ def test_moshpit_reaches_the_global_mean_within_three_rounds(make_averagers) -> 
 
 
 def test_gossip_preserves_the_weighted_sum_and_contracts(make_averagers) -> None:
-    cfg = AveragingConfig(strategy="gossip", target_group_size=2, moshpit_rounds=2, **FAST)
+    cfg = AveragingConfig(strategy="gossip", target_group_size=2, moshpit_rounds=2, **SLOW_OK)
     avgs = make_averagers(4, cfg)
     inputs, weights = _inputs(4, seed=4), [1.0, 2.0, 3.0, 4.0]
     results = _average_all(avgs, inputs, weights, timeout_s=30.0)

@@ -15,7 +15,7 @@ from hivetrain.faults import Fault, FaultInjector
 
 from .conftest import run_threads
 
-CONFIG = dict(target_group_size=4, matchmaking_time_s=1.0, part_timeout_s=2.0, commit_timeout_s=2.0,
+CONFIG = dict(target_group_size=4, matchmaking_time_s=1.0, part_timeout_s=4.0, commit_timeout_s=4.0,
               connect_timeout_s=2.0)  # fmt: skip
 NUM_ELEMENTS = 1000
 

@@ -80,11 +80,13 @@ def test_a_retry_ignores_the_failed_rounds_declaration_and_its_dead_member() -> 
     assert d.action == "declare" and [m.peer_id for m in d.members] == ["A", "B"]
 
 
-def test_a_peer_arriving_after_a_closed_window_is_late() -> None:
+def test_a_peer_arriving_after_a_group_closed_its_window_is_late_but_not_after_a_lone_peer() -> None:
     a, b = entry("A"), entry("B")
     closed = declaration([a, b], 105.0)
     d = run(entry("C", at=106.0), [a, b], [closed], now=106.0)
     assert d.action == "late"
+    alone = declaration([a], 105.0)  # A's caller may refuse to commit alone and retry with us
+    assert run(entry("C", at=106.0), [a], [alone], now=106.0).action == "wait"
 
 
 def test_a_peer_its_leader_did_not_see_fails_fast_and_a_silent_leader_after_the_grace() -> None:
