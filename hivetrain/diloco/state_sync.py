@@ -19,6 +19,8 @@ import asyncio
 import hashlib
 import logging
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,21 +103,31 @@ class StateServer:
         self.get_state = get_state
         self.chunk_bytes = chunk_bytes
         self.faults = faults
-        self._snapshot: _Snapshot | None = None
+        # The current epoch's snapshot and the previous one: a download that started just before the donor's next
+        # outer step can finish from the previous snapshot instead of failing with "epoch changed".
+        self._recent: OrderedDict[int, _Snapshot] = OrderedDict()
+        self._lock = threading.Lock()
         self.bytes_served = 0
 
     def _current(self) -> _Snapshot | None:
         state = self.get_state()
         if state is None:
             return None
-        if self._snapshot is None or self._snapshot.epoch != state.epoch:
-            buffer = flatten(state)
-            hashes = [
-                hashlib.sha256(buffer[i : i + self.chunk_bytes]).hexdigest()
-                for i in range(0, len(buffer), self.chunk_bytes)
-            ]
-            self._snapshot = _Snapshot(state.epoch, state.state_hash(), buffer, hashes)
-        return self._snapshot
+        with self._lock:
+            if state.epoch not in self._recent:
+                buffer = flatten(state)
+                hashes = [
+                    hashlib.sha256(buffer[i : i + self.chunk_bytes]).hexdigest()
+                    for i in range(0, len(buffer), self.chunk_bytes)
+                ]
+                self._recent[state.epoch] = _Snapshot(state.epoch, state.state_hash(), buffer, hashes)
+                while len(self._recent) > 2:
+                    self._recent.popitem(last=False)
+            return self._recent[state.epoch]
+
+    def _snapshot_of(self, epoch: object) -> _Snapshot | None:
+        with self._lock:
+            return self._recent.get(epoch) if isinstance(epoch, int) else None
 
     async def register(self, p2p: P2P, run_id: str) -> None:
         await p2p.add_binary_stream_handler(f"{run_id}.state", self._handle)
@@ -127,11 +139,17 @@ class StateServer:
                     request = await asyncio.wait_for(_recv(reader), timeout=30.0)
                 except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
                     return
-                snapshot = await asyncio.get_running_loop().run_in_executor(None, self._current)
+                op = request.get("op")
+                if op == "chunk":
+                    snapshot = self._snapshot_of(request.get("epoch"))
+                    if snapshot is None:
+                        await _send(writer, {"error": "that epoch is no longer served"})
+                        return
+                else:
+                    snapshot = await asyncio.get_running_loop().run_in_executor(None, self._current)
                 if snapshot is None:
                     await _send(writer, {"error": "no state to share yet"})
                     return
-                op = request.get("op")
                 if op == "meta":
                     self.faults.check("state.before_serve", epoch=snapshot.epoch)
                     await _send(
@@ -146,9 +164,6 @@ class StateServer:
                     )
                 elif op == "chunk":
                     index = request.get("index")
-                    if request.get("epoch") != snapshot.epoch:
-                        await _send(writer, {"error": f"epoch changed to {snapshot.epoch}"})
-                        return
                     if not isinstance(index, int) or not 0 <= index < len(snapshot.chunk_hashes):
                         await _send(writer, {"error": "bad chunk index"})
                         return

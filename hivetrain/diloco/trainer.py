@@ -30,7 +30,12 @@ from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
-from hivetrain.testing.byzantine import corrupt_round_input, corrupt_served_state
+from hivetrain.testing.byzantine import (
+    WIRE_MODES,
+    arm_wire_corruption,
+    corrupt_round_input,
+    corrupt_served_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +114,7 @@ class DilocoTrainer:
             config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
         )
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
+        arm_wire_corruption(options.byzantine, faults)
         self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
         self._stop = threading.Event()
         self._records: list[PeerRecord] = []
@@ -168,8 +174,11 @@ class DilocoTrainer:
         logger.info("state download: %s", decision.reason)
         from hivetrain.diloco.sync_policy import published_hashes
 
-        def expected() -> dict[int, str]:
-            return published_hashes(r for r in self._refresh_records() if r.peer_id != self.node.peer_id)
+        def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
+            fresh = fetch_records(self.node.dht, self.config.run_id)
+            return published_hashes(
+                r for r in fresh if r.peer_id != self.node.peer_id and r.model_fingerprint == self.fingerprint
+            )
 
         try:
             state = self.loop.run(
@@ -237,7 +246,7 @@ class DilocoTrainer:
             attempt += 1
             self.faults.check("diloco.before_outer_step", epoch=epoch, peer=self.node.peer_id)
             sent, weight = pseudo_grad, float(num_samples)
-            if self.options.byzantine:
+            if self.options.byzantine and self.options.byzantine not in WIRE_MODES:
                 sent, weight = corrupt_round_input(self.options.byzantine, pseudo_grad, weight)
             try:
                 result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s)
