@@ -126,7 +126,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON/msgpack/TOML friendly) that ``RunConfig.from_dict`` accepts back."""
-        return _plain(dataclasses.asdict(self))
+        return to_plain(dataclasses.asdict(self))
 
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON form: equal on peers that hold the same config."""
@@ -144,11 +144,12 @@ class RunConfig:
 _ADAPTER = TypeAdapter(RunConfig)
 
 
-def _plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
+    """Dataclass-as-dict values with tuples turned into lists (JSON/msgpack/TOML friendly)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [to_plain(v) for v in value]
     return value
 
 

@@ -154,6 +154,11 @@ class Corpus:
             yield torch.from_numpy(np.stack([self.tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64))
 
 
+def vocab_size_of(config: DataConfig) -> int:
+    """Vocabulary size the run's model needs: 256 for bytes, else the local tokenizer's size."""
+    return LocalTokenizer(config.tokenizer).vocab_size if config.tokenizer else ByteTokenizer.vocab_size
+
+
 def load_corpus(config: DataConfig) -> Corpus:
     """Read, tokenize and split the corpus that ``config`` names.
 

@@ -183,12 +183,12 @@ def _start_with_known_peers(ncfg, args):
 
 def _make_follower(args, config, node, loop, fingerprint):
     from hivetrain.coordinator.checkpoint import CheckpointStore
-    from hivetrain.coordinator.coordinator import run_vocab_size
     from hivetrain.coordinator.follower import FollowerOptions, StateFollower
+    from hivetrain.data import vocab_size_of
     from hivetrain.diloco.state import TrainingState
     from hivetrain.model import build_config, build_model
 
-    model = build_model(build_config(config.model, run_vocab_size(config), config.data.seq_len), seed=config.seed)
+    model = build_model(build_config(config.model, vocab_size_of(config.data), config.data.seq_len), seed=config.seed)
     initial = TrainingState.from_model(model)
     del model
     store = CheckpointStore(Path(args.checkpoint_dir), keep_last=args.keep_checkpoints) if args.checkpoint_dir else None

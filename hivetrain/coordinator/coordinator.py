@@ -21,6 +21,7 @@ from hivetrain import __version__
 from hivetrain.config import RunConfig
 from hivetrain.coordinator.follower import StateFollower
 from hivetrain.coordinator.observer import SwarmObserver
+from hivetrain.data import vocab_size_of
 from hivetrain.model import build_config, model_fingerprint
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import (
@@ -51,18 +52,9 @@ class CoordinatorOptions:
             raise ValueError("refresh_interval_s must be shorter than config_ttl_s and record_ttl_s")
 
 
-def run_vocab_size(config: RunConfig) -> int:
-    """Vocabulary of the run's tokenizer: 256 for bytes, else the local tokenizer's size."""
-    if not config.data.tokenizer:
-        return 256
-    from hivetrain.data import LocalTokenizer
-
-    return LocalTokenizer(config.data.tokenizer).vocab_size
-
-
 def run_fingerprint(config: RunConfig) -> str:
     """The model fingerprint of a run, computed without allocating parameters (meta device)."""
-    model_config = build_config(config.model, vocab_size=run_vocab_size(config), max_seq_len=config.data.seq_len)
+    model_config = build_config(config.model, vocab_size=vocab_size_of(config.data), max_seq_len=config.data.seq_len)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     return model_fingerprint(model_config, model)

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from hivetrain.peers.node import NodeConfig, PeerNode, start_node
 from hivetrain.swarm.announce import fetch_stage_records
 from hivetrain.swarm.config import SwarmConfig
 from hivetrain.swarm.process import write_process_config
-from hivetrain.testing.launcher import PeerProcess
+from hivetrain.testing.launcher import PeerProcess, stop_groups
 
 logger = logging.getLogger(__name__)
 
@@ -107,20 +106,7 @@ class LocalPipeline:
 
     def close(self, grace_s: float = 20.0) -> None:
         """SIGTERM every process group still running, SIGKILL what is left after ``grace_s``; stop the bootstrap."""
-        procs = [*self.trainers, *self.servers]
-        for proc in procs:
-            if proc.alive():
-                proc.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in procs:
-            proc.signal_group(signal.SIGKILL)
-            if proc.alive():
-                proc.popen.wait(timeout=5)
+        stop_groups([*self.trainers, *self.servers], grace_s)
         if self.boot is not None:
             self.boot.shutdown()
 

@@ -14,7 +14,6 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from pydantic import TypeAdapter
@@ -32,7 +31,8 @@ from hivetrain.cli.common import (
     node_config,
     setup_logging,
 )
-from hivetrain.config import DataConfig, RunConfig
+from hivetrain.config import RunConfig, to_plain
+from hivetrain.data import vocab_size_of
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.model import build_config, model_fingerprint
 from hivetrain.peers.node import PeerNode
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def write_process_config(path: Path, run: RunConfig, swarm: SwarmConfig) -> None:
-    path.write_text(json.dumps({"run": run.to_dict(), "swarm": _plain(dataclasses.asdict(swarm))}, indent=2))
+    path.write_text(json.dumps({"run": run.to_dict(), "swarm": to_plain(dataclasses.asdict(swarm))}, indent=2))
 
 
 def read_process_config(path: Path) -> tuple[RunConfig, SwarmConfig]:
@@ -51,22 +51,6 @@ def read_process_config(path: Path) -> tuple[RunConfig, SwarmConfig]:
     if set(raw) != {"run", "swarm"}:
         raise ValueError(f"{path}: expected keys 'run' and 'swarm', got {sorted(raw)}")
     return RunConfig.from_dict(raw["run"]), TypeAdapter(SwarmConfig).validate_python(raw["swarm"])
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def vocab_size_of(data: DataConfig) -> int:
-    if not data.tokenizer:
-        return 256
-    from hivetrain.data import LocalTokenizer
-
-    return LocalTokenizer(data.tokenizer).vocab_size
 
 
 def describe_model(run: RunConfig) -> tuple[LlamaConfig, str]:

@@ -69,6 +69,24 @@ def group_pids(pgid: int) -> list[int]:
     return found
 
 
+def stop_groups(procs: list[PeerProcess], grace_s: float) -> None:
+    """SIGTERM the process group of every live process, wait up to ``grace_s`` seconds in all, then SIGKILL every
+    group (which also ends a p2pd left behind in a group whose leader already exited)."""
+    for proc in procs:
+        if proc.alive():
+            proc.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        proc.signal_group(signal.SIGKILL)
+        if proc.alive():
+            proc.popen.wait(timeout=5)
+
+
 class LocalSwarm:
     """Starts processes under ``out_dir`` and guarantees their cleanup in ``close()``."""
 
@@ -221,17 +239,4 @@ class LocalSwarm:
 
     def close(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group still running, then SIGKILL what is left after ``grace_s``."""
-        procs = [p for p in self.history if p.alive() or p.group_pids()]
-        for proc in procs:
-            if proc.alive():
-                proc.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in procs:
-            proc.signal_group(signal.SIGKILL)  # also reaps a p2pd orphaned in the group
-            if proc.alive():
-                proc.popen.wait(timeout=5)
+        stop_groups([p for p in self.history if p.alive() or p.group_pids()], grace_s)
