@@ -42,7 +42,13 @@ def published_hashes(records: Iterable[PeerRecord]) -> dict[int, str]:
 
 
 def decide_sync(
-    my_peer_id: str, my_epoch: int, my_hash: str, records: Iterable[PeerRecord], now: float, stale_after_s: float
+    my_peer_id: str,
+    my_epoch: int,
+    my_hash: str,
+    records: Iterable[PeerRecord],
+    now: float,
+    stale_after_s: float,
+    exact_average: bool = True,
 ) -> SyncDecision:
     """Decide whether to keep training or download state first.
 
@@ -51,6 +57,8 @@ def decide_sync(
 
     Args:
         records: peer records of the run (ours included or not).
+        exact_average: peers of an epoch hold the same state (butterfly averaging). With moshpit or gossip groups
+            they differ by design, so only "behind" triggers a download, never a differing hash.
         now: current time (unix seconds, DHT time).
         stale_after_s: records not updated for this long are ignored.
     """
@@ -61,7 +69,7 @@ def decide_sync(
         donors = tuple(r.peer_id for r in live if r.epoch == newest and r.state_hash == hashes.get(newest))
         return SyncDecision("download", newest, donors, f"behind: peers are at epoch {newest}, we are at {my_epoch}")
     theirs = hashes.get(my_epoch)
-    if theirs is not None and theirs != my_hash:
+    if exact_average and theirs is not None and theirs != my_hash:
         donors = tuple(r.peer_id for r in live if r.epoch == my_epoch and r.state_hash == theirs)
         return SyncDecision(
             "download",

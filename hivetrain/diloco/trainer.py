@@ -118,6 +118,7 @@ class DilocoTrainer:
         self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
         self._stop = threading.Event()
         self._records: list[PeerRecord] = []
+        self._exact_average = config.averaging.strategy == "butterfly"
         self._view_ok, self._view_ok_at = False, time.monotonic()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="records", daemon=True)
 
@@ -168,6 +169,7 @@ class DilocoTrainer:
             records,
             get_dht_time(),
             stale_after_s=self.options.record_ttl_s,
+            exact_average=self._exact_average,
         )
         if decision.action == "train":
             return True
@@ -268,7 +270,13 @@ class DilocoTrainer:
                 if (
                     self._stop.is_set()
                     or decide_sync(
-                        self.node.peer_id, epoch, self.state_hash, records, get_dht_time(), self.options.record_ttl_s
+                        self.node.peer_id,
+                        epoch,
+                        self.state_hash,
+                        records,
+                        get_dht_time(),
+                        self.options.record_ttl_s,
+                        exact_average=self._exact_average,
                     ).action
                     == "download"
                 ):

@@ -53,3 +53,9 @@ def test_solo_round_only_without_live_trainers():
     assert not may_commit_alone("me", 1, [rec("a", 1, "h")], NOW, 30)[0]
     assert may_commit_alone("me", 1, [rec("a", 1, "h", age=60)], NOW, 30)[0]
     assert may_commit_alone("me", 1, [rec("c", 3, "h", role="coordinator")], NOW, 30)[0]
+
+
+def test_moshpit_peers_with_different_states_at_one_epoch_are_not_forks():
+    records = [rec("a", 4, "theirs"), rec("b", 4, "theirs")]
+    assert decide_sync("me", 4, "mine", records, NOW, 30, exact_average=False).action == "train"
+    assert decide_sync("me", 3, "mine", records, NOW, 30, exact_average=False).action == "download"
