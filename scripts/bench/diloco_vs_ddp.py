@@ -66,6 +66,12 @@ def worker(rank: int, args: argparse.Namespace, port: int, arm: str, out: mp.Que
         outer_momentum=args.outer_momentum,
     )
     sent = 0
+    codec, bits_per_float = None, 32.0
+    if arm.startswith("diloco-"):
+        from hivetrain.averaging.codecs import CodecConfig, make_codec
+
+        codec = make_codec(CodecConfig(name=arm.removeprefix("diloco-"), block_size=64))
+        bits_per_float = codec.encode(torch.zeros(1 << 16)).num_bytes * 8 / (1 << 16)
     started = time.perf_counter()
     if arm == "ddp":
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -93,9 +99,11 @@ def worker(rank: int, args: argparse.Namespace, port: int, arm: str, out: mp.Que
             inner.run(batches, first_step=epoch * args.inner_steps, num_steps=args.inner_steps)
             deltas = pseudo_gradient(state, model)
             flat = torch.cat([d.reshape(-1) for d in deltas])
+            if codec is not None:  # what the wire carries: each worker's pseudo-gradient, quantized per block
+                flat = codec.decode(codec.encode(flat))
             dist.all_reduce(flat)
             flat /= args.workers
-            sent += ring_bytes(num_floats, args.workers)
+            sent += int(ring_bytes(num_floats, args.workers) * bits_per_float / 32)
             avg, offset = [], 0
             for d in deltas:
                 avg.append(flat[offset : offset + d.numel()].view_as(d).clone())
@@ -153,6 +161,11 @@ def main() -> int:
     parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per arm")
+    parser.add_argument(
+        "--codecs",
+        default="",
+        help="also run DiLoCo with these pseudo-gradient codecs, comma-separated (fp16,int8,int4)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.steps % args.inner_steps:
@@ -161,6 +174,7 @@ def main() -> int:
         parser.error(f"--data {args.data}: no such file")
     ddp = run_arm(args, "ddp")
     diloco = run_arm(args, "diloco")
+    codecs = {name: run_arm(args, f"diloco-{name}") for name in filter(None, args.codecs.split(","))}
     result = {
         "workers": args.workers,
         "model": args.model,
@@ -176,6 +190,7 @@ def main() -> int:
         "eval_loss_ratio_diloco_over_ddp": diloco["eval_loss"] / ddp["eval_loss"],
         "diloco_wall_s": diloco["wall_s"],
         "ddp_wall_s": ddp["wall_s"],
+        "codecs": {name: {"eval_loss": r["eval_loss"], "bytes": r["bytes"]} for name, r in codecs.items()},
     }
     if args.json:
         print(json.dumps(result))
@@ -183,6 +198,8 @@ def main() -> int:
         print(f"{'':10}{'eval loss':>12}{'bytes sent':>16}{'wall s':>10}")
         print(f"{'DDP':10}{ddp['eval_loss']:12.4f}{ddp['bytes']:16,}{ddp['wall_s']:10.1f}")
         print(f"{'DiLoCo':10}{diloco['eval_loss']:12.4f}{diloco['bytes']:16,}{diloco['wall_s']:10.1f}")
+        for name, r in codecs.items():
+            print(f"{'DiLoCo ' + name:10}{r['eval_loss']:12.4f}{r['bytes']:16,}{r['wall_s']:10.1f}")
         print(
             f"DiLoCo/DDP eval loss {result['eval_loss_ratio_diloco_over_ddp']:.3f}; "
             f"DDP sent {result['bytes_ratio_ddp_over_diloco']:.0f}x the bytes of DiLoCo (H={args.inner_steps})"
