@@ -24,7 +24,7 @@ from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
-from hivetrain.diloco.sync_policy import decide_sync, may_commit_alone
+from hivetrain.diloco.sync_policy import decide_sync, may_commit_alone, published_hashes
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
@@ -174,7 +174,6 @@ class DilocoTrainer:
         if decision.action == "train":
             return True
         logger.info("state download: %s", decision.reason)
-        from hivetrain.diloco.sync_policy import published_hashes
 
         def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
             fresh = fetch_records(self.node.dht, self.config.run_id)
