@@ -168,7 +168,9 @@ class ChaosRunner:
             if now > self.scenario.max_duration_s:
                 self.log(f"[{now:6.1f}s] max_duration_s reached: stopping")
                 return False
-            alive = any(p.proc.alive() for p in self.peers)
+            # Byzantine peers are adversaries: once every honest peer is done they are stopped, not awaited (banned
+            # by everyone, they may never reach the last epoch).
+            alive = any(p.proc.alive() for p in self.peers if not p.run.byzantine)
             waiting_on_time = any(self.scenario.faults[i].at_s is not None for i in pending)
             if not alive and not self.timers and not waiting_on_time:
                 return True
