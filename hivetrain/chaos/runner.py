@@ -346,6 +346,9 @@ class ChaosRunner:
             self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
             self.timers.append(_Timer(self.now() + fault.duration_s, lambda p=target.proc: process.resume(p)))
         elif kind == "kill_p2pd":
+            # Without its daemon the peer cannot see the swarm: by design it stops (exit 4) rather than train alone
+            # and fork the run. It is a casualty of the fault, not a survivor that must finish.
+            target.run.killed = True
             pids = process.kill_p2pd(target.proc)
             self._fired(index, f"SIGKILL p2pd {pids} of {target.run.name} ({reason})")
         elif kind == "kill_coordinator":
