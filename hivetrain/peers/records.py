@@ -111,12 +111,20 @@ def publish_record(dht: hivemind.DHT, owner_marker: bytes, record: PeerRecord, t
 def fetch_records(dht: hivemind.DHT, run_id: str, latest: bool = True) -> list[PeerRecord]:
     """All valid, unexpired records of the run. Records whose payload is malformed or whose peer_id does not
     match the signing key are dropped (and logged at debug level)."""
-    found = dht.get(peers_key(run_id), latest=latest)
+    return fetch_signed_records(dht, peers_key(run_id), PeerRecord, run_id, latest=latest)
+
+
+def fetch_signed_records(
+    dht: hivemind.DHT, key: str, schema: type[BaseModel], run_id: str, latest: bool = True
+) -> list[Any]:
+    """Every valid, unexpired record under ``key`` (one per signer subkey) whose ``peer_id`` is its signer's and
+    whose ``run_id`` is ``run_id``, sorted by peer ID. Malformed and forged records are dropped."""
+    found = dht.get(key, latest=latest)
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
     for subkey, item in found.value.items():
-        record = parse_signed(subkey, item.value, PeerRecord, id_field="peer_id")
+        record = parse_signed(subkey, item.value, schema, id_field="peer_id")
         if record is not None and record.run_id == run_id:
             records.append(record)
     return sorted(records, key=lambda r: r.peer_id)

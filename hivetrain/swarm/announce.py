@@ -17,7 +17,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field
 
-from hivetrain.peers.records import PeerRecord, parse_signed
+from hivetrain.peers.records import PeerRecord, fetch_signed_records
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +87,7 @@ def publish_stage_record(dht: hivemind.DHT, owner_marker: bytes, record: StageRe
 
 def fetch_stage_records(dht: hivemind.DHT, run_id: str) -> list[StageRecord]:
     """All valid, unexpired stage records of the run, sorted by peer ID (malformed or forged ones dropped)."""
-    found = dht.get(servers_key(run_id), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = []
-    for subkey, item in found.value.items():
-        record = parse_signed(subkey, item.value, StageRecord, id_field="peer_id")
-        if record is not None and record.run_id == run_id:
-            records.append(record)
-    return sorted(records, key=lambda r: r.peer_id)
+    return fetch_signed_records(dht, servers_key(run_id), StageRecord, run_id)
 
 
 def live_records(
