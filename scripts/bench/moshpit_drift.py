@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""How far DiLoCo peers drift apart when Moshpit averaging does not reach the exact mean (issue 3, item 2).
+
+N DiLoCo peers (tiny Llama, byte-level tinyshakespeare) train in one process, one thread each
+(``torch.set_num_threads(1)``), each with its own DHT node on 127.0.0.1 and its own real ``GroupAverager``. Peers run
+free, as volunteers do: inner phase (H AdamW steps, ``InnerOptimizer``), pseudo-gradient Δ = θ − θ_local, averaged
+with ``GroupAverager.average`` (weight = samples), outer Nesterov step (``outer_step``) on the peer's own θ, exactly
+the phases of ``hivetrain.diloco.trainer``. Nothing sleeps: wall time is compute, matchmaking windows and transfers.
+
+With strategy "moshpit", ``target_group_size`` 2 and ``moshpit_rounds`` 1, one outer step averages Δ in pairs along
+one dimension of the (2, 2, 2) grid (Ryabinin et al. 2021, "Moshpit SGD", Alg. 1), so peers apply different Δ̄ and
+their θ differ: the interesting regime. "butterfly" (exact mean, drift 0.0) and "gossip" (random pairs) are the
+references.
+
+After each outer step e, once every peer has finished it, the collector computes with
+``groups.max_relative_deviation`` (max_p ||x_p − x̄|| / ||x̄||, float64):
+
+    theta     the peers' θ after the step
+    avg_delta the averaged pseudo-gradients Δ̄_p each peer applied
+    raw_delta the pseudo-gradients Δ_p before averaging (what averaging had to contract)
+
+and every ``--eval-every`` steps the held-out loss of the mean model θ̄. Boundedness statistic, per series:
+growth = mean over the last quarter of the steps / mean over the second quarter (stationary ≈ 1; a random walk
+√t gives ≈ 1.5; linear growth ≈ 2.3); the verdict is "bounded" when theta growth <= ``--growth-limit``.
+
+A failed round (``RoundFailed``) is counted; that peer keeps θ for the epoch (the trainer would retry or download
+the swarm's state) and joins the next epoch.
+
+Example: scripts/bench/moshpit_drift.py --strategies moshpit,gossip,butterfly --steps 40 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hivetrain.averaging import AveragingConfig, GroupAverager, RoundFailed
+from hivetrain.averaging.groups import grid_for, max_relative_deviation
+from hivetrain.config import DataConfig, DilocoConfig
+from hivetrain.data import Corpus, load_corpus, stream_seed
+from hivetrain.diloco.inner import InnerOptimizer
+from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
+from hivetrain.diloco.state import TrainingState
+from hivetrain.model import build_config, build_model, evaluate
+from hivetrain.peers.node import NodeConfig, PeerNode, start_node
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+QUICK = dict(peers=4, steps=8, inner_steps=4, eval_every=4, eval_windows=8, matchmaking_time_s=1.5)
+
+
+@dataclass
+class StepReport:
+    """What one peer hands the collector after outer step ``epoch`` (tensors are fp32 CPU, in parameter order)."""
+
+    peer: int
+    epoch: int
+    theta: list[torch.Tensor]
+    raw_delta: list[torch.Tensor]
+    avg_delta: list[torch.Tensor] | None  # None: the round failed, θ kept
+    round_s: float
+    group_size: int
+    failure: str = ""
+
+
+@dataclass
+class StepRow:
+    """One line of the table: drift across all peers after outer step ``epoch`` (epoch 1 = after the first step)."""
+
+    epoch: int
+    theta: float
+    theta_abs: float
+    avg_delta: float
+    raw_delta: float
+    eval_loss: float | None
+    round_s: float
+    failures: int
+    wall_s: float
+
+
+@dataclass
+class Peer:
+    index: int
+    node: PeerNode
+    averager: GroupAverager
+    model: torch.nn.Module
+    state: TrainingState
+    inner: InnerOptimizer
+    batches: object
+    errors: list[str] = field(default_factory=list)
+
+
+def start_nodes(num_nodes: int, timeout_s: float) -> list[PeerNode]:
+    """``num_nodes`` DHT nodes on 127.0.0.1 bootstrapped from the first; on failure none is left running."""
+    nodes: list[PeerNode] = []
+    try:
+        nodes.append(start_node(NodeConfig(host_maddrs=LOOPBACK, startup_timeout_s=timeout_s)))
+        initial = tuple(nodes[0].visible_maddrs())
+        for _ in range(num_nodes - 1):
+            nodes.append(
+                start_node(NodeConfig(host_maddrs=LOOPBACK, initial_peers=initial, startup_timeout_s=timeout_s))
+            )
+    except BaseException:
+        for node in nodes:
+            node.shutdown()
+        raise
+    return nodes
+
+
+def averaging_config(args: argparse.Namespace, strategy: str) -> AveragingConfig:
+    group = args.peers if strategy == "butterfly" else args.group_size
+    return AveragingConfig(
+        strategy=strategy,
+        target_group_size=group,
+        moshpit_rounds=args.moshpit_rounds,
+        matchmaking_time_s=args.matchmaking_time_s,
+        round_timeout_s=args.matchmaking_time_s + 30.0,
+        part_timeout_s=10.0,
+        commit_timeout_s=10.0,
+        connect_timeout_s=5.0,
+    )
+
+
+def diloco_config(args: argparse.Namespace) -> DilocoConfig:
+    return DilocoConfig(
+        inner_steps=args.inner_steps,
+        inner_lr=args.lr,
+        warmup_steps=args.warmup,
+        total_inner_steps=args.steps * args.inner_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+    )
+
+
+def peer_loop(peer: Peer, args: argparse.Namespace, out: queue.Queue, stop: threading.Event) -> None:
+    """One volunteer: inner phase, Δ, average, outer step, for ``args.steps`` epochs (the trainer's phases)."""
+    torch.set_num_threads(1)
+    cfg = diloco_config(args)
+    timeout_s = peer.averager.config.round_timeout_s
+    try:
+        for epoch in range(args.steps):
+            if stop.is_set():
+                return
+            load_into_model(peer.state, peer.model)
+            phase = peer.inner.run(peer.batches, first_step=epoch * cfg.inner_steps, num_steps=cfg.inner_steps)
+            deltas = pseudo_gradient(peer.state, peer.model)
+            started = time.monotonic()
+            try:
+                result = peer.averager.average(deltas, float(phase.num_samples), epoch, timeout_s)
+            except RoundFailed as exc:
+                round_s = time.monotonic() - started
+                peer.state = TrainingState(epoch + 1, peer.state.params, peer.state.momentum)  # θ kept
+                out.put(StepReport(peer.index, epoch, list(peer.state.params.values()), deltas, None, round_s, 0,
+                                   f"{exc.reason}: {exc.detail}"))  # fmt: skip
+                continue
+            avg = [t.clone() for t in result.tensors]  # the averager may recycle its result buffers
+            peer.state = outer_step(peer.state, avg, cfg.outer_lr, cfg.outer_momentum)
+            out.put(StepReport(peer.index, epoch, list(peer.state.params.values()), deltas, avg, result.duration_s,
+                               len(result.group)))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - reported by the collector, the run fails
+        peer.errors.append(f"{type(exc).__name__}: {exc}")
+        out.put(None)
+
+
+def mean_model(names: list[str], thetas: list[list[torch.Tensor]], template: torch.nn.Module) -> torch.nn.Module:
+    """``template`` loaded with θ̄, the unweighted mean of the peers' θ (``thetas[p]`` in ``names`` order)."""
+    with torch.no_grad():
+        params = dict(template.named_parameters())
+        for j, name in enumerate(names):
+            params[name].copy_(sum(ts[j].double() for ts in thetas) / len(thetas))
+    return template
+
+
+def collect(peers: list[Peer], args, reports: queue.Queue, corpus: Corpus, template, started: float) -> list[StepRow]:
+    """Gather every peer's report of each epoch, compute the drift row, print it as it comes."""
+    pending: dict[int, dict[int, StepReport]] = {}
+    rows: list[StepRow] = []
+    eval_windows = corpus.eval_windows(args.seq_len, args.eval_windows)
+    deadline = time.monotonic() + args.timeout_s
+    while len(rows) < args.steps:
+        try:
+            report = reports.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"no outer step finished within --timeout-s {args.timeout_s}") from None
+        if report is None:
+            raise RuntimeError("; ".join(e for p in peers for e in p.errors) or "a peer died")
+        pending.setdefault(report.epoch, {})[report.peer] = report
+        epoch = len(rows)
+        while epoch in pending and len(pending[epoch]) == len(peers):
+            by_peer = pending.pop(epoch)
+            got = [by_peer[i] for i in range(len(peers))]
+            rows.append(drift_row(got, peers, args, eval_windows, template, started))
+            if not args.json:
+                print(format_row(rows[-1]), flush=True)
+            epoch = len(rows)
+    return rows
+
+
+def drift_row(got: list[StepReport], peers: list[Peer], args, eval_windows, template, started: float) -> StepRow:
+    thetas = [r.theta for r in got]
+    mean_sq = sum(float(sum(t.double() for t in ts).square().sum()) for ts in zip(*thetas, strict=True))
+    theta_rel = max_relative_deviation(thetas)
+    averaged = [r.avg_delta if r.avg_delta is not None else [torch.zeros_like(t) for t in r.raw_delta] for r in got]
+    eval_loss = None
+    epoch = got[0].epoch + 1
+    if args.eval_every and (epoch % args.eval_every == 0 or epoch == args.steps):
+        eval_loss = evaluate(mean_model(list(peers[0].state.params), thetas, template), eval_windows)
+    return StepRow(
+        epoch=epoch,
+        theta=theta_rel,
+        theta_abs=theta_rel * math.sqrt(mean_sq) / len(got),
+        avg_delta=max_relative_deviation(averaged),
+        raw_delta=max_relative_deviation([r.raw_delta for r in got]),
+        eval_loss=eval_loss,
+        round_s=statistics.median(r.round_s for r in got),
+        failures=sum(r.avg_delta is None for r in got),
+        wall_s=time.monotonic() - started,
+    )
+
+
+HEADER = (
+    f"{'step':>5}{'θ drift':>12}{'|θ-θ̄| max':>12}{'Δ̄ drift':>11}{'Δ drift':>10}{'eval':>8}{'round s':>9}{'fail':>5}"
+)
+
+
+def format_row(r: StepRow) -> str:
+    loss = f"{r.eval_loss:8.3f}" if r.eval_loss is not None else f"{'':8}"
+    return (
+        f"{r.epoch:5d}{r.theta:12.3e}{r.theta_abs:12.3e}{r.avg_delta:11.3e}{r.raw_delta:10.3f}{loss}"
+        f"{r.round_s:9.2f}{r.failures:5d}"
+    )
+
+
+def growth(series: list[float]) -> float:
+    """mean(last quarter) / mean(second quarter): ≈1 stationary, ≈1.5 random walk, ≈2.3 linear; nan if too short."""
+    q = len(series) // 4
+    if q < 1:
+        return math.nan
+    second, last = statistics.fmean(series[q : 2 * q]), statistics.fmean(series[-q:])
+    return last / second if second > 0 else (1.0 if last == 0 else math.inf)
+
+
+def run_strategy(args: argparse.Namespace, strategy: str, corpus: Corpus) -> dict:
+    """Start N DHT nodes and averagers, train ``args.steps`` outer steps on N threads, return the series."""
+    model_cfg = build_config(args.model, corpus.vocab_size, args.seq_len)
+    cfg = averaging_config(args, strategy)
+    prefix = f"drift-{uuid.uuid4().hex[:8]}.avg"
+    nodes = start_nodes(args.peers, timeout_s=60.0)
+    peers: list[Peer] = []
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        for i, node in enumerate(nodes):
+            averager = GroupAverager(node, prefix, cfg, listen_host="127.0.0.1")
+            averager.start()
+            averager.wait_ready(timeout_s=10.0)
+            model = build_model(model_cfg, seed=args.seed)  # same θ0 on every peer, as after a state download
+            batches = corpus.train_batches(args.seq_len, args.batch_size, stream_seed(args.seed, node.peer_id))
+            inner = InnerOptimizer(model, diloco_config(args))
+            peers.append(Peer(i, node, averager, model, TrainingState.from_model(model), inner, batches))
+        template = build_model(model_cfg, seed=args.seed)
+        eval_windows = corpus.eval_windows(args.seq_len, args.eval_windows)
+        initial_loss = evaluate(template, eval_windows)
+        if not args.json:
+            grid = "x".join(map(str, grid_for(args.peers, cfg.target_group_size)))
+            print(
+                f"\n== {strategy}: {args.peers} peers, grid {grid}, group size {cfg.target_group_size}, "
+                f"{cfg.moshpit_rounds} round(s)/step, H={args.inner_steps}, eval loss at step 0 {initial_loss:.3f}"
+            )
+            print(HEADER, flush=True)  # fmt: skip
+        reports: queue.Queue = queue.Queue()
+        started = time.monotonic()
+        threads = [threading.Thread(target=peer_loop, args=(p, args, reports, stop), name=f"peer{p.index}", daemon=True)
+                   for p in peers]  # fmt: skip
+        for t in threads:
+            t.start()
+        rows = collect(peers, args, reports, corpus, template, started)
+        wall_s = time.monotonic() - started
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=args.matchmaking_time_s + 45.0)
+        for p in peers:
+            p.averager.shutdown()
+        for node in nodes:
+            node.shutdown()
+    theta = [r.theta for r in rows]
+    avg_delta = [r.avg_delta for r in rows]
+    raw = [r.raw_delta for r in rows]
+    losses = [r.eval_loss for r in rows if r.eval_loss is not None]
+    summary = {
+        "strategy": strategy,
+        "group_size": cfg.target_group_size,
+        "grid": list(grid_for(args.peers, cfg.target_group_size)),
+        "wall_s": wall_s,
+        "s_per_step": wall_s / max(len(rows), 1),
+        "failures": sum(r.failures for r in rows),
+        "initial_eval_loss": initial_loss,
+        "final_eval_loss": losses[-1] if losses else None,
+        "theta_drift_max": max(theta),
+        "theta_drift_mean_q2": statistics.fmean(theta[len(theta) // 4 : len(theta) // 2]) if len(theta) >= 4 else None,
+        "theta_drift_mean_q4": statistics.fmean(theta[-(len(theta) // 4) :]) if len(theta) >= 4 else None,
+        "theta_growth": growth(theta),
+        "avg_delta_drift_max": max(avg_delta),
+        "avg_delta_growth": growth(avg_delta),
+        "contraction_mean": statistics.fmean(a / r for a, r in zip(avg_delta, raw, strict=True) if r > 0)
+        if any(raw)
+        else None,
+        "bounded": bool(max(theta) == 0.0 or growth(theta) <= args.growth_limit),
+        "rows": [vars(r) for r in rows],
+    }
+    if not args.json:
+        print(verdict_line(summary, args.growth_limit), flush=True)
+    return summary
+
+
+def verdict_line(s: dict, limit: float) -> str:
+    word = "bounded" if s["bounded"] else "GROWING"
+    return (
+        f"verdict {s['strategy']}: θ drift {word}: growth (mean last quarter / mean second quarter) "
+        f"{s['theta_growth']:.2f} (limit {limit}), max {s['theta_drift_max']:.3e}; Δ̄ drift max "
+        f"{s['avg_delta_drift_max']:.3e}, growth {s['avg_delta_growth']:.2f}; "
+        f"Δ̄/Δ drift {s['contraction_mean'] or 0:.3f}; "
+        f"eval loss {s['initial_eval_loss']:.3f} -> {s['final_eval_loss'] or math.nan:.3f}; "
+        f"{s['failures']} failed rounds; {s['s_per_step']:.1f} s/step"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="text file (default: shared tinyshakespeare.txt)")
+    parser.add_argument("--strategies", default="moshpit", help="comma-separated: moshpit, gossip, butterfly")
+    parser.add_argument("--peers", type=int, default=8, help="DiLoCo peers (threads, one DHT node each)")
+    parser.add_argument("--steps", type=int, default=40, help="outer steps")
+    parser.add_argument("--inner-steps", type=int, default=10, help="DiLoCo H: inner AdamW steps per outer step")
+    parser.add_argument("--group-size", type=int, default=2, help="moshpit/gossip target_group_size")
+    parser.add_argument("--moshpit-rounds", type=int, default=1, help="averaging rounds per outer step")
+    parser.add_argument("--matchmaking-time-s", type=float, default=2.0, help="matchmaking window, seconds")
+    parser.add_argument("--model", default="tiny", help="model preset")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per window")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per inner step")
+    parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW peak learning rate")
+    parser.add_argument("--warmup", type=int, default=20, help="inner warmup steps")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
+    parser.add_argument("--eval-every", type=int, default=5, help="eval the mean model every N outer steps; 0 = never")
+    parser.add_argument("--eval-windows", type=int, default=32, help="held-out windows")
+    parser.add_argument("--growth-limit", type=float, default=1.25, help="largest θ growth statistic called bounded")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="give up if no outer step ends for this long")
+    parser.add_argument("--quick", action="store_true", help=f"smoke size (< 1 min): {QUICK}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    strategies = [s for s in args.strategies.split(",") if s]
+    if not strategies or any(s not in ("moshpit", "gossip", "butterfly") for s in strategies):
+        parser.error(f"--strategies {args.strategies!r}: expected moshpit, gossip and/or butterfly")
+    if args.peers < 2 or args.steps < 1 or args.inner_steps < 1:
+        parser.error("need --peers >= 2, --steps >= 1, --inner-steps >= 1")
+    if not Path(args.data).is_file():
+        parser.error(f"--data {args.data}: no such file")
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    data_cfg = DataConfig(paths=(args.data,), seq_len=args.seq_len, batch_size=args.batch_size,
+                          num_eval_windows=args.eval_windows, max_corpus_bytes=0)  # fmt: skip
+    corpus = load_corpus(data_cfg)
+    results = {s: run_strategy(args, s, corpus) for s in strategies}
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "quick")}
+        print(json.dumps({"config": config, "results": results}))
+    return 0 if all(r["bounded"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
