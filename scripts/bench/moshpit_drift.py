@@ -70,9 +70,10 @@ class StepReport:
     epoch: int
     theta: list[torch.Tensor]
     raw_delta: list[torch.Tensor]
-    avg_delta: list[torch.Tensor] | None  # None: the round failed, θ kept
+    avg_delta: list[torch.Tensor] | None  # None: "state" averaging, or the round failed
     round_s: float
-    group_size: int
+    group_size: int  # 0: the round failed, θ kept
+    bytes_sent: int
     failure: str = ""
 
 
@@ -88,6 +89,7 @@ class StepRow:
     eval_loss: float | None
     round_s: float
     failures: int
+    bytes_sent: int  # by all peers in this step
     wall_s: float
 
 
@@ -145,6 +147,27 @@ def diloco_config(args: argparse.Namespace) -> DilocoConfig:
     )
 
 
+def average_step(peer: Peer, deltas: list[torch.Tensor], weight: float, args, timeout_s: float):
+    """One outer step; returns (the Δ̄ applied or None, RoundResult). Raises RoundFailed (θ and m unchanged).
+
+    "delta" (``hivetrain.diloco.trainer``): average Δ, apply the outer step to our own θ and m.
+    "state" (Moshpit SGD on the state): apply the outer step with our own Δ, then average (θ', m') in the same
+    rounds; with equal weights this is the outer step of the group-averaged (θ, m, Δ) (the step is linear in them),
+    so a group leaves with one θ. Twice the bytes of "delta".
+    """
+    epoch, cfg = peer.state.epoch, diloco_config(args)
+    if args.average == "delta":
+        result = peer.averager.average(deltas, weight, epoch, timeout_s)
+        avg = [t.clone() for t in result.tensors]  # the averager may recycle its result buffers
+        return avg, outer_step(peer.state, avg, cfg.outer_lr, cfg.outer_momentum), result
+    local = outer_step(peer.state, deltas, cfg.outer_lr, cfg.outer_momentum)
+    names = list(local.params)
+    result = peer.averager.average([*local.params.values(), *local.momentum.values()], weight, epoch, timeout_s)
+    params = {n: t.clone() for n, t in zip(names, result.tensors[: len(names)], strict=True)}
+    momentum = {n: t.clone() for n, t in zip(names, result.tensors[len(names) :], strict=True)}
+    return None, TrainingState(epoch + 1, params, momentum), result
+
+
 def peer_loop(peer: Peer, args: argparse.Namespace, out: queue.Queue, stop: threading.Event) -> None:
     """One volunteer: inner phase, Δ, average, outer step, for ``args.steps`` epochs (the trainer's phases)."""
     torch.set_num_threads(1)
@@ -159,17 +182,16 @@ def peer_loop(peer: Peer, args: argparse.Namespace, out: queue.Queue, stop: thre
             deltas = pseudo_gradient(peer.state, peer.model)
             started = time.monotonic()
             try:
-                result = peer.averager.average(deltas, float(phase.num_samples), epoch, timeout_s)
+                avg, peer.state, result = average_step(peer, deltas, float(phase.num_samples), args, timeout_s)
             except RoundFailed as exc:
-                round_s = time.monotonic() - started
                 peer.state = TrainingState(epoch + 1, peer.state.params, peer.state.momentum)  # θ kept
-                out.put(StepReport(peer.index, epoch, list(peer.state.params.values()), deltas, None, round_s, 0,
+                theta = list(peer.state.params.values())
+                out.put(StepReport(peer.index, epoch, theta, deltas, None, time.monotonic() - started, 0, 0,
                                    f"{exc.reason}: {exc.detail}"))  # fmt: skip
                 continue
-            avg = [t.clone() for t in result.tensors]  # the averager may recycle its result buffers
-            peer.state = outer_step(peer.state, avg, cfg.outer_lr, cfg.outer_momentum)
-            out.put(StepReport(peer.index, epoch, list(peer.state.params.values()), deltas, avg, result.duration_s,
-                               len(result.group)))  # fmt: skip
+            theta = list(peer.state.params.values())
+            out.put(StepReport(peer.index, epoch, theta, deltas, avg, result.duration_s, len(result.group),
+                               result.bytes_sent))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - reported by the collector, the run fails
         peer.errors.append(f"{type(exc).__name__}: {exc}")
         out.put(None)
@@ -214,6 +236,7 @@ def drift_row(got: list[StepReport], peers: list[Peer], args, eval_windows, temp
     mean_sq = sum(float(sum(t.double() for t in ts).square().sum()) for ts in zip(*thetas, strict=True))
     theta_rel = max_relative_deviation(thetas)
     averaged = [r.avg_delta if r.avg_delta is not None else [torch.zeros_like(t) for t in r.raw_delta] for r in got]
+    avg_drift = max_relative_deviation(averaged) if args.average == "delta" else math.nan
     eval_loss = None
     epoch = got[0].epoch + 1
     if args.eval_every and (epoch % args.eval_every == 0 or epoch == args.steps):
@@ -222,11 +245,12 @@ def drift_row(got: list[StepReport], peers: list[Peer], args, eval_windows, temp
         epoch=epoch,
         theta=theta_rel,
         theta_abs=theta_rel * math.sqrt(mean_sq) / len(got),
-        avg_delta=max_relative_deviation(averaged),
+        avg_delta=avg_drift,
         raw_delta=max_relative_deviation([r.raw_delta for r in got]),
         eval_loss=eval_loss,
         round_s=statistics.median(r.round_s for r in got),
-        failures=sum(r.avg_delta is None for r in got),
+        failures=sum(r.group_size == 0 for r in got),
+        bytes_sent=sum(r.bytes_sent for r in got),
         wall_s=time.monotonic() - started,
     )
 
@@ -277,8 +301,9 @@ def run_strategy(args: argparse.Namespace, strategy: str, corpus: Corpus) -> dic
         if not args.json:
             grid = "x".join(map(str, grid_for(args.peers, cfg.target_group_size)))
             print(
-                f"\n== {strategy}: {args.peers} peers, grid {grid}, group size {cfg.target_group_size}, "
-                f"{cfg.moshpit_rounds} round(s)/step, H={args.inner_steps}, eval loss at step 0 {initial_loss:.3f}"
+                f"\n== {strategy}, average {args.average}: {args.peers} peers, grid {grid}, group size "
+                f"{cfg.target_group_size}, {cfg.moshpit_rounds} round(s)/step, "
+                f"H={args.inner_steps}, eval loss at step 0 {initial_loss:.3f}"
             )
             print(HEADER, flush=True)  # fmt: skip
         reports: queue.Queue = queue.Queue()
@@ -297,45 +322,65 @@ def run_strategy(args: argparse.Namespace, strategy: str, corpus: Corpus) -> dic
             p.averager.shutdown()
         for node in nodes:
             node.shutdown()
-    theta = [r.theta for r in rows]
-    avg_delta = [r.avg_delta for r in rows]
-    raw = [r.raw_delta for r in rows]
-    losses = [r.eval_loss for r in rows if r.eval_loss is not None]
-    summary = {
-        "strategy": strategy,
-        "group_size": cfg.target_group_size,
-        "grid": list(grid_for(args.peers, cfg.target_group_size)),
-        "wall_s": wall_s,
-        "s_per_step": wall_s / max(len(rows), 1),
-        "failures": sum(r.failures for r in rows),
-        "initial_eval_loss": initial_loss,
-        "final_eval_loss": losses[-1] if losses else None,
-        "theta_drift_max": max(theta),
-        "theta_drift_mean_q2": statistics.fmean(theta[len(theta) // 4 : len(theta) // 2]) if len(theta) >= 4 else None,
-        "theta_drift_mean_q4": statistics.fmean(theta[-(len(theta) // 4) :]) if len(theta) >= 4 else None,
-        "theta_growth": growth(theta),
-        "avg_delta_drift_max": max(avg_delta),
-        "avg_delta_growth": growth(avg_delta),
-        "contraction_mean": statistics.fmean(a / r for a, r in zip(avg_delta, raw, strict=True) if r > 0)
-        if any(raw)
-        else None,
-        "bounded": bool(max(theta) == 0.0 or growth(theta) <= args.growth_limit),
-        "rows": [vars(r) for r in rows],
-    }
+    summary = summarize(rows, args, strategy, cfg, initial_loss, wall_s)
     if not args.json:
         print(verdict_line(summary, args.growth_limit), flush=True)
     return summary
 
 
+def quarter_means(series: list[float]) -> tuple[float | None, float | None]:
+    """(mean of the second quarter, mean of the last quarter) of ``series``; None when shorter than 4."""
+    q = len(series) // 4
+    return (statistics.fmean(series[q : 2 * q]), statistics.fmean(series[-q:])) if q else (None, None)
+
+
+def summarize(rows: list[StepRow], args, strategy: str, cfg: AveragingConfig, initial_loss: float, wall_s: float):
+    theta = [r.theta for r in rows]
+    raw = [r.raw_delta for r in rows]
+    avg_delta = [r.avg_delta for r in rows] if args.average == "delta" else None
+    losses = [r.eval_loss for r in rows if r.eval_loss is not None]
+    q2, q4 = quarter_means(theta)
+    return {
+        "strategy": strategy,
+        "average": args.average,
+        "group_size": cfg.target_group_size,
+        "grid": list(grid_for(args.peers, cfg.target_group_size)),
+        "wall_s": wall_s,
+        "s_per_step": wall_s / max(len(rows), 1),
+        "bytes_per_step": statistics.fmean(r.bytes_sent for r in rows),
+        "failures": sum(r.failures for r in rows),
+        "initial_eval_loss": initial_loss,
+        "final_eval_loss": losses[-1] if losses else None,
+        "theta_drift_max": max(theta),
+        "theta_drift_final": theta[-1],
+        "theta_abs_final": rows[-1].theta_abs,
+        "theta_drift_mean_q2": q2,
+        "theta_drift_mean_q4": q4,
+        "theta_growth": growth(theta),
+        "raw_delta_drift_mean": statistics.fmean(raw),
+        "avg_delta_drift_max": max(avg_delta) if avg_delta else None,
+        "avg_delta_growth": growth(avg_delta) if avg_delta else None,
+        "contraction_mean": statistics.fmean(a / r for a, r in zip(avg_delta, raw, strict=True) if r > 0)
+        if avg_delta and any(raw)
+        else None,
+        "bounded": bool(max(theta) == 0.0 or growth(theta) <= args.growth_limit),
+        "rows": [vars(r) for r in rows],
+    }
+
+
 def verdict_line(s: dict, limit: float) -> str:
     word = "bounded" if s["bounded"] else "GROWING"
-    return (
-        f"verdict {s['strategy']}: θ drift {word}: growth (mean last quarter / mean second quarter) "
-        f"{s['theta_growth']:.2f} (limit {limit}), max {s['theta_drift_max']:.3e}; Δ̄ drift max "
-        f"{s['avg_delta_drift_max']:.3e}, growth {s['avg_delta_growth']:.2f}; "
+    delta = (
+        f"Δ̄ drift max {s['avg_delta_drift_max']:.3e}, growth {s['avg_delta_growth']:.2f}, "
         f"Δ̄/Δ drift {s['contraction_mean'] or 0:.3f}; "
+        if s["avg_delta_drift_max"] is not None
+        else ""
+    )
+    return (
+        f"verdict {s['strategy']}/{s['average']}: θ drift {word}: growth (mean last quarter / mean second quarter) "
+        f"{s['theta_growth']:.2f} (limit {limit}), max {s['theta_drift_max']:.3e}; {delta}"
         f"eval loss {s['initial_eval_loss']:.3f} -> {s['final_eval_loss'] or math.nan:.3f}; "
-        f"{s['failures']} failed rounds; {s['s_per_step']:.1f} s/step"
+        f"{s['failures']} failed rounds; {s['s_per_step']:.1f} s/step, {s['bytes_per_step'] / 1e6:.1f} MB/step"
     )
 
 
@@ -346,6 +391,12 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=8, help="DiLoCo peers (threads, one DHT node each)")
     parser.add_argument("--steps", type=int, default=40, help="outer steps")
     parser.add_argument("--inner-steps", type=int, default=10, help="DiLoCo H: inner AdamW steps per outer step")
+    parser.add_argument(
+        "--average",
+        choices=("delta", "state"),
+        default="delta",
+        help="delta = average Δ then a local outer step (the trainer); state = local outer step then average (θ, m)",
+    )
     parser.add_argument("--group-size", type=int, default=2, help="moshpit/gossip target_group_size")
     parser.add_argument("--moshpit-rounds", type=int, default=1, help="averaging rounds per outer step")
     parser.add_argument("--matchmaking-time-s", type=float, default=2.0, help="matchmaking window, seconds")
@@ -363,6 +414,7 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up if no outer step ends for this long")
     parser.add_argument("--quick", action="store_true", help=f"smoke size (< 1 min): {QUICK}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json-out", default="", help="also write the JSON object to this file")
     args = parser.parse_args()
     if args.quick:
         for key, value in QUICK.items():
@@ -380,9 +432,12 @@ def main() -> int:
                           num_eval_windows=args.eval_windows, max_corpus_bytes=0)  # fmt: skip
     corpus = load_corpus(data_cfg)
     results = {s: run_strategy(args, s, corpus) for s in strategies}
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "json_out", "quick")}
+    blob = json.dumps({"config": config, "results": results})
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("json", "quick")}
-        print(json.dumps({"config": config, "results": results}))
+        print(blob)
+    if args.json_out:
+        Path(args.json_out).write_text(blob + "\n")
     return 0 if all(r["bounded"] for r in results.values()) else 1
 
 
