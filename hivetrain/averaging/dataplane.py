@@ -38,7 +38,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -67,6 +67,7 @@ class FrameType(enum.IntEnum):
     VOTE = 6
     HEARTBEAT = 7
     DECLARE = 8
+    READY = 9
 
 
 class LinkClosed(ConnectionError):
@@ -142,12 +143,18 @@ class Link:
         except (OSError, ValueError) as exc:
             raise LinkClosed(f"sending to {self.peer_id}: {_describe(exc)}") from None
 
-    def recv_header(self, max_meta_bytes: int = MAX_META_BYTES) -> tuple[FrameType, int, dict, int]:
-        """Read a frame's header and metadata. Returns (type, subround, meta, payload num_bytes). Raises LinkClosed."""
+    def recv_header(
+        self, max_meta_bytes: int = MAX_META_BYTES, per_type: Mapping[FrameType, int] | None = None
+    ) -> tuple[FrameType, int, dict, int]:
+        """Read a frame's header and metadata. Returns (type, subround, meta, payload num_bytes).
+
+        ``per_type`` overrides ``max_meta_bytes`` for the frame types it names. Raises LinkClosed."""
         raw = self.recv_exact(HEADER.size)
         magic, version, ftype, subround, meta_len, payload_len = HEADER.unpack(raw)
         if magic != _MAGIC or version != _VERSION or ftype not in FrameType._value2member_map_:
             raise LinkClosed(f"{self.peer_id} sent a bad frame header (magic {magic!r}, version {version})")
+        if per_type is not None:
+            max_meta_bytes = per_type.get(FrameType(ftype), max_meta_bytes)
         if meta_len > max_meta_bytes:
             raise LinkClosed(f"{self.peer_id} sent {meta_len} bytes of metadata (limit {max_meta_bytes})")
         try:
@@ -296,20 +303,58 @@ def dial(
     return link
 
 
-def send_declaration(host: str, port: int, declaration: dict, *, timeout_s: float) -> None:
-    """Push a signed group declaration (a plain dict) to a member's data port. Raises LinkClosed on failure.
+def push_record(host: str, port: int, ftype: FrameType, meta: dict, *, timeout_s: float) -> None:
+    """Send one unauthenticated one-way frame (a signed matchmaking record) to a data port and close.
 
-    The receiver trusts it only if it verifies (signed by its leader, every member entry by its member)."""
+    The receiver trusts the record only if its signature verifies (see ``matchmaking``). Raises LinkClosed if the
+    port is unreachable or the send does not finish within ``timeout_s`` seconds."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as exc:
         raise LinkClosed(f"cannot connect to {host}:{port}: {_describe(exc)}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     link = Link(sock, f"{host}:{port}", b"", timeout_s)
     try:
-        link.send_frame(FrameType.DECLARE, 0, {"decl": declaration})
+        link.send_frame(ftype, 0, meta)
     finally:
         link.finish()
         link.close()
+
+
+def send_declaration(host: str, port: int, declaration: dict, *, timeout_s: float) -> None:
+    """Push a signed group declaration (a plain dict) to a member's data port. Raises LinkClosed on failure."""
+    push_record(host, port, FrameType.DECLARE, {"decl": declaration}, timeout_s=timeout_s)
+
+
+def send_ready(host: str, port: int, entry: dict, *, timeout_s: float) -> None:
+    """Push our signed ready entry (a plain dict) to the expected leader's data port. Raises LinkClosed on failure."""
+    push_record(host, port, FrameType.READY, {"entry": entry}, timeout_s=timeout_s)
+
+
+class Pusher:
+    """Best-effort pushes of signed matchmaking records to peers' data ports, one short-lived thread per target.
+
+    A push that fails (peer gone, port closed, no progress within ``timeout_s``) is logged and dropped: the receiver
+    reads the same record from the DHT at its next poll. Call as ``pusher(kind, raw, targets)``: ``kind`` "group"
+    (a declaration) or "ready" (an entry), ``raw`` the record as a plain dict, ``targets`` objects with ``peer_id``,
+    ``host`` and ``port`` (ready entries)."""
+
+    def __init__(self, timeout_s: float):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+
+    def __call__(self, kind: str, raw: dict, targets: Sequence) -> None:
+        send = {"group": send_declaration, "ready": send_ready}[kind]
+
+        def push(target) -> None:
+            try:
+                send(target.host, target.port, raw, timeout_s=self.timeout_s)
+            except ConnectionError as exc:
+                logger.debug("could not push a %s record to %s: %s", kind, target.peer_id, exc)
+
+        for target in targets:
+            threading.Thread(target=push, args=(target,), name=f"hivetrain-avg-push-{kind}", daemon=True).start()
 
 
 class DataPlaneServer:
@@ -329,8 +374,13 @@ class DataPlaneServer:
         buffer_num_bytes: int,
         join_wait_s: float = 0.0,
         on_declaration: Callable[[object], bool] | None = None,
+        on_ready: Callable[[object], bool] | None = None,
     ):
         self.listen_host, self.join_wait_s, self.on_declaration = listen_host, join_wait_s, on_declaration
+        self.on_ready = on_ready
+        self._meta_limits = {FrameType.HELLO: MAX_HANDSHAKE_META_BYTES, FrameType.READY: MAX_HANDSHAKE_META_BYTES}
+        if on_declaration is not None:
+            self._meta_limits[FrameType.DECLARE] = MAX_DECLARE_META_BYTES
         self.connect_timeout_s, self.part_timeout_s = connect_timeout_s, part_timeout_s
         self.buffer_num_bytes = buffer_num_bytes
         self._rounds: dict[str, RoundKeys] = {}
@@ -396,15 +446,14 @@ class DataPlaneServer:
             _tune(conn, self.buffer_num_bytes)
             conn.settimeout(self.connect_timeout_s)
             probe = Link(conn, "?", b"", self.connect_timeout_s)
-            max_meta = MAX_DECLARE_META_BYTES if self.on_declaration is not None else MAX_HANDSHAKE_META_BYTES
-            ftype, _, meta, payload_len = probe.recv_header(max_meta)
-            if ftype == FrameType.DECLARE and self.on_declaration is not None and not payload_len:
-                if not self.on_declaration(meta.get("decl")):  # verifies the leader's signature
+            ftype, _, meta, payload_len = probe.recv_header(0, self._meta_limits)  # other types: no metadata
+            pushed = {FrameType.DECLARE: (self.on_declaration, "decl"), FrameType.READY: (self.on_ready, "entry")}
+            handler, field = pushed.get(ftype, (None, ""))
+            if handler is not None and not payload_len:
+                if not handler(meta.get(field)):  # verifies the signatures before using anything
                     self.rejected += 1
                 conn.close()
                 return
-            if probe.bytes_received > HEADER.size + MAX_HANDSHAKE_META_BYTES:
-                raise AuthFailed("oversized HELLO")
             round_id, sender, receiver, nonce = (meta.get(k) for k in ("round_id", "sender", "receiver", "nonce"))
             if ftype != FrameType.HELLO or payload_len or not isinstance(nonce, bytes) or len(nonce) != 16:
                 raise AuthFailed("malformed HELLO")

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome, all_finite
 from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.averaging.config import AveragingConfig
-from hivetrain.averaging.dataplane import DataPlaneServer, send_declaration
+from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration, Matchmaker
 from hivetrain.averaging.validation import BanConfig, BanList
@@ -122,13 +122,14 @@ class GroupAverager:
             buffer_num_bytes=config.socket_buffer_bytes,
             join_wait_s=config.connect_timeout_s + config.declare_grace_s,
             on_declaration=lambda raw: self.matchmaker.offer(raw),
+            on_ready=lambda raw: self.matchmaker.offer_entry(raw),
         )
         self.matchmaker = Matchmaker(
             node,
             prefix,
             poll_interval_s=config.poll_interval_s,
             declare_grace_s=config.declare_grace_s,
-            push=self._push_declaration,
+            push=Pusher(timeout_s=config.connect_timeout_s),
         )
         ban_s = max(config.ban_time_s, 1.0)
         self.bans = BanList(BanConfig(base_duration_s=ban_s, max_duration_s=max(3600.0, ban_s)))
@@ -162,20 +163,6 @@ class GroupAverager:
         self._closed = True
         self.server.shutdown(timeout_s)
         self.pool.clear()
-
-    def _push_declaration(self, decl: GroupDeclaration, followers: Sequence) -> None:
-        """Send our signed declaration to each follower's data port (background threads, best effort: a follower
-        the push misses reads it from the DHT at its next poll)."""
-        raw = decl.model_dump()
-
-        def push(entry) -> None:
-            try:
-                send_declaration(entry.host, entry.port, raw, timeout_s=self.config.connect_timeout_s)
-            except ConnectionError as exc:
-                logger.debug("could not push the declaration to %s: %s", entry.peer_id, exc)
-
-        for entry in followers:
-            threading.Thread(target=push, args=(entry,), name="hivetrain-avg-push", daemon=True).start()
 
     @property
     def port(self) -> int:

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,9 +49,12 @@ logger = logging.getLogger(__name__)
 _DOMAIN = b"hivetrain.averaging.ready.v1"
 _DECL_DOMAIN = b"hivetrain.averaging.group.v1"
 MAX_MEMBERS = 4096
-MAX_PUSHED = 64  # pushed declarations remembered per round key
+MAX_PUSHED = 64  # pushed declarations remembered per round key, and round keys remembered
+MAX_PUSHED_ENTRIES = 1024  # pushed ready entries remembered per round key (the latest per peer)
+MAX_VERIFIED = 4096  # signature checks remembered
 FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, seconds
 FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
+HINT_FANOUT = 2  # we push our entry to this many of the smallest members of our previous group
 
 
 class ReadyEntry(BaseModel):
@@ -123,15 +126,18 @@ def sign_declaration(prefix: str, decl: GroupDeclaration, private_key: RSAPrivat
     return decl.model_copy(update={"signature": private_key.sign(_declaration_bytes(prefix, decl))})
 
 
-def verify_declaration(prefix: str, decl: GroupDeclaration) -> bool:
-    """Whether ``decl`` is well formed and signed by its leader, and every member entry by its member."""
+def verify_declaration(
+    prefix: str, decl: GroupDeclaration, verify_member: Callable[[str, ReadyEntry], bool] = verify_entry
+) -> bool:
+    """Whether ``decl`` is well formed and signed by its leader, and every member entry by its member (checked with
+    ``verify_member(prefix, entry)``, e.g. a cached ``verify_entry``)."""
     ids = decl.member_ids()
     leader = [m for m in decl.members if m.peer_id == decl.leader]
     if list(ids) != sorted(set(ids)) or len(leader) != 1 or ids[0] != decl.leader:
         return False
     if decl.round_id != make_round_id(prefix, decl.round_key, decl.members):
         return False
-    if not all(m.round_key == decl.round_key and verify_entry(prefix, m) for m in decl.members):
+    if not all(m.round_key == decl.round_key and verify_member(prefix, m) for m in decl.members):
         return False
     try:
         key = RSAPublicKey.from_bytes(leader[0].public_key)
@@ -151,12 +157,14 @@ def make_round_id(prefix: str, round_key: str, members: Iterable[ReadyEntry]) ->
 @dataclass(frozen=True)
 class Decision:
     """What a peer does next. ``action``: "wait", "declare" (``members`` to declare), "joined" (``declaration``),
-    or a failure: "late", "not_in_group", "no_group", "too_small"."""
+    or a failure: "late", "not_in_group", "no_group", "too_small". ``leader``: while waiting, the entry of the peer
+    expected to declare our group (ourselves when we lead)."""
 
     action: Literal["wait", "declare", "joined", "late", "not_in_group", "no_group", "too_small"]
     reason: str
     members: tuple[ReadyEntry, ...] = ()
     declaration: GroupDeclaration | None = None
+    leader: ReadyEntry | None = None
 
 
 def decide(
@@ -219,13 +227,14 @@ def decide(
         group, why = tuple(candidates), "window"
     else:
         role = "leading" if candidates[0].peer_id == me.peer_id else "following"
-        return Decision("wait", f"{role}: {len(candidates)} ready, window closes in {group_deadline - now:.2f}s")
+        why = f"{role}: {len(candidates)} ready, window closes in {group_deadline - now:.2f}s"
+        return Decision("wait", why, leader=candidates[0])
     if group[0].peer_id == me.peer_id:
         if len(group) < min_group_size:
             return Decision("too_small", f"{len(group)} ready peers, min_group_size is {min_group_size}")
         return Decision("declare", f"leader of {len(group)} ({why})", members=group)
     if now < group_deadline + declare_grace_s:
-        return Decision("wait", f"waiting for leader {group[0].peer_id}'s declaration")
+        return Decision("wait", f"waiting for leader {group[0].peer_id}'s declaration", leader=group[0])
     others = [d for d in declarations if d.declared_at >= me.announced_at]
     if others:
         return Decision("not_in_group", f"{len(others)} group(s) declared without us")
@@ -233,18 +242,39 @@ def decide(
 
 
 class Matchmaker:
-    """Runs ``decide`` against the DHT: announce, poll, declare. One per GroupAverager; not thread-safe."""
+    """Runs ``decide`` on what the DHT and our data port bring: announce, read, push, declare.
+
+    A DHT read takes ~5-20 ms on loopback (more under load), so the records also travel directly between data ports
+    (``push(kind, raw, targets)``, e.g. ``dataplane.Pusher``; all pushes are best effort):
+
+    - a follower pushes its signed entry to the peer it expects to lead: before its first DHT read, the smallest
+      members of its previous group (the same peers usually average every epoch), then whoever ``decide`` names;
+      the leader so declares "full" when the last member arrives, not at its next DHT poll;
+    - the leader pushes its signed declaration to the followers;
+    - each push and each finished DHT read wakes ``match``, which decides from the union of its last DHT read and
+      the pushed records at once; DHT reads (one get of one key per poll) run in the background.
+
+    Pushed records are verified (signatures) before use, bounded in number, and only add what the DHT would show
+    anyway; the DHT stays the source of truth for latecomers and for pushes that were lost. Someone flooding our
+    port with records of other round keys can evict pushed records (we then wait for the DHT), not forge any.
+    One per GroupAverager; ``match`` from one thread at a time, ``offer``/``offer_entry`` from any thread.
+    """
 
     def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None):
-        """``push(declaration, followers)``: optional, sends our declarations to followers directly."""
         self.node, self.prefix, self.push = node, prefix, push
         self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
         self._pushed: dict[str, list[GroupDeclaration]] = {}
+        self._entries: dict[str, dict[str, ReadyEntry]] = {}  # round key -> peer id -> latest pushed entry
+        self._verified: dict[object, bool] = {}  # record -> whether its signatures verify
+        self._hints: tuple[ReadyEntry, ...] = ()  # our previous group, by peer id
         self._lock = threading.Lock()
         self._wake = threading.Event()
 
-    def _key(self, round_key: str, kind: str) -> str:
-        return f"{self.prefix}.{round_key}.{kind}"
+    def _key(self, round_key: str) -> str:
+        return f"{self.prefix}.{round_key}.mm"
+
+    def _subkey(self, kind: bytes) -> bytes:
+        return self.node.owner_marker + b"|" + kind  # still an owner marker: every DHT node checks the signature
 
     def make_entry(
         self, round_key: str, session: bytes, host: str, port: int, kx_public: bytes, wait_s: float
@@ -266,14 +296,16 @@ class Matchmaker:
 
     def announce(self, entry: ReadyEntry, ttl_s: float):
         """Start storing our entry until ``entry.deadline + ttl_s``; returns the DHT's future (True if stored)."""
-        value = entry.model_dump()
-        key = self._key(entry.round_key, "ready")
         return self.node.dht.store(
-            key, value, entry.deadline + ttl_s, subkey=self.node.owner_marker, return_future=True
+            self._key(entry.round_key),
+            entry.model_dump(),
+            entry.deadline + ttl_s,
+            subkey=self._subkey(b"ready"),
+            return_future=True,
         )
 
     def declare(self, me: ReadyEntry, members: tuple[ReadyEntry, ...], reason: str, ttl_s: float) -> GroupDeclaration:
-        """Store the declaration of ``members`` (we are its leader) for ``ttl_s`` seconds and return it."""
+        """Sign the declaration of ``members`` (we are its leader), push it to them, store it for ``ttl_s`` seconds."""
         decl = GroupDeclaration(
             leader=me.peer_id,
             round_key=me.round_key,
@@ -283,16 +315,30 @@ class Matchmaker:
             reason="full" if reason.endswith("(full)") else "window",
         )
         decl = sign_declaration(self.prefix, decl, self.node.identity.private_key)
+        raw = decl.model_dump()
         if self.push is not None:  # followers hear it at once instead of at their next DHT poll
-            self.push(decl, [m for m in members if m.peer_id != me.peer_id])
+            self.push("group", raw, [m for m in members if m.peer_id != me.peer_id])
         self.node.dht.store(  # for latecomers ("late") and followers the push missed; not awaited
-            self._key(me.round_key, "group"),
-            decl.model_dump(),
-            decl.declared_at + ttl_s,
-            subkey=self.node.owner_marker,
-            return_future=True,
+            self._key(me.round_key), raw, decl.declared_at + ttl_s, subkey=self._subkey(b"group"), return_future=True
         )
         return decl
+
+    # ---- verified records ---------------------------------------------------------------------------------------
+    def _verify(self, record: ReadyEntry | GroupDeclaration) -> bool:
+        """Signature check, remembered (records are frozen and hashable; polls see the same ones again)."""
+        with self._lock:
+            known = self._verified.get(record)
+        if known is not None:
+            return known
+        if isinstance(record, ReadyEntry):
+            ok = verify_entry(self.prefix, record)
+        else:
+            ok = verify_declaration(self.prefix, record, lambda _, m: self._verify(m))
+        with self._lock:
+            self._verified[record] = ok
+            while len(self._verified) > MAX_VERIFIED:
+                del self._verified[next(iter(self._verified))]
+        return ok
 
     def offer(self, raw: object) -> bool:
         """A declaration pushed to us over the data plane (any thread). Kept if valid and signed; returns that."""
@@ -300,7 +346,7 @@ class Matchmaker:
             decl = GroupDeclaration.model_validate(raw)
         except ValueError:
             return False
-        if not verify_declaration(self.prefix, decl):
+        if not self._verify(decl):
             logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
             return False
         with self._lock:
@@ -313,36 +359,81 @@ class Matchmaker:
             self._wake.set()
         return True
 
-    def read(self, round_key: str) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
-        """Verified ready entries and declarations of ``round_key`` (forged or malformed ones are dropped)."""
-        f_ready = self.node.dht.get(self._key(round_key, "ready"), latest=True, return_future=True)
-        f_group = self.node.dht.get(self._key(round_key, "group"), latest=True, return_future=True)
-        entries = [e for e in self._parse(f_ready, ReadyEntry, "peer_id") if e.round_key == round_key]
-        entries = [e for e in entries if verify_entry(self.prefix, e)]
-        decls = []
-        for d in self._parse(f_group, GroupDeclaration, "leader"):
-            if d.round_key == round_key and verify_declaration(self.prefix, d):
-                decls.append(d)
-            else:
-                logger.warning("dropping an invalid group declaration by %s", d.leader)
-        with self._lock:
-            decls += [d for d in self._pushed.get(round_key, ()) if d not in decls]
-        return entries, decls
-
-    def _parse(self, future, schema, id_field: str) -> list:
+    def offer_entry(self, raw: object) -> bool:
+        """A ready entry pushed to us by a peer that expects us to lead (any thread). Kept if valid and signed by its
+        peer (the latest per peer, at most ``MAX_PUSHED_ENTRIES`` per round key); returns that."""
         try:
-            found = future.result(timeout=max(5.0, 10 * self.poll_interval_s))
+            entry = ReadyEntry.model_validate(raw)
+        except ValueError:
+            return False
+        if not self._verify(entry):
+            logger.warning("dropping a pushed ready entry that does not verify (peer %s)", entry.peer_id)
+            return False
+        with self._lock:
+            by_peer = self._entries.setdefault(entry.round_key, {})
+            old = by_peer.get(entry.peer_id)
+            if old is None and len(by_peer) >= MAX_PUSHED_ENTRIES:
+                return False
+            if old is None or entry.announced_at > old.announced_at:
+                by_peer[entry.peer_id] = entry
+            while len(self._entries) > MAX_PUSHED:
+                del self._entries[next(iter(self._entries))]
+            self._wake.set()
+        return True
+
+    def _merge(
+        self, round_key: str, entries: list[ReadyEntry], decls: list[GroupDeclaration]
+    ) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+        """What the DHT showed plus what was pushed to us (``decide`` keeps the latest entry per peer)."""
+        with self._lock:
+            pushed_entries = list(self._entries.get(round_key, {}).values())
+            pushed_decls = [d for d in self._pushed.get(round_key, ()) if d not in decls]
+        return entries + pushed_entries, decls + pushed_decls
+
+    # ---- DHT reads ----------------------------------------------------------------------------------------------
+    def _start_read(self, round_key: str):
+        future = self.node.dht.get(self._key(round_key), latest=True, return_future=True)
+        future.add_done_callback(lambda _: self._wake.set())
+        return future
+
+    def _collect(self, future, round_key: str, timeout_s: float) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+        """Verified entries and declarations of a DHT read (forged or malformed ones are dropped; a failed or
+        unfinished read gives nothing)."""
+        try:
+            found = future.result(timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed poll is retried at the next interval
             logger.debug("DHT read failed: %s", exc)
-            return []
+            return [], []
         if found is None or not isinstance(found.value, dict):
-            return []
-        out = []
+            return [], []
+        entries, decls = [], []
         for subkey, item in found.value.items():
-            record = parse_signed(subkey, getattr(item, "value", None), schema, id_field=id_field)
-            if record is not None:
-                out.append(record)
-        return out
+            kind = subkey.rsplit(b"|", 1)[-1] if isinstance(subkey, bytes) else b""
+            schema, id_field = {b"ready": (ReadyEntry, "peer_id"), b"group": (GroupDeclaration, "leader")}.get(
+                kind, (None, "")
+            )
+            record = parse_signed(subkey, getattr(item, "value", None), schema, id_field) if schema else None
+            if record is None or record.round_key != round_key:
+                continue
+            if not self._verify(record):
+                logger.warning("dropping an invalid %s by %s", schema.__name__, getattr(record, id_field))
+            elif isinstance(record, ReadyEntry):
+                entries.append(record)
+            else:
+                decls.append(record)
+        return entries, decls
+
+    def read(self, round_key: str) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+        """One blocking DHT read merged with what was pushed to us: verified entries and declarations."""
+        timeout_s = max(5.0, 10 * self.poll_interval_s)
+        return self._merge(round_key, *self._collect(self._start_read(round_key), round_key, timeout_s))
+
+    # ---- matching -----------------------------------------------------------------------------------------------
+    def _push_entry(self, me: ReadyEntry, targets: Sequence[ReadyEntry], pushed_to: set[str]) -> None:
+        targets = [t for t in targets if t.peer_id not in pushed_to and t.peer_id != me.peer_id]
+        if self.push is not None and targets:
+            pushed_to.update(t.peer_id for t in targets)
+            self.push("ready", me.model_dump(), targets)
 
     def match(
         self,
@@ -354,19 +445,32 @@ class Matchmaker:
         deadline_monotonic: float,
         banned: frozenset[str] = frozenset(),
     ) -> tuple[Decision, str]:
-        """Announce ``me`` and poll until a decision other than "wait" (or the call deadline).
+        """Announce ``me``, then decide on every push and DHT read until a decision other than "wait" (or the call
+        deadline, ``time.monotonic()``).
 
         Returns:
             (decision, reason); ``decision.action`` is "joined" (with its declaration) or a failure action.
             A "timeout" is reported as ("no_group", ...).
         """
         stored = self.announce(me, ttl_s)  # we read meanwhile: our own entry is in our view anyway
+        pushed_to: set[str] = set()
+        hinted = [h for h in self._hints if h.peer_id < me.peer_id and h.peer_id not in banned][:HINT_FANOUT]
+        self._push_entry(me, hinted, pushed_to)
+        read_timeout_s = max(5.0, 10 * self.poll_interval_s)
+        dht_entries: list[ReadyEntry] = []
+        dht_decls: list[GroupDeclaration] = []
+        read, read_started, next_read_at = None, 0.0, time.monotonic()
         while True:
+            now_m = time.monotonic()
+            if read is not None and (read.done() or now_m > read_started + read_timeout_s):
+                dht_entries, dht_decls = self._collect(read, me.round_key, 0.0)
+                read = None
             if stored is not None and stored.done():
                 if not stored.exception() and not stored.result():
                     logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
                 stored = None
-            entries, decls = self.read(me.round_key)
+            self._wake.clear()  # anything pushed from here on wakes the wait below
+            entries, decls = self._merge(me.round_key, dht_entries, dht_decls)
             decision = decide(
                 me,
                 entries,
@@ -381,17 +485,25 @@ class Matchmaker:
                 # decide() would have returned "joined" had a smaller leader's declaration listed us; two leaders
                 # that did not see each other yield two groups whose overlap fails at the handshake and retries.
                 declared = self.declare(me, decision.members, decision.reason, ttl_s)
+                self._hints = declared.members
                 return Decision("joined", decision.reason, declaration=declared), decision.reason
+            if decision.action == "joined" and decision.declaration is not None:
+                self._hints = decision.declaration.members
             if decision.action != "wait":
                 return decision, decision.reason
-            # Poll fast when a declaration is imminent (followers whose window closed), and while we lead during the
-            # first second (the group may fill up any moment): one peer per group polls fast, the others do not.
+            leader = decision.leader
+            if leader is not None and leader.peer_id != me.peer_id:
+                self._push_entry(me, [leader], pushed_to)
+            # Poll fast when a declaration is imminent (followers whose window closed), and during the first second
+            # while we lead (the group may fill up any moment) or have not told our leader yet.
             just_started = get_dht_time() - me.announced_at < FAST_LEAD_S
             imminent = decision.reason.startswith("waiting for leader") or (
-                decision.reason.startswith("leading") and just_started
+                just_started and (leader is None or leader.peer_id == me.peer_id or leader.peer_id not in pushed_to)
             )
             interval_s = min(self.poll_interval_s, FAST_POLL_S) if imminent else self.poll_interval_s
-            if time.monotonic() + interval_s > deadline_monotonic:
+            if read is None and now_m >= next_read_at:
+                read, read_started, next_read_at = self._start_read(me.round_key), now_m, now_m + interval_s
+            if now_m >= deadline_monotonic:
                 return Decision("no_group", "call deadline reached during matchmaking"), "deadline"
-            self._wake.wait(interval_s)  # a pushed declaration wakes us early
-            self._wake.clear()
+            wake_at = read_started + read_timeout_s if read is not None else next_read_at
+            self._wake.wait(max(0.0, min(wake_at, deadline_monotonic) - now_m))

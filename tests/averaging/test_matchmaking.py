@@ -3,12 +3,20 @@ offline."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import ValueWithExpiration
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.averaging.matchmaking import (
     GroupDeclaration,
+    Matchmaker,
     ReadyEntry,
     decide,
     make_round_id,
@@ -18,6 +26,8 @@ from hivetrain.averaging.matchmaking import (
     verify_entry,
 )
 from hivetrain.peers.identity import peer_id_of_owner
+
+from .conftest import run_threads
 
 PREFIX = "run.avg"
 GRACE = 1.0
@@ -148,3 +158,98 @@ def test_declarations_verify_only_as_signed_by_the_smallest_member(keys) -> None
     assert not verify_declaration(PREFIX, sign_declaration(PREFIX, declaration(moved, 105.0), leader_key))
     not_smallest = declaration(members[1:], 105.0).model_copy(update={"leader": keys[2][0]})
     assert not verify_declaration(PREFIX, sign_declaration(PREFIX, not_smallest, keys[2][1]))
+
+
+def test_a_waiting_decision_names_the_expected_leader() -> None:
+    a, b = entry("A"), entry("B")
+    assert run(b, [a, b], now=101.0).leader == a
+    assert run(a, [a, b], now=101.0).leader == a
+    assert run(b, [a, b], now=105.5).leader == a  # window closed, waiting for A's declaration
+
+
+# ---- Matchmaker against an in-memory DHT that can stall -------------------------------------------------------------
+
+
+class FakeDHT:
+    """Stores and gets like hivemind.DHT with return_future=True; ``stalled`` makes every later call hang forever."""
+
+    def __init__(self) -> None:
+        self.data: dict = {}
+        self.stalled = False
+        self.hung: list[Future] = []
+
+    def _future(self, value) -> Future:
+        f: Future = Future()
+        if self.stalled:
+            self.hung.append(f)
+        else:
+            f.set_result(value)
+        return f
+
+    def store(self, key, value, expiration_time, subkey, return_future):
+        if not self.stalled:
+            self.data.setdefault(key, {})[subkey] = ValueWithExpiration(value, expiration_time)
+        return self._future(True)
+
+    def get(self, key, latest, return_future):
+        found = self.data.get(key)
+        return self._future(None if found is None else ValueWithExpiration(dict(found), 0.0))
+
+
+class FakeNode:
+    def __init__(self, peer_id: str, key: RSAPrivateKey, dht: FakeDHT):
+        self.peer_id, self.dht = peer_id, dht
+        self.identity = SimpleNamespace(private_key=key)
+        self.owner_marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+
+
+def _matchmakers(keys, dht: FakeDHT) -> tuple[list[Matchmaker], list[str]]:
+    """Two matchmakers whose pushes go straight to each other's ``offer``/``offer_entry`` (on threads)."""
+    by_id: dict[str, Matchmaker] = {}
+    pushes: list[str] = []
+
+    def push(kind: str, raw: dict, targets) -> None:
+        for t in targets:
+            pushes.append(kind)
+            receiver = by_id[t.peer_id]
+            handler = receiver.offer_entry if kind == "ready" else receiver.offer
+            threading.Thread(target=handler, args=(raw,), daemon=True).start()
+
+    for pid, key in keys[:2]:
+        by_id[pid] = Matchmaker(FakeNode(pid, key, dht), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE, push=push)
+    return list(by_id.values()), pushes
+
+
+def _match_both(mms: list[Matchmaker], round_key: str, timeout_s: float) -> list:
+    def one(mm: Matchmaker):
+        me = mm.make_entry(round_key, os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0)
+        return mm.match(me, target_group_size=2, min_group_size=2, ttl_s=30.0,
+                        deadline_monotonic=time.monotonic() + timeout_s)  # fmt: skip
+
+    return run_threads([lambda m=m: one(m) for m in mms], timeout_s + 5.0)
+
+
+def test_peers_that_averaged_before_match_through_their_data_ports_while_the_dht_stalls(keys) -> None:
+    dht = FakeDHT()
+    mms, pushes = _matchmakers(keys, dht)
+    first = _match_both(mms, "e0", 5.0)  # through the DHT: they learn of each other
+    assert [d.action for d, _ in first] == ["joined", "joined"], first
+    dht.stalled = True
+    started = time.monotonic()
+    second = _match_both(mms, "e1", 5.0)
+    assert [d.action for d, _ in second] == ["joined", "joined"], second
+    assert second[0][0].declaration == second[1][0].declaration and "(full)" in second[0][1]
+    assert time.monotonic() - started < 2.0  # no DHT answer was needed (the window would have been 5 s)
+    assert dht.hung and not any(f.done() for f in dht.hung)  # the DHT really was asked and never answered
+    assert pushes.count("ready") >= 2 and pushes.count("group") >= 2  # entries went to the leader, and back
+
+
+def test_pushed_entries_are_kept_only_when_signed_by_their_peer(keys) -> None:
+    (pid, key), (other_pid, _) = keys[0], keys[1]
+    mm = Matchmaker(FakeNode(other_pid, keys[1][1], FakeDHT()), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE)
+    good = signed(pid, key)
+    assert not mm.offer_entry(good.model_copy(update={"port": 4001}).model_dump())  # tampered
+    assert not mm.offer_entry({"peer_id": pid})  # malformed
+    assert mm.offer_entry(good.model_dump())
+    entries, _ = mm._merge("e0", [], [])
+    assert entries == [good]
