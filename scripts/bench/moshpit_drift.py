@@ -23,8 +23,8 @@ and every ``--eval-every`` steps the held-out loss of the mean model θ̄. Bound
 growth = mean over the last quarter of the steps / mean over the second quarter (stationary ≈ 1; a random walk
 √t gives ≈ 1.5; linear growth ≈ 2.3); the verdict is "bounded" when theta growth <= ``--growth-limit``.
 
-A failed round (``RoundFailed``) is counted; that peer keeps θ for the epoch (the trainer would retry or download
-the swarm's state) and joins the next epoch.
+A failed round (``RoundFailed``) is counted and shown; that peer then downloads the state of a peer that finished the
+epoch (as the trainer's ``sync_state`` does once the others moved on), or keeps θ if none did.
 
 Example: scripts/bench/moshpit_drift.py --strategies moshpit,gossip,butterfly --steps 40 --json
 """
@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import statistics
 import sys
 import threading
@@ -82,13 +83,15 @@ class StepRow:
     """One line of the table: drift across all peers after outer step ``epoch`` (epoch 1 = after the first step)."""
 
     epoch: int
-    theta: float
-    theta_abs: float
+    theta: float  # max_relative_deviation of θ
+    theta_abs: float  # max_p ||θ_p − θ̄||
+    theta_steps: float  # theta_abs / ||θ̄ − θ̄ of the previous step||: drift in units of this step's update
     avg_delta: float
     raw_delta: float
     eval_loss: float | None
     round_s: float
     failures: int
+    failure_reasons: list[str]
     bytes_sent: int  # by all peers in this step
     wall_s: float
 
@@ -147,6 +150,30 @@ def diloco_config(args: argparse.Namespace) -> DilocoConfig:
     )
 
 
+class StateBoard:
+    """The states peers reach after each epoch, so that a peer whose round failed can download one (as the trainer's
+    ``sync_state`` does when the others moved on). Keeps the last few epochs only."""
+
+    def __init__(self, num_kept_epochs: int = 3):
+        self._cond = threading.Condition()
+        self._states: dict[int, dict[int, TrainingState]] = {}
+        self._num_kept = num_kept_epochs
+
+    def publish(self, peer: int, state: TrainingState) -> None:
+        with self._cond:
+            self._states.setdefault(state.epoch, {})[peer] = state
+            for old in [e for e in self._states if e <= state.epoch - self._num_kept]:
+                del self._states[old]
+            self._cond.notify_all()
+
+    def donor(self, epoch: int, me: int, timeout_s: float) -> tuple[int, TrainingState] | None:
+        """(peer, state) of another peer that reached ``epoch``, waiting up to ``timeout_s`` seconds; None if none."""
+        with self._cond:
+            self._cond.wait_for(lambda: any(p != me for p in self._states.get(epoch, {})), timeout=timeout_s)
+            others = sorted((p, st) for p, st in self._states.get(epoch, {}).items() if p != me)
+            return others[0] if others else None
+
+
 def average_step(peer: Peer, deltas: list[torch.Tensor], weight: float, args, timeout_s: float):
     """One outer step; returns (the Δ̄ applied or None, RoundResult). Raises RoundFailed (θ and m unchanged).
 
@@ -168,7 +195,7 @@ def average_step(peer: Peer, deltas: list[torch.Tensor], weight: float, args, ti
     return None, TrainingState(epoch + 1, params, momentum), result
 
 
-def peer_loop(peer: Peer, args: argparse.Namespace, out: queue.Queue, stop: threading.Event) -> None:
+def peer_loop(peer: Peer, args: argparse.Namespace, board: StateBoard, out: queue.Queue, stop: threading.Event) -> None:
     """One volunteer: inner phase, Δ, average, outer step, for ``args.steps`` epochs (the trainer's phases)."""
     torch.set_num_threads(1)
     cfg = diloco_config(args)
@@ -184,11 +211,18 @@ def peer_loop(peer: Peer, args: argparse.Namespace, out: queue.Queue, stop: thre
             try:
                 avg, peer.state, result = average_step(peer, deltas, float(phase.num_samples), args, timeout_s)
             except RoundFailed as exc:
-                peer.state = TrainingState(epoch + 1, peer.state.params, peer.state.momentum)  # θ kept
-                theta = list(peer.state.params.values())
-                out.put(StepReport(peer.index, epoch, theta, deltas, None, time.monotonic() - started, 0, 0,
-                                   f"{exc.reason}: {exc.detail}"))  # fmt: skip
+                failure = f"{exc.reason}: {exc.detail}"
+                got = board.donor(epoch + 1, peer.index, timeout_s)
+                if got is None:  # nobody finished the epoch either: keep θ and m
+                    peer.state = TrainingState(epoch + 1, peer.state.params, peer.state.momentum)
+                    failure += "; no donor, θ kept"
+                else:  # the others moved on: download a donor's state, as the trainer does
+                    peer.state = got[1].clone()
+                    failure += f"; downloaded the state of peer {got[0]}"
+                out.put(StepReport(peer.index, epoch, list(peer.state.params.values()), deltas, None,
+                                   time.monotonic() - started, 0, 0, failure))  # fmt: skip
                 continue
+            board.publish(peer.index, peer.state)
             theta = list(peer.state.params.values())
             out.put(StepReport(peer.index, epoch, theta, deltas, avg, result.duration_s, len(result.group),
                                result.bytes_sent))  # fmt: skip
@@ -211,6 +245,7 @@ def collect(peers: list[Peer], args, reports: queue.Queue, corpus: Corpus, templ
     pending: dict[int, dict[int, StepReport]] = {}
     rows: list[StepRow] = []
     eval_windows = corpus.eval_windows(args.seq_len, args.eval_windows)
+    prev_mean = [p.detach().double().clone() for p in template.parameters()]  # θ0, the same on every peer
     deadline = time.monotonic() + args.timeout_s
     while len(rows) < args.steps:
         try:
@@ -224,16 +259,25 @@ def collect(peers: list[Peer], args, reports: queue.Queue, corpus: Corpus, templ
         while epoch in pending and len(pending[epoch]) == len(peers):
             by_peer = pending.pop(epoch)
             got = [by_peer[i] for i in range(len(peers))]
-            rows.append(drift_row(got, peers, args, eval_windows, template, started))
+            row, prev_mean = drift_row(got, prev_mean, peers, args, eval_windows, template, started)
+            rows.append(row)
             if not args.json:
                 print(format_row(rows[-1]), flush=True)
+                for r in got:
+                    if r.failure:
+                        print(f"      peer {r.peer} failed: {r.failure}", flush=True)
             epoch = len(rows)
     return rows
 
 
-def drift_row(got: list[StepReport], peers: list[Peer], args, eval_windows, template, started: float) -> StepRow:
+def drift_row(got: list[StepReport], prev_mean: list[torch.Tensor], peers: list[Peer], args, eval_windows, template,
+              started: float) -> tuple[StepRow, list[torch.Tensor]]:  # fmt: skip
+    """The row of one outer step, and θ̄ after it (float64, for the next row's step size)."""
     thetas = [r.theta for r in got]
-    mean_sq = sum(float(sum(t.double() for t in ts).square().sum()) for ts in zip(*thetas, strict=True))
+    mean = [sum(t.double() for t in ts) / len(ts) for ts in zip(*thetas, strict=True)]
+    theta_abs = max(math.sqrt(sum(float((t.double() - m).square().sum()) for t, m in zip(ts, mean, strict=True)))
+                    for ts in thetas)  # fmt: skip
+    step_norm = math.sqrt(sum(float((m - q).square().sum()) for m, q in zip(mean, prev_mean, strict=True)))
     theta_rel = max_relative_deviation(thetas)
     averaged = [r.avg_delta if r.avg_delta is not None else [torch.zeros_like(t) for t in r.raw_delta] for r in got]
     avg_drift = max_relative_deviation(averaged) if args.average == "delta" else math.nan
@@ -241,30 +285,34 @@ def drift_row(got: list[StepReport], peers: list[Peer], args, eval_windows, temp
     epoch = got[0].epoch + 1
     if args.eval_every and (epoch % args.eval_every == 0 or epoch == args.steps):
         eval_loss = evaluate(mean_model(list(peers[0].state.params), thetas, template), eval_windows)
-    return StepRow(
+    row = StepRow(
         epoch=epoch,
         theta=theta_rel,
-        theta_abs=theta_rel * math.sqrt(mean_sq) / len(got),
+        theta_abs=theta_abs,
+        theta_steps=theta_abs / step_norm if step_norm > 0 else 0.0,
         avg_delta=avg_drift,
         raw_delta=max_relative_deviation([r.raw_delta for r in got]),
         eval_loss=eval_loss,
         round_s=statistics.median(r.round_s for r in got),
         failures=sum(r.group_size == 0 for r in got),
+        failure_reasons=[f"peer {r.peer}: {r.failure}" for r in got if r.failure],
         bytes_sent=sum(r.bytes_sent for r in got),
         wall_s=time.monotonic() - started,
     )
+    return row, mean
 
 
 HEADER = (
-    f"{'step':>5}{'θ drift':>12}{'|θ-θ̄| max':>12}{'Δ̄ drift':>11}{'Δ drift':>10}{'eval':>8}{'round s':>9}{'fail':>5}"
+    f"{'step':>5}{'θ drift':>11}{'|θ-θ̄|':>10}{'in steps':>9}{'Δ̄ drift':>10}{'Δ drift':>9}{'eval':>7}{'round s':>8}"
+    f"{'fail':>5}"
 )
 
 
 def format_row(r: StepRow) -> str:
-    loss = f"{r.eval_loss:8.3f}" if r.eval_loss is not None else f"{'':8}"
+    loss = f"{r.eval_loss:7.3f}" if r.eval_loss is not None else f"{'':7}"
     return (
-        f"{r.epoch:5d}{r.theta:12.3e}{r.theta_abs:12.3e}{r.avg_delta:11.3e}{r.raw_delta:10.3f}{loss}"
-        f"{r.round_s:9.2f}{r.failures:5d}"
+        f"{r.epoch:5d}{r.theta:11.3e}{r.theta_abs:10.3f}{r.theta_steps:9.2f}{r.avg_delta:10.3f}{r.raw_delta:9.3f}{loss}"
+        f"{r.round_s:8.2f}{r.failures:5d}"
     )
 
 
@@ -307,9 +355,12 @@ def run_strategy(args: argparse.Namespace, strategy: str, corpus: Corpus) -> dic
             )
             print(HEADER, flush=True)  # fmt: skip
         reports: queue.Queue = queue.Queue()
+        board = StateBoard()
         started = time.monotonic()
-        threads = [threading.Thread(target=peer_loop, args=(p, args, reports, stop), name=f"peer{p.index}", daemon=True)
-                   for p in peers]  # fmt: skip
+        threads = [
+            threading.Thread(target=peer_loop, args=(p, args, board, reports, stop), name=f"peer{p.index}", daemon=True)
+            for p in peers
+        ]
         for t in threads:
             t.start()
         rows = collect(peers, args, reports, corpus, template, started)
@@ -357,6 +408,8 @@ def summarize(rows: list[StepRow], args, strategy: str, cfg: AveragingConfig, in
         "theta_drift_mean_q2": q2,
         "theta_drift_mean_q4": q4,
         "theta_growth": growth(theta),
+        "theta_steps_final": rows[-1].theta_steps,
+        "theta_steps_growth": growth([r.theta_steps for r in rows]),
         "raw_delta_drift_mean": statistics.fmean(raw),
         "avg_delta_drift_max": max(avg_delta) if avg_delta else None,
         "avg_delta_growth": growth(avg_delta) if avg_delta else None,
@@ -378,7 +431,8 @@ def verdict_line(s: dict, limit: float) -> str:
     )
     return (
         f"verdict {s['strategy']}/{s['average']}: θ drift {word}: growth (mean last quarter / mean second quarter) "
-        f"{s['theta_growth']:.2f} (limit {limit}), max {s['theta_drift_max']:.3e}; {delta}"
+        f"{s['theta_growth']:.2f} (limit {limit}), max {s['theta_drift_max']:.3e}, final "
+        f"{s['theta_steps_final']:.2f} outer steps' worth (growth {s['theta_steps_growth']:.2f}); {delta}"
         f"eval loss {s['initial_eval_loss']:.3f} -> {s['final_eval_loss'] or math.nan:.3f}; "
         f"{s['failures']} failed rounds; {s['s_per_step']:.1f} s/step, {s['bytes_per_step'] / 1e6:.1f} MB/step"
     )
@@ -427,6 +481,7 @@ def main() -> int:
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
     logging.basicConfig(level=logging.ERROR)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: DHT nodes are shut down
     torch.set_num_threads(1)
     data_cfg = DataConfig(paths=(args.data,), seq_len=args.seq_len, batch_size=args.batch_size,
                           num_eval_windows=args.eval_windows, max_corpus_bytes=0)  # fmt: skip
