@@ -27,6 +27,9 @@ The two-phase-commit gap: a member that has voted and then misses a vote (the vo
 broke) aborts while the others, who got every vote, commit. Members then hold different states. DiLoCo closes this
 gap: peers publish their state hash per epoch and a peer whose hash disagrees with the majority downloads the state.
 
+Layout: this file holds the round logic (scatter, reduce, gather, subrounds, commit); ``links.RoundLinks``, its base
+class, the links, threads and receive path; ``reduce`` the plan, outcome, arithmetic and buffer pool.
+
 Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround``:
     averaging.before_send    before sending parts; also ``flat`` (our fp32 vector) and ``frames`` (peer id ->
                              [meta dict, payload buffers]) that a "call" fault may corrupt (tests of bad peers)
@@ -43,7 +46,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import blake3
 import msgpack
@@ -52,129 +54,29 @@ import torch
 from hivetrain.averaging import codecs
 from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.config import AveragingConfig
-from hivetrain.averaging.dataplane import DataPlaneServer, FrameType, Link, LinkClosed, RoundKeys, dial, mac
+from hivetrain.averaging.dataplane import DataPlaneServer, FrameType, Link, RoundKeys, mac
 from hivetrain.averaging.groups import butterfly_partition
+from hivetrain.averaging.links import RoundLinks
+from hivetrain.averaging.reduce import (
+    BufferPool,
+    Inbox,
+    Member,
+    Plan,
+    RoundOutcome,
+    all_finite,
+    tensor_view,
+    weighted_mean_into,
+)
 from hivetrain.averaging.robust import NoValidContribution, centered_clip
-from hivetrain.averaging.validation import BadContribution, BanList, validate_part, validate_weight
+from hivetrain.averaging.validation import BanList
 from hivetrain.faults import FaultInjector
+
+__all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Member:
-    """A group member's data-plane endpoint (from its signed ready entry)."""
-
-    peer_id: str
-    host: str
-    port: int
-    kx_public: bytes
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What a committed round returns to the engine.
-
-    Attributes:
-        flat: the result, fp32, shape (n,); bit-identical on every member that committed.
-        contributors: peer ids whose contributions are in the result, sorted.
-        excluded: peer ids dropped for bad data (or claimed bad by a reducer), sorted.
-        total_weight: sum of the contributors' weights, samples.
-    """
-
-    flat: torch.Tensor
-    contributors: tuple[str, ...]
-    excluded: tuple[str, ...]
-    total_weight: float
-    bytes_sent: int
-    bytes_received: int
-
-
-@dataclass
-class _Plan:
-    """One subround: who takes part and which slice each one reduces."""
-
-    active: tuple[str, ...]
-    bounds: list[tuple[int, int]]
-    tag: bytes  # hash of the active set, carried in every PART so members notice a disagreement
-
-    def slice_of(self, peer_id: str) -> tuple[int, int]:
-        return self.bounds[self.active.index(peer_id)]
-
-
-@dataclass
-class _Inbox:
-    parts: dict[tuple[int, str], tuple[torch.Tensor | None, float, str]] = field(default_factory=dict)
-    results: dict[tuple[int, str], tuple[bool, str, bytes, dict]] = field(default_factory=dict)
-    votes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-
-
-class _StopReading(Exception):
-    """The peer sent something after which its stream cannot be followed; it is already marked bad."""
-
-
-def _wire_num_bytes(codec: codecs.CodecConfig, num_elements: int) -> int:
-    if codec.name == "none":
-        return 4 * num_elements
-    scale = codec.scale_dtype if codec.name in ("int8", "int4") else None
-    block = codec.block_size if scale is not None else 0
-    return (
-        codecs.HEADER_NUM_BYTES
-        + codecs.payload_num_bytes(codec.name, num_elements)
-        + codecs.scales_num_bytes(codec.name, num_elements, block, scale)
-    )
-
-
-def _tensor_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every element of ``x`` is finite: one summation pass (~30 GB/s) in the common case; NaN and Inf
-    propagate into the sum. A sum that overflows from finite values falls back to an exact min/max pass."""
-    if x.numel() == 0 or math.isfinite(float(x.sum())):
-        return True
-    lo, hi = torch.aminmax(x)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
-
-
-def weighted_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``out = sum_i w_i parts_i / sum_i w_i`` in fp32, in list order, in place: one pass per part and no allocation
-    (``robust.weighted_mean`` does two passes per part and allocates, to be bit-reproducible across machines; here
-    only the reducer computes, everyone else receives its bytes). Weights finite, >= 0, with a positive sum."""
-    total = math.fsum(weights)
-    torch.mul(parts[0], weights[0], out=out)
-    for p, w in zip(parts[1:], weights[1:], strict=True):
-        out.add_(p, alpha=w)
-    return out.div_(total)
-
-
-class BufferPool:
-    """Reusable fp32 buffers, by size. Fresh memory costs a page fault per 4 KiB on first touch (~2 GB/s, slower
-    than the network on loopback), so receive buffers are kept between rounds. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, num_elements: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(num_elements)
-            if free:
-                return free.pop()
-        return torch.empty(num_elements, dtype=torch.float32)
-
-    def give(self, tensor: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault(tensor.numel(), []).append(tensor)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
-class ButterflyRound:
+class ButterflyRound(RoundLinks):
     """Runs one round; create one per round, call ``run`` once from the round thread."""
 
     def __init__(
@@ -209,8 +111,8 @@ class ButterflyRound:
         self._cond = threading.Condition()
         self._links: dict[str, Link] = {}
         self._send_queues: dict[str, queue.Queue] = {}
-        self._plans: dict[int, _Plan] = {}
-        self._inbox = _Inbox()
+        self._plans: dict[int, Plan] = {}
+        self._inbox = Inbox()
         self._done = False
         self._waiting = False
         self._out: torch.Tensor | None = None
@@ -289,249 +191,6 @@ class ButterflyRound:
             for buf in taken:
                 self.pool.give(buf)
 
-    # ---- links --------------------------------------------------------------------------------------------------
-    def _attach(self, link: Link) -> None:
-        with self._cond:
-            if self._done or link.peer_id in self._links:
-                link.close()
-                return
-            self._links[link.peer_id] = link
-            q: queue.Queue = queue.Queue()
-            self._send_queues[link.peer_id] = q
-            self._cond.notify_all()
-        for target, name in ((self._receiver, "recv"), (self._sender, "send")):
-            t = threading.Thread(target=target, args=(link,), name=f"hivetrain-avg-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _connect(self, keys: RoundKeys, others: list[str], deadline: float) -> None:
-        cfg = self.config
-
-        def dial_one(peer_id: str) -> None:
-            m = self.members[peer_id]
-            try:
-                link = dial(m.host, m.port, keys, peer_id, connect_timeout_s=cfg.connect_timeout_s,
-                            part_timeout_s=cfg.part_timeout_s, buffer_num_bytes=cfg.socket_buffer_bytes,
-                            join_wait_s=cfg.connect_timeout_s + cfg.declare_grace_s)  # fmt: skip
-            except ConnectionError as exc:
-                self._post_error(peer_id, str(exc))
-                return
-            self._attach(link)
-
-        for p in others:
-            if p > self.me:  # the smaller id dials: one connection per pair
-                threading.Thread(target=dial_one, args=(p,), name="hivetrain-avg-dial", daemon=True).start()
-        connect_deadline = min(deadline, time.monotonic() + 3 * cfg.connect_timeout_s + cfg.declare_grace_s)
-        self._wait(lambda: all(p in self._links for p in others), others, connect_deadline, "connecting", "peer_failed")
-
-    def _post_error(self, peer_id: str, reason: str) -> None:
-        with self._cond:
-            self._inbox.errors.setdefault(peer_id, reason)
-            self._cond.notify_all()
-
-    def _finish(self, graceful: bool) -> None:
-        """End the round: after a commit, FIN every link (the receivers drain and close them); after a failure,
-        close every link at once so that members blocked on us fail now."""
-        with self._cond:
-            self._done = True
-            links = list(self._links.values())
-            self._cond.notify_all()
-        for q in self._send_queues.values():
-            q.put(None)
-        for link in links:
-            if graceful:
-                link.finish()
-            else:
-                link.close()
-
-    # ---- waiting ------------------------------------------------------------------------------------------------
-    def _wait(self, ready, watched, deadline: float, what: str, reason: str = "timeout") -> None:
-        """Block until ``ready()`` (under the lock); raise RoundFailed if a watched member (``watched``: peer ids, or a
-        function returning them) fails, or at ``deadline``."""
-        with self._cond:
-            self._waiting = True
-            try:
-                while not ready():
-                    ids = watched() if callable(watched) else watched
-                    failed = [(p, self._inbox.errors[p]) for p in ids if p in self._inbox.errors]
-                    if failed:
-                        if self._claimed_bad_by_someone():  # the likely cause: members finished without us
-                            raise RoundFailed("excluded", f"a reducer found our data bad; then {failed[0][1]}")
-                        raise RoundFailed("peer_failed", f"{what}: {failed[0][0]}: {failed[0][1]}")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = ", ".join(p for p in ids if p not in self._links)
-                        raise RoundFailed(reason, f"{what}: deadline reached" + (f" ({missing})" if missing else ""))
-                    self._cond.wait(min(left, 0.5))
-            finally:
-                self._waiting = False
-
-    def _claimed_bad_by_someone(self) -> bool:
-        for ok, _, _, meta, _ in self._inbox.results.values():
-            claimed = meta.get("excluded") if ok and isinstance(meta, dict) else None
-            if isinstance(claimed, list) and self.me in claimed:
-                return True
-        return False
-
-    # ---- threads ------------------------------------------------------------------------------------------------
-    def _sender(self, link: Link) -> None:
-        q = self._send_queues[link.peer_id]
-        heartbeat_s = self.config.part_timeout_s / 4
-        try:
-            while True:
-                try:
-                    item = q.get(timeout=heartbeat_s)
-                except queue.Empty:
-                    if self._waiting and not self._done:  # alive and waiting on someone: say so
-                        link.send_frame(FrameType.HEARTBEAT, 0, {})
-                    continue
-                if item is None:
-                    return
-                ftype, sub, meta, payload = item
-                progress = self._mid_transfer_hook(sub) if ftype == FrameType.PART else None
-                link.send_frame(ftype, sub, meta, payload, on_progress=progress)
-                if ftype == FrameType.VOTE:
-                    self._vote_sent_at[link.peer_id] = time.monotonic()
-        except LinkClosed as exc:
-            if not self._done:
-                self._post_error(link.peer_id, str(exc))
-
-    def _mid_transfer_hook(self, sub: int):
-        def on_progress(sent: int, total: int) -> None:
-            with self._hook_lock:
-                if 2 * sent < total or sub in self._mid_fired:
-                    return
-                self._mid_fired.add(sub)
-                self.faults.check("averaging.mid_transfer", epoch=self.epoch, peer=self.me, round_id=self.round_id,
-                                  subround=sub)  # fmt: skip
-
-        return on_progress
-
-    def _receiver(self, link: Link) -> None:
-        j = link.peer_id
-        try:
-            while True:
-                ftype, sub, meta, num_bytes = link.recv_header()
-                if ftype == FrameType.HEARTBEAT:
-                    continue
-                if ftype == FrameType.PART:
-                    self._recv_part(link, sub, meta, num_bytes)
-                elif ftype == FrameType.RESULT:
-                    self._recv_result(link, sub, meta, num_bytes)
-                elif ftype == FrameType.VOTE:
-                    h, m = meta.get("hash"), meta.get("mac")
-                    ok = isinstance(h, bytes) and isinstance(m, bytes)
-                    ok = ok and m == mac(link.key, b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), h)
-                    with self._cond:
-                        self._inbox.votes[j] = (sub, h if ok else b"bad-mac")
-                        self._vote_received_at[j] = time.monotonic()
-                        self._cond.notify_all()
-                    break
-                else:
-                    raise LinkClosed(f"{j} sent an unexpected {ftype.name} frame")
-        except _StopReading:
-            pass
-        except LinkClosed as exc:
-            if not self._done:
-                self._post_error(j, str(exc))
-            link.close()
-            return
-        link.drain(self.config.part_timeout_s)  # nothing more is expected: drop the rest until the peer closes
-
-    def _plan(self, sub: int) -> _Plan:
-        with self._cond:
-            if not self._cond.wait_for(lambda: sub in self._plans or self._done, self.config.part_timeout_s):
-                raise LinkClosed(f"subround {sub} never started here")
-            if self._done:
-                raise LinkClosed("round over")
-            return self._plans[sub]
-
-    def _recv_part(self, link: Link, sub: int, meta: dict, num_bytes: int) -> None:
-        j, plan = link.peer_id, self._plan(sub)
-        if meta.get("tag") != plan.tag or j not in plan.active:
-            raise LinkClosed(f"{j} disagrees on the members of subround {sub}")
-        start, end = plan.slice_of(self.me)
-        try:
-            weight = validate_weight(meta.get("w"), self.max_weight)
-            if meta.get("codec") != self.codec_config.name:
-                raise BadContribution("codec", f"{meta.get('codec')!r} instead of {self.codec_config.name!r}")
-            if num_bytes != _wire_num_bytes(self.codec_config, end - start):
-                raise BadContribution("size", f"{num_bytes} bytes for {end - start} elements")
-        except BadContribution as exc:
-            self._deliver_part(sub, j, None, 0.0, str(exc))
-            raise _StopReading from None  # its payload cannot be trusted to have the size it claims
-        if self.codec is None:
-            buf = self._take(end - start)
-            self._recv_tracked(link, buf)
-            part: torch.Tensor | codecs.EncodedPart = buf
-        else:
-            raw = link.recv_exact(num_bytes)
-            try:
-                part = codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name}))
-            except codecs.MalformedPart as exc:
-                self._deliver_part(sub, j, None, 0.0, f"malformed: {exc}")
-                raise _StopReading from None
-        try:
-            tensor = validate_part(part, end - start)
-        except BadContribution as exc:
-            self._deliver_part(sub, j, None, 0.0, str(exc))
-            raise _StopReading from None  # it is out of the round: nothing more it sends matters
-        self._deliver_part(sub, j, tensor, weight, "")
-
-    def _deliver_part(self, sub: int, j: str, tensor: torch.Tensor | None, weight: float, bad: str) -> None:
-        with self._cond:
-            self._inbox.parts[(sub, j)] = (tensor, weight, bad)
-            self._cond.notify_all()
-
-    def _recv_result(self, link: Link, sub: int, meta: dict, num_bytes: int) -> None:
-        j, plan = link.peer_id, self._plan(sub)
-        if j not in plan.active:
-            raise LinkClosed(f"{j} is not a reducer of subround {sub}")
-        start, end = plan.slice_of(j)
-        if num_bytes != _wire_num_bytes(self.codec_config, end - start):
-            self._deliver_result(sub, j, False, f"result of {num_bytes} bytes for {end - start} elements", b"", meta)
-            raise _StopReading
-        # Straight into this subround's result buffer (each subround has its own: a late frame of a subround we
-        # have left lands in a buffer nobody returns).
-        hasher = blake3.blake3()
-        dest = self._outs[sub][start:end]
-        if self.codec is None:
-            values = dest
-            link.recv_into(_tensor_view(dest), on_chunk=hasher.update)
-        else:
-            raw = link.recv_exact(num_bytes)
-            hasher.update(raw)
-            try:
-                values = codecs.decode(codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name})))
-            except codecs.MalformedPart as exc:
-                self._deliver_result(sub, j, False, f"malformed result: {exc}", b"", meta)
-                raise _StopReading from None
-        try:
-            validate_part(values, end - start)
-        except BadContribution as exc:
-            self._deliver_result(sub, j, False, f"bad result: {exc}", b"", meta)
-            raise _StopReading from None
-        if values is not dest:
-            dest.copy_(values)
-        self._deliver_result(sub, j, True, "", hasher.digest(), meta)
-
-    def _deliver_result(
-        self, sub: int, j: str, ok: bool, why: str, digest: bytes, meta: dict, values: torch.Tensor | None = None
-    ) -> None:
-        with self._cond:
-            self._inbox.results[(sub, j)] = (ok, why, digest, meta, values)
-            self._cond.notify_all()
-
-    def _recv_tracked(self, link: Link, buf: torch.Tensor, on_chunk=None) -> None:
-        """Receive into a pooled buffer, counted so that buffers are not recycled while a receiver writes."""
-        with self._cond:
-            self._receiving += 1
-        try:
-            link.recv_into(_tensor_view(buf), on_chunk=on_chunk)
-        finally:
-            with self._cond:
-                self._receiving -= 1
-
     # ---- the round ----------------------------------------------------------------------------------------------
     def _hook(self, point: str, sub: int, **extra) -> None:
         self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, **extra)
@@ -541,7 +200,7 @@ class ButterflyRound:
 
     def _encode(self, x: torch.Tensor) -> list:
         if self.codec is None:
-            return [_tensor_view(x)]
+            return [tensor_view(x)]
         return codecs.to_buffers(self.codec.encode(x))
 
     def _run_subrounds(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
@@ -549,7 +208,7 @@ class ButterflyRound:
         excluded: set[str] = set()
         for sub in range(self.config.max_subrounds):
             tag = blake3.blake3(msgpack.packb([self.round_id, sub, list(active)])).digest()[:16]
-            plan = _Plan(active, butterfly_partition(flat.numel(), active), tag)
+            plan = Plan(active, butterfly_partition(flat.numel(), active), tag)
             with self._cond:
                 self._outs[sub] = self._out if sub == 0 else torch.empty_like(flat)
                 self._plans[sub] = plan
@@ -566,7 +225,7 @@ class ButterflyRound:
                 raise RoundFailed("aborted", f"{len(active)} honest members left after excluding {sorted(excluded)}")
         raise RoundFailed("aborted", f"members kept being excluded after {self.config.max_subrounds} subrounds")
 
-    def _subround(self, sub: int, plan: _Plan, flat: torch.Tensor, weight: float, deadline: float):
+    def _subround(self, sub: int, plan: Plan, flat: torch.Tensor, weight: float, deadline: float):
         """Scatter, reduce, gather. Returns (bad members, RESULT metas by reducer, result digests in slice order)."""
         others = [p for p in plan.active if p != self.me]
         frames = {}
@@ -649,7 +308,7 @@ class ButterflyRound:
         bad &= set(plan.active)
         return bad, metas, digests
 
-    def _claims(self, reducer: str, meta: dict, plan: _Plan) -> set[str]:
+    def _claims(self, reducer: str, meta: dict, plan: Plan) -> set[str]:
         claimed = meta.get("excluded")
         weights = meta.get("weights")
         if not isinstance(claimed, list) or not isinstance(weights, dict):
@@ -680,7 +339,7 @@ class ButterflyRound:
             return
         weighted_mean_into(out, parts, weights)
 
-    def _commit(self, sub: int, plan: _Plan, metas: dict, digests: list[bytes], excluded: list[str], deadline: float):
+    def _commit(self, sub: int, plan: Plan, metas: dict, digests: list[bytes], excluded: list[str], deadline: float):
         others = [p for p in plan.active if p != self.me]
         weights = metas[self.me]["weights"]
         summary = msgpack.packb([self.round_id, sub, list(plan.active), sorted(weights.items()), digests])

@@ -1,0 +1,125 @@
+"""The pieces of a butterfly all-reduce round that hold no connection: members, the per-subround plan of slices,
+what a committed round returns, wire sizes, the finite check, the in-place weighted mean and the buffer pool.
+
+Used by ``allreduce.ButterflyRound`` (the round) and ``links.RoundLinks`` (its links and receive path).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hivetrain.averaging import codecs
+
+
+@dataclass(frozen=True)
+class Member:
+    """A group member's data-plane endpoint (from its signed ready entry)."""
+
+    peer_id: str
+    host: str
+    port: int
+    kx_public: bytes
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a committed round returns to the engine.
+
+    Attributes:
+        flat: the result, fp32, shape (n,); bit-identical on every member that committed.
+        contributors: peer ids whose contributions are in the result, sorted.
+        excluded: peer ids dropped for bad data (or claimed bad by a reducer), sorted.
+        total_weight: sum of the contributors' weights, samples.
+    """
+
+    flat: torch.Tensor
+    contributors: tuple[str, ...]
+    excluded: tuple[str, ...]
+    total_weight: float
+    bytes_sent: int
+    bytes_received: int
+
+
+@dataclass
+class Plan:
+    """One subround: who takes part and which slice each one reduces."""
+
+    active: tuple[str, ...]
+    bounds: list[tuple[int, int]]
+    tag: bytes  # hash of the active set, carried in every PART so members notice a disagreement
+
+    def slice_of(self, peer_id: str) -> tuple[int, int]:
+        return self.bounds[self.active.index(peer_id)]
+
+
+@dataclass
+class Inbox:
+    parts: dict[tuple[int, str], tuple[torch.Tensor | None, float, str]] = field(default_factory=dict)
+    results: dict[tuple[int, str], tuple[bool, str, bytes, dict]] = field(default_factory=dict)
+    votes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def wire_num_bytes(codec: codecs.CodecConfig, num_elements: int) -> int:
+    if codec.name == "none":
+        return 4 * num_elements
+    scale = codec.scale_dtype if codec.name in ("int8", "int4") else None
+    block = codec.block_size if scale is not None else 0
+    return (
+        codecs.HEADER_NUM_BYTES
+        + codecs.payload_num_bytes(codec.name, num_elements)
+        + codecs.scales_num_bytes(codec.name, num_elements, block, scale)
+    )
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite: one summation pass (~30 GB/s) in the common case; NaN and Inf
+    propagate into the sum. A sum that overflows from finite values falls back to an exact min/max pass."""
+    if x.numel() == 0 or math.isfinite(float(x.sum())):
+        return True
+    lo, hi = torch.aminmax(x)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def weighted_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``out = sum_i w_i parts_i / sum_i w_i`` in fp32, in list order, in place: one pass per part and no allocation
+    (``robust.weighted_mean`` does two passes per part and allocates, to be bit-reproducible across machines; here
+    only the reducer computes, everyone else receives its bytes). Weights finite, >= 0, with a positive sum."""
+    total = math.fsum(weights)
+    torch.mul(parts[0], weights[0], out=out)
+    for p, w in zip(parts[1:], weights[1:], strict=True):
+        out.add_(p, alpha=w)
+    return out.div_(total)
+
+
+class BufferPool:
+    """Reusable fp32 buffers, by size. Fresh memory costs a page fault per 4 KiB on first touch (~2 GB/s, slower
+    than the network on loopback), so receive buffers are kept between rounds. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, num_elements: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(num_elements)
+            if free:
+                return free.pop()
+        return torch.empty(num_elements, dtype=torch.float32)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(tensor.numel(), []).append(tensor)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
