@@ -263,7 +263,7 @@ class Matchmaker:
     def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None):
         self.node, self.prefix, self.push = node, prefix, push
         self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
-        self._pushed: dict[str, list[GroupDeclaration]] = {}
+        self._decls: dict[str, list[GroupDeclaration]] = {}  # round key -> verified declarations: ours, pushed, read
         self._entries: dict[str, dict[str, ReadyEntry]] = {}  # round key -> peer id -> latest pushed entry
         self._verified: dict[object, bool] = {}  # record -> whether its signatures verify
         self._hints: tuple[ReadyEntry, ...] = ()  # our previous group, by peer id
@@ -315,6 +315,7 @@ class Matchmaker:
             reason="full" if reason.endswith("(full)") else "window",
         )
         decl = sign_declaration(self.prefix, decl, self.node.identity.private_key)
+        self._remember(decl)  # a retry of this round key must see these entries as consumed, DHT or not
         raw = decl.model_dump()
         if self.push is not None:  # followers hear it at once instead of at their next DHT poll
             self.push("group", raw, [m for m in members if m.peer_id != me.peer_id])
@@ -349,15 +350,19 @@ class Matchmaker:
         if not self._verify(decl):
             logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
             return False
-        with self._lock:
-            pushed = self._pushed.setdefault(decl.round_key, [])
-            if decl not in pushed:
-                pushed.append(decl)
-                del pushed[:-MAX_PUSHED]
-            while len(self._pushed) > MAX_PUSHED:  # forget the oldest round keys
-                del self._pushed[next(iter(self._pushed))]
-            self._wake.set()
+        self._remember(decl)
         return True
+
+    def _remember(self, decl: GroupDeclaration) -> None:
+        """Keep a verified declaration (at most ``MAX_PUSHED`` per round key and round keys) and wake ``match``."""
+        with self._lock:
+            known = self._decls.setdefault(decl.round_key, [])
+            if decl not in known:
+                known.append(decl)
+                del known[:-MAX_PUSHED]
+            while len(self._decls) > MAX_PUSHED:  # forget the oldest round keys
+                del self._decls[next(iter(self._decls))]
+            self._wake.set()
 
     def offer_entry(self, raw: object) -> bool:
         """A ready entry pushed to us by a peer that expects us to lead (any thread). Kept if valid and signed by its
@@ -381,14 +386,13 @@ class Matchmaker:
             self._wake.set()
         return True
 
-    def _merge(
-        self, round_key: str, entries: list[ReadyEntry], decls: list[GroupDeclaration]
-    ) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
-        """What the DHT showed plus what was pushed to us (``decide`` keeps the latest entry per peer)."""
+    def _merge(self, round_key: str, entries: list[ReadyEntry]) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+        """Entries the DHT showed plus those pushed to us (``decide`` keeps the latest per peer), and every
+        declaration we know of: read, pushed, or ours."""
         with self._lock:
             pushed_entries = list(self._entries.get(round_key, {}).values())
-            pushed_decls = [d for d in self._pushed.get(round_key, ()) if d not in decls]
-        return entries + pushed_entries, decls + pushed_decls
+            decls = list(self._decls.get(round_key, ()))
+        return entries + pushed_entries, decls
 
     # ---- DHT reads ----------------------------------------------------------------------------------------------
     def _start_read(self, round_key: str):
@@ -396,17 +400,17 @@ class Matchmaker:
         future.add_done_callback(lambda _: self._wake.set())
         return future
 
-    def _collect(self, future, round_key: str, timeout_s: float) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
-        """Verified entries and declarations of a DHT read (forged or malformed ones are dropped; a failed or
-        unfinished read gives nothing)."""
+    def _collect(self, future, round_key: str, timeout_s: float) -> list[ReadyEntry]:
+        """The verified entries of a DHT read; its verified declarations are remembered (forged or malformed records
+        are dropped; a failed or unfinished read gives nothing)."""
         try:
             found = future.result(timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed poll is retried at the next interval
             logger.debug("DHT read failed: %s", exc)
-            return [], []
+            return []
         if found is None or not isinstance(found.value, dict):
-            return [], []
-        entries, decls = [], []
+            return []
+        entries = []
         for subkey, item in found.value.items():
             kind = subkey.rsplit(b"|", 1)[-1] if isinstance(subkey, bytes) else b""
             schema, id_field = {b"ready": (ReadyEntry, "peer_id"), b"group": (GroupDeclaration, "leader")}.get(
@@ -420,13 +424,13 @@ class Matchmaker:
             elif isinstance(record, ReadyEntry):
                 entries.append(record)
             else:
-                decls.append(record)
-        return entries, decls
+                self._remember(record)
+        return entries
 
     def read(self, round_key: str) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
         """One blocking DHT read merged with what was pushed to us: verified entries and declarations."""
         timeout_s = max(5.0, 10 * self.poll_interval_s)
-        return self._merge(round_key, *self._collect(self._start_read(round_key), round_key, timeout_s))
+        return self._merge(round_key, self._collect(self._start_read(round_key), round_key, timeout_s))
 
     # ---- matching -----------------------------------------------------------------------------------------------
     def _push_entry(self, me: ReadyEntry, targets: Sequence[ReadyEntry], pushed_to: set[str]) -> None:
@@ -458,19 +462,18 @@ class Matchmaker:
         self._push_entry(me, hinted, pushed_to)
         read_timeout_s = max(5.0, 10 * self.poll_interval_s)
         dht_entries: list[ReadyEntry] = []
-        dht_decls: list[GroupDeclaration] = []
         read, read_started, next_read_at = None, 0.0, time.monotonic()
         while True:
             now_m = time.monotonic()
             if read is not None and (read.done() or now_m > read_started + read_timeout_s):
-                dht_entries, dht_decls = self._collect(read, me.round_key, 0.0)
+                dht_entries = self._collect(read, me.round_key, 0.0)
                 read = None
             if stored is not None and stored.done():
                 if not stored.exception() and not stored.result():
                     logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
                 stored = None
             self._wake.clear()  # anything pushed from here on wakes the wait below
-            entries, decls = self._merge(me.round_key, dht_entries, dht_decls)
+            entries, decls = self._merge(me.round_key, dht_entries)
             decision = decide(
                 me,
                 entries,

@@ -251,5 +251,5 @@ def test_pushed_entries_are_kept_only_when_signed_by_their_peer(keys) -> None:
     assert not mm.offer_entry(good.model_copy(update={"port": 4001}).model_dump())  # tampered
     assert not mm.offer_entry({"peer_id": pid})  # malformed
     assert mm.offer_entry(good.model_dump())
-    entries, _ = mm._merge("e0", [], [])
+    entries, _ = mm._merge("e0", [])
     assert entries == [good]
