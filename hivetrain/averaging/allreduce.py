@@ -116,6 +116,7 @@ class ButterflyRound(RoundLinks):
         self._done = False
         self._waiting = False
         self._out: torch.Tensor | None = None
+        self._residual_out: torch.Tensor | None = None  # error feedback: what the codec drops from what we send
         self._outs: dict[int, torch.Tensor] = {}  # subround -> its result buffer
         self._mid_fired: set[int] = set()
         self._hook_lock = threading.Lock()
@@ -126,7 +127,14 @@ class ButterflyRound(RoundLinks):
         self._threads: list[threading.Thread] = []
 
     # ---- public -------------------------------------------------------------------------------------------------
-    def run(self, flat: torch.Tensor, weight: float, deadline: float, out: torch.Tensor | None = None) -> RoundOutcome:
+    def run(
+        self,
+        flat: torch.Tensor,
+        weight: float,
+        deadline: float,
+        out: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+    ) -> RoundOutcome:
         """Average ``flat`` (fp32, shape (n,), finite; not modified) with weight ``weight`` (samples).
 
         Args:
@@ -134,6 +142,9 @@ class ButterflyRound(RoundLinks):
             weight: our weight, finite, in [0, max_samples_per_round].
             deadline: ``time.monotonic()`` by which the round must be over.
             out: where the result goes, fp32 (n,) (e.g. allocated and pre-faulted during matchmaking); None = new.
+            residual_out: fp32 (n,) or None; with a codec, receives ``x - decode(encode(x))`` of every slice ``x``
+                of ``flat`` that we encode (error feedback, ``codecs.ErrorFeedback``); written even if the round
+                then fails (the caller discards it).
 
         Returns:
             The committed outcome.
@@ -143,6 +154,7 @@ class ButterflyRound(RoundLinks):
                 votes differ, too few honest members left), "excluded" (others found our data bad).
         """
         self._out = torch.empty_like(flat) if out is None else out
+        self._residual_out = residual_out if self.codec is not None else None
         others = [p for p in self.members if p != self.me]
         keys = RoundKeys(
             self.round_id, self.me, self.secret, {p: self.members[p].kx_public for p in others}, self._attach
@@ -198,10 +210,15 @@ class ButterflyRound(RoundLinks):
     def _send(self, peer_id: str, ftype: FrameType, sub: int, meta: dict, payload: Sequence = ()) -> None:
         self._send_queues[peer_id].put((ftype, sub, meta, list(payload)))
 
-    def _encode(self, x: torch.Tensor) -> list:
+    def _encode(self, x: torch.Tensor, residual_at: int | None = None) -> list:
+        """Wire buffers of ``x``; with error feedback and ``residual_at`` (the offset of ``x`` in our contribution),
+        also write what the codec dropped into the residual."""
         if self.codec is None:
             return [tensor_view(x)]
-        return codecs.to_buffers(self.codec.encode(x))
+        part = self.codec.encode(x)
+        if self._residual_out is not None and residual_at is not None:
+            torch.sub(x, self.codec.decode(part), out=self._residual_out[residual_at : residual_at + x.numel()])
+        return codecs.to_buffers(part)
 
     def _run_subrounds(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
         active = tuple(self.members)
@@ -232,7 +249,7 @@ class ButterflyRound(RoundLinks):
         for p in others:
             start, end = plan.slice_of(p)
             meta = {"w": weight, "codec": self.codec_config.name, "tag": plan.tag}
-            frames[p] = [meta, self._encode(flat[start:end])]
+            frames[p] = [meta, self._encode(flat[start:end], start)]
         self._hook("averaging.before_send", sub, flat=flat, frames=frames)
         for p in others:
             self._send(p, FrameType.PART, sub, frames[p][0], frames[p][1])
@@ -244,7 +261,10 @@ class ButterflyRound(RoundLinks):
         start, end = plan.slice_of(self.me)
         mine = flat[start:end]
         if self.codec is not None:  # our own contribution goes through the codec like everyone else's
-            mine = self.codec.decode(self.codec.encode(mine))
+            decoded = self.codec.decode(self.codec.encode(mine))
+            if self._residual_out is not None:
+                torch.sub(mine, decoded, out=self._residual_out[start:end])
+            mine = decoded
         contributions = {self.me: (mine, weight, "")}
         contributions.update({p: inbox.parts[(sub, p)] for p in others})
         bad_here = {p for p, (_, _, why) in contributions.items() if why} | (set(plan.active) & self.banned)

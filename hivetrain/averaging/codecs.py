@@ -26,8 +26,9 @@ torch.round = round-half-to-even and casts are exact or correctly rounded; no th
 Buffers are read in native byte order: every platform hivetrain supports (x86-64, aarch64) is little-endian.
 
 Error feedback (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD", EF-SGD):
-``ErrorFeedback.compress`` adds the residual left from the previous round before encoding and keeps the new residual
-``x + residual - decode(encode(x + residual))``, so the compression error is sent later instead of lost.
+``ErrorFeedback`` holds an averager's residual: the round sends ``x + residual`` and keeps the new residual
+``x + residual - decode(encode(x + residual))`` of every slice it encodes, so the compression error is sent later
+instead of lost.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ HEADER_NUM_BYTES = _HEADER.size
 MAX_BLOCK_SIZE = 1 << 20
 _FP16_MAX = 65504.0
 _LEVELS = {"int8": 127, "int4": 7}
-_NOTHING = object()
 
 
 class MalformedPart(ValueError):
@@ -352,48 +352,45 @@ def from_bytes(
 
 
 class ErrorFeedback:
-    """Per-name compression residuals kept between rounds (EF-SGD, Karimireddy et al. 2019, Alg. 2).
+    """The error-feedback residual of one averager (EF-SGD, Karimireddy et al. 2019, Alg. 2): what the codec dropped
+    from our last contribution, added to the next one so that the compression error is sent later instead of lost.
 
-    ``compress(name, x)`` encodes ``x + residual[name]`` and sets ``residual[name] = x + residual - decoded``. If the
-    round that carried the part fails (nothing applied anywhere), call ``rollback(name)`` (or ``rollback()``) before
-    retrying, so the retried part does not count the residual twice. Memory: up to two fp32 tensors per name (the
-    residual and the one it replaced). Not thread-safe: use one object per averaging loop.
+    Use per round: ``scratch = ef.apply(flat)`` adds the residual to our contribution ``flat`` (fp32, shape (n,), in
+    place) and returns ``scratch`` (fp32 (n,)); the round writes ``sent - decode(encode(sent))`` of every slice it
+    encodes into ``scratch``; then ``commit()`` if the round committed (the residual becomes ``scratch``),
+    ``commit_exact()`` if our contribution was applied without encoding (a group of one), or nothing if it failed
+    (the residual stays, so a retried round does not count it twice). Memory: two fp32 buffers of n elements.
+    Not thread-safe: one object per averager, used by its one round thread.
     """
 
-    def __init__(self, codec: Codec):
-        self.codec = codec
-        self._residual: dict[str, torch.Tensor] = {}
-        self._previous: dict[str, torch.Tensor | None] = {}
+    def __init__(self) -> None:
+        self._residual: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
 
-    def compress(self, name: str, x: torch.Tensor) -> EncodedPart:
-        """Encode ``x`` (fp32, shape (n,)) plus the stored residual; raises ValueError on a size change."""
-        x = _check_input(x)
-        residual = self._residual.get(name)
-        if residual is not None and residual.shape != x.shape:
-            raise ValueError(f"{name!r}: residual has shape {tuple(residual.shape)}, input {tuple(x.shape)}")
-        corrected = x + residual if residual is not None else x.clone()
-        part = self.codec.encode(corrected)
-        self._previous[name] = residual
-        self._residual[name] = corrected.sub_(self.codec.decode(part))
-        return part
-
-    def rollback(self, name: str | None = None) -> None:
-        """Undo the last ``compress`` of ``name`` (all names if None): its round failed and sent nothing."""
-        for key in [name] if name is not None else list(self._previous):
-            prev = self._previous.pop(key, _NOTHING)
-            if prev is None:
-                self._residual.pop(key, None)
-            elif prev is not _NOTHING:
-                self._residual[key] = prev
+    def apply(self, flat: torch.Tensor) -> torch.Tensor:
+        """Add the residual to ``flat`` in place and return the buffer for the new residual. A size change (another
+        model) starts from a zero residual."""
+        if self._residual is None or self._residual.numel() != flat.numel():
+            self._residual = torch.zeros(flat.numel(), dtype=torch.float32)
+            self._scratch = torch.zeros(flat.numel(), dtype=torch.float32)
+        assert self._scratch is not None
+        flat.add_(self._residual)
+        return self._scratch
 
     def commit(self) -> None:
-        """Forget the rollback copies (the round committed); frees their memory."""
-        self._previous = {}
+        """The round committed: the residual it wrote into the scratch buffer becomes the residual."""
+        self._residual, self._scratch = self._scratch, self._residual
 
-    def residual(self, name: str) -> torch.Tensor | None:
-        """The residual that the next ``compress(name, ...)`` adds, or None."""
-        return self._residual.get(name)
+    def commit_exact(self) -> None:
+        """Our contribution (residual included) was applied exactly: nothing is left to send."""
+        if self._residual is not None:
+            self._residual.zero_()
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """The residual that the next ``apply`` adds (fp32 (n,)), or None before the first round."""
+        return self._residual
 
     def reset(self) -> None:
-        """Drop all residuals (e.g. after a state download replaced the parameters)."""
-        self._residual, self._previous = {}, {}
+        """Drop the residual (frees its memory)."""
+        self._residual = self._scratch = None

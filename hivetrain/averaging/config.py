@@ -33,6 +33,12 @@ class AveragingConfig:
         compression: wire codec of parts and results ("none" = fp32 bit-exact inputs; "fp16", "int8", "int4"
             quantize what is sent; every member still ends bit-identical).
         codec_block_size: elements per quantization block for int8/int4.
+        error_feedback: keep what the codec dropped from our contribution (fp32, one value per averaged element) and
+            add it to the next round's contribution (EF-SGD, Karimireddy et al. 2019, "Error Feedback Fixes SignSGD",
+            Alg. 2), for quantized pseudo-gradients as in Streaming DiLoCo (Douillard et al. 2025, 4-bit outer
+            gradients). Only what we send is corrected; the reducers' re-encoding of the averaged slice is not. A
+            failed round keeps the residual unchanged. Costs 4 bytes of memory per averaged element. Needs
+            ``compression`` other than "none".
         aggregation: "mean" = sample-weighted mean; "centered_clip" = weighted CenteredClip (Karimireddy et al.
             2021, "Learning from History for Byzantine Robust Optimization"), robust to a minority of outliers.
         clip_tau: CenteredClip radius (L2 norm per slice, in the units of the averaged tensors).
@@ -57,6 +63,7 @@ class AveragingConfig:
     poll_interval_s: float = Field(default=0.1, gt=0.0, le=10.0)
     compression: Literal["none", "fp16", "int8", "int4"] = "none"
     codec_block_size: int = Field(default=64, ge=1, le=1 << 20)
+    error_feedback: bool = False
     aggregation: Literal["mean", "centered_clip"] = "mean"
     clip_tau: float = Field(default=1.0, gt=0.0)
     clip_iters: int = Field(default=5, ge=1, le=100)
@@ -87,5 +94,7 @@ class AveragingConfig:
                 f"averaging.poll_interval_s ({self.poll_interval_s}) must be smaller than "
                 f"averaging.matchmaking_time_s ({self.matchmaking_time_s})"
             )
+        if self.error_feedback and self.compression == "none":
+            raise ValueError("averaging.error_feedback needs averaging.compression (fp16, int8 or int4): none is exact")
         if self.strategy != "butterfly" and self.target_group_size < 2:
             raise ValueError(f"averaging.strategy={self.strategy!r} needs averaging.target_group_size >= 2")

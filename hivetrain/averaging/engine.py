@@ -12,6 +12,10 @@ Strategies:
     "gossip"     the same with random pairs (``groups.gossip_pairs``); an approximate average.
 For "moshpit"/"gossip" each inner round is all-or-nothing within its group, but different groups end with different
 values until the rounds mix them completely; a failed inner round keeps our current value and goes on.
+
+Error feedback (``config.error_feedback``, with a codec): our contribution is ``tensors + residual``, and the residual
+becomes what the codec dropped from it (``codecs.ErrorFeedback``) once a round that carried it commits; a failed
+call leaves the residual as it was. For "moshpit"/"gossip" the first committed inner round carries it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome, all_finite
 from hivetrain.averaging.base import RoundFailed, RoundResult
+from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
@@ -135,6 +140,7 @@ class GroupAverager:
         self.bans = BanList(BanConfig(base_duration_s=ban_s, max_duration_s=max(3600.0, ban_s)))
         self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)
         self._outputs = _OutputBuffers()  # result buffers, reused once the caller has let go of them
+        self._feedback = ErrorFeedback() if config.error_feedback else None
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._closed = False
@@ -199,10 +205,12 @@ class GroupAverager:
             flat = self.pool.take(sum(t.numel() for t in tensors))  # reused between calls: no page faults
             try:
                 torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+                # a zero-weight contribution counts for nothing: it neither carries nor consumes the residual
+                residual = self._feedback.apply(flat) if self._feedback is not None and weight > 0 else None
                 if self.config.strategy == "butterfly":
-                    outcome, round_id, group = self._butterfly(flat, float(weight), epoch, deadline)
+                    outcome, round_id, group = self._butterfly(flat, float(weight), epoch, deadline, residual)
                 else:
-                    outcome, round_id, group = self._mixing(flat, float(weight), epoch, deadline)
+                    outcome, round_id, group = self._mixing(flat, float(weight), epoch, deadline, residual)
             finally:
                 self.pool.give(flat)
         result_tensors, offset = [], 0
@@ -276,6 +284,7 @@ class GroupAverager:
         epoch,
         deadline,
         out,
+        residual_out=None,
         **kw,
     ) -> RoundOutcome:
         entries = {m.peer_id: m for m in decl.members}
@@ -283,20 +292,32 @@ class GroupAverager:
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
                            config=self.config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
                            **kw)  # fmt: skip
-        return r.run(flat, weight, deadline, out=out)
+        return r.run(flat, weight, deadline, out=out, residual_out=residual_out)
 
-    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float):
+    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual):
         out = self._outputs
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
         decl, secret, banned = self._match(f"e{epoch}", self.config.target_group_size, deadline)
         ids = decl.member_ids()
         if len(ids) == 1:
             solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0)
+            self._feedback_done(residual, exact=True)
             return solo, decl.round_id, ids
-        outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, out.get(), banned=banned)
+        outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, out.get(), residual,
+                            banned=banned)  # fmt: skip
+        self._feedback_done(residual)
         return outcome, decl.round_id, outcome.contributors
 
-    def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float):
+    def _feedback_done(self, residual, exact: bool = False) -> None:
+        """A round that carried our contribution (residual included) committed."""
+        if residual is None or self._feedback is None:
+            return
+        if exact:
+            self._feedback.commit_exact()
+        else:
+            self._feedback.commit()
+
+    def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual):
         """Moshpit / gossip: agree on the participants once, then ``moshpit_rounds`` rounds in derived groups."""
         cfg = self.config
         decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline)
@@ -319,13 +340,16 @@ class GroupAverager:
             round_id = hashlib.sha256(f"{decl.round_id}|{r}|{','.join(group)}".encode()).hexdigest()[:32]
             max_weight = cfg.max_samples_per_round * (cfg.target_group_size + 1) ** r
             try:
-                outcome = self._run(round_id, decl, group, secret, current, current_w, epoch, deadline, None,
+                carry = residual if committed == 0 else None  # our own contribution is in the first committed round
+                outcome = self._run(round_id, decl, group, secret, current, current_w, epoch, deadline, None, carry,
                                     banned=banned, max_weight=max_weight)  # fmt: skip
             except RoundFailed as exc:
                 logger.warning("%s round %d of epoch %d failed: %s", cfg.strategy, r, epoch, exc)
                 if time.monotonic() >= deadline:
                     break
                 continue
+            if committed == 0:
+                self._feedback_done(residual)
             committed += 1
             current = outcome.flat
             if cfg.strategy == "moshpit":  # a group's mean stands for its members' total weight (exact on a full grid)
@@ -334,6 +358,8 @@ class GroupAverager:
             excluded |= set(outcome.excluded)
         if committed == 0 and len(ids) > 1:
             raise RoundFailed("aborted", f"none of the {cfg.moshpit_rounds} {cfg.strategy} rounds committed")
+        if len(ids) == 1:
+            self._feedback_done(residual, exact=True)
         result = current.clone() if current is flat else current  # ``flat`` goes back to the pool
         outcome = RoundOutcome(result, ids, tuple(sorted(excluded)), current_w, sent, received)
         return outcome, decl.round_id, tuple(p for p in ids if p not in excluded)

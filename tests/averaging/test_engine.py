@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 
 import pytest
 import torch
@@ -235,3 +236,34 @@ def test_gossip_preserves_the_weighted_sum_and_contracts(make_averagers) -> None
     var_before = sum(w * float((x[0] - mean).square().sum()) for x, w in zip(inputs, weights, strict=True))
     var_after = sum(w * float((r.tensors[0] - mean).square().sum()) for r, w in zip(results, weights, strict=True))
     assert var_after < 0.9 * var_before
+
+
+def test_error_feedback_sends_what_int4_dropped_in_later_rounds(make_averagers) -> None:
+    """The same inputs every round: plain int4 rounds repeat the same quantization error, while with error feedback
+    what each peer's codec dropped goes out in later rounds, so the mean of the results over rounds approaches the
+    exact weighted mean. A round that fails leaves every residual as it was."""
+    inputs, weights, num_rounds = _inputs(3, seed=5), [1.0, 2.0, 3.0], 6
+    expected = torch.cat([t.reshape(-1) for t in _weighted_mean(inputs, weights)])
+    errors = {}
+    for first, feedback in ((0, False), (3, True)):
+        cfg = AveragingConfig(target_group_size=3, compression="int4", error_feedback=feedback, **SLOW_OK)
+        avgs = make_averagers(3, cfg, first=first, prefix_=f"ef-{feedback}-{uuid.uuid4().hex[:8]}.avg")
+        total = torch.zeros_like(expected, dtype=torch.float64)
+        for epoch in range(num_rounds):
+            results = _average_all(avgs, inputs, weights, epoch=epoch)
+            assert all(isinstance(r, RoundResult) for r in results), results
+            assert len({_digest(r) for r in results}) == 1
+            total += torch.cat([t.reshape(-1) for t in results[0].tensors]).double()
+        errors[feedback] = float((total / num_rounds - expected.double()).abs().mean())
+        if feedback:
+            kept = [a._feedback.residual.clone() for a in avgs]
+            assert all(float(r.abs().max()) > 0 for r in kept)
+            breaker = FaultInjector()
+            breaker.arm(Fault("averaging.before_commit", "raise"))
+            avgs[2].faults = breaker
+            results = _average_all(avgs, inputs, weights, epoch=num_rounds)
+            assert breaker.fired_count("averaging.before_commit") == 1
+            assert all(isinstance(r, RoundFailed) for r in results), results
+            for avg, before in zip(avgs, kept, strict=True):
+                assert torch.equal(avg._feedback.residual, before)
+    assert errors[True] < 0.5 * errors[False], errors
