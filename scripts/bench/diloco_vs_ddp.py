@@ -66,11 +66,13 @@ def worker(rank: int, args: argparse.Namespace, port: int, arm: str, out: mp.Que
         outer_momentum=args.outer_momentum,
     )
     sent = 0
-    codec, bits_per_float = None, 32.0
+    codec, feedback, bits_per_float = None, None, 32.0
     if arm.startswith("diloco-"):
-        from hivetrain.averaging.codecs import CodecConfig, make_codec
+        from hivetrain.averaging.codecs import CodecConfig, ErrorFeedback, make_codec
 
-        codec = make_codec(CodecConfig(name=arm.removeprefix("diloco-"), block_size=64))
+        name = arm.removeprefix("diloco-")
+        codec = make_codec(CodecConfig(name=name.removesuffix("-ef"), block_size=64))
+        feedback = ErrorFeedback() if name.endswith("-ef") else None
         bits_per_float = codec.encode(torch.zeros(1 << 16)).num_bytes * 8 / (1 << 16)
     started = time.perf_counter()
     if arm == "ddp":
@@ -99,10 +101,17 @@ def worker(rank: int, args: argparse.Namespace, port: int, arm: str, out: mp.Que
             inner.run(batches, first_step=epoch * args.inner_steps, num_steps=args.inner_steps)
             deltas = pseudo_gradient(state, model)
             flat = torch.cat([d.reshape(-1) for d in deltas])
-            if codec is not None:  # what the wire carries: each worker's pseudo-gradient, quantized per block
-                flat = codec.decode(codec.encode(flat))
+            if codec is not None:  # as hivetrain's round: each contribution (+ EF residual) is quantized per block
+                residual = feedback.apply(flat) if feedback is not None else None
+                quantized = codec.decode(codec.encode(flat))
+                if residual is not None:
+                    torch.sub(flat, quantized, out=residual)
+                    feedback.commit()
+                flat = quantized
             dist.all_reduce(flat)
             flat /= args.workers
+            if codec is not None:  # ... and so is the reduced mean, which every worker decodes from the same bytes
+                flat = codec.decode(codec.encode(flat))
             sent += int(ring_bytes(num_floats, args.workers) * bits_per_float / 32)
             avg, offset = [], 0
             for d in deltas:
@@ -164,7 +173,8 @@ def main() -> int:
     parser.add_argument(
         "--codecs",
         default="",
-        help="also run DiLoCo with these pseudo-gradient codecs, comma-separated (fp16,int8,int4)",
+        help="also run DiLoCo with these pseudo-gradient codecs, comma-separated: fp16, int8, int4, and any of "
+        "them with -ef for error feedback (e.g. int4,int4-ef)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -172,6 +182,9 @@ def main() -> int:
         parser.error("--steps must be a multiple of --inner-steps")
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
+    for name in filter(None, args.codecs.split(",")):
+        if name.removesuffix("-ef") not in ("fp16", "int8", "int4"):
+            parser.error(f"--codecs: unknown codec {name!r} (fp16, int8, int4, optionally with -ef)")
     ddp = run_arm(args, "ddp")
     diloco = run_arm(args, "diloco")
     codecs = {name: run_arm(args, f"diloco-{name}") for name in filter(None, args.codecs.split(","))}
@@ -190,16 +203,16 @@ def main() -> int:
         "eval_loss_ratio_diloco_over_ddp": diloco["eval_loss"] / ddp["eval_loss"],
         "diloco_wall_s": diloco["wall_s"],
         "ddp_wall_s": ddp["wall_s"],
-        "codecs": {name: {"eval_loss": r["eval_loss"], "bytes": r["bytes"]} for name, r in codecs.items()},
+        "codecs": {name: {k: r[k] for k in ("eval_loss", "bytes", "wall_s")} for name, r in codecs.items()},
     }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{'':10}{'eval loss':>12}{'bytes sent':>16}{'wall s':>10}")
-        print(f"{'DDP':10}{ddp['eval_loss']:12.4f}{ddp['bytes']:16,}{ddp['wall_s']:10.1f}")
-        print(f"{'DiLoCo':10}{diloco['eval_loss']:12.4f}{diloco['bytes']:16,}{diloco['wall_s']:10.1f}")
+        print(f"{'':16}{'eval loss':>12}{'bytes sent':>16}{'wall s':>10}")
+        print(f"{'DDP':16}{ddp['eval_loss']:12.4f}{ddp['bytes']:16,}{ddp['wall_s']:10.1f}")
+        print(f"{'DiLoCo':16}{diloco['eval_loss']:12.4f}{diloco['bytes']:16,}{diloco['wall_s']:10.1f}")
         for name, r in codecs.items():
-            print(f"{'DiLoCo ' + name:10}{r['eval_loss']:12.4f}{r['bytes']:16,}{r['wall_s']:10.1f}")
+            print(f"{'DiLoCo ' + name:16}{r['eval_loss']:12.4f}{r['bytes']:16,}{r['wall_s']:10.1f}")
         print(
             f"DiLoCo/DDP eval loss {result['eval_loss_ratio_diloco_over_ddp']:.3f}; "
             f"DDP sent {result['bytes_ratio_ddp_over_diloco']:.0f}x the bytes of DiLoCo (H={args.inner_steps})"
