@@ -16,6 +16,8 @@ Loading trusts nothing on disk: the newest checkpoint whose manifest parses, who
 whose safetensors loads (no pickle) and fits the model, and whose recomputed ``state_hash`` equals the manifest's
 is returned; every other one is logged with its reason and skipped for the one before it.
 
+The format and its verification live in ``checkpoint_format`` (re-exported here).
+
 Fault hook: ``checkpoint.mid_write`` fires (context ``epoch``, ``path``) after ``state.safetensors`` is written into
 the temporary directory and before the manifest exists.
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -34,42 +35,42 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
-from hivetrain.diloco.state import MOMENTUM_PREFIX, TrainingState
+from hivetrain.coordinator.checkpoint_format import (
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    STATE_FILE,
+    CheckpointInvalid,
+    Status,
+    fsync_dir,
+    fsync_file,
+    load_checkpoint,
+    read_manifest,
+    sha256_file,
+    verify_checkpoint,
+)
+from hivetrain.diloco.state import TrainingState
 from hivetrain.faults import NO_FAULTS, FaultInjector
+
+__all__ = [
+    "MANIFEST_FILE",
+    "STATE_FILE",
+    "CheckpointInfo",
+    "CheckpointInvalid",
+    "CheckpointStore",
+    "load_checkpoint",
+    "verify_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "state.safetensors"
-MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = "hivetrain-checkpoint/1"
 _DIR_RE = re.compile(r"^epoch-(\d{6,})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
-_HASH_CHUNK_BYTES = 8 * 2**20
-
-Status = Literal["ok", "torn", "tampered", "incompatible"]
-
-
-class CheckpointInvalid(Exception):
-    """A checkpoint directory failed verification.
-
-    Attributes:
-        status: "torn" (incomplete: missing/short file, missing or unparsable manifest), "tampered" (complete but
-            its bytes or hashes disagree), or "incompatible" (valid but for another model).
-        reason: human-readable cause.
-    """
-
-    def __init__(self, status: Status, reason: str):
-        super().__init__(f"{status}: {reason}")
-        self.status = status
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -173,11 +174,11 @@ class CheckpointStore:
                     trash = self.root / f"{_TRASH_PREFIX}{final.name}-{secrets.token_hex(4)}"
                     os.rename(final, trash)
                     os.rename(tmp, final)
-                    _fsync_dir(self.root)
+                    fsync_dir(self.root)
                     shutil.rmtree(trash, ignore_errors=True)
                 else:
                     os.rename(tmp, final)
-                    _fsync_dir(self.root)
+                    fsync_dir(self.root)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -197,7 +198,7 @@ class CheckpointStore:
         save_file(
             state.to_flat_dict(), str(state_path), metadata={"format": "hivetrain-state", "epoch": str(state.epoch)}
         )
-        _fsync_file(state_path)
+        fsync_file(state_path)
         self.faults.check("checkpoint.mid_write", epoch=state.epoch, path=str(tmp))
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -207,7 +208,7 @@ class CheckpointStore:
             "model_fingerprint": fingerprint,
             "run_config": run_config,
             "extra": extra,
-            "files": {STATE_FILE: {"sha256": _sha256_file(state_path), "num_bytes": state_path.stat().st_size}},
+            "files": {STATE_FILE: {"sha256": sha256_file(state_path), "num_bytes": state_path.stat().st_size}},
             "created_at": time.time(),
         }
         manifest_path = tmp / MANIFEST_FILE
@@ -215,7 +216,7 @@ class CheckpointStore:
             json.dump(manifest, f, indent=1, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
 
     def _sweep_temporaries(self) -> None:
         """Delete temporary and trash directories. Only called under the writer lock, so none is in use."""
@@ -234,7 +235,7 @@ class CheckpointStore:
                 self._verified = {k: v for k, v in self._verified.items() if k[0] != path.name}
                 continue
             try:
-                _read_manifest(path, epoch, check_sizes=True)
+                read_manifest(path, epoch, check_sizes=True)
                 complete += 1
             except CheckpointInvalid:
                 pass
@@ -271,7 +272,7 @@ class CheckpointStore:
         for epoch, path in self._epoch_dirs():
             created_at, num_bytes = 0.0, 0
             try:
-                manifest = _read_manifest(path, epoch, check_sizes=True)
+                manifest = read_manifest(path, epoch, check_sizes=True)
                 created_at = float(manifest["created_at"])
                 num_bytes = sum(int(f["num_bytes"]) for f in manifest["files"].values())
                 status, reason = self._verify_cached(path, epoch) if verify else ("ok", "")
@@ -302,159 +303,7 @@ class CheckpointStore:
         return sorted(found, key=lambda item: item[0], reverse=True)
 
 
-# ---------------------------------------------------------------------- verification (pure reads)
-
-
-def verify_checkpoint(path: Path, expected_epoch: int | None = None) -> dict[str, Any]:
-    """Fully check one checkpoint directory without a reference model; returns its manifest.
-
-    Raises:
-        CheckpointInvalid: with status "torn" or "tampered" and the reason.
-    """
-    manifest = _read_manifest(path, expected_epoch, check_sizes=True)
-    flat = _load_verified_tensors(path, manifest)
-    names = manifest["param_names"]
-    try:
-        state = TrainingState(
-            epoch=manifest["epoch"],
-            params={n: flat.pop(n) for n in names},
-            momentum={n: flat.pop(MOMENTUM_PREFIX + n) for n in names},
-        )
-    except (KeyError, ValueError) as exc:
-        raise CheckpointInvalid("tampered", f"tensors do not form a training state: {exc}") from None
-    if flat:
-        raise CheckpointInvalid("tampered", f"unexpected tensors {sorted(flat)[:3]}")
-    _check_hash(state, manifest)
-    return manifest
-
-
-def load_checkpoint(
-    path: Path, reference: TrainingState, expected_epoch: int | None = None
-) -> tuple[TrainingState, dict[str, Any]]:
-    """Load and fully check one checkpoint directory against the current model.
-
-    Args:
-        path: an ``epoch-N`` directory.
-        reference: a state of the current model (names, shapes, dtypes are compared; values unused).
-        expected_epoch: the epoch the directory name promises, if any.
-
-    Returns:
-        (state, manifest); state tensors are fp32, contiguous, on the CPU.
-
-    Raises:
-        CheckpointInvalid: "torn", "tampered" or "incompatible" with the reason.
-    """
-    manifest = _read_manifest(path, expected_epoch, check_sizes=True)
-    flat = _load_verified_tensors(path, manifest)
-    if manifest["param_names"] != list(reference.params):
-        raise CheckpointInvalid("incompatible", "parameter names differ from the current model")
-    try:
-        state = TrainingState.from_flat_dict(flat, epoch=manifest["epoch"], reference=reference)
-    except ValueError as exc:
-        raise CheckpointInvalid("incompatible", str(exc)) from None
-    _check_hash(state, manifest)
-    return state, manifest
-
-
-def _read_manifest(path: Path, expected_epoch: int | None, check_sizes: bool) -> dict[str, Any]:
-    manifest_path = path / MANIFEST_FILE
-    try:
-        raw = manifest_path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointInvalid("torn", "no manifest.json (write never finished)") from None
-    except OSError as exc:
-        raise CheckpointInvalid("torn", f"cannot read manifest.json: {exc}") from None
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointInvalid("torn", f"manifest.json does not parse: {exc}") from None
-    problem = _manifest_problem(manifest)
-    if problem:
-        raise CheckpointInvalid("tampered", f"manifest.json: {problem}")
-    if expected_epoch is not None and manifest["epoch"] != expected_epoch:
-        raise CheckpointInvalid("tampered", f"manifest epoch {manifest['epoch']} != directory epoch {expected_epoch}")
-    if check_sizes:
-        for name, entry in manifest["files"].items():
-            try:
-                size = (path / name).stat().st_size
-            except FileNotFoundError:
-                raise CheckpointInvalid("torn", f"{name} is missing") from None
-            if size < entry["num_bytes"]:
-                raise CheckpointInvalid("torn", f"{name} is truncated: {size} of {entry['num_bytes']} bytes")
-            if size > entry["num_bytes"]:
-                raise CheckpointInvalid("tampered", f"{name} has {size} bytes, manifest says {entry['num_bytes']}")
-    return manifest
-
-
-def _manifest_problem(manifest: Any) -> str:
-    """What is wrong with a parsed manifest's structure ("" if nothing)."""
-    if not isinstance(manifest, dict):
-        return "not an object"
-    if manifest.get("format") != MANIFEST_FORMAT:
-        return f"unknown format {manifest.get('format')!r}"
-    epoch = manifest.get("epoch")
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        return f"bad epoch {epoch!r}"
-    if not isinstance(manifest.get("state_hash"), str) or not re.fullmatch(r"[0-9a-f]{64}", manifest["state_hash"]):
-        return "bad state_hash"
-    names = manifest.get("param_names")
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        return "bad param_names"
-    if not isinstance(manifest.get("created_at"), (int, float)):
-        return "bad created_at"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != {STATE_FILE}:
-        return f"files must list exactly {STATE_FILE}"
-    entry = files[STATE_FILE]
-    if not (
-        isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("num_bytes"), int)
-    ):
-        return f"bad entry for {STATE_FILE}"
-    return ""
-
-
-def _load_verified_tensors(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The state file's tensors, hashed and parsed from one in-memory read.
-
-    Reading once into memory (not ``safetensors.load_file``, which maps the file) means the bytes that are hashed
-    are the bytes that are parsed, and a file truncated or rewritten later cannot crash this process (SIGBUS on a
-    mapped page) or change the loaded tensors. Peak memory is twice the state size.
-    """
-    entry = manifest["files"][STATE_FILE]
-    try:
-        data = (path / STATE_FILE).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointInvalid("torn", f"{STATE_FILE} is missing") from None
-    if len(data) != entry["num_bytes"]:
-        status: Status = "torn" if len(data) < entry["num_bytes"] else "tampered"
-        raise CheckpointInvalid(status, f"{STATE_FILE} has {len(data)} bytes, manifest says {entry['num_bytes']}")
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != entry["sha256"]:
-        raise CheckpointInvalid("tampered", f"{STATE_FILE} sha256 {actual[:12]}… != manifest {entry['sha256'][:12]}…")
-    try:
-        return load_tensors(data)
-    except (SafetensorError, ValueError) as exc:
-        raise CheckpointInvalid("tampered", f"{STATE_FILE} does not load: {exc}") from None
-
-
-def _check_hash(state: TrainingState, manifest: dict[str, Any]) -> None:
-    actual = state.state_hash()
-    if actual != manifest["state_hash"]:
-        raise CheckpointInvalid("tampered", f"state_hash {actual[:12]}… != manifest {manifest['state_hash'][:12]}…")
-
-
 # ---------------------------------------------------------------------- filesystem helpers
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK_BYTES):
-                digest.update(chunk)
-    except FileNotFoundError:
-        raise CheckpointInvalid("torn", f"{path.name} is missing") from None
-    return digest.hexdigest()
 
 
 def _stat_key(path: Path) -> tuple[int, int, int]:
@@ -463,22 +312,6 @@ def _stat_key(path: Path) -> tuple[int, int, int]:
     except FileNotFoundError:
         return (0, 0, 0)
     return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _WriterLock:
