@@ -3,7 +3,8 @@
 Each peer is a separate process (spawn). Per case (peers x floats) every framework runs ``--repeats`` timed rounds
 after one warm-up round; a round's time is the slowest peer's wall time of one call (hivetrain ``average`` and
 hivemind ``step`` include their DHT matchmaking; gloo ``all_reduce`` has none), and the reported figure is the
-median over rounds.
+median over rounds. The ratios use these times. A separate column ("ht match s") shows how much of hivetrain's
+time the slowest peer spent matchmaking (announce, DHT reads, pushed entries/declarations) in the same rounds.
 
     python scripts/bench/allreduce.py                   # 2 and 4 peers x 10M and 50M float32, 3 repeats
     python scripts/bench/allreduce.py --quick           # CI size: 2 peers x 1M floats, 1 repeat
@@ -44,14 +45,27 @@ def _input(rank: int, num_floats: int):
     )
 
 
-def _timed_rounds(rank: int, rounds: int, barrier, one_round: Callable[[int], None], out) -> None:
+def _timed_rounds(rank: int, rounds: int, barrier, one_round: Callable[[int], None], out, parts=None) -> None:
+    """Per round: wait for every peer (barrier), then time one call. ``parts``: a list that the call fills with the
+    seconds of a sub-phase (hivetrain's matchmaking), reported alongside."""
     times = []
     for r in range(rounds):
         barrier.wait(timeout=600)
         start = time.perf_counter()
         one_round(r)
         times.append(time.perf_counter() - start)
-    out.put((rank, times))
+    out.put((rank, times, list(parts or [])))
+
+
+def _timed(fn: Callable, into: list) -> Callable:
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    return wrapper
 
 
 def _hivetrain_worker(rank: int, peers: int, num_floats: int, rounds: int, maddrs, barrier, out) -> None:
@@ -68,8 +82,10 @@ def _hivetrain_worker(rank: int, peers: int, num_floats: int, rounds: int, maddr
     avg = GroupAverager(node, "bench.avg", config, listen_host="127.0.0.1")
     avg.start()
     x = [_input(rank, num_floats)]
+    match_s: list[float] = []
+    avg.matchmaker.match = _timed(avg.matchmaker.match, match_s)  # this instance only: the breakdown column
     try:
-        _timed_rounds(rank, rounds, barrier, lambda r: avg.average(x, 1.0, r, 300.0), out)
+        _timed_rounds(rank, rounds, barrier, lambda r: avg.average(x, 1.0, r, 300.0), out, match_s)
     finally:
         avg.shutdown()
         node.shutdown()
@@ -111,8 +127,9 @@ def _gloo_worker(rank: int, peers: int, num_floats: int, rounds: int, port: int,
         dist.destroy_process_group()
 
 
-def run_case(framework: str, peers: int, num_floats: int, repeats: int, timeout_s: float) -> float:
-    """Median seconds per round (slowest peer) over ``repeats`` rounds after one warm-up round."""
+def run_case(framework: str, peers: int, num_floats: int, repeats: int, timeout_s: float) -> tuple[float, float | None]:
+    """Median seconds per round (slowest peer) over ``repeats`` rounds after one warm-up round, and the median of
+    the slowest peer's sub-phase time (hivetrain's matchmaking; None for the others)."""
     ctx = mp.get_context("spawn")
     barrier, out, maddrs = ctx.Barrier(peers), ctx.Queue(), ctx.Queue()
     rounds = repeats + 1
@@ -126,7 +143,7 @@ def run_case(framework: str, peers: int, num_floats: int, repeats: int, timeout_
     for p in procs:
         p.start()
     try:
-        per_rank = dict(out.get(timeout=timeout_s) for _ in range(peers))
+        per_rank = {rank: (times, parts) for rank, times, parts in (out.get(timeout=timeout_s) for _ in range(peers))}
     finally:
         for p in procs:
             p.join(30)
@@ -134,8 +151,9 @@ def run_case(framework: str, peers: int, num_floats: int, repeats: int, timeout_
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    slowest = [max(per_rank[r][i] for r in range(peers)) for i in range(1, rounds)]
-    return statistics.median(slowest)
+    slowest = [max(per_rank[r][0][i] for r in range(peers)) for i in range(1, rounds)]
+    parts = [max(per_rank[r][1][i] for r in range(peers)) for i in range(1, rounds) if per_rank[0][1]]
+    return statistics.median(slowest), (statistics.median(parts) if parts else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         for num_floats in args.floats:
             row: dict = {"peers": peers, "floats": num_floats}
             for fw in FRAMEWORKS:
-                row[f"{fw}_s"] = None if fw in args.skip else run_case(fw, peers, num_floats, args.repeats,
-                                                                          args.timeout_s)  # fmt: skip
+                skipped = fw in args.skip
+                row[f"{fw}_s"], part = (None, None) if skipped else run_case(fw, peers, num_floats, args.repeats,
+                                                                             args.timeout_s)  # fmt: skip
+                if fw == "hivetrain":
+                    row["hivetrain_match_s"] = part
                 if not args.json:
                     print(f"  {fw:9s} peers={peers} floats={num_floats:,}: {row[f'{fw}_s']}", file=sys.stderr)
             rows.append(row)
@@ -165,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows))
         return 0
     print(
-        f"{'peers':>5} {'floats':>12} {'hivetrain s':>12} {'hivemind s':>11} {'gloo s':>8} {'ht/hm':>7} {'ht/gloo':>8}"
+        f"{'peers':>5} {'floats':>12} {'hivetrain s':>12} {'hivemind s':>11} {'gloo s':>8} {'hm/ht':>7} {'ht/gloo':>8} "
+        f"{'ht match s':>11}"
     )
     for row in rows:
         ht, hm, gl = row["hivetrain_s"], row["hivemind_s"], row["gloo_s"]
@@ -175,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"{row['peers']:>5} {row['floats']:>12,} {fmt(ht, '12.3f')} {fmt(hm, '11.3f')} {fmt(gl, '8.3f')} "
-            f"{fmt(ht / hm if ht and hm else None, '7.2f')} {fmt(ht / gl if ht and gl else None, '8.2f')}"
+            f"{fmt(hm / ht if ht and hm else None, '7.2f')} {fmt(ht / gl if ht and gl else None, '8.2f')} "
+            f"{fmt(row.get('hivetrain_match_s'), '11.3f')}"
         )
     return 0
 
