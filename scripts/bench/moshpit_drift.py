@@ -24,11 +24,13 @@ averages θ' only (the bytes of "delta") and leaves each peer's momentum local.
 After each outer step e, once every peer has finished it, the collector computes with
 ``groups.max_relative_deviation`` (max_p ||x_p − x̄|| / ||x̄||, float64):
 
-    theta     the peers' θ after the step
+    theta     the peers' θ after the step (also max_p ||θ_p − θ̄||, and that divided by ||θ̄ − θ̄ of the previous
+              step||: the drift in units of one outer update, which the cosine schedule's shrinking steps cannot hide)
     avg_delta the averaged pseudo-gradients Δ̄_p each peer applied
     raw_delta the pseudo-gradients Δ_p before averaging (what averaging had to contract)
 
-and every ``--eval-every`` steps the held-out loss of the mean model θ̄. Boundedness statistic, per series:
+and every ``--eval-every`` steps the held-out loss of the mean model θ̄ (at the last step also of every peer's own θ,
+what a volunteer's model is worth). Boundedness statistic, per series:
 growth = mean over the last quarter of the steps / mean over the second quarter (stationary ≈ 1; a random walk
 √t gives ≈ 1.5; linear growth ≈ 2.3); the verdict is "bounded" when theta growth <= ``--growth-limit``.
 
@@ -97,7 +99,8 @@ class StepRow:
     theta_steps: float  # theta_abs / ||θ̄ − θ̄ of the previous step||: drift in units of this step's update
     avg_delta: float
     raw_delta: float
-    eval_loss: float | None
+    eval_loss: float | None  # of the mean model θ̄
+    peer_eval_losses: list[float] | None  # of each peer's θ, last step only
     round_s: float
     failures: int
     failure_reasons: list[str]
@@ -299,6 +302,9 @@ def drift_row(got: list[StepReport], prev_mean: list[torch.Tensor], peers: list[
     epoch = got[0].epoch + 1
     if args.eval_every and (epoch % args.eval_every == 0 or epoch == args.steps):
         eval_loss = evaluate(mean_model(list(peers[0].state.params), thetas, template), eval_windows)
+    peer_losses = None
+    if epoch == args.steps and args.eval_every:  # what each volunteer's own model is worth at the end
+        peer_losses = [evaluate(mean_model(list(peers[0].state.params), [ts], template), eval_windows) for ts in thetas]
     row = StepRow(
         epoch=epoch,
         theta=theta_rel,
@@ -307,6 +313,7 @@ def drift_row(got: list[StepReport], prev_mean: list[torch.Tensor], peers: list[
         avg_delta=avg_drift,
         raw_delta=max_relative_deviation([r.raw_delta for r in got]),
         eval_loss=eval_loss,
+        peer_eval_losses=peer_losses,
         round_s=statistics.median(r.round_s for r in got),
         failures=sum(r.group_size == 0 for r in got),
         failure_reasons=[f"peer {r.peer}: {r.failure}" for r in got if r.failure],
@@ -416,6 +423,8 @@ def summarize(rows: list[StepRow], args, strategy: str, cfg: AveragingConfig, in
         "failures": sum(r.failures for r in rows),
         "initial_eval_loss": initial_loss,
         "final_eval_loss": losses[-1] if losses else None,
+        "final_peer_eval_loss_mean": statistics.fmean(rows[-1].peer_eval_losses) if rows[-1].peer_eval_losses else None,
+        "final_peer_eval_loss_max": max(rows[-1].peer_eval_losses) if rows[-1].peer_eval_losses else None,
         "theta_drift_max": max(theta),
         "theta_drift_final": theta[-1],
         "theta_abs_final": rows[-1].theta_abs,
@@ -447,7 +456,9 @@ def verdict_line(s: dict, limit: float) -> str:
         f"verdict {s['strategy']}/{s['average']}: θ drift {word}: growth (mean last quarter / mean second quarter) "
         f"{s['theta_growth']:.2f} (limit {limit}), max {s['theta_drift_max']:.3e}, final "
         f"{s['theta_steps_final']:.2f} outer steps' worth (growth {s['theta_steps_growth']:.2f}); {delta}"
-        f"eval loss {s['initial_eval_loss']:.3f} -> {s['final_eval_loss'] or math.nan:.3f}; "
+        f"eval loss {s['initial_eval_loss']:.3f} -> {s['final_eval_loss'] or math.nan:.3f} (mean model), "
+        f"peers' own {s['final_peer_eval_loss_mean'] or math.nan:.3f} mean, "
+        f"{s['final_peer_eval_loss_max'] or math.nan:.3f} worst; "
         f"{s['failures']} failed rounds; {s['s_per_step']:.1f} s/step, {s['bytes_per_step'] / 1e6:.1f} MB/step"
     )
 
