@@ -479,7 +479,7 @@ def main() -> int:
     )
     parser.add_argument("--group-size", type=int, default=2, help="moshpit/gossip target_group_size")
     parser.add_argument("--moshpit-rounds", type=int, default=1, help="averaging rounds per outer step")
-    parser.add_argument("--matchmaking-time-s", type=float, default=2.0, help="matchmaking window, seconds")
+    parser.add_argument("--matchmaking-time-s", type=float, default=3.0, help="matchmaking window, seconds")
     parser.add_argument("--model", default="tiny", help="model preset")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per window")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per inner step")
