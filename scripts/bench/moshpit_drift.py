@@ -187,7 +187,8 @@ class StateBoard:
 
 
 def average_step(peer: Peer, deltas: list[torch.Tensor], weight: float, args, timeout_s: float):
-    """One outer step; returns (the Δ̄ applied or None, RoundResult). Raises RoundFailed (θ and m unchanged).
+    """One outer step: (the Δ̄ applied, or None when the state itself is averaged; the state of epoch + 1; the
+    RoundResult). Raises RoundFailed (``peer.state`` is not touched).
 
     "delta" (``hivetrain.diloco.trainer``): average Δ, apply the outer step to our own θ and m.
     "state" (Moshpit SGD on the state): apply the outer step with our own Δ, then average (θ', m') in the same
