@@ -94,6 +94,7 @@ class ButterflyRound(RoundLinks):
         banned: frozenset[str] = frozenset(),
         max_weight: float | None = None,
         pool: BufferPool | None = None,
+        fallback=None,
     ):
         self.round_id, self.me, self.secret, self.server = round_id, me, secret, server
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
@@ -102,6 +103,7 @@ class ButterflyRound(RoundLinks):
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
         self.max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
         self.pool = pool or BufferPool()
+        self.fallback = fallback  # relay.P2PFallback: links over libp2p to members direct TCP cannot reach
         self._taken: list[torch.Tensor] = []
         self._receiving = 0
         self.codec_config = codecs.CodecConfig(

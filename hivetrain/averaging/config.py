@@ -47,6 +47,8 @@ class AveragingConfig:
         max_subrounds: how many times a round restarts its all-reduce without members caught sending bad data.
         moshpit_rounds: averaging rounds per outer step for "moshpit" and "gossip".
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of data-plane sockets, bytes (0 = the OS default).
+        libp2p_fallback: when a member's data port cannot be dialed over TCP (NAT, firewall), carry the link over a
+            libp2p stream of the DHT's p2pd instead (relays, hole punching; slower). False = such members fail.
     """
 
     strategy: Literal["butterfly", "moshpit", "gossip"] = "butterfly"
@@ -71,6 +73,7 @@ class AveragingConfig:
     max_subrounds: int = Field(default=2, ge=1, le=8)
     moshpit_rounds: int = Field(default=2, ge=1, le=32)
     socket_buffer_bytes: int = Field(default=4 * 2**20, ge=0, le=1 << 30)
+    libp2p_fallback: bool = True
 
     def __post_init__(self) -> None:
         if self.min_group_size > self.target_group_size:

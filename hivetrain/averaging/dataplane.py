@@ -74,6 +74,10 @@ class LinkClosed(ConnectionError):
     """The link failed: the peer closed it, reset it, stalled past the timeout, or broke the protocol."""
 
 
+class Unreachable(LinkClosed):
+    """No direct TCP connection could be opened to a member's announced data-plane address."""
+
+
 class AuthFailed(ConnectionError):
     """The handshake did not prove the peer's identity for this round."""
 
@@ -226,6 +230,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _tune(sock: socket.socket, buffer_num_bytes: int) -> None:
+    if sock.family == socket.AF_UNIX:  # a libp2p stream bridged to a socket pair (``relay``): nothing to tune
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buffer_num_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_num_bytes)
@@ -261,18 +267,24 @@ def dial(
     part_timeout_s: float,
     buffer_num_bytes: int,
     join_wait_s: float = 0.0,
+    sock: socket.socket | None = None,
 ) -> Link:
     """Connect to member ``peer_id`` and authenticate both ways within ``connect_timeout_s`` (+ ``join_wait_s``,
     how long the member may hold our HELLO until it has learned of the round itself).
 
+    ``sock``: an already connected socket to use instead of dialing ``host:port`` (a libp2p stream bridged to a
+    socket by ``relay.P2PFallback``); it is authenticated the same way and closed on failure.
+
     Raises:
-        LinkClosed: unreachable, or it closed the connection (e.g. it is not in this round).
+        Unreachable: no TCP connection to ``host:port`` (the caller may try the libp2p fallback).
+        LinkClosed: it closed the connection (e.g. it is not in this round).
         AuthFailed: it did not prove it holds the secret of its signed entry.
     """
-    try:
-        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-    except OSError as exc:
-        raise LinkClosed(f"cannot connect to {peer_id} at {host}:{port}: {_describe(exc)}") from None
+    if sock is None:
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        except OSError as exc:
+            raise Unreachable(f"cannot connect to {peer_id} at {host}:{port}: {_describe(exc)}") from None
     _tune(sock, buffer_num_bytes)
     key = pair_key(keys.secret, keys.peers[peer_id], keys.round_id, keys.my_id, peer_id)
     link = Link(sock, peer_id, key, connect_timeout_s)
@@ -423,6 +435,16 @@ class DataPlaneServer:
             self._thread.join(timeout_s)
         if self._sock is not None:
             self._sock.close()
+
+    def accept_connection(self, conn: socket.socket) -> None:
+        """Serve a connection that arrived another way (a libp2p stream bridged to a socket by ``relay``): it is
+        authenticated exactly like one accepted on our TCP port. Closed at once if we are shut down or too many
+        handshakes are pending."""
+        if self._stop.is_set() or not self._pending.acquire(blocking=False):
+            self.rejected += 1
+            conn.close()
+            return
+        threading.Thread(target=self._handshake, args=(conn,), name="hivetrain-avg-hs", daemon=True).start()
 
     def _accept_loop(self) -> None:
         assert self._sock is not None

@@ -39,6 +39,7 @@ from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration, Matchmaker
+from hivetrain.averaging.relay import P2PFallback
 from hivetrain.averaging.validation import BanConfig, BanList
 from hivetrain.faults import NO_FAULTS, FaultInjector
 
@@ -141,6 +142,7 @@ class GroupAverager:
         self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)
         self._outputs = _OutputBuffers()  # result buffers, reused once the caller has let go of them
         self._feedback = ErrorFeedback() if config.error_feedback else None
+        self.fallback: P2PFallback | None = None  # set by start() if config.libp2p_fallback
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._closed = False
@@ -151,6 +153,14 @@ class GroupAverager:
         if self._started.is_set():
             return
         self.server.start()
+        if self.config.libp2p_fallback:
+            fallback = P2PFallback(self.node, self.prefix, self.server)
+            try:
+                fallback.start(timeout_s=max(10.0, self.config.connect_timeout_s))
+                self.fallback = fallback
+            except Exception as exc:  # noqa: BLE001 - direct TCP still works; say what is lost
+                fallback.shutdown()
+                logger.warning("no libp2p fallback for the data plane (peers behind NAT cannot average): %s", exc)
         if self.announce_host is None:
             specific = self.listen_host not in ("0.0.0.0", "::", "")
             self.announce_host = self.listen_host if specific else _announce_host_from(self.node.visible_maddrs())
@@ -167,6 +177,8 @@ class GroupAverager:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop accepting links; idempotent. A round in progress fails on its own within its timeouts."""
         self._closed = True
+        if self.fallback is not None:
+            self.fallback.shutdown(timeout_s)
         self.server.shutdown(timeout_s)
         self.pool.clear()
 
@@ -291,7 +303,7 @@ class GroupAverager:
         members = [Member(p, entries[p].host, entries[p].port, entries[p].kx_public) for p in ids]
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
                            config=self.config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
-                           **kw)  # fmt: skip
+                           fallback=self.fallback, **kw)  # fmt: skip
         return r.run(flat, weight, deadline, out=out, residual_out=residual_out)
 
     def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual):

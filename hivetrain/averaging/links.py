@@ -10,6 +10,7 @@ inbox and never read again (``StopReading``); nothing received is unpickled (fra
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,9 +20,11 @@ import torch
 
 from hivetrain.averaging import codecs
 from hivetrain.averaging.base import RoundFailed
-from hivetrain.averaging.dataplane import FrameType, Link, LinkClosed, RoundKeys, dial, mac
+from hivetrain.averaging.dataplane import FrameType, Link, LinkClosed, RoundKeys, Unreachable, dial, mac
 from hivetrain.averaging.reduce import Plan, tensor_view, wire_num_bytes
 from hivetrain.averaging.validation import BadContribution, validate_part, validate_weight
+
+logger = logging.getLogger(__name__)
 
 
 class StopReading(Exception):
@@ -33,7 +36,12 @@ class RoundLinks:
     ``members``, ``me``, ``config``, ``faults``, ``epoch``, ``round_id``, ``codec``/``codec_config``,
     ``max_weight``, ``_cond`` (guards everything below), ``_links``, ``_send_queues``, ``_plans``, ``_outs``,
     ``_inbox``, ``_done``, ``_waiting``, ``_receiving``, ``_threads``, ``_mid_fired``/``_hook_lock``,
-    ``_vote_sent_at``/``_vote_received_at``; and ``_take(num_elements)`` (a pooled receive buffer).
+    ``_vote_sent_at``/``_vote_received_at``, ``fallback`` (a ``relay.P2PFallback`` or None); and
+    ``_take(num_elements)`` (a pooled receive buffer).
+
+    Dialing: the member with the smaller id dials, over direct TCP first; if that fails (``Unreachable``) and a
+    libp2p fallback is set, over a libp2p stream (``relay``), which is also used first for members that were
+    unreachable recently.
     """
 
     # ---- links --------------------------------------------------------------------------------------------------
@@ -55,11 +63,8 @@ class RoundLinks:
         cfg = self.config
 
         def dial_one(peer_id: str) -> None:
-            m = self.members[peer_id]
             try:
-                link = dial(m.host, m.port, keys, peer_id, connect_timeout_s=cfg.connect_timeout_s,
-                            part_timeout_s=cfg.part_timeout_s, buffer_num_bytes=cfg.socket_buffer_bytes,
-                            join_wait_s=cfg.connect_timeout_s + cfg.declare_grace_s)  # fmt: skip
+                link = self._dial(peer_id, keys)
             except ConnectionError as exc:
                 self._post_error(peer_id, str(exc))
                 return
@@ -68,8 +73,27 @@ class RoundLinks:
         for p in others:
             if p > self.me:  # the smaller id dials: one connection per pair
                 threading.Thread(target=dial_one, args=(p,), name="hivetrain-avg-dial", daemon=True).start()
-        connect_deadline = min(deadline, time.monotonic() + 3 * cfg.connect_timeout_s + cfg.declare_grace_s)
+        attempts = 4 if self.fallback is not None else 3  # a direct dial may time out before the libp2p one
+        connect_deadline = min(deadline, time.monotonic() + attempts * cfg.connect_timeout_s + cfg.declare_grace_s)
         self._wait(lambda: all(p in self._links for p in others), others, connect_deadline, "connecting", "peer_failed")
+
+    def _dial(self, peer_id: str, keys: RoundKeys) -> Link:
+        """An authenticated link to ``peer_id``: direct TCP, else (or at once if it was unreachable recently) a
+        libp2p stream. Raises ConnectionError (LinkClosed, AuthFailed) if neither works."""
+        cfg, m, fallback = self.config, self.members[peer_id], self.fallback
+        opts = dict(connect_timeout_s=cfg.connect_timeout_s, part_timeout_s=cfg.part_timeout_s,
+                    buffer_num_bytes=cfg.socket_buffer_bytes,
+                    join_wait_s=cfg.connect_timeout_s + cfg.declare_grace_s)  # fmt: skip
+        if fallback is None or not fallback.prefers_libp2p(peer_id):
+            try:
+                return dial(m.host, m.port, keys, peer_id, **opts)
+            except Unreachable as exc:  # behind NAT or a firewall? libp2p may still reach it (relays, hole punching)
+                if fallback is None:
+                    raise
+                logger.info("%s; trying libp2p", exc)
+                fallback.note_unreachable(peer_id)
+        sock = fallback.open_socket(peer_id, cfg.connect_timeout_s)
+        return dial(m.host, m.port, keys, peer_id, sock=sock, **opts)
 
     def _post_error(self, peer_id: str, reason: str) -> None:
         with self._cond:

@@ -1,0 +1,170 @@
+"""The libp2p fallback of the data plane: links to members that direct TCP cannot reach go over a libp2p stream.
+
+A volunteer behind NAT announces a data-plane address nobody can dial. hivemind's p2pd still reaches it (a direct
+libp2p connection, hole punching, or a circuit relay with ``use_relay``), so when a direct TCP dial fails, the
+dialing member opens a libp2p stream to the member's peer id (stream handler ``"{prefix}.data"``) and runs the same
+data-plane protocol over it: each stream is bridged to one end of a local socket pair, and the other end is used
+exactly like a TCP socket (``dataplane.dial(sock=...)`` on the dialing side, ``DataPlaneServer.accept_connection``
+on the accepting side). The X25519 handshake bound to the signed ready entries authenticates these links as it does
+TCP ones; libp2p adds its own transport encryption (Noise/TLS). Throughput is lower than direct TCP (every byte
+crosses the p2pd daemons and this process's event loop), so direct TCP is always tried first, and a member whose
+direct dial failed is dialed over libp2p at once for ``remember_unreachable_s`` seconds.
+
+If a member dies mid-stream, its daemon closes the stream, the bridge closes our socket end, and the round sees a
+closed link (``LinkClosed``) as for TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+
+from hivemind.p2p import P2P, PeerID
+
+from hivetrain.averaging.dataplane import DataPlaneServer, LinkClosed
+from hivetrain.peers.loop import LoopThread
+
+logger = logging.getLogger(__name__)
+
+CHUNK_NUM_BYTES = 1 << 16  # bytes moved per read between a stream and its socket
+
+
+async def _daemon_listen_maddr(_dht, node):
+    """Runs inside the DHT process (``DHT.run_coroutine``): the control address of its p2pd."""
+    return node.p2p.daemon_listen_maddr
+
+
+class UnreachableCache:
+    """Members whose direct dial failed recently (pure: time injected). Thread-safe."""
+
+    def __init__(self, remember_s: float):
+        self.remember_s = remember_s
+        self._failed_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, peer_id: str, now: float) -> None:
+        with self._lock:
+            self._failed_at[peer_id] = now
+            for p in [p for p, t in self._failed_at.items() if now - t > self.remember_s]:
+                del self._failed_at[p]
+
+    def is_unreachable(self, peer_id: str, now: float) -> bool:
+        with self._lock:
+            failed_at = self._failed_at.get(peer_id)
+        return failed_at is not None and now - failed_at <= self.remember_s
+
+
+class P2PFallback:
+    """Opens and serves data-plane links over libp2p streams of our DHT node's p2pd.
+
+    Args:
+        node: our running DHT node (``peers.node.PeerNode``).
+        prefix: the averager's DHT prefix; the stream handler is ``f"{prefix}.data"``.
+        server: the averager's data-plane server, which authenticates incoming links.
+        remember_unreachable_s: how long a member whose direct dial failed is dialed over libp2p first, seconds.
+    """
+
+    def __init__(self, node, prefix: str, server: DataPlaneServer, remember_unreachable_s: float = 600.0):
+        self.node, self.server = node, server
+        self.handler_name = f"{prefix}.data"
+        self.unreachable = UnreachableCache(remember_unreachable_s)
+        self._loop: LoopThread | None = None
+        self._p2p: P2P | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, timeout_s: float) -> None:
+        """Connect to our p2pd and register the stream handler. Raises TimeoutError or the daemon's error.
+
+        The connection is our own P2P client, not ``DHT.replicate_p2p()``: that one is cached per process and bound
+        to the event loop that first asked for it (the trainer's, or an averager's that has since shut down), and a
+        stream handler served by a stopped loop stalls every stream sent to it."""
+        self._loop = LoopThread(name="hivetrain-avg-p2p")
+        daemon_maddr = self.node.dht.run_coroutine(_daemon_listen_maddr)
+        self._p2p = self._loop.run(P2P.replicate(daemon_maddr), timeout_s)
+        self._loop.run(self._p2p.add_binary_stream_handler(self.handler_name, self._on_stream), timeout_s)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Unregister the handler and close open bridges; idempotent."""
+        loop, p2p, self._loop = self._loop, self._p2p, None
+        if loop is None or p2p is None:
+            return
+
+        async def stop() -> None:
+            with contextlib.suppress(Exception):
+                await p2p.remove_binary_stream_handler(self.handler_name)
+            for task in list(self._tasks):
+                task.cancel()
+            await p2p.shutdown()  # our client only: the daemon belongs to the DHT
+
+        with contextlib.suppress(Exception):
+            loop.run(stop(), timeout_s)
+        loop.loop.call_soon_threadsafe(loop.loop.stop)
+
+    def open_socket(self, peer_id: str, timeout_s: float) -> socket.socket:
+        """A socket whose bytes travel over a new libp2p stream to ``peer_id``'s data plane.
+
+        Raises:
+            LinkClosed: the stream could not be opened within ``timeout_s`` seconds (or we are shut down).
+        """
+        loop, p2p = self._loop, self._p2p
+        if loop is None or p2p is None:
+            raise LinkClosed("the libp2p fallback is not running")
+
+        async def open_stream() -> socket.socket:
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.handler_name)
+            ours, theirs = socket.socketpair()
+            self._spawn(self._bridge(reader, writer, theirs))
+            return ours
+
+        try:
+            return loop.run(open_stream(), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any daemon error means "cannot reach it over libp2p either"
+            raise LinkClosed(f"no libp2p stream to {peer_id}: {type(exc).__name__}: {exc}") from None
+
+    def note_unreachable(self, peer_id: str) -> None:
+        self.unreachable.mark(peer_id, time.monotonic())
+
+    def prefers_libp2p(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s direct dial failed recently (dial it over libp2p first)."""
+        return self.unreachable.is_unreachable(peer_id, time.monotonic())
+
+    # ---- bridging -----------------------------------------------------------------------------------------------
+    async def _on_stream(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ours, theirs = socket.socketpair()
+        self.server.accept_connection(ours)  # authenticated by the server's handshake thread, like a TCP link
+        await self._bridge(reader, writer, theirs)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock: socket.socket) -> None:
+        """Copy bytes both ways between a libp2p stream and ``sock`` until both directions end; then close both."""
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+
+        async def to_stream() -> None:
+            while data := await loop.sock_recv(sock, CHUNK_NUM_BYTES):
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+
+        async def to_socket() -> None:
+            while data := await reader.read(CHUNK_NUM_BYTES):
+                await loop.sock_sendall(sock, data)
+            sock.shutdown(socket.SHUT_WR)
+
+        try:
+            results = await asyncio.gather(to_stream(), to_socket(), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, ConnectionError | asyncio.CancelledError):
+                    logger.debug("libp2p data-plane bridge ended: %s", r)
+        finally:
+            sock.close()
+            writer.close()
