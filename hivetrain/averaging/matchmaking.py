@@ -55,6 +55,7 @@ MAX_VERIFIED = 4096  # signature checks remembered
 FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, seconds
 FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
 HINT_FANOUT = 2  # we push our entry to this many of the smallest members of our previous group
+ANNOUNCE_DELAY_S = 0.05  # a follower that told its likely leader uses the DHT only if not matched by then, seconds
 
 
 class ReadyEntry(BaseModel):
@@ -456,18 +457,25 @@ class Matchmaker:
             (decision, reason); ``decision.action`` is "joined" (with its declaration) or a failure action.
             A "timeout" is reported as ("no_group", ...).
         """
-        stored = self.announce(me, ttl_s)  # we read meanwhile: our own entry is in our view anyway
+        # A follower of a previous group tells its likely leader directly, and uses the DHT (store its entry, read)
+        # only if that formed no group within ANNOUNCE_DELAY_S: a matched entry is consumed at once, nobody needs it.
+        # Leaders and newcomers (no smaller peer to tell) announce and read at once, so a newcomer finds the leader
+        # in the DHT and the leader finds the newcomer. This takes two DHT operations per follower off every round.
         pushed_to: set[str] = set()
         hinted = [h for h in self._hints if h.peer_id < me.peer_id and h.peer_id not in banned][:HINT_FANOUT]
         self._push_entry(me, hinted, pushed_to)
+        announce_at = time.monotonic() + (ANNOUNCE_DELAY_S if hinted else 0.0)
+        stored = None
         read_timeout_s = max(5.0, 10 * self.poll_interval_s)
         dht_entries: list[ReadyEntry] = []
-        read, read_started, next_read_at = None, 0.0, time.monotonic()
+        read, read_started, next_read_at = None, 0.0, announce_at
         while True:
             now_m = time.monotonic()
             if read is not None and (read.done() or now_m > read_started + read_timeout_s):
                 dht_entries = self._collect(read, me.round_key, 0.0)
                 read = None
+            if announce_at is not None and now_m >= announce_at:
+                stored, announce_at = self.announce(me, ttl_s), None  # we read meanwhile: our entry is in our view
             if stored is not None and stored.done():
                 if not stored.exception() and not stored.result():
                     logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
@@ -509,4 +517,5 @@ class Matchmaker:
             if now_m >= deadline_monotonic:
                 return Decision("no_group", "call deadline reached during matchmaking"), "deadline"
             wake_at = read_started + read_timeout_s if read is not None else next_read_at
+            wake_at = wake_at if announce_at is None else min(wake_at, announce_at)
             self._wake.wait(max(0.0, min(wake_at, deadline_monotonic) - now_m))

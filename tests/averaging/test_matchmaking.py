@@ -177,6 +177,7 @@ class FakeDHT:
         self.data: dict = {}
         self.stalled = False
         self.hung: list[Future] = []
+        self.stored: list[tuple[str, bytes]] = []  # (key, subkey) of every store call
 
     def _future(self, value) -> Future:
         f: Future = Future()
@@ -187,6 +188,7 @@ class FakeDHT:
         return f
 
     def store(self, key, value, expiration_time, subkey, return_future):
+        self.stored.append((key, subkey))
         if not self.stalled:
             self.data.setdefault(key, {})[subkey] = ValueWithExpiration(value, expiration_time)
         return self._future(True)
@@ -235,13 +237,17 @@ def test_peers_that_averaged_before_match_through_their_data_ports_while_the_dht
     first = _match_both(mms, "e0", 5.0)  # through the DHT: they learn of each other
     assert [d.action for d, _ in first] == ["joined", "joined"], first
     dht.stalled = True
+    del pushes[:]
     started = time.monotonic()
     second = _match_both(mms, "e1", 5.0)
     assert [d.action for d, _ in second] == ["joined", "joined"], second
     assert second[0][0].declaration == second[1][0].declaration and "(full)" in second[0][1]
     assert time.monotonic() - started < 2.0  # no DHT answer was needed (the window would have been 5 s)
     assert dht.hung and not any(f.done() for f in dht.hung)  # the DHT really was asked and never answered
-    assert pushes.count("ready") >= 2 and pushes.count("group") >= 2  # entries went to the leader, and back
+    assert pushes == ["ready", "group"]  # the follower's entry went to its previous leader, the declaration back
+    leader = mms[0].node.owner_marker
+    stored = sorted(subkey for key, subkey in dht.stored if ".e1." in key)
+    assert stored == [leader + b"|group", leader + b"|ready"]  # the follower, matched in time, used no DHT at all
 
 
 def test_pushed_entries_are_kept_only_when_signed_by_their_peer(keys) -> None:
