@@ -1,8 +1,9 @@
 """Agreeing on averaging groups over the DHT: signed readiness, a deterministic leader, a signed declaration.
 
-Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under ``{prefix}.{round_key}.*``:
+Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the one DHT key ``{prefix}.{round_key}.mm``
+(one DHT get per poll reads both kinds):
 
-1. Every peer that calls ``average`` announces a ``ReadyEntry`` under ``.ready`` (DHT subkey = its owner marker, so
+1. Every peer that calls ``average`` announces a ``ReadyEntry`` (DHT subkey = its owner marker + ``b"|ready"``, so
    every DHT node checks hivemind's RSA signature). The entry also carries its own RSA signature (``signature``
    over ``signed_bytes``) so that it can be embedded in someone else's declaration and still be checked offline.
    It holds the data-plane address, a fresh session id and a fresh X25519 public key (``kx_public``) used to
@@ -12,13 +13,17 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under ``{pre
    ``average`` within ``matchmaking_time_s`` of the first one are grouped together. When ``target_group_size``
    candidates are ready the group is declared at once ("full").
 3. The leader is the smallest peer id among the candidates. It stores a ``GroupDeclaration`` (signed: subkey = its
-   owner marker) listing the members' signed entries. Followers accept only a declaration that lists their own
-   current session, signed by its leader, whose embedded entries all verify; with several, the one with the
-   smallest leader id wins (the rare case of two leaders that did not see each other; if members then disagree,
+   owner marker + ``b"|group"``) listing the members' signed entries. Followers accept only a declaration that
+   lists their own current session, signed by its leader, whose embedded entries all verify; with several, the one
+   with the smallest leader id wins (the rare case of two leaders that did not see each other; if members then disagree,
    the data-plane handshake or the commit vote fails the round and the callers retry).
 4. A peer not listed in a group whose window closed fails at once: ``late`` (it closed before we announced) or
    ``not_in_group`` (its leader did not see us in time); a follower whose leader declares nothing fails with
    ``no_group`` after the group deadline + ``declare_grace_s``.
+
+The same signed records also travel directly between data ports (``Matchmaker``): followers push their entry to
+the expected leader, the leader pushes its declaration to the followers. They only speed things up (a group forms in
+one round trip instead of several DHT polls); what is decided is the same.
 
 ``decide`` is a pure function of what a peer has read and ``now`` (DHT time, seconds): tests drive it without a
 DHT. ``Matchmaker`` does the I/O. Clocks of peers are assumed synchronised within ~1 s (NTP), as hivemind does.
