@@ -362,7 +362,8 @@ def run_strategy(args: argparse.Namespace, strategy: str, corpus: Corpus) -> dic
             averager.start()
             averager.wait_ready(timeout_s=10.0)
             model = build_model(model_cfg, seed=args.seed)  # same θ0 on every peer, as after a state download
-            batches = corpus.train_batches(args.seq_len, args.batch_size, stream_seed(args.seed, node.peer_id))
+            # seeded by the peer's index, not its (fresh, random) peer id: every strategy sees the same data
+            batches = corpus.train_batches(args.seq_len, args.batch_size, stream_seed(args.seed, f"peer{i}"))
             inner = InnerOptimizer(model, diloco_config(args))
             peers.append(Peer(i, node, averager, model, TrainingState.from_model(model), inner, batches))
         template = build_model(model_cfg, seed=args.seed)
