@@ -284,13 +284,13 @@ class ButterflyRound(RoundLinks):
         payload = self._encode(reduced)
         if self.codec is not None:  # everyone, us included, uses the decoded bytes
             dest.copy_(codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start)))
+        own_meta = {"excluded": sorted(bad_here), "weights": {p: contributions[p][1] for p in kept}}
+        for p in others:  # queued first: the senders start while we hash (read-only, both)
+            self._send(p, FrameType.RESULT, sub, own_meta, payload)
         hasher = blake3.blake3()
         for buf in payload:
             hasher.update(buf)
         own_digest = hasher.digest()
-        own_meta = {"excluded": sorted(bad_here), "weights": {p: contributions[p][1] for p in kept}}
-        for p in others:
-            self._send(p, FrameType.RESULT, sub, own_meta, payload)
 
         # gather everyone's slice
         # We wait for no result from a member known to be bad (we read nothing more from one that sent us a bad

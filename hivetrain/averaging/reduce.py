@@ -93,12 +93,13 @@ def all_finite(x: torch.Tensor) -> bool:
 def weighted_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``out = sum_i w_i parts_i / sum_i w_i`` in fp32, in list order, in place: one pass per part and no allocation
     (``robust.weighted_mean`` does two passes per part and allocates, to be bit-reproducible across machines; here
-    only the reducer computes, everyone else receives its bytes). Weights finite, >= 0, with a positive sum."""
+    only the reducer computes, everyone else receives its bytes). Weights finite, >= 0, with a positive sum; they are
+    normalized first (w_i / sum), which saves the final division pass."""
     total = math.fsum(weights)
-    torch.mul(parts[0], weights[0], out=out)
+    torch.mul(parts[0], weights[0] / total, out=out)
     for p, w in zip(parts[1:], weights[1:], strict=True):
-        out.add_(p, alpha=w)
-    return out.div_(total)
+        out.add_(p, alpha=w / total)
+    return out
 
 
 class BufferPool:
