@@ -37,6 +37,8 @@ growth = mean over the last quarter of the steps / mean over the second quarter 
 A failed round (``RoundFailed``) is counted and shown; that peer then downloads the state of a peer that finished the
 epoch (as the trainer's ``sync_state`` does once the others moved on), or keeps θ if none did.
 
+Exit status 1 when some strategy's θ drift is not bounded. ``--quick`` is a smoke size (4 peers, 8 steps, < 1 min).
+
 Example: scripts/bench/moshpit_drift.py --strategies moshpit,gossip,butterfly --steps 40 --json
 """
 
