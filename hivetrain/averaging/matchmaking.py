@@ -25,6 +25,8 @@ The same signed records also travel directly between data ports (``Matchmaker``)
 the expected leader, the leader pushes its declaration to the followers. They only speed things up (a group forms in
 one round trip instead of several DHT polls); what is decided is the same.
 
+The records themselves, their signatures and checks live in ``group_records`` (re-exported here).
+
 ``decide`` is a pure function of what a peer has read and ``now`` (DHT time, seconds): tests drive it without a
 DHT. ``Matchmaker`` does the I/O. Clocks of peers are assumed synchronised within ~1 s (NTP), as hivemind does.
 Nothing read from the DHT is unpickled: values are msgpack dicts validated with pydantic; forged ones are dropped.
@@ -32,28 +34,45 @@ Nothing read from the DHT is unpickled: values are msgpack dicts validated with 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import msgpack
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
-from pydantic import BaseModel, ConfigDict, Field
 
-from hivetrain.peers.identity import peer_id_of_owner
+from hivetrain.averaging.group_records import (
+    MAX_MEMBERS,
+    GroupDeclaration,
+    ReadyEntry,
+    make_round_id,
+    sign_declaration,
+    sign_entry,
+    signed_bytes,
+    verify_declaration,
+    verify_entry,
+)
 from hivetrain.peers.records import parse_signed
+
+__all__ = [
+    "MAX_MEMBERS",
+    "Decision",
+    "GroupDeclaration",
+    "Matchmaker",
+    "ReadyEntry",
+    "decide",
+    "make_round_id",
+    "sign_declaration",
+    "sign_entry",
+    "signed_bytes",
+    "verify_declaration",
+    "verify_entry",
+]
 
 logger = logging.getLogger(__name__)
 
-_DOMAIN = b"hivetrain.averaging.ready.v1"
-_DECL_DOMAIN = b"hivetrain.averaging.group.v1"
-MAX_MEMBERS = 4096
 MAX_PUSHED = 64  # pushed declarations remembered per round key, and round keys remembered
 MAX_PUSHED_ENTRIES = 1024  # pushed ready entries remembered per round key (the latest per peer)
 MAX_VERIFIED = 4096  # signature checks remembered
@@ -61,103 +80,6 @@ FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, second
 FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
 HINT_FANOUT = 2  # we push our entry to this many of the smallest members of our previous group
 ANNOUNCE_DELAY_S = 0.05  # a follower that told its likely leader uses the DHT only if not matched by then, seconds
-
-
-class ReadyEntry(BaseModel):
-    """A peer ready to average in one round key. Units: seconds of DHT (unix) time."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    peer_id: str = Field(min_length=1, max_length=128)
-    round_key: str = Field(min_length=1, max_length=128)
-    session: bytes = Field(min_length=16, max_length=16)
-    host: str = Field(min_length=1, max_length=255)
-    port: int = Field(ge=1, le=65535)
-    kx_public: bytes = Field(min_length=32, max_length=32, description="X25519 public key for this session")
-    announced_at: float = Field(ge=0.0)
-    deadline: float = Field(ge=0.0, description="the peer stops waiting for a group at this time")
-    public_key: bytes = Field(min_length=16, max_length=2048, description="RSA public key (hivemind ssh format)")
-    signature: bytes = Field(default=b"", max_length=1024)
-
-
-def signed_bytes(prefix: str, entry: ReadyEntry) -> bytes:
-    """The bytes an entry's ``signature`` covers: every field but the signature, bound to ``prefix``."""
-    fields = entry.model_dump(exclude={"signature"})
-    return _DOMAIN + msgpack.packb([prefix, *(fields[k] for k in sorted(fields))], use_bin_type=True)
-
-
-def sign_entry(prefix: str, entry: ReadyEntry, private_key: RSAPrivateKey) -> ReadyEntry:
-    """``entry`` with ``signature`` set by ``private_key`` (whose public key must be ``entry.public_key``)."""
-    return entry.model_copy(update={"signature": private_key.sign(signed_bytes(prefix, entry))})
-
-
-def verify_entry(prefix: str, entry: ReadyEntry) -> bool:
-    """Whether ``entry`` is signed by the key of ``entry.peer_id`` (never raises)."""
-    try:
-        marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", entry.public_key)
-        if peer_id_of_owner(marker) != entry.peer_id:
-            return False
-        return RSAPublicKey.from_bytes(entry.public_key).verify(signed_bytes(prefix, entry), entry.signature)
-    except Exception:  # noqa: BLE001 - any parse failure means "not verified"
-        return False
-
-
-class GroupDeclaration(BaseModel):
-    """The leader's word on who averages together. ``members`` are sorted by peer id; units: DHT seconds."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    leader: str = Field(min_length=1, max_length=128)
-    round_key: str = Field(min_length=1, max_length=128)
-    round_id: str = Field(min_length=1, max_length=64)
-    members: tuple[ReadyEntry, ...] = Field(min_length=1, max_length=MAX_MEMBERS)
-    declared_at: float = Field(ge=0.0)
-    reason: Literal["full", "window"]
-    signature: bytes = Field(default=b"", max_length=1024, description="the leader's RSA signature")
-
-    def member_ids(self) -> tuple[str, ...]:
-        return tuple(m.peer_id for m in self.members)
-
-    def includes(self, entry: ReadyEntry) -> bool:
-        return any(m.peer_id == entry.peer_id and m.session == entry.session for m in self.members)
-
-
-def _declaration_bytes(prefix: str, decl: GroupDeclaration) -> bytes:
-    fields = decl.model_dump(exclude={"signature"})
-    return _DECL_DOMAIN + msgpack.packb([prefix, *(fields[k] for k in sorted(fields))], use_bin_type=True)
-
-
-def sign_declaration(prefix: str, decl: GroupDeclaration, private_key: RSAPrivateKey) -> GroupDeclaration:
-    """``decl`` signed by its leader (so it can travel outside the DHT, e.g. pushed over the data plane)."""
-    return decl.model_copy(update={"signature": private_key.sign(_declaration_bytes(prefix, decl))})
-
-
-def verify_declaration(
-    prefix: str, decl: GroupDeclaration, verify_member: Callable[[str, ReadyEntry], bool] = verify_entry
-) -> bool:
-    """Whether ``decl`` is well formed and signed by its leader, and every member entry by its member (checked with
-    ``verify_member(prefix, entry)``, e.g. a cached ``verify_entry``)."""
-    ids = decl.member_ids()
-    leader = [m for m in decl.members if m.peer_id == decl.leader]
-    if list(ids) != sorted(set(ids)) or len(leader) != 1 or ids[0] != decl.leader:
-        return False
-    if decl.round_id != make_round_id(prefix, decl.round_key, decl.members):
-        return False
-    if not all(m.round_key == decl.round_key and verify_member(prefix, m) for m in decl.members):
-        return False
-    try:
-        key = RSAPublicKey.from_bytes(leader[0].public_key)
-        return bool(key.verify(_declaration_bytes(prefix, decl), decl.signature))
-    except Exception:  # noqa: BLE001 - any parse failure means "not verified"
-        return False
-
-
-def make_round_id(prefix: str, round_key: str, members: Iterable[ReadyEntry]) -> str:
-    """Deterministic id of a group: sha256 over the prefix, round key and the members' (peer id, session)."""
-    h = hashlib.sha256(f"{prefix}|{round_key}".encode())
-    for m in sorted(members, key=lambda e: e.peer_id):
-        h.update(m.peer_id.encode() + b"|" + m.session)
-    return h.hexdigest()[:32]
 
 
 @dataclass(frozen=True)

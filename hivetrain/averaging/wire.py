@@ -1,0 +1,208 @@
+"""The data-plane wire: fixed-header binary frames over one socket (TCP, or a libp2p stream bridged to a socket pair),
+per-pair keys and MACs, and ``Link``, which sends and receives frames with timeouts. ``dataplane`` dials, accepts and
+authenticates links; ``links`` runs them in a round.
+
+Frame (little-endian)::
+
+    magic b"HVA1" | version u8 | type u8 | subround u16 | meta num_bytes u32 | payload num_bytes u64
+    | meta (msgpack map, <= MAX_META_BYTES) | payload (raw bytes)
+
+The receiver checks magic, version, type and both sizes before reading anything else; payload sizes must equal what
+the round expects exactly. Metadata is msgpack (plain types only); nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import logging
+import socket
+import struct
+from collections.abc import Callable, Mapping, Sequence
+
+import msgpack
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"HVA1"
+_VERSION = 1
+HEADER = struct.Struct("<4sBBHIQ")
+MAX_META_BYTES = 1 << 20
+MAX_HANDSHAKE_META_BYTES = 4096
+MAX_DECLARE_META_BYTES = 8 << 20
+MAX_PENDING_CONNECTIONS = 256
+_CHUNK_BYTES = 8 << 20
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    PART = 4
+    RESULT = 5
+    VOTE = 6
+    HEARTBEAT = 7
+    DECLARE = 8
+    READY = 9
+
+
+class LinkClosed(ConnectionError):
+    """The link failed: the peer closed it, reset it, stalled past the timeout, or broke the protocol."""
+
+
+class Unreachable(LinkClosed):
+    """No direct TCP connection could be opened to a member's announced data-plane address."""
+
+
+class AuthFailed(ConnectionError):
+    """The handshake did not prove the peer's identity for this round."""
+
+
+def pair_key(own_secret: X25519PrivateKey, peer_public: bytes, round_id: str, id_a: str, id_b: str) -> bytes:
+    """The 32-byte key shared by two members of a round (order of ``id_a``/``id_b`` does not matter)."""
+    shared = own_secret.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    lo, hi = sorted((id_a, id_b))
+    info = f"hivetrain.averaging.link.v1|{lo}|{hi}".encode()
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=round_id.encode(), info=info).derive(shared)
+
+
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over the length-prefixed ``parts``."""
+    h = hmac.new(key, digestmod="sha256")
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little") + p)
+    return h.digest()
+
+
+class Link:
+    """One authenticated TCP connection to a group member. Sends and receives may run on two threads at once.
+
+    Every blocking call waits at most ``timeout_s`` for *progress* (a byte moving), so a stalled or vanished peer
+    raises LinkClosed after that long, whatever the frame size.
+    """
+
+    def __init__(self, sock: socket.socket, peer_id: str, key: bytes, timeout_s: float):
+        self.sock, self.peer_id, self.key = sock, peer_id, key
+        sock.settimeout(timeout_s)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.rtt_s = 0.0  # round-trip time measured during the handshake, seconds
+        self._closed = False
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.sock.settimeout(timeout_s)
+
+    def send_frame(
+        self,
+        ftype: FrameType,
+        subround: int,
+        meta: dict,
+        payload: Sequence[memoryview | bytes] = (),
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Send one frame; ``on_progress(sent, total)`` is called after each chunk of payload. Raises LinkClosed."""
+        meta_bytes = msgpack.packb(meta, use_bin_type=True)
+        views = [memoryview(p).cast("B") for p in payload]
+        total = sum(v.nbytes for v in views)
+        self._send(HEADER.pack(_MAGIC, _VERSION, int(ftype), subround, len(meta_bytes), total) + meta_bytes)
+        sent = 0
+        for v in views:
+            for start in range(0, v.nbytes, _CHUNK_BYTES):
+                self._send(v[start : start + _CHUNK_BYTES])
+                sent += min(_CHUNK_BYTES, v.nbytes - start)
+                if on_progress is not None:
+                    on_progress(sent, total)
+
+    def _send(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view.nbytes:
+                n = self.sock.send(view)
+                view = view[n:]
+                self.bytes_sent += n
+        except (OSError, ValueError) as exc:
+            raise LinkClosed(f"sending to {self.peer_id}: {describe(exc)}") from None
+
+    def recv_header(
+        self, max_meta_bytes: int = MAX_META_BYTES, per_type: Mapping[FrameType, int] | None = None
+    ) -> tuple[FrameType, int, dict, int]:
+        """Read a frame's header and metadata. Returns (type, subround, meta, payload num_bytes).
+
+        ``per_type`` overrides ``max_meta_bytes`` for the frame types it names. Raises LinkClosed."""
+        raw = self.recv_exact(HEADER.size)
+        magic, version, ftype, subround, meta_len, payload_len = HEADER.unpack(raw)
+        if magic != _MAGIC or version != _VERSION or ftype not in FrameType._value2member_map_:
+            raise LinkClosed(f"{self.peer_id} sent a bad frame header (magic {magic!r}, version {version})")
+        if per_type is not None:
+            max_meta_bytes = per_type.get(FrameType(ftype), max_meta_bytes)
+        if meta_len > max_meta_bytes:
+            raise LinkClosed(f"{self.peer_id} sent {meta_len} bytes of metadata (limit {max_meta_bytes})")
+        try:
+            meta = msgpack.unpackb(self.recv_exact(meta_len), raw=False, strict_map_key=True) if meta_len else {}
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise LinkClosed(f"{self.peer_id} sent malformed metadata: {exc}") from None
+        if not isinstance(meta, dict):
+            raise LinkClosed(f"{self.peer_id} sent metadata that is not a map")
+        return FrameType(ftype), subround, meta, payload_len
+
+    def recv_exact(self, num_bytes: int) -> bytearray:
+        buf = bytearray(num_bytes)
+        self.recv_into(memoryview(buf))
+        return buf
+
+    def recv_into(self, view: memoryview, on_chunk: Callable[[memoryview], None] | None = None) -> None:
+        """Fill ``view`` completely from the socket. Raises LinkClosed on EOF, reset or a stall."""
+        view = view.cast("B")
+        offset, total = 0, view.nbytes
+        try:
+            while offset < total:
+                n = self.sock.recv_into(view[offset:], min(total - offset, _CHUNK_BYTES))
+                if n == 0:
+                    raise LinkClosed(f"{self.peer_id} closed the connection")
+                if on_chunk is not None:
+                    on_chunk(view[offset : offset + n])
+                offset += n
+                self.bytes_received += n
+        except (OSError, ValueError) as exc:
+            raise LinkClosed(f"receiving from {self.peer_id}: {describe(exc)}") from None
+
+    def finish(self) -> None:
+        """Graceful end: send FIN after everything queued, keep the read side open so that whatever the peer still
+        sends (e.g. a heartbeat) is read and dropped by ``drain`` instead of answered with a reset (a reset would make
+        the peer's kernel discard data it has not read yet, such as our vote)."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def drain(self, timeout_s: float) -> None:
+        """Read and drop bytes until the peer closes, an error, or ``timeout_s`` without a byte; then close."""
+        scratch = bytearray(1 << 16)
+        try:
+            self.sock.settimeout(timeout_s)
+            while self.sock.recv_into(scratch):
+                pass
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Shut the connection down (wakes any thread blocked on it); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "no progress within the part timeout (stalled?)"
+    return f"{type(exc).__name__}: {exc}"
