@@ -123,6 +123,13 @@ class RunConfig:
                 "averaging.max_samples_per_round must be at least diloco.inner_steps * data.batch_size "
                 f"({self.diloco.inner_steps * self.data.batch_size}), the weight an honest peer claims"
             )
+        if self.averaging.strategy != "butterfly" and self.averaging.compression in ("int8", "int4"):
+            raise ValueError(
+                f"averaging.compression={self.averaging.compression!r} with averaging.strategy="
+                f"{self.averaging.strategy!r}: moshpit and gossip average the parameters θ, not the pseudo-gradient, "
+                "and 8/4-bit quantization of θ would destroy the model; use compression 'none' or 'fp16', or the "
+                "butterfly strategy"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON/msgpack/TOML friendly) that ``RunConfig.from_dict`` accepts back."""

@@ -23,6 +23,8 @@ def test_defaults_round_trip_and_fingerprint_is_stable():
         ({"diloco.bogus": 1}, "diloco.bogus: unknown key"),
         ({"model": "huge"}, "model"),
         ({"averaging.round_timeout_s": 1.0}, "averaging.round_timeout_s"),
+        ({"averaging.strategy": "moshpit", "averaging.compression": "int4"}, "averaging.compression='int4'"),
+        ({"averaging.error_feedback": True}, "averaging.error_feedback needs averaging.compression"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, field):

@@ -12,14 +12,15 @@ one dimension of the (2, 2, 2) grid (Ryabinin et al. 2021, "Moshpit SGD", Alg. 1
 their θ differ: the interesting regime. "butterfly" (exact mean, drift 0.0) and "gossip" (random pairs) are the
 references.
 
-``--average delta`` (default) is what the trainer does: average Δ, then each peer applies the outer step to its own θ
-and momentum. Nothing ever averages θ itself, so members of one group apply the same Δ̄ and keep their difference,
+``--average delta`` is what the trainer did before this bench: average Δ, then each peer applies the outer step to its
+own θ and momentum. Nothing ever averages θ itself, so members of one group apply the same Δ̄ and keep their difference,
 and differences between groups accumulate (amplified ~1/(1 − μ) by the outer momentum): the θ drift is a random
 walk, not a contraction. ``--average state`` is Moshpit SGD on the state: each peer applies the outer step with its
 own Δ, then averages (θ', m') in the same rounds. The outer step is linear in (θ, m, Δ), so with equal weights a group
 leaves with the outer step of its averaged (θ, m, Δ), and the cycle argument of tests/averaging/test_drift.py bounds
-the drift by the last few steps' noise. It sends twice the bytes (θ and m instead of Δ). ``--average theta``
-averages θ' only (the bytes of "delta") and leaves each peer's momentum local.
+the drift by the last few steps' noise. It sends twice the bytes (θ and m instead of Δ). ``--average theta`` (default)
+averages θ' only (the bytes of "delta") and leaves each peer's momentum local: what ``hivetrain.diloco.trainer`` does
+for "moshpit" and "gossip" (for "butterfly" all three modes are the same exact step).
 
 After each outer step e, once every peer has finished it, the collector computes with
 ``groups.max_relative_deviation`` (max_p ||x_p − x̄|| / ||x̄||, float64):
@@ -192,11 +193,12 @@ def average_step(peer: Peer, deltas: list[torch.Tensor], weight: float, args, ti
     """One outer step: (the Δ̄ applied, or None when the state itself is averaged; the state of epoch + 1; the
     RoundResult). Raises RoundFailed (``peer.state`` is not touched).
 
-    "delta" (``hivetrain.diloco.trainer``): average Δ, apply the outer step to our own θ and m.
+    "delta" (the trainer before it averaged θ): average Δ, apply the outer step to our own θ and m.
     "state" (Moshpit SGD on the state): apply the outer step with our own Δ, then average (θ', m') in the same
     rounds; with equal weights this is the outer step of the group-averaged (θ, m, Δ) (the step is linear in them),
     so a group leaves with one θ. Twice the bytes of "delta".
-    "theta": the same, but only θ' is averaged (the bytes of "delta"); each peer keeps its own momentum.
+    "theta" (``hivetrain.diloco.trainer``): the same, but only θ' is averaged (the bytes of "delta"); each peer keeps
+    its own momentum.
     """
     epoch, cfg = peer.state.epoch, diloco_config(args)
     if args.average == "delta":
@@ -477,9 +479,9 @@ def main() -> int:
     parser.add_argument(
         "--average",
         choices=("delta", "state", "theta"),
-        default="delta",
-        help="delta = average Δ, then a local outer step (the trainer); state = local outer step, then average θ and "
-        "m (2x bytes); theta = local outer step, then average θ only (momentum stays local)",
+        default="theta",
+        help="theta = local outer step, then average θ only, momentum stays local (the trainer); delta = average Δ, "
+        "then a local outer step (drifts without bound); state = local outer step, then average θ and m (2x bytes)",
     )
     parser.add_argument("--group-size", type=int, default=2, help="moshpit/gossip target_group_size")
     parser.add_argument("--moshpit-rounds", type=int, default=1, help="averaging rounds per outer step")

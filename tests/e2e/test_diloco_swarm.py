@@ -71,3 +71,23 @@ def test_late_joiner_downloads_state_and_contributes_to_the_next_outer_step(loca
         for other in summaries[:2]:
             assert other["state_hashes"][epoch] == digest, f"epoch {epoch} differs"
     assert downloaded["state_hash"] == summaries[0]["state_hashes"][str(downloaded["epoch"])]
+
+
+def test_moshpit_swarm_averages_parameters_in_pairs_and_loss_falls(tmp_path):
+    """Four peers, Moshpit groups of two on a 2x2 grid, one round per outer step: the groups average θ after local
+    outer steps (momentum stays local), so peers hold different states that must not be taken for forks."""
+    config = write_config(
+        tmp_path / "run.toml",
+        **{"averaging.strategy": "moshpit", "averaging.target_group_size": 2, "averaging.moshpit_rounds": 1},
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm", "--peers", "4", "--config", str(config)]
+    proc = subprocess.run([*cmd, "--out", str(out), "--timeout", "240"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outer_steps"] == 3 and summary["state_downloads"] == 0
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+    assert len(set(summary["state_hashes"]["1"].values())) > 1  # pairs, not one group: the states differ
+    for name in ("peer0", "peer1", "peer2", "peer3"):
+        steps = [e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"]
+        assert [e["group_size"] for e in steps] == [4, 4, 4]  # every peer took part in every epoch's rounds
