@@ -213,10 +213,18 @@ class GroupAverager:
         if not self._started.is_set() or self._closed:
             raise RuntimeError("GroupAverager is not running: call start() first")
         deadline = started + timeout_s
+        # One contiguous tensor is read in place (the round never writes its input; saves a copy of the input), unless
+        # error feedback adds to it or a fault hook may corrupt it.
+        in_place = len(tensors) == 1 and tensors[0].is_contiguous()
+        in_place = in_place and self._feedback is None and self.faults is NO_FAULTS
         with self._lock:
-            flat = self.pool.take(sum(t.numel() for t in tensors))  # reused between calls: no page faults
+            if in_place:
+                flat = tensors[0].detach().reshape(-1)
+            else:
+                flat = self.pool.take(sum(t.numel() for t in tensors))  # reused between calls: no page faults
             try:
-                torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+                if not in_place:
+                    torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
                 # a zero-weight contribution counts for nothing: it neither carries nor consumes the residual
                 residual = self._feedback.apply(flat) if self._feedback is not None and weight > 0 else None
                 if self.config.strategy == "butterfly":
@@ -224,7 +232,8 @@ class GroupAverager:
                 else:
                     outcome, round_id, group = self._mixing(flat, float(weight), epoch, deadline, residual)
             finally:
-                self.pool.give(flat)
+                if not in_place:
+                    self.pool.give(flat)
         result_tensors, offset = [], 0
         for t in tensors:
             result_tensors.append(outcome.flat[offset : offset + t.numel()].view(t.shape))
