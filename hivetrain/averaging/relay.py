@@ -83,7 +83,7 @@ class P2PFallback:
         to the event loop that first asked for it (the trainer's, or an averager's that has since shut down), and a
         stream handler served by a stopped loop stalls every stream sent to it."""
         self._loop = LoopThread(name="hivetrain-avg-p2p")
-        daemon_maddr = self.node.dht.run_coroutine(_daemon_listen_maddr)
+        daemon_maddr = self.node.dht.run_coroutine(_daemon_listen_maddr, return_future=True).result(timeout=timeout_s)
         self._p2p = self._loop.run(P2P.replicate(daemon_maddr), timeout_s)
         self._loop.run(self._p2p.add_binary_stream_handler(self.handler_name, self._on_stream), timeout_s)
 
