@@ -102,7 +102,7 @@ class P2PFallback:
 
         with contextlib.suppress(Exception):
             loop.run(stop(), timeout_s)
-        loop.loop.call_soon_threadsafe(loop.loop.stop)
+        loop.stop(timeout_s)
 
     def open_socket(self, peer_id: str, timeout_s: float) -> socket.socket:
         """A socket whose bytes travel over a new libp2p stream to ``peer_id``'s data plane.

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+
+def _quiet_daemon_teardown(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """hivemind's p2pd client keeps a persistent connection served by two background tasks; when the daemon or the
+    client closes (shutdown, a killed peer), they end with ConnectionResetError or "handler is closed", which asyncio
+    would print as "Task exception was never retrieved" tracebacks. Those go to the debug log; anything else is
+    reported as usual. (Calls made on a closed client still raise to their callers.)"""
+    task, exc = context.get("future"), context.get("exception")
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    if "_persistent_conn" in getattr(coro, "__qualname__", "") and isinstance(exc, ConnectionError | RuntimeError):
+        logger.debug("p2pd client connection closed: %r", exc)
+        return
+    loop.default_exception_handler(context)
 
 
 class LoopThread:
@@ -24,6 +40,7 @@ class LoopThread:
             self.loop = uvloop.new_event_loop()
         except ImportError:  # pragma: no cover - uvloop is a dependency; this keeps Windows usable
             self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(_quiet_daemon_teardown)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
