@@ -24,7 +24,7 @@ from hivetrain.chaos import adversary, process
 from hivetrain.chaos.network import Member, NetnsTopology, TcpProxy
 from hivetrain.chaos.plot import plot_run
 from hivetrain.chaos.report import PeerRun, build_report, format_summary
-from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, Scenario
+from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, UNREACHABLE_HOST, Scenario
 from hivetrain.chaos.schedule import ChurnStep, Observed, churn_decision, churn_plan, due_faults
 from hivetrain.testing.launcher import LocalSwarm, PeerProcess
 from hivetrain.testing.summary import read_peer_summary
@@ -205,13 +205,16 @@ class ChaosRunner:
         args: list[str] = []
         hooks, byzantine = [], ""
         for i, fault in enumerate(self.scenario.faults):
-            if index is not None and getattr(fault, "peer", None) == index and fault.kind in ("hook", "byzantine"):
-                if fault.kind == "hook":
-                    args += ["--fault", fault.spec()]
-                    hooks.append(i)
-                else:
-                    args += ["--byzantine", fault.mode]
-                    byzantine = fault.mode
+            if index is None or getattr(fault, "peer", None) != index:
+                continue
+            if fault.kind == "hook":
+                args += ["--fault", fault.spec()]
+                hooks.append(i)
+            elif fault.kind == "byzantine":
+                args += ["--byzantine", fault.mode]
+                byzantine = fault.mode
+            elif fault.kind == "unreachable":
+                args += ["--data-announce-host", UNREACHABLE_HOST]
         if index is None:
             self._num_churn += 1
             name = f"churn{self._num_churn}"
@@ -233,6 +236,8 @@ class ChaosRunner:
         for i, fault in enumerate(self.scenario.faults):
             if fault.kind == "byzantine" and fault.peer == index:
                 self._fired(i, f"{name} launched with --byzantine {fault.mode}")
+            elif fault.kind == "unreachable" and fault.peer == index:
+                self._fired(i, f"{name} launched announcing the undialable data address {UNREACHABLE_HOST}")
         self.log(f"[{self.now():6.1f}s] started {name}" + (f" ({' '.join(args)})" if args else ""))
         return peer
 

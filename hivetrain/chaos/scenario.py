@@ -24,7 +24,8 @@ Example (``scenarios/kill-one-of-four.toml``)::
 Peers are numbered in launch order: ``0 .. peers-1`` at the start, then the peers of each ``join`` fault in the order
 of the faults. Peers started by ``churn`` have no index. A triggered fault fires at ``at_s`` seconds after the swarm
 started, or ``delay_s`` after the first metrics event matching ``on_event``/``on_peer``/``on_epoch``. Launch-time
-faults (``hook``, ``byzantine``, ``latency``) are armed when their peer (or the swarm) starts and take no trigger.
+faults (``hook``, ``byzantine``, ``latency``, ``unreachable``) are armed when their peer (or the swarm) starts and
+take no trigger.
 
 Every error is a ``ValueError`` naming the field (``faults[2].peer: ...``); unknown keys are errors.
 """
@@ -52,7 +53,7 @@ EVENTS = ("start", "inner_phase", "outer_step", "round_failed", "state_downloade
 HOOK_POINTS = tuple(sorted(set(re.findall(r"^ {4}([a-z_]+\.[a-z_]+) ", _faults.__doc__ or "", re.M)))) + (
     "checkpoint.mid_write",
 )
-LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency")
+LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency", "unreachable")
 TRIGGERED_KINDS = (
     "kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn", "adversary",
 )  # fmt: skip
@@ -212,6 +213,17 @@ class ByzantineFault(_Fault):
     mode: Literal[BYZANTINE_MODES]  # type: ignore[valid-type]
 
 
+class UnreachableFault(_Fault):
+    """A volunteer behind NAT: the peer announces a data-plane address nobody can dial (``UNREACHABLE_HOST``), so
+    every data-plane link with it must fall back to a libp2p stream (``hivetrain.averaging.relay``)."""
+
+    kind: Literal["unreachable"]
+    peer: int = Field(ge=0)
+
+
+UNREACHABLE_HOST = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never routed, like a private address behind NAT
+
+
 class LatencyFault(_Fault):
     """Peers reach the coordinator through a TCP proxy adding ``latency_ms`` (± ``jitter_ms``) per chunk each way,
     and, with probability ``loss``, a further ``rto_ms`` (what a lost segment costs TCP: a retransmission)."""
@@ -247,6 +259,7 @@ Fault = Annotated[
     | ChurnFault
     | HookFault
     | ByzantineFault
+    | UnreachableFault
     | LatencyFault
     | AdversaryFault,
     Field(discriminator="kind"),

@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--public-name", default="", help="name shown on the contributors' board (<= 64 chars)")
     parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # chaos harness only
     parser.add_argument("--byzantine", default="", help=argparse.SUPPRESS)  # chaos harness only
+    parser.add_argument("--data-announce-host", default="", help=argparse.SUPPRESS)  # chaos harness: a NAT'd peer
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_node_arguments(parser)
     add_run_override_arguments(parser)
@@ -249,7 +250,7 @@ def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:
         return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
 
     listen = next(filter(None, map(ip_of, args.host_maddrs)), "0.0.0.0")
-    announce = next(filter(None, map(ip_of, args.announce_maddrs)), None)
+    announce = args.data_announce_host or next(filter(None, map(ip_of, args.announce_maddrs)), None)
     return listen, announce
 
 

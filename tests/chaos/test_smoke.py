@@ -10,8 +10,9 @@ import pytest
 
 from hivetrain.chaos.runner import run_scenario
 from hivetrain.chaos.scenario import bundled_scenarios, load_scenario
+from hivetrain.testing.summary import read_events
 
-SMOKE = ("kill-one-of-four", "pause-mid-round", "nan-peer")
+SMOKE = ("kill-one-of-four", "pause-mid-round", "nan-peer", "nat-peer")
 
 
 @pytest.mark.slow
@@ -32,5 +33,10 @@ def test_smoke_scenario_passes(name, tmp_path):
     assert report["diverged_peers"] == [] and report["leftover_pids"] == []
     if name == "kill-one-of-four":
         assert report["faults"][0]["recovery_s"] is not None and report["faults"][0]["recovery_s"] < 60
+    if name == "nat-peer":  # nobody can dial peer2's data port: its links went over libp2p, and it was in every group
+        steps = [e for e in read_events(tmp_path / "peer2.jsonl") if e["event"] == "outer_step"]
+        assert [e["group_size"] for e in steps] == [4] * scenario.run_config().diloco.outer_steps
+        logs = "".join((tmp_path / f"peer{i}.log").read_text() for i in (0, 1, 3))
+        assert "trying libp2p" in logs
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
