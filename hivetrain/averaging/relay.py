@@ -90,7 +90,10 @@ class P2PFallback:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Unregister the handler and close open bridges; idempotent."""
         loop, p2p, self._loop = self._loop, self._p2p, None
-        if loop is None or p2p is None:
+        if loop is None:
+            return
+        if p2p is None:  # start() failed before the client existed
+            loop.stop(timeout_s)
             return
 
         async def stop() -> None:
