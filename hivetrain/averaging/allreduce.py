@@ -383,8 +383,12 @@ class ButterflyRound(RoundLinks):
         # sent it, so a vote sent later than commit_timeout_s - RTT after receiving p's arrives too late: abort too.
         for p in others:
             sent_at, margin_s = self._vote_sent_at.get(p), 2 * self._links[p].rtt_s + 0.01
-            if sent_at is None or sent_at - self._vote_received_at[p] > self.config.commit_timeout_s - margin_s:
-                raise RoundFailed("timeout", f"our vote reached {p} too late (or not at all); it has aborted")
+            if sent_at is None:
+                raise RoundFailed("timeout", f"our vote to {p} was not sent within the commit timeout; it has aborted")
+            late_s = sent_at - self._vote_received_at[p]
+            if late_s > self.config.commit_timeout_s - margin_s:
+                why = f"our vote left {late_s:.2f}s after {p}'s came (rtt {self._links[p].rtt_s:.3f}s): it aborted"
+                raise RoundFailed("timeout", why)
         links = list(self._links.values())
         return RoundOutcome(
             flat=self._outs[sub],

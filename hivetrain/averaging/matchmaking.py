@@ -396,11 +396,12 @@ class Matchmaker:
         read_timeout_s = max(5.0, 10 * self.poll_interval_s)
         dht_entries: list[ReadyEntry] = []
         read, read_started, next_read_at = None, 0.0, announce_at
+        read_started_dht = seen_as_of_dht = 0.0  # DHT time the pending / the last collected read started
         while True:
             now_m = time.monotonic()
             if read is not None and (read.done() or now_m > read_started + read_timeout_s):
                 dht_entries = self._collect(read, me.round_key, 0.0)
-                read = None
+                read, seen_as_of_dht = None, read_started_dht
             if announce_at is not None and now_m >= announce_at:
                 stored, announce_at = self.announce(me, ttl_s), None  # we read meanwhile: our entry is in our view
             if stored is not None and stored.done():
@@ -419,7 +420,11 @@ class Matchmaker:
                 declare_grace_s=self.declare_grace_s,
                 banned=banned,
             )
-            if decision.action == "declare":
+            # A window closes on what the DHT showed after it closed: a view read before the deadline (a slow DHT under
+            # load) may lack peers that announced in time, and would leave them out of the group (or split it).
+            stale = decision.action == "declare" and decision.reason.endswith("(window)")
+            stale = stale and seen_as_of_dht < min(m.deadline for m in decision.members)
+            if decision.action == "declare" and not stale:
                 # decide() would have returned "joined" had a smaller leader's declaration listed us; two leaders
                 # that did not see each other yield two groups whose overlap fails at the handshake and retries.
                 declared = self.declare(me, decision.members, decision.reason, ttl_s)
@@ -427,7 +432,7 @@ class Matchmaker:
                 return Decision("joined", decision.reason, declaration=declared), decision.reason
             if decision.action == "joined" and decision.declaration is not None:
                 self._hints = decision.declaration.members
-            if decision.action != "wait":
+            if decision.action not in ("wait", "declare"):
                 return decision, decision.reason
             leader = decision.leader
             if leader is not None and leader.peer_id != me.peer_id:
@@ -439,7 +444,8 @@ class Matchmaker:
                 just_started and (leader is None or leader.peer_id == me.peer_id or leader.peer_id not in pushed_to)
             )
             interval_s = min(self.poll_interval_s, FAST_POLL_S) if imminent else self.poll_interval_s
-            if read is None and now_m >= next_read_at:
+            if read is None and (now_m >= next_read_at or stale):
+                read_started_dht = get_dht_time()
                 read, read_started, next_read_at = self._start_read(me.round_key), now_m, now_m + interval_s
             if now_m >= deadline_monotonic:
                 return Decision("no_group", "call deadline reached during matchmaking"), "deadline"

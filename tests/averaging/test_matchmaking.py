@@ -259,3 +259,54 @@ def test_pushed_entries_are_kept_only_when_signed_by_their_peer(keys) -> None:
     assert mm.offer_entry(good.model_dump())
     entries, _ = mm._merge("e0", [])
     assert entries == [good]
+
+
+class ManualDHT(FakeDHT):
+    """Each get answers only when the test says so, with what the DHT held when the get was made (a slow DHT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets: list[tuple[Future, object]] = []
+        self.asked = threading.Condition()
+
+    def get(self, key, latest, return_future):
+        found = self.data.get(key)
+        f: Future = Future()
+        with self.asked:
+            self.gets.append((f, None if found is None else ValueWithExpiration(dict(found), 0.0)))
+            self.asked.notify_all()
+        return f
+
+    def answer_next(self, index: int, timeout_s: float = 5.0) -> None:
+        with self.asked:
+            assert self.asked.wait_for(lambda: len(self.gets) > index, timeout_s), f"get #{index} never came"
+            future, snapshot = self.gets[index]
+        future.set_result(snapshot)
+
+
+def test_a_window_closes_on_a_dht_view_read_after_it_closed(keys) -> None:
+    """A slow DHT answers a read made before the window closed, without a peer that announced in time: the leader
+    must read again before declaring, or it would leave that peer out (a group of one and a stray peer)."""
+    (leader_id, leader_key), (other_id, other_key) = keys[0], keys[1]
+    dht = ManualDHT()
+    mm = Matchmaker(FakeNode(leader_id, leader_key, dht), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE)
+    me = mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 0.3)
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(mm.match(me, target_group_size=8, min_group_size=1,
+                                                                     ttl_s=30.0, deadline_monotonic=time.monotonic()
+                                                                     + 10.0)), daemon=True)  # fmt: skip
+    thread.start()
+    with dht.asked:
+        assert dht.asked.wait_for(lambda: dht.gets, 5.0)  # the first read left while only we had announced
+    other = sign_entry(PREFIX, entry(other_id, at=me.announced_at, wait_s=5.0).model_copy(
+        update={"public_key": other_key.get_public_key().to_bytes()}), other_key)  # fmt: skip
+    marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", other_key.get_public_key().to_bytes())
+    dht.data[f"{PREFIX}.e0.mm"][marker + b"|ready"] = ValueWithExpiration(other.model_dump(), time.time() + 60)
+    while time.time() < me.deadline + 0.05:  # the window closes while the first read is still out
+        time.sleep(0.01)
+    dht.answer_next(0)  # ... and it comes back without the other peer
+    dht.answer_next(1)  # the read made after the window closed sees it
+    thread.join(10.0)
+    decision, reason = outcome[0]
+    assert decision.action == "joined", reason
+    assert decision.declaration.member_ids() == (leader_id, other_id), reason
