@@ -244,7 +244,8 @@ class DilocoTrainer:
         return pseudo_gradient(self.state, self.model), result
 
     def outer_phase(self, pseudo_grad: list[torch.Tensor], num_samples: int) -> bool:
-        """Average Δ with the epoch's group and apply the outer step; on failure keep θ and retry or resync."""
+        """Average Δ with the epoch's group and apply the outer step (moshpit/gossip: apply it, then average θ); on
+        failure keep θ and retry or resync. Returns whether a round committed."""
         cfg, diloco = self.config.averaging, self.config.diloco
         epoch = self.state.epoch
         deadline = time.monotonic() + cfg.round_timeout_s
