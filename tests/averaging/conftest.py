@@ -95,3 +95,24 @@ def make_averagers(swarm: list[PeerNode], prefix: str):
     finally:
         for avg in made:
             avg.shutdown()
+
+
+@pytest.fixture
+def servers():
+    """Factory of started data-plane servers on 127.0.0.1 (1 s timeouts, OS buffers); all shut down at the end."""
+    from hivetrain.averaging.dataplane import DataPlaneServer
+
+    made: list = []
+
+    def make(**kw):
+        defaults = dict(connect_timeout_s=1.0, part_timeout_s=1.0, buffer_num_bytes=0, join_wait_s=1.0)
+        server = DataPlaneServer("127.0.0.1", **{**defaults, **kw})
+        server.start()
+        made.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.shutdown()

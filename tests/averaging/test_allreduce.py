@@ -17,7 +17,6 @@ from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
 from hivetrain.averaging.dataplane import (
     AuthFailed,
-    DataPlaneServer,
     LinkClosed,
     RoundKeys,
     dial,
@@ -33,24 +32,6 @@ TIMEOUTS = dict(connect_timeout_s=1.0, part_timeout_s=1.0, buffer_num_bytes=0)
 
 def _public(secret: X25519PrivateKey) -> bytes:
     return secret.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-
-
-@pytest.fixture
-def servers():
-    """Factory of started data-plane servers on 127.0.0.1; all shut down at the end."""
-    made: list[DataPlaneServer] = []
-
-    def make(**kw) -> DataPlaneServer:
-        server = DataPlaneServer("127.0.0.1", **{**TIMEOUTS, "join_wait_s": 1.0, **kw})
-        server.start()
-        made.append(server)
-        return server
-
-    try:
-        yield make
-    finally:
-        for s in made:
-            s.shutdown()
 
 
 def _dropped(sock: socket.socket) -> bool:

@@ -12,29 +12,10 @@ import pytest
 
 from hivetrain.averaging.dataplane import (
     MAX_HANDSHAKE_META_BYTES,
-    DataPlaneServer,
     Pusher,
     send_declaration,
     send_ready,
 )
-
-
-@pytest.fixture
-def servers():
-    """Factory of started data-plane servers on 127.0.0.1; all shut down at the end."""
-    made: list[DataPlaneServer] = []
-
-    def make(**kw) -> DataPlaneServer:
-        server = DataPlaneServer("127.0.0.1", connect_timeout_s=1.0, part_timeout_s=1.0, buffer_num_bytes=0, **kw)
-        server.start()
-        made.append(server)
-        return server
-
-    try:
-        yield make
-    finally:
-        for s in made:
-            s.shutdown()
 
 
 def _wait_until(predicate, timeout_s: float) -> bool:
