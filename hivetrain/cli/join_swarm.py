@@ -33,6 +33,7 @@ from hivetrain.cli.common import (
 )
 from hivetrain.cli.progress import ProgressReporter
 from hivetrain.config import RunConfig, load_run_config
+from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
@@ -262,6 +263,7 @@ def _write_summary(path: str | None, node: PeerNode, trainer, stats, interrupted
         "epoch": trainer.state.epoch,
         "interrupted": interrupted,
         "state_hashes": {str(k): v for k, v in sorted(stats.state_hashes.items())},
+        "param_sketches": {str(k): sketch_to_text(v) for k, v in sorted(stats.param_sketches.items())},
         "bytes_sent": stats.bytes_sent,
         "bytes_received": stats.bytes_received,
         "state_bytes_downloaded": stats.state_bytes_downloaded,

@@ -208,6 +208,13 @@ def _print_summary(console: Console, summary: dict, out: Path, exact_average: bo
         table.add_row("state hashes agree at every epoch", "yes" if agree else "NO")
     else:  # moshpit/gossip: groups average θ, each peer keeps its own outer momentum
         table.add_row("state hashes agree at every epoch", "n/a (moshpit/gossip: peers' states differ by design)")
+    drift = summary.get("param_drift") or {}
+    if drift:
+        last_epoch = max(drift, key=int)
+        table.add_row(
+            "parameter drift max_p |θp-θ̄|/|θ̄| (last epoch / worst)",
+            f"{drift[last_epoch]:.2e} / {max(drift.values()):.2e}",
+        )
     console.print(table)
     console.print(f"summary written to {out / 'summary.json'}; peer logs in {out}")
 

@@ -62,6 +62,12 @@ class SnapshotCollector(Collector):
             yield GaugeMetricFamily(
                 PREFIX + "eval_loss", "Latest finite eval loss, nats per token", value=latest.eval_loss
             )
+        if snap.drift_curve:
+            yield GaugeMetricFamily(
+                PREFIX + "param_drift",
+                "Latest max relative deviation of a peer's parameters from the peers' mean, max_p |θp-θ̄|/|θ̄|",
+                value=snap.drift_curve[-1].drift,
+            )
         yield GaugeMetricFamily(PREFIX + "tokens_per_second", "Swarm training throughput", value=snap.tokens_per_s)
         yield GaugeMetricFamily(
             PREFIX + "peers_alive",

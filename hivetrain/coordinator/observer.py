@@ -17,16 +17,19 @@ from hivetrain.coordinator.dashboard import (
     CheckpointRow,
     ContributorRow,
     DashboardSnapshot,
+    DriftPoint,
     LossPoint,
     PeerRow,
     RoundRow,
     RunInfo,
 )
+from hivetrain.diloco.drift import drift_by_epoch
 from hivetrain.peers.records import PeerRecord
 
 MAX_POINTS = 5000
 MAX_ROUNDS = 500
 MAX_CONTRIBUTORS = 10_000
+MAX_SKETCH_EPOCHS = 8  # epochs whose sketches are still collected (peers pass through an epoch in one outer step)
 
 
 @dataclass
@@ -49,6 +52,8 @@ class SwarmObserver:
     failures_seen: set[tuple[str, str]] = field(default_factory=set)
     checkpoints: list[CheckpointRow] = field(default_factory=list)
     checkpoints_written: int = 0
+    drift: OrderedDict[int, DriftPoint] = field(default_factory=OrderedDict)
+    sketches: OrderedDict[int, dict[str, bytes]] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe(self, records: list[PeerRecord], now: float) -> None:
@@ -78,9 +83,26 @@ class SwarmObserver:
                 entry.public_name = r.public_name or entry.public_name
                 entry.samples = max(entry.samples, r.samples_total)
                 entry.compute_s = max(entry.compute_s, r.compute_s)
+            self._fold_sketches(trainers)
             _trim(self.loss_by_epoch, MAX_POINTS)
             _trim(self.rounds, MAX_ROUNDS)
             _trim(self.contributors, MAX_CONTRIBUTORS)
+
+    def _fold_sketches(self, trainers: list[PeerRecord]) -> None:
+        """Collect each peer's sketch of θ per epoch (a record shows only its current epoch, so the sketches of an
+        epoch arrive over several polls) and re-estimate the drift of the epochs that changed."""
+        changed = set()
+        for r in trainers:
+            if r.param_sketch and self.sketches.setdefault(r.epoch, {}).get(r.peer_id) != r.param_sketch:
+                self.sketches[r.epoch][r.peer_id] = r.param_sketch
+                changed.add(r.epoch)
+        self.sketches = OrderedDict(sorted(self.sketches.items()))
+        _trim(self.sketches, MAX_SKETCH_EPOCHS)
+        estimates = drift_by_epoch({e: self.sketches[e] for e in changed if e in self.sketches})
+        for epoch, (value, num_peers) in estimates.items():
+            self.drift[epoch] = DriftPoint(epoch, value, num_peers)
+        self.drift = OrderedDict(sorted(self.drift.items()))
+        _trim(self.drift, MAX_POINTS)
 
     def set_checkpoints(self, rows: list[CheckpointRow], written_total: int) -> None:
         with self._lock:
@@ -121,6 +143,7 @@ class SwarmObserver:
                 rounds_failed_total=sum(1 for row in self.rounds.values() if not row.committed),
                 checkpoints_written_total=self.checkpoints_written,
                 taken_at=now,
+                drift_curve=tuple(self.drift.values()),
             )
 
 

@@ -26,6 +26,7 @@ from hivetrain import __version__
 from hivetrain.averaging.base import Averager, RoundFailed
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
+from hivetrain.diloco.drift import ParamSketcher, sketch_seed
 from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
 from hivetrain.diloco.state import TrainingState
@@ -89,6 +90,7 @@ class TrainerStats:
     last_group_size: int = 0
     last_failure: str = ""
     state_hashes: dict[int, str] = field(default_factory=dict)
+    param_sketches: dict[int, bytes] = field(default_factory=dict)  # epoch -> diloco.drift sketch of θ
 
 
 class DilocoTrainer:
@@ -114,7 +116,9 @@ class DilocoTrainer:
         self.state = TrainingState.from_model(model)
         self.stats = TrainerStats()
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
-        self.stats.state_hashes[0] = self.state_hash
+        shapes = {name: tuple(p.shape) for name, p in self.state.params.items()}
+        self.sketcher = ParamSketcher(shapes, sketch_seed(config.run_id, config.seed))
+        self._note_state()
         self.inner = InnerOptimizer(model, config.diloco)
         self.batches = corpus.train_batches(
             config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
@@ -139,6 +143,15 @@ class DilocoTrainer:
         if self._hash_cache[0] is not self.state:
             self._hash_cache = (self.state, self.state.state_hash())
         return self._hash_cache[1]
+
+    @property
+    def param_sketch(self) -> bytes:
+        """θ of the current state on the run's sketch coordinates (``diloco.drift``), computed once per state."""
+        return self.sketcher.encode(self.state, self.state.params)
+
+    def _note_state(self) -> None:
+        self.stats.state_hashes[self.state.epoch] = self.state_hash
+        self.stats.param_sketches[self.state.epoch] = self.param_sketch
 
     def stop(self) -> None:
         self._stop.set()
@@ -208,7 +221,7 @@ class DilocoTrainer:
         self.state = state
         self.stats.state_downloads += 1
         self.stats.state_bytes_downloaded += state.num_bytes()
-        self.stats.state_hashes[state.epoch] = self.state_hash
+        self._note_state()
         self._emit("state_downloaded", reason=decision.reason)
         self._publish()
         return True
@@ -313,7 +326,7 @@ class DilocoTrainer:
             self.stats.samples_total += num_samples
             self.stats.bytes_sent += result.bytes_sent
             self.stats.bytes_received += result.bytes_received
-            self.stats.state_hashes[self.state.epoch] = self.state_hash
+            self._note_state()
             self._publish()
             eval_every = self.config.diloco.eval_every
             eval_loss = self._evaluate() if eval_every and self.state.epoch % eval_every == 0 else None
@@ -344,6 +357,7 @@ class DilocoTrainer:
             epoch=self.state.epoch,
             throughput=self.stats.throughput,
             state_hash=self.state_hash,
+            param_sketch=self.param_sketch,
             samples_total=self.stats.samples_total,
             compute_s=self.stats.compute_s,
             public_name=self.options.public_name,

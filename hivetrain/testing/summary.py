@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hivetrain.diloco.drift import drift_by_epoch, sketch_from_text
 from hivetrain.testing.launcher import PeerProcess
 
 
@@ -46,6 +47,7 @@ def build_summary(peers: list[PeerProcess], inner_steps: int, wall_s: float) -> 
     summaries = {p.name: read_peer_summary(p) for p in peers}
     events = {p.name: read_events(p.metrics_path) for p in peers}
     state_hashes: dict[str, dict[str, str]] = {}
+    sketches: dict[int, dict[str, bytes]] = {}
     initial, final, outer_steps, bytes_sent, total_inner = [], [], [], 0, 0
     num_parameters = 0
     peer_ids = []
@@ -59,6 +61,11 @@ def build_summary(peers: list[PeerProcess], inner_steps: int, wall_s: float) -> 
         num_parameters = summary["num_parameters"]
         for epoch, digest in summary["state_hashes"].items():
             state_hashes.setdefault(epoch, {})[summary["peer_id"]] = digest
+        for epoch, text in summary.get("param_sketches", {}).items():
+            try:
+                sketches.setdefault(int(epoch), {})[summary["peer_id"]] = sketch_from_text(text)
+            except ValueError:
+                continue
         if summary.get("final_eval_loss") is not None:
             final.append(summary["final_eval_loss"])
         outer_steps.append(summary["epoch"])
@@ -71,6 +78,7 @@ def build_summary(peers: list[PeerProcess], inner_steps: int, wall_s: float) -> 
         "final_eval_loss": sum(final) / len(final) if final else None,
         "final_eval_loss_per_peer": final,
         "state_hashes": dict(sorted(state_hashes.items(), key=lambda kv: int(kv[0]))),
+        "param_drift": {str(epoch): value for epoch, (value, _) in drift_by_epoch(sketches).items()},
         "wall_s": wall_s,
         "bytes_sent_total": bytes_sent,
         "bytes_ddp_equivalent": ddp_equivalent_bytes(num_parameters, len(peer_ids), total_inner),

@@ -15,6 +15,7 @@ from hivetrain.coordinator.dashboard import (
     ContributorRow,
     DashboardServer,
     DashboardSnapshot,
+    DriftPoint,
     LossPoint,
     PeerRow,
     RoundRow,
@@ -99,6 +100,7 @@ def make_snapshot(num_epochs: int = 24, num_peers: int = 6, now: float | None = 
         rounds_failed_total=1,
         checkpoints_written_total=num_epochs // 5,
         taken_at=now,
+        drift_curve=[DriftPoint(e, 0.004 + 0.002 * math.exp(-e / 5), num_peers - 1) for e in range(1, num_epochs)],
     )
 
 

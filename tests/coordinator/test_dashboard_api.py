@@ -125,6 +125,7 @@ def test_metrics_parse_and_match_the_snapshot(dashboard: DashboardServer) -> Non
     assert samples["hivetrain_checkpoints_written_total"].value == 4
     assert samples["hivetrain_samples_contributed_total"].value == snap.samples_contributed_total
     assert samples["hivetrain_run_info"].labels == {"run_id": "demo-run", "model": "small"}
+    assert samples["hivetrain_param_drift"].value == pytest.approx(snap.drift_curve[-1].drift)
 
 
 def test_snapshot_failure_is_503_and_metrics_report_down(dashboard: DashboardServer, holder: SnapshotHolder) -> None:
@@ -188,3 +189,16 @@ def test_loss_chart_has_axes_labels_and_all_points() -> None:
     drawn = re.search(r'<polyline points="([^"]+)"', svg).group(1).split()
     newest_marker = re.search(r'<circle cx="([^"]+)" cy="([^"]+)"', svg).expand(r"\1,\2")
     assert len(drawn) <= 1001 and drawn[-1] == newest_marker  # thinned, but the newest point is always drawn
+
+
+def test_parameter_drift_card_shows_the_latest_epoch_only_when_peers_published_sketches(
+    dashboard: DashboardServer, holder: SnapshotHolder
+) -> None:
+    snap = make_snapshot()
+    html = get(dashboard, "")[2]
+    latest = snap.drift_curve[-1]
+    assert "Parameter drift" in html and f"{latest.drift:.2e}" in html
+    assert f"over {latest.num_peers} peers at epoch {latest.epoch}" in html
+    holder.set(replace(snap, drift_curve=()))
+    assert "Parameter drift" not in get(dashboard, "")[2]
+    assert "hivetrain_param_drift" not in get(dashboard, "metrics")[2]

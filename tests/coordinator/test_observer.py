@@ -1,7 +1,11 @@
 """The coordinator's memory of the swarm (pure: records and time in, dashboard snapshot out)."""
 
+import pytest
+import torch
+
 from hivetrain.coordinator.dashboard import RunInfo
-from hivetrain.coordinator.observer import SwarmObserver
+from hivetrain.coordinator.observer import MAX_SKETCH_EPOCHS, SwarmObserver
+from hivetrain.diloco.drift import SKETCH_SIZE, encode_sketch
 from hivetrain.peers.records import PeerRecord
 
 
@@ -61,3 +65,23 @@ def test_the_same_failure_is_counted_once():
     for t in (1.0, 2.0, 3.0):
         obs.observe([rec("a", 3, last_failure="epoch 3: timeout")], now=t)
     assert obs.snapshot(4.0).rounds_failed_total == 1
+
+
+def test_parameter_drift_is_estimated_per_epoch_from_sketches_arriving_over_several_polls():
+    ones = encode_sketch(torch.ones(SKETCH_SIZE))
+    off = encode_sketch(torch.full((SKETCH_SIZE,), 1.2))
+    obs = SwarmObserver(RunInfo("r", "tiny", 1000), seq_len=64)
+    obs.observe([rec("a", 1, param_sketch=ones), rec("b", 0)], now=1.0)  # b has not reached epoch 1 yet
+    assert obs.snapshot(1.5).drift_curve == ()
+    obs.observe([rec("a", 2, param_sketch=ones), rec("b", 1, param_sketch=off)], now=2.0)
+    obs.observe(
+        [rec("a", 2, param_sketch=ones), rec("b", 2, param_sketch=ones), rec("c", 2, param_sketch=b"junk")], 3.0
+    )
+    snap = obs.snapshot(4.0)
+    assert [(p.epoch, p.num_peers) for p in snap.drift_curve] == [(1, 2), (2, 2)]
+    assert snap.drift_curve[0].drift == pytest.approx(0.1 / 1.1)  # a and b were 1.0 and 1.2 apart at epoch 1
+    assert snap.drift_curve[1].drift == 0.0
+    for epoch in range(3, 3 + MAX_SKETCH_EPOCHS + 5):  # sketches of old epochs are dropped, their figures kept
+        obs.observe([rec("a", epoch, param_sketch=ones), rec("b", epoch, param_sketch=off)], now=float(epoch + 2))
+    assert len(obs.sketches) == MAX_SKETCH_EPOCHS
+    assert len(obs.snapshot(100.0).drift_curve) == 2 + MAX_SKETCH_EPOCHS + 5

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from collections import Counter
 
 from hivetrain.testing.summary import read_events
 from tests.e2e.conftest import wait_for_event, write_config
@@ -47,6 +48,7 @@ def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path):
     for epoch in ("0", "1", "2", "3"):
         hashes = summary["state_hashes"][epoch]
         assert len(hashes) == 3 and len(set(hashes.values())) == 1, f"epoch {epoch}: {hashes}"
+    assert summary["param_drift"] == {"0": 0.0, "1": 0.0, "2": 0.0, "3": 0.0}  # same θ: the sketches agree exactly
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     assert 0 < summary["bytes_sent_total"] < summary["bytes_ddp_equivalent"]
     # every committed step averaged over the whole group of three
@@ -88,6 +90,16 @@ def test_moshpit_swarm_averages_parameters_in_pairs_and_loss_falls(tmp_path):
     assert summary["outer_steps"] == 3 and summary["state_downloads"] == 0
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     assert len(set(summary["state_hashes"]["1"].values())) > 1  # pairs, not one group: the states differ
+    # The sketches of θ (diloco/drift.py) show the pairs: a round leaves both members of a pair with the same θ
+    # (their momenta differ, hence the hashes), so at every epoch the four sketches are two equal pairs, and the
+    # drift figure is nonzero but finite
+    sketches = [json.loads((out / f"peer{i}.json").read_text())["param_sketches"] for i in range(4)]
+    for epoch in ("1", "2", "3"):
+        assert sorted(Counter(s[epoch] for s in sketches).values()) == [2, 2], f"epoch {epoch}"
+    drift = {int(epoch): value for epoch, value in summary["param_drift"].items()}
+    assert sorted(drift) == [0, 1, 2, 3] and drift[0] == 0.0
+    assert all(0.0 < drift[epoch] < 1.0 for epoch in (1, 2, 3)), drift
+    assert "parameter drift" in proc.stderr
     for name in ("peer0", "peer1", "peer2", "peer3"):
         steps = [e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"]
         assert [e["group_size"] for e in steps] == [4, 4, 4]  # every peer took part in every epoch's rounds

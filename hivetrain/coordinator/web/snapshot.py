@@ -126,6 +126,19 @@ class LossPoint:
 
 
 @dataclass(frozen=True)
+class DriftPoint:
+    """How far peers' θ had drifted apart at one epoch: ``drift`` = max_p ‖θ_p − θ̄‖/‖θ̄‖ estimated from the sketches
+    of ``num_peers`` peers (``diloco/drift.py``); 0.0 when they hold the same θ (butterfly averaging)."""
+
+    epoch: int
+    drift: float
+    num_peers: int
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "epoch", "drift", "num_peers")
+
+
+@dataclass(frozen=True)
 class PeerRow:
     """A peer as the coordinator last saw it.
 
@@ -226,6 +239,7 @@ class DashboardSnapshot:
         rounds_failed_total: failed rounds since the run began; None = count ``rounds``.
         checkpoints_written_total: checkpoints written since start; None = ``len(checkpoints)``.
         taken_at: unix time (s) the snapshot was taken.
+        drift_curve: parameter drift per epoch, oldest first (epochs where at least 2 peers published a sketch).
     """
 
     run: RunInfo
@@ -240,10 +254,11 @@ class DashboardSnapshot:
     rounds_failed_total: int | None = None
     checkpoints_written_total: int | None = None
     taken_at: float = 0.0
+    drift_curve: tuple[DriftPoint, ...] = ()
 
     def __post_init__(self) -> None:
         _non_negative(self, "epoch", "tokens_per_s", "taken_at")
-        for name in ("loss_curve", "peers", "rounds", "checkpoints", "contributors"):
+        for name in ("loss_curve", "peers", "rounds", "checkpoints", "contributors", "drift_curve"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.rounds_committed_total is None:
             object.__setattr__(self, "rounds_committed_total", sum(r.committed for r in self.rounds))
