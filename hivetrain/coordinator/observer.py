@@ -23,7 +23,7 @@ from hivetrain.coordinator.dashboard import (
     RoundRow,
     RunInfo,
 )
-from hivetrain.diloco.drift import drift_by_epoch
+from hivetrain.diloco.drift import drift_by_epoch, sketch_from_text
 from hivetrain.peers.records import PeerRecord
 
 MAX_POINTS = 5000
@@ -93,8 +93,12 @@ class SwarmObserver:
         epoch arrive over several polls) and re-estimate the drift of the epochs that changed."""
         changed = set()
         for r in trainers:
-            if r.param_sketch and self.sketches.setdefault(r.epoch, {}).get(r.peer_id) != r.param_sketch:
-                self.sketches[r.epoch][r.peer_id] = r.param_sketch
+            try:
+                sketch = sketch_from_text(r.param_sketch)
+            except ValueError:  # not base64: drift_by_epoch leaves out what does not decode, this too
+                continue
+            if sketch and self.sketches.setdefault(r.epoch, {}).get(r.peer_id) != sketch:
+                self.sketches[r.epoch][r.peer_id] = sketch
                 changed.add(r.epoch)
         self.sketches = OrderedDict(sorted(self.sketches.items()))
         _trim(self.sketches, MAX_SKETCH_EPOCHS)

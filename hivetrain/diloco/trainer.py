@@ -26,7 +26,7 @@ from hivetrain import __version__
 from hivetrain.averaging.base import Averager, RoundFailed
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
-from hivetrain.diloco.drift import ParamSketcher, sketch_seed
+from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
 from hivetrain.diloco.state import TrainingState
@@ -357,7 +357,7 @@ class DilocoTrainer:
             epoch=self.state.epoch,
             throughput=self.stats.throughput,
             state_hash=self.state_hash,
-            param_sketch=self.param_sketch,
+            param_sketch=sketch_to_text(self.param_sketch),
             samples_total=self.stats.samples_total,
             compute_s=self.stats.compute_s,
             public_name=self.options.public_name,

@@ -48,8 +48,8 @@ class PeerRecord(BaseModel):
     epoch: int = Field(ge=0)
     throughput: float = Field(ge=0.0, le=1e12, description="samples/s over the last inner phase")
     state_hash: str = Field(default="", max_length=64, description="sha256 of TrainingState at `epoch`")
-    param_sketch: bytes = Field(
-        default=b"", max_length=2048, description="θ at `epoch` on the run's sketch coordinates (diloco/drift.py)"
+    param_sketch: str = Field(
+        default="", max_length=2732, description="base64 count sketch of θ at `epoch` (2 KiB fp32, diloco/drift.py)"
     )
     samples_total: int = Field(default=0, ge=0, description="samples this peer has contributed to committed steps")
     compute_s: float = Field(default=0.0, ge=0.0, description="seconds spent in inner steps")

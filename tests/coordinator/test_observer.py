@@ -5,7 +5,7 @@ import torch
 
 from hivetrain.coordinator.dashboard import RunInfo
 from hivetrain.coordinator.observer import MAX_SKETCH_EPOCHS, SwarmObserver
-from hivetrain.diloco.drift import SKETCH_SIZE, encode_sketch
+from hivetrain.diloco.drift import SKETCH_SIZE, encode_sketch, sketch_to_text
 from hivetrain.peers.records import PeerRecord
 
 
@@ -68,14 +68,20 @@ def test_the_same_failure_is_counted_once():
 
 
 def test_parameter_drift_is_estimated_per_epoch_from_sketches_arriving_over_several_polls():
-    ones = encode_sketch(torch.ones(SKETCH_SIZE))
-    off = encode_sketch(torch.full((SKETCH_SIZE,), 1.2))
+    ones = sketch_to_text(encode_sketch(torch.ones(SKETCH_SIZE)))
+    off = sketch_to_text(encode_sketch(torch.full((SKETCH_SIZE,), 1.2)))
     obs = SwarmObserver(RunInfo("r", "tiny", 1000), seq_len=64)
     obs.observe([rec("a", 1, param_sketch=ones), rec("b", 0)], now=1.0)  # b has not reached epoch 1 yet
     assert obs.snapshot(1.5).drift_curve == ()
     obs.observe([rec("a", 2, param_sketch=ones), rec("b", 1, param_sketch=off)], now=2.0)
     obs.observe(
-        [rec("a", 2, param_sketch=ones), rec("b", 2, param_sketch=ones), rec("c", 2, param_sketch=b"junk")], 3.0
+        [
+            rec("a", 2, param_sketch=ones),
+            rec("b", 2, param_sketch=ones),
+            rec("c", 2, param_sketch="junk!"),
+            rec("d", 2, param_sketch="AAAA"),
+        ],
+        3.0,
     )
     snap = obs.snapshot(4.0)
     assert [(p.epoch, p.num_peers) for p in snap.drift_curve] == [(1, 2), (2, 2)]

@@ -3,7 +3,9 @@
 import time
 
 import pytest
+import torch
 
+from hivetrain.diloco.drift import SKETCH_SIZE, encode_sketch, sketch_to_text
 from hivetrain.peers.identity import load_or_create_identity, peer_id_of_owner
 from hivetrain.peers.node import BootstrapFailed, NodeConfig, start_node, trusted_ids
 from hivetrain.peers.records import (
@@ -67,9 +69,11 @@ def _record(node, **kw):
 def test_records_are_signed_and_forgeries_dropped(make_node):
     a = make_node()
     b = make_node(a.visible_maddrs())
-    assert publish_record(a.dht, a.owner_marker, _record(a), 30)
+    sketch = sketch_to_text(encode_sketch(torch.randn(SKETCH_SIZE)))  # binary data travels as base64 text
+    assert publish_record(a.dht, a.owner_marker, _record(a, param_sketch=sketch), 30)
     assert publish_record(b.dht, b.owner_marker, _record(b), 30)
-    assert {r.peer_id for r in fetch_records(a.dht, "r")} == {a.peer_id, b.peer_id}
+    records = {r.peer_id: r for r in fetch_records(a.dht, "r")}
+    assert set(records) == {a.peer_id, b.peer_id} and records[a.peer_id].param_sketch == sketch
     # b claims to be a, signing with its own key (replacing its own entry): readers drop the forgery
     publish_record(b.dht, b.owner_marker, _record(b, peer_id=a.peer_id, model_fingerprint="evil"), 30)
     records = fetch_records(a.dht, "r")
