@@ -54,6 +54,9 @@ def test_dashboard_shows_the_running_swarm_in_a_browser(swarm, browser_page, tmp
         expect(browser_page.locator("body")).to_contain_text(peer_id[-8:], timeout=20_000)  # shown as …XXXXXXXX
     assert browser_page.locator("svg").count() >= 1, "no loss chart"
     expect(browser_page.locator("body")).not_to_contain_text("No evaluations yet", timeout=20_000)
+    # the peers' θ sketches reached the coordinator through the DHT; butterfly peers hold the same θ: zero drift
+    expect(browser_page.locator("body")).to_contain_text("Parameter drift", timeout=20_000)
+    expect(browser_page.locator("body")).to_contain_text("0.00e+00", timeout=20_000)
     shot = tmp_path / "dashboard-live-swarm.png"
     browser_page.screenshot(path=str(shot), full_page=True)
     if os.environ.get("HIVETRAIN_ARTIFACTS_DIR"):
