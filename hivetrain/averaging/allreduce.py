@@ -159,8 +159,14 @@ class ButterflyRound(RoundLinks):
         self._residual_out = residual_out if self.codec is not None else None
         others = [p for p in self.members if p != self.me]
         keys = RoundKeys(
-            self.round_id, self.me, self.secret, {p: self.members[p].kx_public for p in others}, self._attach
+            self.round_id,
+            self.me,
+            self.secret,
+            {p: self.members[p].kx_public for p in others},
+            self._attach,
+            dial_back=self._dial_back,
         )
+        self._keys = keys
         self.server.register(keys)
         committed = False
         try:

@@ -91,6 +91,8 @@ class RoundKeys:
         secret: our X25519 secret for this call.
         peers: peer id -> X25519 public key (from their signed entries) of the members allowed to dial us.
         attach: called with each authenticated incoming Link.
+        dial_back: called with a member's peer id when it asks us (over libp2p, ``relay``) to dial it because it
+            could not dial us; dials its signed address directly, attaches the link, returns whether that worked.
     """
 
     round_id: str
@@ -98,6 +100,7 @@ class RoundKeys:
     secret: X25519PrivateKey
     peers: dict[str, bytes]
     attach: Callable[[Link], None]
+    dial_back: Callable[[str], bool] | None = None
 
 
 def dial(
@@ -270,6 +273,18 @@ class DataPlaneServer:
     def unregister(self, round_id: str) -> None:
         with self._cond:
             self._rounds.pop(round_id, None)
+
+    def dial_back(self, round_id: str, peer_id: str) -> bool:
+        """Dial member ``peer_id`` of round ``round_id`` on its request (it could not dial us): waits up to
+        ``join_wait_s`` for the round to be registered, then calls its ``RoundKeys.dial_back``. Returns False if the
+        round or member is unknown or the dial failed; blocks for at most ``join_wait_s + connect_timeout_s`` (the
+        round's own connect timeout) seconds."""
+        with self._cond:
+            self._cond.wait_for(lambda: round_id in self._rounds or self._stop.is_set(), self.join_wait_s)
+            keys = self._rounds.get(round_id)
+        if keys is None or keys.dial_back is None or peer_id not in keys.peers:
+            return False
+        return keys.dial_back(peer_id)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop accepting; idempotent. Links already handed to rounds are closed by their rounds."""

@@ -39,9 +39,11 @@ class RoundLinks:
     ``_vote_sent_at``/``_vote_received_at``, ``fallback`` (a ``relay.P2PFallback`` or None); and
     ``_take(num_elements)`` (a pooled receive buffer).
 
-    Dialing: the member with the smaller id dials, over direct TCP first; if that fails (``Unreachable``) and a
-    libp2p fallback is set, over a libp2p stream (``relay``), which is also used first for members that were
-    unreachable recently.
+    Dialing: the member with the smaller id dials, over direct TCP first. If that fails (``Unreachable``: the member
+    is behind NAT or a firewall) and a libp2p fallback is set, we ask the member over libp2p to dial *us* (connection
+    reversal: a volunteer behind NAT can usually open outgoing connections, so the link is still direct TCP); if it
+    cannot either (both behind NAT), the link goes over a libp2p stream (``relay``). Members that were unreachable
+    recently skip the direct attempt.
     """
 
     # ---- links --------------------------------------------------------------------------------------------------
@@ -64,36 +66,66 @@ class RoundLinks:
 
         def dial_one(peer_id: str) -> None:
             try:
-                link = self._dial(peer_id, keys)
+                link = self._dial(peer_id, keys, deadline)
             except ConnectionError as exc:
                 self._post_error(peer_id, str(exc))
                 return
-            self._attach(link)
+            if link is not None:  # None: it dialed us back, and the server attached that link
+                self._attach(link)
 
         for p in others:
             if p > self.me:  # the smaller id dials: one connection per pair
                 threading.Thread(target=dial_one, args=(p,), name="hivetrain-avg-dial", daemon=True).start()
-        attempts = 4 if self.fallback is not None else 3  # a direct dial may time out before the libp2p one
+        attempts = 6 if self.fallback is not None else 3  # direct dial, dial-back and libp2p may each time out
         connect_deadline = min(deadline, time.monotonic() + attempts * cfg.connect_timeout_s + cfg.declare_grace_s)
         self._wait(lambda: all(p in self._links for p in others), others, connect_deadline, "connecting", "peer_failed")
 
-    def _dial(self, peer_id: str, keys: RoundKeys) -> Link:
-        """An authenticated link to ``peer_id``: direct TCP, else (or at once if it was unreachable recently) a
-        libp2p stream. Raises ConnectionError (LinkClosed, AuthFailed) if neither works."""
-        cfg, m, fallback = self.config, self.members[peer_id], self.fallback
-        opts = dict(connect_timeout_s=cfg.connect_timeout_s, part_timeout_s=cfg.part_timeout_s,
+    def _dial_options(self) -> dict:
+        cfg = self.config
+        return dict(connect_timeout_s=cfg.connect_timeout_s, part_timeout_s=cfg.part_timeout_s,
                     buffer_num_bytes=cfg.socket_buffer_bytes,
                     join_wait_s=cfg.connect_timeout_s + cfg.declare_grace_s)  # fmt: skip
+
+    def _dial(self, peer_id: str, keys: RoundKeys, deadline: float) -> Link | None:
+        """An authenticated link to ``peer_id``: direct TCP; else (or at once if it was unreachable recently) it
+        dials us back, and the link arrives through our server (returns None once attached); else a libp2p stream.
+        Raises ConnectionError (LinkClosed, AuthFailed) if none works."""
+        cfg, m, fallback = self.config, self.members[peer_id], self.fallback
         if fallback is None or not fallback.prefers_libp2p(peer_id):
             try:
-                return dial(m.host, m.port, keys, peer_id, **opts)
-            except Unreachable as exc:  # behind NAT or a firewall? libp2p may still reach it (relays, hole punching)
+                return dial(m.host, m.port, keys, peer_id, **self._dial_options())
+            except Unreachable as exc:  # behind NAT or a firewall? it may dial us, or libp2p may reach it
                 if fallback is None:
                     raise
-                logger.info("%s; trying libp2p", exc)
+                logger.info("%s; asking it over libp2p to dial us back", exc)
                 fallback.note_unreachable(peer_id)
+        wait_s = cfg.connect_timeout_s + cfg.declare_grace_s  # it may learn of the round a little after us
+        # it waits up to its join wait (about wait_s) for the round, then dials within connect_timeout_s
+        if fallback.request_dial_back(peer_id, self.round_id, timeout_s=wait_s + cfg.connect_timeout_s + 1.0):
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: peer_id in self._links or self._done, min(wait_s, deadline - time.monotonic())
+                )
+                if peer_id in self._links:
+                    logger.debug("%s dialed us back", peer_id)
+                    return None
+        logger.info("%s could not dial us back either; trying a libp2p stream", peer_id)
         sock = fallback.open_socket(peer_id, cfg.connect_timeout_s)
-        return dial(m.host, m.port, keys, peer_id, sock=sock, **opts)
+        return dial(m.host, m.port, keys, peer_id, sock=sock, **self._dial_options())
+
+    def _dial_back(self, peer_id: str) -> bool:
+        """Dial ``peer_id`` directly because it asked (it could not dial us); attach the link. Never over libp2p: the
+        member asking falls back to a libp2p stream itself if this fails."""
+        m = self.members.get(peer_id)
+        if m is None or peer_id == self.me:
+            return False
+        try:
+            link = dial(m.host, m.port, self._keys, peer_id, **self._dial_options())
+        except ConnectionError as exc:
+            logger.info("could not dial %s back: %s", peer_id, exc)
+            return False
+        self._attach(link)
+        return True
 
     def _post_error(self, peer_id: str, reason: str) -> None:
         with self._cond:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 
 from hivetrain.averaging import AveragingConfig, GroupAverager, RoundFailed, RoundResult
@@ -15,10 +16,11 @@ CFG = dict(target_group_size=2, matchmaking_time_s=2.0, part_timeout_s=5.0, comm
 UNREACHABLE_HOST = "127.0.0.2"  # loopback, but our data ports listen on 127.0.0.1 only: a direct dial is refused
 
 
-def _averagers(swarm, prefix: str, config: AveragingConfig) -> list[GroupAverager]:
+def _averagers(swarm, prefix: str, config: AveragingConfig, unreachable=(0, 1)) -> list[GroupAverager]:
     avgs = []
-    for node in swarm[:2]:
-        avg = GroupAverager(node, prefix, config, listen_host="127.0.0.1", announce_host=UNREACHABLE_HOST)
+    for i, node in enumerate(swarm[:2]):
+        announce = UNREACHABLE_HOST if i in unreachable else "127.0.0.1"
+        avg = GroupAverager(node, prefix, config, listen_host="127.0.0.1", announce_host=announce)
         avg.start()
         avgs.append(avg)
     return avgs
@@ -47,6 +49,33 @@ def test_members_unreachable_over_tcp_average_over_libp2p(swarm, prefix) -> None
                 torch.testing.assert_close(results[0].tensors[k], want, atol=1e-6, rtol=0)
         dialer, other = sorted(avgs, key=lambda a: a.node.peer_id)
         assert dialer.fallback is not None and dialer.fallback.prefers_libp2p(other.node.peer_id)
+        # both behind "NAT": the other could not dial back either, so each round's link was a libp2p stream
+        assert dialer.fallback.dial_backs_requested == 2 and other.fallback.dial_backs_served == 0
+        assert dialer.fallback.streams_opened == 2
+    finally:
+        for avg in avgs:
+            avg.shutdown()
+
+
+@pytest.mark.parametrize("unreachable", [0, 1])
+def test_a_member_behind_nat_dials_back_and_the_link_stays_direct_tcp(swarm, prefix, unreachable) -> None:
+    """One member of the pair announces an undialable data port (member 0 in one case, member 1 in the other, so
+    across the two cases the smaller peer id, which dials, is once the reachable one and once not). Either way the
+    link is direct TCP: the undialable member dials out itself, or is asked over libp2p to dial back."""
+    avgs = _averagers(swarm, prefix, AveragingConfig(**CFG), unreachable=(unreachable,))
+    try:
+        inputs = [[torch.full((500,), 1.0)], [torch.full((500,), 3.0)]]
+        for epoch in range(2):
+            calls = [lambda a=a, x=x, e=epoch: a.average(x, 1.0, e, 30.0) for a, x in zip(avgs, inputs, strict=True)]
+            results = run_threads(calls, timeout_s=45)
+            assert all(isinstance(r, RoundResult) for r in results), results
+            assert all(torch.equal(r.tensors[0], torch.full((500,), 2.0)) for r in results)
+        assert all(a.fallback.streams_opened == 0 for a in avgs), "no byte went over a libp2p stream"
+        dialer, other = sorted(avgs, key=lambda a: a.node.peer_id)
+        if other is avgs[unreachable]:  # the dialer could not reach it: it was asked to dial back, every round
+            assert dialer.fallback.dial_backs_requested == 2 and other.fallback.dial_backs_served == 2
+        else:  # the undialable member dials out itself: no dial-back needed
+            assert dialer.fallback.dial_backs_requested == 0 and other.fallback.dial_backs_served == 0
     finally:
         for avg in avgs:
             avg.shutdown()
@@ -58,6 +87,17 @@ def test_without_the_fallback_unreachable_members_fail_the_round(swarm, prefix) 
         x = [torch.ones(10)]
         results = run_threads([lambda a=a: a.average(x, 1.0, 0, 20.0) for a in avgs], timeout_s=35)
         assert all(isinstance(r, RoundFailed) and r.reason == "peer_failed" for r in results), results
+    finally:
+        for avg in avgs:
+            avg.shutdown()
+
+
+def test_a_dial_back_request_for_a_round_we_are_not_in_is_refused(swarm, prefix) -> None:
+    avgs = _averagers(swarm, prefix, AveragingConfig(**CFG), unreachable=())
+    try:
+        asker, other = avgs
+        assert not asker.fallback.request_dial_back(other.node.peer_id, "no-such-round", timeout_s=15.0)
+        assert other.fallback.dial_backs_served == 0 and asker.fallback.dial_backs_requested == 1
     finally:
         for avg in avgs:
             avg.shutdown()
