@@ -178,7 +178,7 @@ class P2PFallback:
         self.unreachable.mark(peer_id, time.monotonic())
 
     def prefers_libp2p(self, peer_id: str) -> bool:
-        """Whether ``peer_id``'s direct dial failed recently (dial it over libp2p first)."""
+        """Whether ``peer_id``'s direct dial failed recently (skip it: ask for a dial-back, then a libp2p stream)."""
         return self.unreachable.is_unreachable(peer_id, time.monotonic())
 
     async def _on_dial_back(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
