@@ -130,9 +130,9 @@ def server_main(argv: list[str] | None = None) -> int:
         return fail(repr(exc), EXIT_FAILED)
     finally:
         if server is not None:
+            server.shutdown()  # first: an outer step in progress gets to finish (bounded), and the stats count it
             if args.stats_file:
                 Path(args.stats_file).write_text(json.dumps(server_stats(server, started), indent=2))
-            server.shutdown()
         node.shutdown()
 
 
