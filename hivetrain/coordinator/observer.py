@@ -30,6 +30,7 @@ MAX_POINTS = 5000
 MAX_ROUNDS = 500
 MAX_CONTRIBUTORS = 10_000
 MAX_SKETCH_EPOCHS = 8  # epochs whose sketches are still collected (peers pass through an epoch in one outer step)
+MAX_SKETCHES_PER_EPOCH = 1024  # 2 KiB each: at most 16 MiB held; beyond that the figure is over the first 1024 peers
 
 
 @dataclass
@@ -97,7 +98,10 @@ class SwarmObserver:
                 sketch = sketch_from_text(r.param_sketch)
             except ValueError:  # not base64: drift_by_epoch leaves out what does not decode, this too
                 continue
-            if sketch and self.sketches.setdefault(r.epoch, {}).get(r.peer_id) != sketch:
+            held = self.sketches.setdefault(r.epoch, {})
+            if r.peer_id not in held and len(held) >= MAX_SKETCHES_PER_EPOCH:
+                continue
+            if sketch and held.get(r.peer_id) != sketch:
                 self.sketches[r.epoch][r.peer_id] = sketch
                 changed.add(r.epoch)
         self.sketches = OrderedDict(sorted(self.sketches.items()))
