@@ -146,7 +146,7 @@ class DilocoTrainer:
 
     @property
     def param_sketch(self) -> bytes:
-        """θ of the current state on the run's sketch coordinates (``diloco.drift``), computed once per state."""
+        """The run's count sketch of the current θ (``diloco.drift``; 2 KiB fp32), computed once per state."""
         return self.sketcher.encode(self.state, self.state.params)
 
     def _note_state(self) -> None:
