@@ -72,13 +72,14 @@ class UnreachableCache:
 
 
 class P2PFallback:
-    """Opens and serves data-plane links over libp2p streams of our DHT node's p2pd.
+    """Sends and serves dial-back requests, and opens and serves data-plane links over libp2p streams of our DHT
+    node's p2pd.
 
     Args:
         node: our running DHT node (``peers.node.PeerNode``).
-        prefix: the averager's DHT prefix; the stream handler is ``f"{prefix}.data"``.
-        server: the averager's data-plane server, which authenticates incoming links.
-        remember_unreachable_s: how long a member whose direct dial failed is dialed over libp2p first, seconds.
+        prefix: the averager's DHT prefix; the stream handlers are ``f"{prefix}.data"`` and ``f"{prefix}.dial_back"``.
+        server: the averager's data-plane server, which authenticates incoming links and dials members back.
+        remember_unreachable_s: how long a member whose direct dial failed skips the direct attempt, seconds.
     """
 
     def __init__(self, node, prefix: str, server: DataPlaneServer, remember_unreachable_s: float = 600.0):
@@ -92,7 +93,7 @@ class P2PFallback:
         self._tasks: set[asyncio.Task] = set()
 
     def start(self, timeout_s: float) -> None:
-        """Connect to our p2pd and register the stream handler. Raises TimeoutError or the daemon's error.
+        """Connect to our p2pd and register both stream handlers. Raises TimeoutError or the daemon's error.
 
         The connection is our own P2P client, not ``DHT.replicate_p2p()``: that one is cached per process and bound
         to the event loop that first asked for it (the trainer's, or an averager's that has since shut down), and a
@@ -104,7 +105,7 @@ class P2PFallback:
         self._loop.run(self._p2p.add_binary_stream_handler(self.dial_back_handler_name, self._on_dial_back), timeout_s)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Unregister the handler and close open bridges; idempotent."""
+        """Unregister the handlers and close open bridges; idempotent."""
         loop, p2p, self._loop = self._loop, self._p2p, None
         if loop is None:
             return
