@@ -78,6 +78,20 @@ class DilocoConfig:
         outer_momentum: outer Nesterov momentum (paper: 0.9).
         outer_steps: stop after this many outer steps (epochs); 0 = train until stopped.
         eval_every: evaluate on the held-out windows every this many outer steps; 0 = only at start and end.
+        schedule: when a peer ends its inner phase. "swarm" (default): when the samples that all live peers have
+            computed at this epoch reach ``target_samples_per_epoch`` (estimated from the progress and throughput
+            every peer publishes, as hivemind's ``ProgressTracker``), so every peer ends at about the same time and a
+            fast peer runs more inner steps than a slow one (Async Local-SGD's dynamic local updates, Liu et al.
+            2024). "steps": every peer runs exactly ``inner_steps`` inner steps (the paper's fixed H; slow peers
+            arrive late).
+        target_samples_per_epoch: the swarm's samples per epoch for ``schedule = "swarm"``; 0 = ``inner_steps *
+            data.batch_size`` times the number of live trainers at the epoch (equal peers then run H steps each).
+        overlap: "off" = the peer waits for its epoch's round before the next inner phase. "delayed" = the next inner
+            phase starts at once from the newest shared θ while the round runs in the background (the averaged
+            update lands one epoch late). "eager" = the same, but the next phase starts from θ advanced by an
+            estimate of the average in flight: the previous average with our own share replaced by our new
+            pseudo-gradient (Kale et al. 2025, "Eager updates for overlapped communication and computation in
+            DiLoCo"). The shared state stays bit-identical across peers in every mode.
     """
 
     inner_steps: int = Field(default=50, ge=1, le=1_000_000)
@@ -91,6 +105,9 @@ class DilocoConfig:
     outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
     outer_steps: int = Field(default=0, ge=0)
     eval_every: int = Field(default=1, ge=0)
+    schedule: Literal["steps", "swarm"] = "swarm"
+    target_samples_per_epoch: int = Field(default=0, ge=0)
+    overlap: Literal["off", "delayed", "eager"] = "off"
 
     def schedule_length(self) -> int:
         """Inner steps over which the cosine schedule decays (at least the warmup)."""

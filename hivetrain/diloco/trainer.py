@@ -59,6 +59,8 @@ class TrainerOptions:
         max_outer_steps: stop after this epoch (0 = the run config's ``diloco.outer_steps``).
         dht_lost_after_s: give up (DhtLost) after the DHT has been unreachable this long, seconds.
         byzantine: fault-harness only: misbehave this way (see ``hivetrain.testing.byzantine``).
+        duty_cycle: train at most this fraction of wall time (0 < F <= 1), sleeping between inner steps.
+        pause_file: while this file exists the peer pauses its inner steps (stays in the swarm); "" = none.
     """
 
     public_name: str = ""
@@ -68,6 +70,8 @@ class TrainerOptions:
     max_outer_steps: int = 0
     byzantine: str = ""
     dht_lost_after_s: float = 60.0
+    duty_cycle: float = 1.0
+    pause_file: str = ""
 
 
 @dataclass
@@ -80,8 +84,10 @@ class TrainerStats:
     rounds_committed: int = 0
     rounds_failed: int = 0
     state_downloads: int = 0
-    samples_total: int = 0
-    compute_s: float = 0.0
+    samples_total: int = 0  # samples of ours in committed outer steps
+    samples_computed: int = 0  # samples of all our inner steps
+    samples_discarded: int = 0  # computed samples that will never reach a committed outer step
+    compute_s: float = 0.0  # seconds in inner steps (duty-cycle sleeps and pauses excluded)
     last_loss: float | None = None
     last_eval_loss: float | None = None
     throughput: float = 0.0
@@ -127,6 +133,7 @@ class DilocoTrainer:
         arm_wire_corruption(options.byzantine, faults)
         self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
         self._stop = threading.Event()
+        self._left_reason = ""
         self._records: list[PeerRecord] = []
         self._exact_average = config.averaging.strategy == "butterfly"
         self._view_ok, self._view_ok_at = False, time.monotonic()
@@ -155,6 +162,12 @@ class DilocoTrainer:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def announce_leaving(self, reason: str) -> None:
+        """Stop, and publish a last record saying why we leave (shown by the coordinator; ``reason`` <= 200 chars)."""
+        self._left_reason = reason[:200] or "left"
+        self._stop.set()
+        self._publish()
 
     def run(self) -> TrainerStats:
         """Train until stopped or ``target_epoch`` is reached; returns the counters."""
@@ -370,6 +383,7 @@ class DilocoTrainer:
             last_round_s=self.stats.last_round_s,
             last_group_size=self.stats.last_group_size,
             last_failure=self.stats.last_failure[:200],
+            left_reason=self._left_reason,
             updated_at=get_dht_time(),
         )
 

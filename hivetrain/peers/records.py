@@ -64,6 +64,9 @@ class PeerRecord(BaseModel):
     last_round_s: float | None = Field(default=None, ge=0.0, description="duration of the last committed round")
     last_group_size: int = Field(default=0, ge=0)
     last_failure: str = Field(default="", max_length=200, description="reason of the last failed round")
+    phase_epoch: int = Field(default=0, ge=0, description="epoch (round key) the inner phase in progress is for")
+    phase_samples: int = Field(default=0, ge=0, description="samples computed so far for `phase_epoch`")
+    left_reason: str = Field(default="", max_length=200, description="set in the last record of a peer that left")
     updated_at: float = Field(ge=0.0)
 
 
