@@ -4,6 +4,8 @@ Namespaces (root only; ``ip`` and ``tc`` from iproute2)::
 
     <tag>-hub  : bridges br0 (the swarm) and br1 (the far side of a partition), no addresses
     <tag>-m<i> : one per process: lo + eth0 (10.231.x.y/16), the other end "m<i>" of its veth on a hub bridge
+    <tag>-r<i> : for a member behind NAT (``add_nat_member``): a home router, wan0 (10.231.x.y/16) on the hub bridge
+                 and lan0 (192.168.n.1/24); the member <tag>-m<i> sits on its LAN (192.168.n.2, default route via it)
 
 Nothing is created in the host's namespace: traffic stays on addresses inside these namespaces. A bandwidth limit is
 a ``tc tbf`` qdisc on both ends of the member's veth (its upload and its download). A partition moves members' hub
@@ -11,6 +13,10 @@ ports to br1, so the two sides share no L2 segment (packets between them are dro
 would on a real cut) until they are moved back. ``netem`` is not available here; latency and loss come from
 ``TcpProxy``, which delays each chunk it forwards and, with probability ``loss``, adds ``rto_ms`` to model the
 retransmission a lost segment costs TCP.
+
+A NAT router is real: ``iptables`` (Debian package ``iptables``) MASQUERADEs the LAN's connections out of wan0, and
+drops every connection that starts on the WAN side (no port forwarding), as a home router does; nobody outside can
+dial the member, and it dials out under the router's address. Its rules live in the router's namespace and go with it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Member:
     netns: str
     ip: str
     hub_port: str
+    public_ip: str = ""  # behind NAT: the router's address, which others see (else empty: ``ip`` is public)
 
     @property
     def exec_prefix(self) -> list[str]:
@@ -71,6 +78,7 @@ class NetnsTopology:
         self.members: dict[int, Member] = {}
         self._created: list[str] = []
         self._isolated: set[int] = set()
+        self._num_nat = 0
 
     def create(self) -> None:
         _sh("ip", "netns", "add", self.hub)
@@ -81,22 +89,68 @@ class NetnsTopology:
 
     def add_member(self) -> Member:
         """A new namespace on br0 with the next address (10.231.0.1, 10.231.0.2, ...)."""
-        index = len(self.members)
-        if index >= 250 * 250:
-            raise NetnsError("too many members")
+        index, ip = self._next_address()
         netns = f"{self.tag}-m{index}"
         _sh("ip", "netns", "add", netns)
         self._created.append(netns)
-        ip = f"{SUBNET_PREFIX}.{index // 250}.{index % 250 + 1}"
-        port = f"m{index}"
-        _sh("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns)
-        _sh("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
-        _sh("ip", "-n", netns, "addr", "add", f"{ip}/16", "dev", "eth0")
-        _sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        port = self._attach(netns, "eth0", index, ip)
         _sh("ip", "-n", netns, "link", "set", "lo", "up")
         member = Member(index=index, netns=netns, ip=ip, hub_port=port)
         self.members[index] = member
         return member
+
+    def add_nat_member(self) -> Member:
+        """A new namespace behind its own NAT router (no port forwarding): it connects out, nobody can dial it.
+
+        The returned member's ``ip`` is its private LAN address, ``public_ip`` the router's; ``set_bandwidth`` limits
+        its LAN link and the router's hub port, ``isolate`` cuts the router off.
+
+        Raises:
+            NetnsError: a command failed, e.g. ``iptables`` is missing (``apt-get install iptables``).
+        """
+        index, public_ip = self._next_address()
+        if self._num_nat >= 254:
+            raise NetnsError("too many NAT members")
+        self._num_nat += 1
+        lan = f"192.168.{self._num_nat}"
+        router, netns = f"{self.tag}-r{index}", f"{self.tag}-m{index}"
+        for name in (router, netns):
+            _sh("ip", "netns", "add", name)
+            self._created.append(name)
+        port = self._attach(router, "wan0", index, public_ip)
+        _sh("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _sh("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+        _sh("ip", "-n", router, "link", "set", "lan0", "up")
+        _sh("ip", "-n", netns, "addr", "add", f"{lan}.2/24", "dev", "eth0")
+        for dev in ("eth0", "lo"):
+            _sh("ip", "-n", netns, "link", "set", dev, "up")
+        _sh("ip", "-n", netns, "route", "add", "default", "via", f"{lan}.1")
+        run = ["ip", "netns", "exec", router]
+        _sh(*run, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        ipt = [*run, "iptables", "-w", "5"]
+        _sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-s", f"{lan}.0/24", "-o", "wan0", "-j", "MASQUERADE")
+        established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+        for chain, extra in (("FORWARD", ["-o", "lan0"]), ("INPUT", [])):
+            _sh(*ipt, "-A", chain, "-i", "wan0", *extra, *established)
+            _sh(*ipt, "-A", chain, "-i", "wan0", "-j", "DROP")
+        member = Member(index=index, netns=netns, ip=f"{lan}.2", hub_port=port, public_ip=public_ip)
+        self.members[index] = member
+        return member
+
+    def _next_address(self) -> tuple[int, str]:
+        index = len(self.members)
+        if index >= 250 * 250:
+            raise NetnsError("too many members")
+        return index, f"{SUBNET_PREFIX}.{index // 250}.{index % 250 + 1}"
+
+    def _attach(self, netns: str, dev: str, index: int, ip: str) -> str:
+        """Wire ``netns`` to br0 by a veth (``dev`` inside, "m<index>" on the hub) with address ``ip``/16."""
+        port = f"m{index}"
+        _sh("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", dev, "netns", netns)
+        _sh("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+        _sh("ip", "-n", netns, "addr", "add", f"{ip}/16", "dev", dev)
+        _sh("ip", "-n", netns, "link", "set", dev, "up")
+        return port
 
     def set_bandwidth(self, member: Member, mbps: float) -> None:
         """Limit the member's upload and download to ``mbps`` megabit/s (tc tbf, burst >= one 4 ms tick)."""

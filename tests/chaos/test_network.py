@@ -4,6 +4,7 @@ The namespace tests need root (``ip netns``); they are skipped with that reason 
 deleted in a fixture's finally; traffic stays on the namespaces' own addresses.
 """
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from hivetrain.chaos.network import NetnsTopology, TcpProxy, netns_available
+from hivetrain.chaos.network import Member, NetnsTopology, TcpProxy, netns_available
 
 
 @pytest.fixture
@@ -170,3 +171,41 @@ def test_partition_cuts_and_heal_restores(topology):
     assert send(topology, a, b, 1000)[1] == 1000  # same side still connected
     topology.heal()
     assert send(topology, a, c, 1000)[1] == 1000
+
+
+_PEER_ADDR_SERVER = """
+import socket, sys
+s = socket.create_server(("0.0.0.0", 5000)); s.settimeout(20)
+print("ready", flush=True)
+c, addr = s.accept(); print(addr[0], flush=True)
+"""
+_DIAL = "import socket, sys; socket.create_connection((sys.argv[1], 5000), timeout=1.5)"
+
+
+def dial(member: Member, address: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*member.exec_prefix, sys.executable, "-c", _DIAL, address], capture_output=True, text=True, timeout=30
+    )
+
+
+@needs_netns
+@pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables not installed (Debian package iptables)")
+def test_nat_member_dials_out_under_the_routers_address_and_cannot_be_dialed(topology):
+    public, natted = topology.add_member(), topology.add_nat_member()
+    assert natted.ip.startswith("192.168.") and natted.public_ip == "10.231.0.2"
+    for receiver, dialer, addresses in ((public, natted, [public.ip]), (natted, public, [natted.ip, natted.public_ip])):
+        server = subprocess.Popen(
+            [*receiver.exec_prefix, sys.executable, "-c", _PEER_ADDR_SERVER], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            results = [dial(dialer, address) for address in addresses]
+            if receiver is public:  # MASQUERADE: the server sees the router's address
+                assert results[0].returncode == 0, results[0].stderr
+                assert server.communicate(timeout=30)[0].strip() == natted.public_ip
+            else:  # no route to the LAN; the router drops connections from the WAN side (no port forwarding)
+                assert "unreachable" in results[0].stderr, results[0].stderr
+                assert "timed out" in results[1].stderr, results[1].stderr
+        finally:
+            server.kill()
+            server.wait(10)
