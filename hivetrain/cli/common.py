@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from hivetrain.peers.node import NodeConfig
 
@@ -34,6 +35,37 @@ def install_signal_handlers() -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+def install_pause_handler(toggle: Callable[[], bool]) -> object:
+    """SIGUSR1 calls ``toggle()`` (e.g. ``DutyCycle.toggle``: pause or resume inner steps without leaving the swarm)
+    and logs the new state. ``toggle`` must be signal-safe (take no lock). Returns the previous handler.
+
+    A forked helper that inherited the handler (hivemind's DHT process) ignores the signal instead of dying of it.
+    """
+    main_pid = os.getpid()
+    log = logging.getLogger("hivetrain.cli")
+
+    def handler(_signum, _frame):
+        if os.getpid() != main_pid:
+            return
+        if toggle():
+            log.info("paused (SIGUSR1 again to resume): inner steps stop after the current one; still in the swarm")
+        else:
+            log.info("resumed")
+
+    return signal.signal(signal.SIGUSR1, handler)
+
+
+def duty_cycle_arg(text: str) -> float:
+    """argparse type of ``--duty-cycle``: a fraction of wall time in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction of wall time in (0, 1]") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction of wall time in (0, 1] (e.g. 0.5), got {text}")
+    return value
 
 
 def setup_logging(verbose: bool) -> None:

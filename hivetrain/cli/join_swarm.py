@@ -1,5 +1,8 @@
 """``join-swarm ADDRESS [ADDRESS ...]``: join a run and train with DiLoCo until the run ends or Ctrl+C.
 
+Sharing the machine: ``--duty-cycle F`` trains at most F of wall time; SIGUSR1 (``kill -USR1 PID``) pauses and
+resumes inner steps, as does ``--pause-file PATH`` (paused while the file exists); a paused peer stays in the swarm.
+
 Exit codes: 0 finished, 2 bad input or no reachable initial peer, 3 incompatible with the run, 4 failed,
 130 interrupted (SIGINT/SIGTERM: leaves within a few seconds, p2pd included).
 """
@@ -25,7 +28,9 @@ from hivetrain.cli.common import (
     Interrupted,
     add_node_arguments,
     add_run_override_arguments,
+    duty_cycle_arg,
     fail,
+    install_pause_handler,
     install_signal_handlers,
     node_config,
     run_overrides,
@@ -34,6 +39,7 @@ from hivetrain.cli.common import (
 from hivetrain.cli.progress import ProgressReporter
 from hivetrain.config import RunConfig, load_run_config
 from hivetrain.diloco.drift import sketch_to_text
+from hivetrain.diloco.duty import DutyCycle
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
@@ -73,6 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a working DHT (e.g. p2pd died) before the peer gives up and exits",
     )
     parser.add_argument("--public-name", default="", help="name shown on the contributors' board (<= 64 chars)")
+    share = parser.add_argument_group("sharing this machine (see README: Sharing your machine)")
+    share.add_argument(
+        "--duty-cycle",
+        type=duty_cycle_arg,
+        default=1.0,
+        metavar="F",
+        help="train at most this fraction of wall time, 0 < F <= 1, sleeping between inner steps (1 = never sleep)",
+    )
+    share.add_argument(
+        "--pause-file",
+        default="",
+        metavar="PATH",
+        help="pause inner steps while this file exists (checked every 0.5 s; the peer stays in the swarm). "
+        "SIGUSR1 also pauses and resumes",
+    )
     parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # chaos harness only
     parser.add_argument("--byzantine", default="", help=argparse.SUPPRESS)  # chaos harness only
     parser.add_argument("--data-announce-host", default="", help=argparse.SUPPRESS)  # chaos harness: a NAT'd peer
@@ -151,13 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.addresses and not args.config:
             raise ValueError("give the coordinator's address (join-swarm /ip4/.../p2p/...) or --config to start alone")
         ncfg = node_config(args, args.addresses)
+        duty = DutyCycle(args.duty_cycle, pause_file=args.pause_file)
     except ValueError as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
+    install_pause_handler(duty.toggle)
     node = None
     try:
         start_reaper()
         node = start_node(ncfg)
-        return _train(args, node, device, faults)
+        return _train(args, node, device, faults, duty)
     except BootstrapFailed as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     except (ValueError, FileNotFoundError) as exc:
@@ -172,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             node.shutdown()
 
 
-def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, faults: FaultInjector) -> int:
+def _train(
+    args: argparse.Namespace, node: PeerNode, device: torch.device, faults: FaultInjector, duty: DutyCycle
+) -> int:
     from hivetrain.averaging import GroupAverager
     from hivetrain.data import load_corpus
     from hivetrain.diloco.trainer import DhtLost, DilocoTrainer, TrainerOptions
@@ -219,10 +244,15 @@ def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, fault
             averager,
             fingerprint,
             TrainerOptions(
-                public_name=args.public_name, byzantine=args.byzantine, dht_lost_after_s=args.dht_lost_timeout
+                public_name=args.public_name,
+                byzantine=args.byzantine,
+                dht_lost_after_s=args.dht_lost_timeout,
+                duty_cycle=args.duty_cycle,
+                pause_file=args.pause_file,
             ),
             faults=faults,
             on_event=reporter.event,
+            **_duty_keyword(DilocoTrainer, duty),
         )
         stats = trainer.run()
         reporter.close()
@@ -243,6 +273,21 @@ def _train(args: argparse.Namespace, node: PeerNode, device: torch.device, fault
         averager.shutdown(timeout_s=3)
         loop.stop(timeout_s=2)
         reporter.close()
+
+
+def _duty_keyword(trainer_class, duty: DutyCycle) -> dict:
+    """``{"duty": duty}`` once the trainer takes the DutyCycle (the SIGUSR1 handler toggles that same object).
+
+    Transitional: the trainer gains the ``duty`` keyword in the same series of changes; until then the flags are
+    accepted but have no effect, and we say so.
+    """
+    import inspect
+
+    if "duty" in inspect.signature(trainer_class.__init__).parameters:
+        return {"duty": duty}
+    if duty.fraction < 1.0 or duty.pause_file:
+        logger.warning("this trainer does not apply --duty-cycle/--pause-file/SIGUSR1 yet; training at full speed")
+    return {}
 
 
 def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:

@@ -21,6 +21,7 @@ from hivetrain.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     Interrupted,
+    duty_cycle_arg,
     fail,
     install_signal_handlers,
     setup_logging,
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before everything is stopped")
     parser.add_argument("--peer-args", default="", help="extra join-swarm arguments for every peer (one string)")
     parser.add_argument(
+        "--duty-cycles",
+        type=duty_cycles_arg,
+        default=None,
+        metavar="F1,F2,...",
+        help="each peer's join-swarm --duty-cycle, one per peer (e.g. 1,0.5,0.25: peers 2x and 4x slower)",
+    )
+    parser.add_argument(
         "--dashboard-port",
         type=int,
         default=None,
@@ -70,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--trainers", type=int, default=2, help="pipeline trainer processes (they hold the data)")
     pipe.add_argument("--steps", type=int, default=30, help="pipeline steps per trainer")
     return parser
+
+
+def duty_cycles_arg(text: str) -> list[float]:
+    """argparse type of ``--duty-cycles``: comma-separated fractions of wall time, each in (0, 1]."""
+    try:
+        return [duty_cycle_arg(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"each value {exc}") from None
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
@@ -115,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         or args.timeout <= 0
     ):
         return fail("--peers, --outer-steps and --threads-per-peer must be >= 1 and --timeout > 0", EXIT_BAD_INPUT)
+    if args.duty_cycles is not None and len(args.duty_cycles) != args.peers:
+        return fail(
+            f"--duty-cycles gives {len(args.duty_cycles)} value(s) for {args.peers} peer(s): give one per peer",
+            EXIT_BAD_INPUT,
+        )
     if args.pipeline:
         return run_pipeline(args)
     out = Path(args.out)
@@ -150,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             f"coordinator up at [bold]{address}[/]; starting {args.peers} peer(s), "
             f"model {config.model}, H={config.diloco.inner_steps}, K={config.diloco.outer_steps}"
         )
-        for _ in range(args.peers):
-            swarm.add_peer(args.peer_args.split())
+        for i in range(args.peers):
+            duty = ["--duty-cycle", str(args.duty_cycles[i])] if args.duty_cycles else []
+            swarm.add_peer([*args.peer_args.split(), *duty])
 
         def poll() -> None:
             for peer in swarm.peers:

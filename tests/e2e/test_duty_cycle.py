@@ -1,0 +1,68 @@
+"""Volunteers who lend part of their machine: --duty-cycle refused when out of range, and a swarm of peers at
+duty cycles 1, 0.5 and 0.25 in which every peer's samples reach every committed outer step."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hivetrain.testing.summary import read_events
+from tests.e2e.conftest import write_config
+
+JOIN = [sys.executable, "-m", "hivetrain.cli.join_swarm"]
+LOCAL_SWARM = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm"]
+
+
+@pytest.mark.parametrize("value", ["0", "1.5"])
+def test_join_swarm_refuses_a_duty_cycle_outside_0_1(value, tmp_path):
+    config = write_config(tmp_path / "run.toml")
+    proc = subprocess.run(
+        [*JOIN, "--config", str(config), "--duty-cycle", value, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--duty-cycle" in proc.stderr and "(0, 1]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_local_swarm_wants_one_duty_cycle_per_peer(tmp_path):
+    cmd = [*LOCAL_SWARM, "--peers", "3", "--duty-cycles", "1,0.5", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--duty-cycles" in proc.stderr and "3 peer(s)" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_peers_at_duty_cycles_1_half_quarter_all_commit_every_outer_step(tmp_path):
+    """Issue 11's acceptance: the 0.25 peer runs 4x slower than the 1.0 peer, yet its samples reach every committed
+    outer step and nobody throws work away or downloads state for having been slow."""
+    duty_cycles = {"peer0": 1.0, "peer1": 0.5, "peer2": 0.25}
+    config = write_config(tmp_path / "run.toml", **{"diloco.inner_steps": 40, "diloco.outer_steps": 3})
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [*LOCAL_SWARM, "--peers", "3", "--duty-cycles", ",".join(map(str, duty_cycles.values()))]
+        + ["--config", str(config), "--out", str(out), "--timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outer_steps"] == 3 and summary["state_downloads"] == 0
+    for epoch in ("1", "2", "3"):
+        assert len(set(summary["state_hashes"][epoch].values())) == 1, f"epoch {epoch} differs"
+    for name, fraction in duty_cycles.items():
+        peer = json.loads((out / f"{name}.json").read_text())
+        events = read_events(out / f"{name}.jsonl")
+        steps = [e for e in events if e["event"] == "outer_step"]
+        assert [e["epoch"] for e in steps] == [1, 2, 3], f"{name} missed a committed outer step"
+        assert [e["group_size"] for e in steps] == [3, 3, 3], f"{name}: not every round had all three peers"
+        assert all(e.get("samples", 1) > 0 for e in steps), f"{name}: an outer step without its samples"
+        assert peer["state_downloads"] == 0, f"{name} downloaded state"
+        assert peer.get("samples_discarded", 0) == 0, f"{name} discarded samples"
+        assert [e for e in events if e["event"] == "samples_discarded"] == []
+        # the duty cycle held: inner steps filled at most F of the peer's inner-phase wall time
+        phases = [e for e in events if e["event"] == "inner_phase"]
+        busy = sum(e["compute_s"] for e in phases) / sum(e["wall_s"] for e in phases)
+        assert busy <= fraction + 0.05, f"{name}: computing {busy:.2f} of its inner phases at duty cycle {fraction}"
