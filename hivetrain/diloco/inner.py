@@ -53,12 +53,16 @@ class InnerOptimizer:
             model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
         )
 
-    def run(self, batches: Iterator[torch.Tensor], first_step: int, num_steps: int, on_step=None) -> InnerPhaseResult:
-        """Run ``num_steps`` inner steps starting at global inner step ``first_step`` (for the schedule).
+    def run(
+        self, batches: Iterator[torch.Tensor], first_step: int, num_steps: int, on_step=None, should_end=None
+    ) -> InnerPhaseResult:
+        """Run up to ``num_steps`` inner steps starting at global inner step ``first_step`` (for the schedule).
 
         Args:
             batches: yields (B, T+1) int64 token windows.
-            on_step: optional callback(step_index, loss) after every step (progress display).
+            on_step: optional callback(step_index, loss) after every step (progress display, duty cycle).
+            should_end: optional callback(num_steps_done, num_samples_done) -> bool after every step; True ends the
+                phase early (the swarm's schedule, ``diloco.schedule``).
 
         Raises:
             FloatingPointError: the loss became NaN/Inf (the inner phase diverged; the caller discards it).
@@ -66,7 +70,7 @@ class InnerOptimizer:
         device = next(self.model.parameters()).device
         self.model.train()
         started = time.perf_counter()
-        total_loss, samples, tokens = 0.0, 0, 0
+        total_loss, samples, tokens, steps = 0.0, 0, 0, 0
         for i in range(num_steps):
             batch = next(batches).to(device, non_blocking=True)
             lr = self.config.inner_lr * lr_multiplier(first_step + i, self.config)
@@ -84,12 +88,15 @@ class InnerOptimizer:
             total_loss += loss_value
             samples += batch.shape[0]
             tokens += batch.shape[0] * (batch.shape[1] - 1)
+            steps += 1
             if on_step is not None:
                 on_step(i, loss_value)
+            if should_end is not None and should_end(steps, samples):
+                break
         return InnerPhaseResult(
-            num_steps=num_steps,
+            num_steps=steps,
             num_samples=samples,
             num_tokens=tokens,
-            mean_loss=total_loss / max(num_steps, 1),
+            mean_loss=total_loss / max(steps, 1),
             duration_s=time.perf_counter() - started,
         )

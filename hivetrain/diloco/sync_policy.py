@@ -98,3 +98,104 @@ def may_commit_alone(
     if others:
         return False, f"{len(others)} other live trainer(s) at epoch >= {my_epoch}; a solo step would fork the run"
     return True, "no other live trainer"
+
+
+RoundAction = Literal["apply", "retry", "resync", "carry", "lost", "stop"]
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What a peer knows right after one averaging attempt at ``epoch`` (all times in seconds).
+
+    Attributes:
+        committed: the round committed (``group_size`` members, us included); False = it failed (``failure``).
+        view_ok: our last read of the swarm's records was real (our daemon answered, our own record was there).
+        view_age_s: seconds since the last real read of the swarm (the record heartbeat reads it every few seconds).
+        time_left_s: seconds left until the round's overall deadline (``averaging.round_timeout_s`` from the first
+            attempt); may be negative.
+    """
+
+    epoch: int
+    my_hash: str
+    attempt: int
+    committed: bool
+    group_size: int = 0
+    failure: str = ""
+    view_ok: bool = True
+    view_age_s: float = 0.0
+    time_left_s: float = 0.0
+    stopping: bool = False
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """``action``: "apply" the result; "retry" after ``backoff_s``; "resync" (others moved on or we forked: download
+    state, keep our contribution for the next round); "carry" (no round now: keep our contribution, run another inner
+    phase at this epoch and send both together); "lost" (the DHT is gone: stop); "stop" (we are shutting down)."""
+
+    action: RoundAction
+    reason: str
+    backoff_s: float = 0.0
+
+
+def decide_after_round(
+    my_peer_id: str,
+    view: RoundView,
+    records: Iterable[PeerRecord],
+    now: float,
+    *,
+    max_retries: int,
+    stale_after_s: float,
+    dht_lost_after_s: float,
+    exact_average: bool = True,
+) -> RoundPolicy:
+    """The retry / solo-commit / resync / lost-DHT policy of the train loop, after one averaging attempt.
+
+    Rules, in order: stopping stops; a swarm unreadable for over ``dht_lost_after_s`` is "lost"; a committed group of
+    two or more is applied; a group of one is applied only on a real view of the swarm with no other live trainer at
+    our epoch or later (``may_commit_alone``: else it would fork the run); after a failure, peers at a newer epoch or a
+    different hash of ours mean "resync"; otherwise retry with exponential backoff (0.25 s doubling, at most 4 s),
+    past ``max_retries`` only while live peers of our epoch may still come and the round's deadline is not reached;
+    then "carry". Nothing a peer computed is thrown away here: "resync" and "carry" keep the contribution.
+
+    Args:
+        records: the swarm's peer records (ours included or not); now: DHT time, seconds.
+    """
+    records = list(records)
+    if view.stopping:
+        return RoundPolicy("stop", "stopping")
+    if view.view_age_s > dht_lost_after_s:
+        return RoundPolicy("lost", f"could not read the swarm for {view.view_age_s:.0f}s (did the p2pd daemon die?)")
+    failure = view.failure
+    if view.committed and view.group_size > 1:
+        return RoundPolicy("apply", f"committed with {view.group_size} peers")
+    if view.committed:
+        if not view.view_ok:
+            failure = "alone: cannot read the swarm's records (DHT unreachable): no solo step"
+        else:
+            ok, why = may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s)
+            if ok:
+                return RoundPolicy("apply", f"alone: {why}")
+            failure = f"alone: {why}"
+    sync = decide_sync(my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average)
+    if sync.action == "download":
+        return RoundPolicy("resync", f"{failure}; {sync.reason}")
+    waiting_for_peers = not may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s)[0]
+    if view.attempt > max_retries and not (waiting_for_peers and view.time_left_s > 0):
+        why = "round deadline reached" if waiting_for_peers else "no other live peer at our epoch"
+        return RoundPolicy("carry", f"{failure}; {why} after {view.attempt} attempts: train on, send both later")
+    return RoundPolicy("retry", failure, backoff_s=min(0.25 * 2 ** (view.attempt - 1), 4.0))
+
+
+def keep_carried(carried_epoch: int, new_epoch: int, carried_samples: int, max_samples: int) -> tuple[bool, str]:
+    """May a pseudo-gradient computed against the state of ``carried_epoch`` go into the round of ``new_epoch``?
+
+    One epoch of staleness is kept (a peer that missed a round by seconds, or downloaded the state it missed, still
+    contributes its samples, as in asynchronous SGD with delay 1); more is dropped, as is a contribution whose weight
+    would exceed ``max_samples`` (``averaging.max_samples_per_round``, what other peers accept).
+    """
+    if new_epoch - carried_epoch > 1:
+        return False, f"computed at epoch {carried_epoch}, {new_epoch - carried_epoch} epochs stale"
+    if carried_samples > max_samples:
+        return False, f"{carried_samples} samples exceed averaging.max_samples_per_round ({max_samples})"
+    return True, "kept"

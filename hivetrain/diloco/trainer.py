@@ -17,34 +17,37 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.utils import get_dht_time
 
 from hivetrain import __version__
-from hivetrain.averaging.base import Averager, RoundFailed
+from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
 from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
+from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer
-from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
+from hivetrain.diloco.outer import load_into_model, pseudo_gradient
+from hivetrain.diloco.overlap import PreviousRound, start_params
+from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner
+from hivetrain.diloco.schedule import PhasePlan, decide_phase_end
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
-from hivetrain.diloco.sync_policy import decide_sync, may_commit_alone, published_hashes
+from hivetrain.diloco.swarm_view import SwarmView
+from hivetrain.diloco.sync_policy import RoundPolicy, decide_sync, keep_carried, published_hashes
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
-from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
-from hivetrain.testing.byzantine import (
-    WIRE_MODES,
-    arm_wire_corruption,
-    corrupt_round_input,
-    corrupt_served_state,
-)
+from hivetrain.peers.records import PeerRecord, fetch_records
+from hivetrain.testing.byzantine import arm_wire_corruption, corrupt_served_state
 
 logger = logging.getLogger(__name__)
+
+_MAX_PHASE_STEPS = 10_000_000  # the schedule ends a phase; this only bounds the loop
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,12 @@ class TrainerStats:
 
 
 class DilocoTrainer:
-    """Runs one DiLoCo peer until ``stop()`` or the configured number of outer steps."""
+    """Runs one DiLoCo peer until ``stop()`` or the configured number of outer steps.
+
+    The train loop reads on one screen (``run``): state sync, inner phase, outer step. With ``diloco.overlap`` the
+    epoch's round runs in the background (``_launch``) while the next inner phase runs, and is settled (applied, or
+    its contribution carried) when that phase ends. The shared state ``self.state`` changes only on this thread.
+    """
 
     def __init__(
         self,
@@ -114,17 +122,21 @@ class DilocoTrainer:
         options: TrainerOptions = TrainerOptions(),
         faults: FaultInjector = NO_FAULTS,
         on_event: Callable[[dict], None] | None = None,
+        duty: DutyCycle | None = None,
     ):
         self.node, self.loop, self.config, self.model = node, loop, config, model
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
         self.options, self.faults = options, faults
         self.on_event = on_event or (lambda event: None)
+        self.duty = duty
         self.state = TrainingState.from_model(model)
         self.stats = TrainerStats()
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
         shapes = {name: tuple(p.shape) for name, p in self.state.params.items()}
         self.sketcher = ParamSketcher(shapes, sketch_seed(config.run_id, config.seed))
-        self._note_state()
+        self._sketcher_pool = ThreadPoolExecutor(1, thread_name_prefix="sketch")  # off the critical path
+        self._sketch_text: tuple[int, str] = (-1, "")
+        self._emit_lock = threading.Lock()
         self.inner = InnerOptimizer(model, config.diloco)
         self.batches = corpus.train_batches(
             config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
@@ -134,10 +146,43 @@ class DilocoTrainer:
         self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
         self._stop = threading.Event()
         self._left_reason = ""
-        self._records: list[PeerRecord] = []
         self._exact_average = config.averaging.strategy == "butterfly"
-        self._view_ok, self._view_ok_at = False, time.monotonic()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="records", daemon=True)
+        self._overlap = config.diloco.overlap if self._exact_average else "off"
+        self.plan = PhasePlan(
+            schedule=config.diloco.schedule,
+            inner_steps=config.diloco.inner_steps,
+            batch_size=config.data.batch_size,
+            target_samples_per_epoch=config.diloco.target_samples_per_epoch,
+            max_samples_per_peer=config.averaging.max_samples_per_round,
+            stale_after_s=options.record_ttl_s,
+            max_extrapolation_s=3 * options.record_interval_s,
+        )
+        self._phase = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start): published as our progress
+        self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
+        self._inflight: tuple[Future, Contribution] | None = None  # overlap: the round running in the background
+        self._previous: PreviousRound | None = None  # our last committed round (for overlap = "eager")
+        self.view = SwarmView(
+            node,
+            loop,
+            config.run_id,
+            fingerprint,
+            self._record,
+            record_ttl_s=options.record_ttl_s,
+            record_interval_s=options.record_interval_s,
+        )
+        self.rounds = RoundRunner(
+            node.peer_id,
+            averager,
+            self.view,
+            config,
+            faults,
+            options.byzantine,
+            self._emit,
+            self._stop,
+            stale_after_s=options.record_ttl_s,
+            dht_lost_after_s=options.dht_lost_after_s,
+        )
+        self._note_state()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @property
@@ -147,18 +192,31 @@ class DilocoTrainer:
     @property
     def state_hash(self) -> str:
         """sha256 of the current state, computed once per state object (hashing a large model takes seconds)."""
-        if self._hash_cache[0] is not self.state:
-            self._hash_cache = (self.state, self.state.state_hash())
-        return self._hash_cache[1]
+        cached = self._hash_cache
+        if cached[0] is not self.state:
+            cached = self._hash_cache = (self.state, self.state.state_hash())
+        return cached[1]
 
     @property
     def param_sketch(self) -> bytes:
         """The run's count sketch of the current θ (``diloco.drift``; 2 KiB fp32), computed once per state."""
         return self.sketcher.encode(self.state, self.state.params)
 
-    def _note_state(self) -> None:
-        self.stats.state_hashes[self.state.epoch] = self.state_hash
-        self.stats.param_sketches[self.state.epoch] = self.param_sketch
+    def _note_state(self, state_hash: str | None = None) -> None:
+        """Remember the new state's hash (and its θ sketch, computed in the background: 17 s for 154M parameters)."""
+        state = self.state
+        if state_hash is not None:
+            self._hash_cache = (state, state_hash)
+        self.stats.state_hashes[state.epoch] = self.state_hash
+
+        def sketch() -> None:
+            encoded = self.sketcher.encode(state, state.params)
+            self.stats.param_sketches[state.epoch] = encoded
+            if self.state is state:
+                self._sketch_text = (state.epoch, sketch_to_text(encoded))
+                self.view.publish()
+
+        self._sketcher_pool.submit(sketch)
 
     def stop(self) -> None:
         self._stop.set()
@@ -167,33 +225,57 @@ class DilocoTrainer:
         """Stop, and publish a last record saying why we leave (shown by the coordinator; ``reason`` <= 200 chars)."""
         self._left_reason = reason[:200] or "left"
         self._stop.set()
-        self._publish()
+        self.view.publish()
 
     def run(self) -> TrainerStats:
-        """Train until stopped or ``target_epoch`` is reached; returns the counters."""
+        """Train until stopped or ``target_epoch`` is reached; returns the counters.
+
+        Raises:
+            DhtLost: the swarm could not be read for ``dht_lost_after_s`` seconds (our daemon or network is gone).
+        """
         p2p = self.loop.run(self.node.dht.replicate_p2p(), timeout_s=30)
         self.loop.run(self.state_server.register(p2p, self.config.run_id), timeout_s=30)
         self._p2p = p2p
-        self._publish()
-        self._heartbeat.start()
+        self.view.start(p2p)
         self._emit("start", eval_loss=self._evaluate())
-        while not self._stop.is_set() and not (self.target_epoch and self.state.epoch >= self.target_epoch):
-            self._check_dht()
-            if not self.sync_state():
-                continue
-            pseudo_grad, inner = self.inner_phase()
-            if pseudo_grad is None:
-                continue
-            self.outer_phase(pseudo_grad, inner.num_samples)
+        try:
+            while not self._stop.is_set() and not self._done():
+                self._check_dht()
+                if self._inflight is None and not self.sync_state():
+                    continue
+                phase = self.inner_phase()
+                if phase is None:
+                    continue
+                if self._inflight is not None and self._settle() == "resync":
+                    continue  # others moved on: download their state first; our contributions stay pending
+                if self._overlap != "off" and not self._last_epoch():
+                    self._launch()
+                else:
+                    self.outer_phase()
+        finally:
+            if self._inflight is not None:  # we are stopping: do not wait for it (it ends within its timeouts)
+                self._discard(self._inflight[1].samples, "the peer stopped during a background round")
+                self._inflight = None
+            if self._pending is not None:
+                self._discard(self._pending.samples, "the peer stopped before sending them")
+                self._pending = None
+            self._sketcher_pool.shutdown(wait=True, cancel_futures=self._stop.is_set())
         self._emit("finish", eval_loss=self._evaluate())
         self._stop.set()
-        self._publish()
+        self.view.stop()
+        self.view.publish()
         return self.stats
+
+    def _done(self) -> bool:
+        return bool(self.target_epoch and self.state.epoch >= self.target_epoch)
+
+    def _last_epoch(self) -> bool:
+        return bool(self.target_epoch and self.state.epoch + 1 >= self.target_epoch)
 
     # ---- phases --------------------------------------------------------------------------------------------------
     def sync_state(self) -> bool:
         """Download state if we are behind or forked. Returns False if a needed download failed (retry later)."""
-        records = self._refresh_records()
+        records = self.view.refresh()
         decision = decide_sync(
             self.node.peer_id,
             self.state.epoch,
@@ -232,128 +314,181 @@ class DilocoTrainer:
             self._stop.wait(1.0)
             return False
         self.state = state
+        self._previous = None  # our last round's average is not the one that led to this state
         self.stats.state_downloads += 1
         self.stats.state_bytes_downloaded += state.num_bytes()
         self._note_state()
         self._emit("state_downloaded", reason=decision.reason)
-        self._publish()
+        self.view.publish()
         return True
 
-    def inner_phase(self):
-        """H inner steps from θ. Returns (pseudo-gradient, InnerPhaseResult), or (None, None) if interrupted."""
-        load_into_model(self.state, self.model)
+    def inner_phase(self) -> Contribution | None:
+        """Inner steps from our start point until the schedule ends the phase (``diloco.schedule``); the result,
+        with anything carried from earlier, becomes ``self._pending``. Returns it, or None if interrupted/diverged.
+
+        The start point is θ, or with a round in flight (overlap) ``overlap.start_params``.
+        """
+        start = self._start_state()
+        load_into_model(start, self.model)
         h = self.config.diloco.inner_steps
         epoch = self.state.epoch
+        phase_epoch = epoch + (1 if self._inflight is not None else 0)  # the round our pseudo-gradient goes to
+        started = last = time.monotonic()
+        slept = 0.0
+        self._phase = (phase_epoch, 0, started)
+        self.view.publish()  # others count us in this epoch's schedule from now on
 
         def on_step(i: int, loss: float) -> None:
+            nonlocal last, slept
             self.stats.last_loss = loss
             if self._stop.is_set():
                 raise _Interrupted()
-            self.on_event({"event": "inner_step", "epoch": epoch, "inner_step": epoch * h + i + 1, "loss": loss})
+            now = time.monotonic()
+            step_s, last = now - last, now
+            self._phase = (phase_epoch, self._phase[1] + self.config.data.batch_size, started)
+            self.on_event({"event": "inner_step", "epoch": epoch, "inner_step": phase_epoch * h + i + 1, "loss": loss})
+            if self.duty is not None:
+                slept += self.duty.after_step(step_s, self._stop)  # sleeps (duty cycle) or blocks (paused)
+                last = time.monotonic()
+            self._check_dht()
+
+        def should_end(num_steps: int, num_samples: int) -> bool:
+            rate = num_samples / max(time.monotonic() - started, 1e-9)
+            decision = decide_phase_end(
+                self.plan, self.node.peer_id, phase_epoch, num_samples, rate, self.view.records, get_dht_time()
+            )
+            return decision.action == "end"
 
         try:
-            result = self.inner.run(self.batches, first_step=epoch * h, num_steps=h, on_step=on_step)
+            result = self.inner.run(self.batches, phase_epoch * h, _MAX_PHASE_STEPS, on_step, should_end)
         except _Interrupted:
-            return None, None
+            return None
         except FloatingPointError as exc:
             logger.error("inner phase diverged, discarding it: %s", exc)
             self._emit("inner_diverged", reason=str(exc))
-            return None, None
-        self.stats.compute_s += result.duration_s
-        self.stats.throughput = result.samples_per_s
+            return None
+        wall_s = time.monotonic() - started
+        compute_s = max(0.0, result.duration_s - slept)
+        self.stats.compute_s += compute_s
+        self.stats.samples_computed += result.num_samples
+        self.stats.throughput = result.num_samples / max(wall_s, 1e-9)
         self._emit(
             "inner_phase",
             loss=result.mean_loss,
+            steps=result.num_steps,
             samples=result.num_samples,
-            tokens_per_s=result.num_tokens / max(result.duration_s, 1e-9),
+            compute_s=compute_s,
+            wall_s=wall_s,
+            round_key=phase_epoch,
+            tokens_per_s=result.num_tokens / max(compute_s, 1e-9),
         )
-        return pseudo_gradient(self.state, self.model), result
+        fresh = Contribution(pseudo_gradient(start, self.model), result.num_samples, phase_epoch)
+        if self._pending is not None:
+            total = self._pending.samples + fresh.samples
+            ok, why = keep_carried(self._pending.epoch, phase_epoch, total, self.config.averaging.max_samples_per_round)
+            if not ok:
+                self._discard(self._pending.samples, why)
+                self._pending = None
+        self._pending = fresh.merged(self._pending)
+        return self._pending
 
-    def outer_phase(self, pseudo_grad: list[torch.Tensor], num_samples: int) -> bool:
-        """Average Δ with the epoch's group and apply the outer step (moshpit/gossip: apply it, then average θ); on
-        failure keep θ and retry or resync. Returns whether a round committed."""
-        cfg, diloco = self.config.averaging, self.config.diloco
-        epoch = self.state.epoch
-        deadline = time.monotonic() + cfg.round_timeout_s
-        # butterfly: average Δ, then everyone takes the same outer step; moshpit/gossip: outer step first, average θ
-        local = None
-        if not self._exact_average:
-            local = outer_step(self.state, pseudo_grad, diloco.outer_lr, diloco.outer_momentum)
-        averaged = pseudo_grad if local is None else list(local.params.values())
-        attempt = 0
-        while True:
-            attempt += 1
-            self.faults.check("diloco.before_outer_step", epoch=epoch, peer=self.node.peer_id)
-            sent, weight = averaged, float(num_samples)
-            if self.options.byzantine and self.options.byzantine not in WIRE_MODES:
-                sent, weight = corrupt_round_input(self.options.byzantine, averaged, weight)
+    def outer_phase(self) -> str:
+        """Average our pending contribution with the epoch's group and apply the outer step (on this thread).
+        Returns the policy's action ("apply" if a round committed; otherwise the contribution stays pending)."""
+        contribution, self._pending = self._pending, None
+        assert contribution is not None
+        outcome = self.rounds.run(self.state, self.state_hash, contribution)
+        return self._apply(outcome, contribution)
+
+    def _launch(self) -> None:
+        """Overlap: start the round of our pending contribution in the background; the next phase runs meanwhile."""
+        contribution, self._pending = self._pending, None
+        assert contribution is not None
+        future: Future = Future()
+        state, state_hash = self.state, self.state_hash
+
+        def run_round() -> None:
             try:
-                result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s)
-                if len(result.group) == 1:
-                    records = self._refresh_records()
-                    if not self._view_ok:
-                        raise RoundFailed("alone", "cannot read the swarm's records (DHT unreachable): no solo step")
-                    ok, why = may_commit_alone(
-                        self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s
-                    )
-                    if not ok:
-                        raise RoundFailed("alone", why)
-            except RoundFailed as exc:
-                self.stats.rounds_failed += 1
-                self.stats.last_failure = f"epoch {epoch}: {exc.reason}"
-                logger.warning("epoch %d round attempt %d failed: %s", epoch, attempt, exc)
-                self._emit("round_failed", reason=exc.reason, detail=exc.detail, attempt=attempt)
-                records = self._refresh_records()
-                if (
-                    self._stop.is_set()
-                    or decide_sync(
-                        self.node.peer_id,
-                        epoch,
-                        self.state_hash,
-                        records,
-                        get_dht_time(),
-                        self.options.record_ttl_s,
-                        exact_average=self._exact_average,
-                    ).action
-                    == "download"
-                ):
-                    return False  # others moved on: the next sync_state() downloads their state
-                # Peers of our epoch that are still in their inner phase will be ready soon: keep our Δ and retry.
-                # Past the retries (and past the deadline when nobody else is left), discard Δ and start over from θ.
-                waiting_for_peers = not may_commit_alone(
-                    self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s
-                )[0]
-                if attempt > cfg.max_retries and not (waiting_for_peers and time.monotonic() < deadline):
-                    self._emit("pseudo_gradient_discarded", reason=exc.reason)
-                    return False
-                self._check_dht()
-                self._stop.wait(min(0.25 * 2 ** (attempt - 1), 4.0))  # back off: failures must not spin
-                continue
-            if local is None:
-                self.state = outer_step(self.state, result.tensors, diloco.outer_lr, diloco.outer_momentum)
-            else:
-                theta = {name: t.clone() for name, t in zip(local.params, result.tensors, strict=True)}
-                self.state = TrainingState(epoch=local.epoch, params=theta, momentum=local.momentum)
-            self.stats.rounds_committed += 1
-            self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
-            self.stats.samples_total += num_samples
-            self.stats.bytes_sent += result.bytes_sent
-            self.stats.bytes_received += result.bytes_received
-            self._note_state()
-            self._publish()
-            eval_every = self.config.diloco.eval_every
-            eval_loss = self._evaluate() if eval_every and self.state.epoch % eval_every == 0 else None
-            self._emit(
-                "outer_step",
-                group_size=len(result.group),
-                round_s=result.duration_s,
-                bytes_sent=result.bytes_sent,
-                eval_loss=eval_loss,
-                excluded=list(result.excluded),
-            )
-            return True
+                future.set_result(self.rounds.run(state, state_hash, contribution))
+            except BaseException as exc:  # noqa: BLE001 - handed to _settle on the train loop's thread
+                future.set_exception(exc)
+
+        # a daemon thread: a peer that stops does not wait for a round in flight (it ends within its own timeouts)
+        threading.Thread(target=run_round, name=f"round-e{state.epoch}", daemon=True).start()
+        self._inflight = (future, contribution)
+
+    def _settle(self) -> str:
+        """Overlap: wait for the round in flight (bounded by its own timeouts) and apply it, or carry its part."""
+        assert self._inflight is not None
+        future, contribution = self._inflight
+        self._inflight = None
+        try:
+            outcome = future.result()
+        except (DhtLost, ValueError, RuntimeError) as exc:
+            logger.error("background round failed: %r", exc)
+            outcome = RoundOutcome(RoundPolicy("carry", f"round raised {exc!r}"), 0)
+        return self._apply(outcome, contribution)
+
+    def _apply(self, outcome: RoundOutcome, contribution: Contribution) -> str:
+        """Apply a committed round, or keep its contribution pending (resync/carry). Returns the policy's action."""
+        policy = outcome.policy
+        self.stats.rounds_failed = self.rounds.rounds_failed
+        self.stats.last_failure = self.rounds.last_failure
+        if policy.action == "lost":
+            raise DhtLost(f"lost the DHT: {policy.reason}")
+        if policy.action != "apply":
+            if policy.action == "stop":
+                self._discard(contribution.samples, "the peer stopped during the round")
+            else:  # resync / carry: sent again with our next pseudo-gradient
+                self._pending = self._pending.merged(contribution) if self._pending else contribution
+                self._emit("contribution_carried", reason=policy.reason, samples=contribution.samples)
+            return policy.action
+        result = outcome.result
+        assert result is not None and outcome.state is not None
+        self.state = outcome.state
+        if self._overlap == "eager" and outcome.sent is not None and result.total_weight > 0:
+            share = min(1.0, contribution.samples / result.total_weight)
+            self._previous = PreviousRound(result.tensors, outcome.sent, share)
+        self.stats.rounds_committed += 1
+        self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
+        self.stats.samples_total += contribution.samples
+        self.stats.bytes_sent += result.bytes_sent
+        self.stats.bytes_received += result.bytes_received
+        self._note_state(outcome.state_hash)
+        self.view.publish()
+        eval_every = self.config.diloco.eval_every
+        eval_loss = self._evaluate() if eval_every and self.state.epoch % eval_every == 0 else None
+        self._emit(
+            "outer_step",
+            group_size=len(result.group),
+            round_s=result.duration_s,
+            bytes_sent=result.bytes_sent,
+            eval_loss=eval_loss,
+            excluded=list(result.excluded),
+            samples=contribution.samples,
+            attempts=outcome.attempts,
+        )
+        return policy.action
 
     # ---- helpers -------------------------------------------------------------------------------------------------
+    def _start_state(self) -> TrainingState:
+        """θ the next inner phase starts from: the shared θ, or with a round in flight its overlap estimate."""
+        if self._inflight is None:
+            return self.state
+        _, in_flight = self._inflight
+        diloco = self.config.diloco
+        params = start_params(
+            self.state, in_flight.delta, self._previous, self._overlap, diloco.outer_lr, diloco.outer_momentum
+        )
+        return TrainingState(epoch=self.state.epoch, params=params, momentum=self.state.momentum)
+
+    def _discard(self, samples: int, reason: str) -> None:
+        if samples <= 0:
+            return
+        self.stats.samples_discarded += samples
+        logger.warning("discarding %d computed samples: %s", samples, reason)
+        self._emit("samples_discarded", samples=samples, reason=reason)
+
     def _evaluate(self) -> float:
         load_into_model(self.state, self.model)
         loss = evaluate(self.model, self.eval_windows)
@@ -361,6 +496,15 @@ class DilocoTrainer:
         return loss
 
     def _record(self) -> PeerRecord:
+        phase_epoch, phase_samples, phase_started = self._phase
+        paused = self.duty is not None and self.duty.paused
+        if paused:
+            throughput = 0.0
+        elif phase_samples < 3 * self.config.data.batch_size:  # too few steps to measure: our last phase's rate
+            throughput = self.stats.throughput
+        else:
+            throughput = phase_samples / max(time.monotonic() - phase_started, 1e-9)
+        sketch_epoch, sketch_text = self._sketch_text
         return PeerRecord(
             peer_id=self.node.peer_id,
             role="trainer",
@@ -368,9 +512,9 @@ class DilocoTrainer:
             run_id=self.config.run_id,
             model_fingerprint=self.fingerprint,
             epoch=self.state.epoch,
-            throughput=self.stats.throughput,
+            throughput=min(throughput, 1e12),
             state_hash=self.state_hash,
-            param_sketch=sketch_to_text(self.param_sketch),
+            param_sketch=sketch_text if sketch_epoch == self.state.epoch else "",
             samples_total=self.stats.samples_total,
             compute_s=self.stats.compute_s,
             public_name=self.options.public_name,
@@ -383,51 +527,17 @@ class DilocoTrainer:
             last_round_s=self.stats.last_round_s,
             last_group_size=self.stats.last_group_size,
             last_failure=self.stats.last_failure[:200],
+            phase_epoch=phase_epoch,
+            phase_samples=phase_samples,
             left_reason=self._left_reason,
             updated_at=get_dht_time(),
         )
 
-    def _publish(self) -> None:
-        try:
-            publish_record(self.node.dht, self.node.owner_marker, self._record(), self.options.record_ttl_s)
-        except Exception as exc:  # noqa: BLE001 - a failed refresh is retried by the heartbeat
-            logger.warning("could not publish our record: %r", exc)
-
-    def _refresh_records(self) -> list[PeerRecord]:
-        """Read the swarm's records. ``_view_ok`` tells whether the read was real: our p2pd daemon answers and the
-        answer holds our own record (refreshed every few seconds). The DHT also answers from its local storage, so
-        an empty or stale answer from a node that lost its daemon must not look like an empty swarm: a peer that
-        believed it was alone would commit solo steps and fork the run."""
-        try:
-            records = fetch_records(self.node.dht, self.config.run_id)
-        except Exception as exc:  # noqa: BLE001 - keep the last view
-            logger.warning("could not read peer records: %r", exc)
-            records = []
-        self._view_ok = any(r.peer_id == self.node.peer_id for r in records) and self._p2pd_alive()
-        if not self._view_ok:
-            return self._records
-        self._view_ok_at = time.monotonic()
-        self._records = [r for r in records if r.model_fingerprint == self.fingerprint]
-        self.stats.peers_seen = len([r for r in self._records if r.role == "trainer"])
-        return self._records
-
-    def _p2pd_alive(self) -> bool:
-        try:
-            self.loop.run(self._p2p.list_peers(), timeout_s=5.0)
-            return True
-        except Exception as exc:  # noqa: BLE001 - any failure means the daemon is not usable
-            logger.warning("p2pd daemon does not answer: %r", exc)
-            return False
-
     def _check_dht(self) -> None:
         """Raise DhtLost if the DHT (or its p2pd daemon) has been unreachable for too long to keep training."""
-        lost_s = time.monotonic() - self._view_ok_at
+        lost_s = self.view.view_age_s
         if not self.node.dht.is_alive() or lost_s > self.options.dht_lost_after_s:
             raise DhtLost(f"lost the DHT: could not read the swarm for {lost_s:.0f}s (did the p2pd daemon die?)")
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.options.record_interval_s):
-            self._publish()
 
     def _emit(self, event: str, **fields) -> None:
         payload = {
@@ -436,10 +546,11 @@ class DilocoTrainer:
             "peer": self.node.peer_id,
             "epoch": self.state.epoch,
             "state_hash": self.state_hash,
-            "peers_seen": self.stats.peers_seen,
+            "peers_seen": len([r for r in self.view.records if r.role == "trainer"]),
             **fields,
         }
-        self.on_event(payload)
+        with self._emit_lock:  # the background round emits too
+            self.on_event(payload)
 
 
 class _Interrupted(Exception):

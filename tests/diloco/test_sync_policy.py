@@ -1,6 +1,13 @@
 """Pure decisions: when a peer downloads state, and when it may apply a round of one."""
 
-from hivetrain.diloco.sync_policy import decide_sync, may_commit_alone, published_hashes
+from hivetrain.diloco.sync_policy import (
+    RoundView,
+    decide_after_round,
+    decide_sync,
+    keep_carried,
+    may_commit_alone,
+    published_hashes,
+)
 from hivetrain.peers.records import PeerRecord
 
 NOW = 1000.0
@@ -59,3 +66,73 @@ def test_moshpit_peers_with_different_states_at_one_epoch_are_not_forks():
     records = [rec("a", 4, "theirs"), rec("b", 4, "theirs")]
     assert decide_sync("me", 4, "mine", records, NOW, 30, exact_average=False).action == "train"
     assert decide_sync("me", 3, "mine", records, NOW, 30, exact_average=False).action == "download"
+
+
+# ---- the retry / solo-commit / resync / lost-DHT policy after one averaging attempt ----------------------------
+
+POLICY = dict(max_retries=2, stale_after_s=30.0, dht_lost_after_s=60.0)
+
+
+def view(**kw):
+    base = dict(epoch=3, my_hash="h3", attempt=1, committed=False, failure="no_group", time_left_s=20.0)
+    return RoundView(**{**base, **kw})
+
+
+def test_a_committed_group_is_applied():
+    p = decide_after_round("me", view(committed=True, group_size=3, failure=""), [rec("a", 3, "h3")], NOW, **POLICY)
+    assert p.action == "apply"
+
+
+def test_a_round_of_one_is_applied_only_when_nobody_else_is_at_our_epoch():
+    alone = view(committed=True, group_size=1, failure="")
+    assert decide_after_round("me", alone, [rec("a", 2, "h2")], NOW, **POLICY).action == "apply"
+    p = decide_after_round("me", alone, [rec("a", 3, "h3")], NOW, **POLICY)
+    assert p.action == "retry" and "fork" in p.reason
+
+
+def test_no_solo_step_on_a_view_that_is_not_real():
+    p = decide_after_round("me", view(committed=True, group_size=1, failure="", view_ok=False), [], NOW, **POLICY)
+    assert p.action == "retry" and "DHT unreachable" in p.reason
+
+
+def test_failures_back_off_exponentially_up_to_4_s():
+    records = [rec("a", 3, "h3")]
+    backoffs = [decide_after_round("me", view(attempt=k), records, NOW, **POLICY).backoff_s for k in (1, 2, 3, 6)]
+    assert backoffs == [0.25, 0.5, 1.0, 4.0]
+
+
+def test_peers_that_moved_on_mean_resync_not_retry():
+    p = decide_after_round("me", view(failure="not_in_group"), [rec("a", 4, "h4")], NOW, **POLICY)
+    assert p.action == "resync" and "behind" in p.reason
+
+
+def test_past_the_retries_a_peer_waits_for_peers_of_its_epoch_until_the_deadline_then_carries():
+    records = [rec("a", 3, "h3")]
+    assert decide_after_round("me", view(attempt=3), records, NOW, **POLICY).action == "retry"
+    p = decide_after_round("me", view(attempt=3, time_left_s=-1.0), records, NOW, **POLICY)
+    assert p.action == "carry" and "deadline" in p.reason
+    p = decide_after_round("me", view(attempt=3), [], NOW, **POLICY)  # nobody else: no reason to wait
+    assert p.action == "carry"
+
+
+def test_a_swarm_unreadable_for_too_long_is_lost_even_mid_round():
+    p = decide_after_round("me", view(committed=True, group_size=3, view_age_s=61.0), [], NOW, **POLICY)
+    assert p.action == "lost" and "61s" in p.reason
+
+
+def test_a_long_inner_phase_is_not_a_lost_dht_when_the_view_is_fresh():
+    # the view's age is what the record heartbeat measured, not the time since the train loop last looked
+    p = decide_after_round("me", view(committed=True, group_size=2, view_age_s=4.0), [rec("a", 3, "h3")], NOW, **POLICY)
+    assert p.action == "apply"
+
+
+def test_stopping_stops():
+    assert decide_after_round("me", view(stopping=True), [], NOW, **POLICY).action == "stop"
+
+
+def test_carried_contributions_are_kept_one_epoch_stale_and_bounded_by_the_weight_cap():
+    assert keep_carried(3, 3, 100, 1000)[0] and keep_carried(3, 4, 100, 1000)[0]
+    ok, why = keep_carried(3, 5, 100, 1000)
+    assert not ok and "2 epochs stale" in why
+    ok, why = keep_carried(3, 4, 2000, 1000)
+    assert not ok and "max_samples_per_round" in why

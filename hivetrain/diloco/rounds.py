@@ -1,0 +1,191 @@
+"""One outer step's averaging round with its retries: what a peer sends, and what it does when a round fails.
+
+``RoundRunner.run`` averages one ``Contribution`` at the current epoch: it calls the averager, asks the pure policy
+``sync_policy.decide_after_round`` what to do after each attempt (apply, retry after a backoff, resync, carry, lost),
+and returns a ``RoundOutcome`` without touching the trainer's state, so it can run on the train loop's thread or in
+the background while the next inner phase runs (``diloco.overlap``).
+
+All-or-nothing (``averaging.base``): a round either commits bit-identical results on every member or applies nothing
+anywhere. A contribution that did not commit is never silently dropped: "resync" and "carry" hand it back to the
+trainer, which sends it with its next pseudo-gradient (at most one epoch stale, ``sync_policy.keep_carried``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind.utils import get_dht_time
+
+from hivetrain.averaging.base import Averager, RoundFailed, RoundResult
+from hivetrain.config import RunConfig
+from hivetrain.diloco.outer import outer_step
+from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.swarm_view import SwarmView
+from hivetrain.diloco.sync_policy import RoundPolicy, RoundView, decide_after_round
+from hivetrain.faults import FaultInjector
+from hivetrain.peers.records import PeerRecord
+from hivetrain.testing.byzantine import WIRE_MODES, corrupt_round_input
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Contribution:
+    """What a peer sends to one round: its pseudo-gradient(s) and their weight.
+
+    Attributes:
+        delta: Δ per parameter, fp32 CPU, ``state.params`` order (the sum over phases when a contribution was carried).
+        samples: samples behind ``delta`` (the round's weight).
+        epoch: the epoch whose state the oldest part of ``delta`` was computed from.
+    """
+
+    delta: list[torch.Tensor]
+    samples: int
+    epoch: int
+
+    def merged(self, older: Contribution | None) -> Contribution:
+        """This contribution plus an older carried one: Δ summed, samples summed, the older epoch kept."""
+        if older is None:
+            return self
+        delta = [torch.add(a, b) for a, b in zip(older.delta, self.delta, strict=True)]
+        return Contribution(delta, older.samples + self.samples, min(older.epoch, self.epoch))
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How a round ended. ``policy.action`` "apply": ``state`` (epoch + 1, its hash in ``state_hash``) and ``result``
+    are set; any other action: nothing was applied and the contribution is the caller's to carry or discard."""
+
+    policy: RoundPolicy
+    attempts: int
+    state: TrainingState | None = None
+    state_hash: str = ""
+    result: RoundResult | None = None
+    sent: list[torch.Tensor] | None = None
+
+
+def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: float, stale_after_s: float):
+    """Peer ids of the live trainers at ``epoch`` (they will average at it): a group closes once all have announced."""
+    return frozenset(
+        r.peer_id
+        for r in records
+        if r.role == "trainer"
+        and r.peer_id != my_peer_id
+        and r.epoch == epoch
+        and not r.left_reason
+        and now - r.updated_at <= stale_after_s
+    )
+
+
+class RoundRunner:
+    """Runs rounds for one trainer (see the module docstring). ``run`` from one thread at a time.
+
+    Args:
+        peer_id: ours.
+        averager: the averaging engine.
+        view: the swarm view (records, liveness).
+        config: the run config (``averaging``, ``diloco``).
+        faults: fault hooks ("diloco.before_outer_step").
+        byzantine: fault-harness misbehaviour mode ("" = honest).
+        emit: trainer event callback(event, **fields).
+        stop: set when the trainer stops (ends the retries).
+        stale_after_s: records older than this are ignored; dht_lost_after_s: see ``decide_after_round``.
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        averager: Averager,
+        view: SwarmView,
+        config: RunConfig,
+        faults: FaultInjector,
+        byzantine: str,
+        emit: Callable[..., None],
+        stop: threading.Event,
+        *,
+        stale_after_s: float,
+        dht_lost_after_s: float,
+    ):
+        self.peer_id, self.averager, self.view, self.config = peer_id, averager, view, config
+        self.faults, self.byzantine, self.emit, self.stop = faults, byzantine, emit, stop
+        self.stale_after_s, self.dht_lost_after_s = stale_after_s, dht_lost_after_s
+        self.exact_average = config.averaging.strategy == "butterfly"
+        self.rounds_failed = 0
+        self.last_failure = ""
+
+    def run(self, state: TrainingState, state_hash: str, contribution: Contribution) -> RoundOutcome:
+        """Average ``contribution`` at ``state.epoch`` and build the next shared state; never modifies ``state``.
+
+        butterfly: average Δ, then every member takes the same outer step. moshpit/gossip: take the outer step with our
+        own Δ first, then average θ (Moshpit SGD; momentum stays local).
+
+        Raises:
+            ValueError: non-finite local input (a diverged pseudo-gradient must not be sent).
+        """
+        cfg, diloco = self.config.averaging, self.config.diloco
+        epoch = state.epoch
+        deadline = time.monotonic() + cfg.round_timeout_s
+        local = None
+        if not self.exact_average:
+            local = outer_step(state, contribution.delta, diloco.outer_lr, diloco.outer_momentum)
+        averaged = contribution.delta if local is None else list(local.params.values())
+        attempt = 0
+        while True:
+            attempt += 1
+            self.faults.check("diloco.before_outer_step", epoch=epoch, peer=self.peer_id)
+            sent, weight = averaged, float(contribution.samples)
+            if self.byzantine and self.byzantine not in WIRE_MODES:
+                sent, weight = corrupt_round_input(self.byzantine, averaged, weight)
+            result, failure = None, ""
+            expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
+            try:
+                result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s, expected_peers=expected)
+            except RoundFailed as exc:
+                failure = exc.reason + (f" ({exc.detail})" if exc.detail else "")
+            solo = result is not None and len(result.group) == 1
+            records = self.view.refresh() if result is None or solo else self.view.records
+            view = RoundView(
+                epoch=epoch,
+                my_hash=state_hash,
+                attempt=attempt,
+                committed=result is not None,
+                group_size=len(result.group) if result is not None else 0,
+                failure=failure,
+                view_ok=self.view.view_ok,
+                view_age_s=self.view.view_age_s,
+                time_left_s=deadline - time.monotonic(),
+                stopping=self.stop.is_set(),
+            )
+            policy = decide_after_round(
+                self.peer_id,
+                view,
+                records,
+                get_dht_time(),
+                max_retries=cfg.max_retries,
+                stale_after_s=self.stale_after_s,
+                dht_lost_after_s=self.dht_lost_after_s,
+                exact_average=self.exact_average,
+            )
+            if policy.action == "apply":
+                assert result is not None
+                if local is None:
+                    new_state = outer_step(state, result.tensors, diloco.outer_lr, diloco.outer_momentum)
+                else:
+                    theta = {name: t.clone() for name, t in zip(local.params, result.tensors, strict=True)}
+                    new_state = TrainingState(epoch=local.epoch, params=theta, momentum=local.momentum)
+                return RoundOutcome(policy, attempt, new_state, new_state.state_hash(), result, list(sent))
+            if result is not None or failure:  # a failed attempt, or a round of one we may not apply
+                self.rounds_failed += 1
+                reason = failure or policy.reason
+                self.last_failure = f"epoch {epoch}: {reason}"
+                logger.warning("epoch %d round attempt %d failed: %s (%s)", epoch, attempt, reason, policy.action)
+                short = reason.split(" ", 1)[0].rstrip(":")
+                self.emit("round_failed", reason=short, detail=reason, attempt=attempt, next=policy.action)
+            if policy.action != "retry":
+                return RoundOutcome(policy, attempt)
+            self.stop.wait(policy.backoff_s)  # back off: failures must not spin

@@ -1,0 +1,133 @@
+"""When a peer ends its inner phase: the swarm's schedule, not each peer's step count (``diloco.schedule``).
+
+With ``schedule = "steps"`` every peer runs exactly H inner steps (DiLoCo's fixed H, Douillard et al. 2023): on
+uneven hardware the fast peers wait for the slow ones, or the slow ones arrive after the group closed.
+
+With ``schedule = "swarm"`` an epoch ends when the samples that all live peers have computed for it reach a target
+(hivemind's ``ProgressTracker``: a global ``target_batch_size`` per epoch, every peer publishing its progress and
+throughput, everyone estimating when the swarm reaches the target). Every peer then ends its phase at about the same
+time, a fast peer running more inner steps than a slow one (the dynamic local updates of Async Local-SGD, Liu et al.
+2024, "Asynchronous Local-SGD Training for Language Modeling", Sec. 3.2), and the average stays weighted by samples.
+
+The progress of others comes from their signed records (``PeerRecord.phase_epoch``, ``phase_samples``,
+``throughput``, ``updated_at``), extrapolated from ``updated_at`` to ``now`` by their throughput. A record is a
+claim, so every claimed number is bounded: extrapolation covers at most ``max_extrapolation_s``, and one peer counts
+for at most ``max_samples_per_peer`` samples, so a liar can shorten an epoch only to what that bound allows.
+
+Pure: no I/O, no clock (``now`` is DHT time, seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from hivetrain.peers.records import PeerRecord
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """The run's schedule settings one peer needs (from ``DilocoConfig`` and ``DataConfig``).
+
+    Attributes:
+        schedule: "steps" or "swarm".
+        inner_steps: H (for "steps"; for "swarm" the per-peer share of the automatic target).
+        batch_size: samples per inner step of this peer.
+        target_samples_per_epoch: the swarm's samples per epoch; 0 = inner_steps * batch_size * live peers.
+        max_samples_per_peer: the most one peer's claimed progress counts for, samples.
+        stale_after_s: records older than this are ignored, seconds.
+        max_extrapolation_s: a record's progress is extrapolated by its throughput for at most this long, seconds.
+    """
+
+    schedule: Literal["steps", "swarm"]
+    inner_steps: int
+    batch_size: int
+    target_samples_per_epoch: int = 0
+    max_samples_per_peer: int = 1_000_000
+    stale_after_s: float = 30.0
+    max_extrapolation_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class PhaseDecision:
+    """``action``: "continue" (run another inner step) or "end" (average now). Figures in samples and seconds."""
+
+    action: Literal["continue", "end"]
+    reason: str
+    swarm_samples: float = 0.0
+    target_samples: int = 0
+    num_peers: int = 1
+    eta_s: float = 0.0
+
+
+def decide_phase_end(
+    plan: PhasePlan,
+    my_peer_id: str,
+    phase_epoch: int,
+    my_samples: int,
+    my_samples_per_s: float,
+    records: Iterable[PeerRecord],
+    now: float,
+) -> PhaseDecision:
+    """Decide whether to run another inner step or end the phase and average.
+
+    Args:
+        plan: the schedule settings.
+        my_peer_id: our peer id (our own record, if among ``records``, is ignored: ``my_samples`` is exact).
+        phase_epoch: the epoch (round key) our phase computes a pseudo-gradient for.
+        my_samples: samples we computed for it so far.
+        my_samples_per_s: our effective throughput (samples per wall second, sleeps and pauses included).
+        records: the swarm's peer records (any roles; only live trainers in the same phase epoch count).
+        now: DHT time, seconds.
+
+    Returns:
+        The decision, with the swarm's estimated samples, the target, the number of peers counted and the
+        estimated seconds until the target is reached.
+    """
+    if plan.schedule == "steps":
+        target = plan.inner_steps * plan.batch_size
+        if my_samples >= target:
+            return PhaseDecision("end", f"ran {plan.inner_steps} inner steps", my_samples, target)
+        return PhaseDecision("continue", "fixed H", my_samples, target)
+    peers = [
+        r
+        for r in records
+        if r.peer_id != my_peer_id
+        and r.role == "trainer"
+        and not r.left_reason
+        and r.phase_epoch == phase_epoch
+        and now - r.updated_at <= plan.stale_after_s
+    ]
+    num_peers = 1 + len(peers)
+    step_s = plan.batch_size / my_samples_per_s if my_samples_per_s > 0 else float("inf")
+
+    def swarm_samples(ahead_s: float, mine: float) -> float:
+        """The swarm's samples ``ahead_s`` seconds from now: each record extrapolated by its throughput, bounded."""
+        total = mine
+        for r in peers:
+            elapsed_s = min(max(now - r.updated_at, 0.0) + ahead_s, plan.max_extrapolation_s)
+            total += min(r.phase_samples + r.throughput * elapsed_s, plan.max_samples_per_peer)
+        return total
+
+    target = plan.target_samples_per_epoch or plan.inner_steps * plan.batch_size * num_peers
+    total = swarm_samples(0.0, my_samples)
+    rate = my_samples_per_s + sum(r.throughput for r in peers)
+    eta_s = max(0.0, target - total) / rate if rate > 0 else float("inf")
+    if my_samples >= plan.max_samples_per_peer:
+        return PhaseDecision("end", f"our {my_samples} samples reach the per-peer bound", total, target, num_peers)
+    if my_samples < 1:
+        return PhaseDecision("continue", "no inner step yet", total, target, num_peers, eta_s)
+    if total >= target:
+        return PhaseDecision(
+            "end", f"swarm reached {total:.0f}/{target} samples ({num_peers} peers)", total, target, num_peers, 0.0
+        )
+    # Our next step would end after the swarm reached the target (it gets there within half a step of ours without
+    # us): the others would wait for us. Projected with the same bounds, so a claimed throughput cannot end it early.
+    if step_s < float("inf") and swarm_samples(0.5 * step_s, my_samples) >= target:
+        return PhaseDecision(
+            "end", f"swarm reaches its target in {eta_s:.2f}s, before our next step", total, target, num_peers, eta_s
+        )
+    return PhaseDecision(
+        "continue", f"swarm at {total:.0f}/{target} samples, ~{eta_s:.1f}s to go", total, target, num_peers, eta_s
+    )

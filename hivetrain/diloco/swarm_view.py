@@ -1,0 +1,140 @@
+"""A training peer's live view of the swarm: our record heartbeat, the others' records, and DHT liveness.
+
+A background thread publishes our signed record and reads everyone's every ``record_interval_s`` seconds, whatever the
+train loop is doing, so an inner phase of minutes, a long round, a slow evaluation or a long state download never
+looks like a lost DHT (the train loop used to refresh the view only between phases and left healthy swarms after the
+first outer step of any real-length run). Readers get the last good view at once, without I/O.
+
+A read counts as real only if our p2pd daemon answers and the answer holds our own record: the DHT also answers from
+local storage, and an empty or stale answer from a node that lost its daemon must not look like an empty swarm (a
+peer that believed it was alone would commit solo steps and fork the run).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from hivetrain.peers.loop import LoopThread
+from hivetrain.peers.node import PeerNode
+from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
+
+logger = logging.getLogger(__name__)
+
+P2PD_CHECK_TIMEOUT_S = 5.0
+
+
+class SwarmView:
+    """Our record heartbeat and the swarm's records, kept fresh by a background thread.
+
+    Args:
+        node: our running DHT node.
+        loop: the asyncio loop thread that talks to p2pd.
+        run_id: the run's id (DHT key of the records).
+        fingerprint: records with another model fingerprint are not part of our view.
+        make_record: returns our current record (called from the heartbeat thread and by ``publish``).
+        record_ttl_s: our record expires this many seconds after each publish.
+        record_interval_s: heartbeat period, seconds.
+        clock: monotonic clock (tests inject one).
+
+    Thread-safety: every method may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        node: PeerNode,
+        loop: LoopThread,
+        run_id: str,
+        fingerprint: str,
+        make_record: Callable[[], PeerRecord],
+        *,
+        record_ttl_s: float,
+        record_interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.node, self.loop, self.run_id, self.fingerprint = node, loop, run_id, fingerprint
+        self.make_record = make_record
+        self.record_ttl_s, self.record_interval_s = record_ttl_s, record_interval_s
+        self.clock = clock
+        self._p2p = None
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._records: list[PeerRecord] = []
+        self._view_ok = False
+        self._view_ok_at = clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="swarm-view", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(self, p2p) -> None:
+        """Publish our record, read the swarm once, then keep both fresh in the background."""
+        self._p2p = p2p
+        self.publish()
+        self.refresh()
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the heartbeat (idempotent; waits at most ``timeout_s`` seconds for a read in progress)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ---- the view --------------------------------------------------------------------------------------------
+    @property
+    def records(self) -> list[PeerRecord]:
+        """The records of the last real read (our model fingerprint only); no I/O."""
+        with self._lock:
+            return list(self._records)
+
+    @property
+    def view_ok(self) -> bool:
+        """Whether the last read was real (see the module docstring)."""
+        with self._lock:
+            return self._view_ok
+
+    @property
+    def view_age_s(self) -> float:
+        """Seconds since the last real read of the swarm."""
+        with self._lock:
+            return self.clock() - self._view_ok_at
+
+    def publish(self) -> None:
+        """Store our current record now (a failure is logged; the heartbeat retries)."""
+        with self._publish_lock:  # records published out of order could replace a newer one with an older one
+            try:
+                publish_record(self.node.dht, self.node.owner_marker, self.make_record(), self.record_ttl_s)
+            except Exception as exc:  # noqa: BLE001 - retried by the heartbeat
+                logger.warning("could not publish our record: %r", exc)
+
+    def refresh(self) -> list[PeerRecord]:
+        """Read the swarm's records now (blocking: one DHT get and one p2pd call, each bounded); returns the view."""
+        try:
+            records = fetch_records(self.node.dht, self.run_id)
+        except Exception as exc:  # noqa: BLE001 - keep the last view
+            logger.warning("could not read peer records: %r", exc)
+            records = []
+        ok = any(r.peer_id == self.node.peer_id for r in records) and self._p2pd_alive()
+        with self._lock:
+            self._view_ok = ok
+            if ok:
+                self._view_ok_at = self.clock()
+                self._records = [r for r in records if r.model_fingerprint == self.fingerprint]
+            return list(self._records)
+
+    def _p2pd_alive(self) -> bool:
+        if self._p2p is None:
+            return True
+        try:
+            self.loop.run(self._p2p.list_peers(), timeout_s=P2PD_CHECK_TIMEOUT_S)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure means the daemon is not usable
+            logger.warning("p2pd daemon does not answer: %r", exc)
+            return False
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.record_interval_s):
+            self.publish()
+            if not self._stop.is_set():
+                self.refresh()

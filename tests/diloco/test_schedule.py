@@ -1,0 +1,92 @@
+"""The swarm's schedule (pure): when a peer ends its inner phase, from the progress others publish."""
+
+from hivetrain.diloco.schedule import PhasePlan, decide_phase_end
+from hivetrain.peers.records import PeerRecord
+
+NOW = 1000.0
+SWARM = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, stale_after_s=30.0, max_extrapolation_s=15.0)
+
+
+def rec(peer, phase_epoch=3, samples=0, throughput=0.0, age=0.0, role="trainer", left=""):
+    return PeerRecord(
+        peer_id=peer,
+        role=role,
+        version="0.1.0",
+        run_id="r",
+        model_fingerprint="f",
+        epoch=phase_epoch,
+        throughput=throughput,
+        phase_epoch=phase_epoch,
+        phase_samples=samples,
+        left_reason=left,
+        updated_at=NOW - age,
+    )
+
+
+def test_fixed_steps_end_after_h_steps_whatever_the_others_do():
+    plan = PhasePlan(schedule="steps", inner_steps=10, batch_size=8)
+    assert decide_phase_end(plan, "me", 3, 72, 8.0, [rec("a", samples=10_000)], NOW).action == "continue"
+    assert decide_phase_end(plan, "me", 3, 80, 8.0, [], NOW).action == "end"
+
+
+def test_alone_the_swarm_schedule_runs_h_steps():
+    assert decide_phase_end(SWARM, "me", 3, 72, 8.0, [], NOW).action == "continue"
+    d = decide_phase_end(SWARM, "me", 3, 80, 8.0, [], NOW)
+    assert d.action == "end" and d.target_samples == 80 and d.num_peers == 1
+
+
+def test_a_fast_peer_keeps_going_while_a_slow_peer_has_done_little():
+    # 3 peers at epoch 3: target 240 samples. We did 100 (one H plus), the slow ones 20 and 40: the swarm is at 160.
+    records = [rec("slow", samples=20, throughput=2.0), rec("mid", samples=40, throughput=4.0)]
+    d = decide_phase_end(SWARM, "me", 3, 100, 8.0, records, NOW)
+    assert d.action == "continue" and d.target_samples == 240 and d.num_peers == 3
+    assert abs(d.swarm_samples - 160) < 1e-9 and abs(d.eta_s - 80 / 14) < 1e-9
+
+
+def test_a_slow_peer_ends_when_the_swarm_reaches_the_target_not_after_its_own_h():
+    records = [rec("fast", samples=200, throughput=16.0)]
+    d = decide_phase_end(SWARM, "me", 3, 8, 2.0, records, NOW)  # one step of ours; the fast peer did the rest
+    assert d.action == "end" and d.target_samples == 160
+
+
+def test_progress_is_extrapolated_from_the_record_time_by_throughput_but_bounded():
+    # The record is 5 s old: 40 + 5 * 8 = 80 samples now; with ours (40) the swarm is at 120 of 160.
+    d = decide_phase_end(SWARM, "me", 3, 40, 8.0, [rec("a", samples=40, throughput=8.0, age=5.0)], NOW)
+    assert abs(d.swarm_samples - 120) < 1e-9 and d.action == "continue"
+    # 25 s old: extrapolation stops at 15 s (a peer that vanished is not counted as training on for ever)
+    d = decide_phase_end(SWARM, "me", 3, 8, 8.0, [rec("a", samples=0, throughput=8.0, age=25.0)], NOW)
+    assert abs(d.swarm_samples - (8 + 120)) < 1e-9
+
+
+def test_stale_left_other_epoch_and_non_trainer_records_do_not_count():
+    records = [
+        rec("stale", samples=500, throughput=8.0, age=40.0),
+        rec("left", samples=500, left="interrupted"),
+        rec("behind", phase_epoch=2, samples=500),
+        rec("coord", samples=500, role="coordinator"),
+    ]
+    d = decide_phase_end(SWARM, "me", 3, 8, 8.0, records, NOW)
+    assert d.num_peers == 1 and d.target_samples == 80 and d.action == "continue"
+
+
+def test_one_peer_claims_count_for_at_most_the_per_peer_bound():
+    plan = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, max_samples_per_peer=100)
+    d = decide_phase_end(plan, "me", 3, 8, 8.0, [rec("liar", samples=10**9, throughput=1e9)], NOW)
+    assert d.action == "continue" and d.swarm_samples == 108  # target 160: the liar cannot end the epoch alone
+
+
+def test_a_fixed_target_overrides_the_automatic_one():
+    plan = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, target_samples_per_epoch=1000)
+    assert decide_phase_end(plan, "me", 3, 500, 8.0, [rec("a", samples=400)], NOW).action == "continue"
+    assert decide_phase_end(plan, "me", 3, 600, 8.0, [rec("a", samples=400)], NOW).action == "end"
+
+
+def test_end_before_a_step_that_would_finish_after_the_swarm():
+    # 1 sample short of the target with the other peer producing 100 samples/s: ETA 0.01 s, our step takes 4 s.
+    d = decide_phase_end(SWARM, "me", 3, 8, 2.0, [rec("fast", samples=151, throughput=100.0)], NOW)
+    assert d.action == "end" and "before our next step" in d.reason
+
+
+def test_the_first_step_always_runs():
+    d = decide_phase_end(SWARM, "me", 3, 0, 0.0, [rec("a", samples=10**6, throughput=8.0)], NOW)
+    assert d.action == "continue"
