@@ -1,0 +1,234 @@
+"""Compute utilization of heterogeneous volunteers on slow links, one of them behind NAT: three schedules side by side.
+
+Real ``join-swarm`` peers and a coordinator, each in its own network namespace (root; ``ip``/``tc`` from iproute2,
+``iptables`` installed with apt-get if missing). The peers run at speeds 1x, 0.5x and 0.25x (``--duty-cycle``) on
+links limited to ``--mbps`` each way (``tc tbf``), so that one round of averaging takes a good share (the goal: at
+least 20%) of the fastest peer's inner phase; peer ``--nat-peer`` sits behind a home router (iptables MASQUERADE, no
+port forwarding, ``--client-mode`` as the README advises): nobody can dial its data port, so its links use
+hivetrain's dial-back (or a libp2p stream).
+
+Arms, one after another in one invocation (fresh coordinator and peers each, same network):
+
+    fixed-H       diloco.schedule = "steps", overlap = "off": every peer runs H inner steps (today's synchronous DiLoCo)
+    swarm         schedule = "swarm", overlap = "off": the epoch ends when the swarm has computed its target samples
+    swarm+eager   schedule = "swarm", overlap = "eager": the next inner phase runs while the round is in flight
+
+Every arm trains for the same wall time (``--seconds``, counted from the moment every peer has started training),
+then every peer gets SIGINT. Per arm: each peer's utilization (time in inner steps / wall time, over its duty cycle),
+idle seconds, the share of computed samples that reached a committed outer step (definitions in
+``_utilization_metrics.py``), and the **eval loss of the last outer step committed before the stop** (evaluated by
+the peers on the same held-out windows right after the step: the loss at equal wall time, up to one epoch's lag,
+whose age is reported). The machine is shared: timings are noisy.
+
+    python scripts/bench/utilization.py                  # 3 arms x 240 s, tiny model, H=400, 5 Mbit/s (~15 min)
+    python scripts/bench/utilization.py --quick --json   # smoke run: 3 arms x 75 s, H=100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tomli_w
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _utilization_metrics as metrics  # noqa: E402 - sibling bench module
+from _utilization_swarm import (  # noqa: E402 - sibling bench module
+    ArmRun,
+    PeerSpec,
+    build_network,
+    ensure_iptables,
+    run_arm,
+    supports_duty_cycle,
+)
+
+from hivetrain.chaos.network import NetnsTopology  # noqa: E402
+from hivetrain.config import load_run_config  # noqa: E402
+
+ARMS = {"fixed-H": ("steps", "off"), "swarm": ("swarm", "off"), "swarm+eager": ("swarm", "eager")}
+DATA = "/work/shared/data/tinyshakespeare.txt"
+SEQ_LEN, BATCH_SIZE = 64, 8
+
+
+def run_config(arm: str, args: argparse.Namespace, out_dir: Path) -> Path:
+    """Write the arm's run config (tiny model, trains until stopped) and return its path."""
+    schedule, overlap = ARMS[arm]
+    config = load_run_config(
+        None,
+        {
+            "run_id": f"util-{arm.replace('+', '-')}",
+            "model": args.model,
+            "data.paths": [args.data],
+            "data.seq_len": SEQ_LEN,
+            "data.batch_size": BATCH_SIZE,
+            "data.num_eval_windows": 32,
+            "diloco.inner_steps": args.inner_steps,
+            "diloco.inner_lr": 3e-3,
+            "diloco.warmup_steps": 20,
+            "diloco.outer_steps": 0,
+            "diloco.eval_every": 1,
+            "diloco.schedule": schedule,
+            "diloco.overlap": overlap,
+            "averaging.matchmaking_time_s": 2.0,
+            "averaging.round_timeout_s": 240.0,  # fixed-H: the fastest peer waits for a 4x slower one, not discard
+        },
+    )
+    path = out_dir / f"{arm.replace('+', '-')}.toml"
+    path.write_text(tomli_w.dumps(config.to_dict()))
+    return path
+
+
+def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, mbps: float) -> dict:
+    """The arm's JSON object: the issue's keys first, then per-peer detail."""
+    duty = {s.name: (s.duty_cycle if duty_supported else 1.0) for s in specs}
+    phases = {n: metrics.phases(ev, SEQ_LEN, BATCH_SIZE, duty[n], run.t_stop) for n, ev in run.events.items()}
+    commits = {n: metrics.commits(ev, run.t_stop, phases[n]) for n, ev in run.events.items()}
+    last_key = max((c.round_key for cs in commits.values() for c in cs), default=-1)
+    usages = [metrics.peer_usage(n, phases[n], commits[n], duty[n], last_key) for n in run.events]
+    fastest = max(specs, key=lambda s: s.duty_cycle).name
+    round_s, phase_s, ratio = metrics.round_vs_phase(commits, phases[fastest])
+    last = metrics.last_eval([c for cs in commits.values() for c in cs])
+    sent = [c.bytes_sent for cs in commits.values() for c in cs if c.bytes_sent]
+    summaries = [s for s in run.summaries.values() if s]
+    trainer = {
+        key: sum(s[key] for s in summaries) if all(key in s for s in summaries) and summaries else None
+        for key in ("samples_computed", "samples_total", "samples_discarded", "state_downloads", "rounds_failed")
+    }
+    return {
+        "arm": run.arm,
+        **metrics.arm_figures(usages),
+        "eval_loss": last.eval_loss if last else None,
+        "wall_s": run.t_stop - run.t_start,
+        "eval_epoch": last.epoch if last else 0,
+        "eval_age_s": run.t_stop - last.time_s if last else None,
+        "rounds_committed": last_key + 1,
+        "round_s_median": round_s,
+        "fastest_phase_s_median": phase_s,
+        "round_to_fastest_phase": ratio,
+        "link_floor_s": max(sent) * 8 / (mbps * 1e6) if sent else 0.0,
+        "peers": [
+            {
+                "name": u.name,
+                "duty_cycle": u.duty_cycle,
+                "utilization": u.utilization,
+                "idle_s": u.idle_s,
+                "window_s": u.window_s,
+                "compute_s": u.compute_s,
+                "phases": u.num_phases,
+                "samples_resolved": u.samples_resolved,
+                "samples_committed": u.samples_committed,
+                "exit_code": run.exit_codes.get(u.name),
+                "exited_early_at_s": run.exited_early.get(u.name),
+                "nat_fallback_log_lines": run.nat_log_lines.get(u.name, 0),
+            }
+            for u in usages
+        ],
+        "trainer_summaries": trainer,
+    }
+
+
+def print_table(results: list[dict], bench_s: float, settings: str) -> None:
+    print(settings)
+    head = f"{'arm':<12} {'util min':>8} {'mean':>6} {'committed':>9} {'eval loss':>9} {'@epoch':>6} {'age s':>6}"
+    print(head + f" {'wall s':>7} {'round s':>7} {'/phase':>6}  per-peer utilization (idle s)")
+    for r in results:
+        peers = ", ".join(f"{p['name']} {p['utilization']:.2f} ({p['idle_s']:.0f})" for p in r["peers"])
+        share = "-" if r["committed_sample_share"] is None else f"{r['committed_sample_share']:.3f}"
+        loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        age = "-" if r["eval_age_s"] is None else f"{r['eval_age_s']:.0f}"
+        print(
+            f"{r['arm']:<12} {r['utilization_min']:>8.3f} {r['utilization_mean']:>6.3f} {share:>9} {loss:>9} "
+            f"{r['eval_epoch']:>6} {age:>6} {r['wall_s']:>7.0f} {r['round_s_median']:>7.1f} "
+            f"{r['round_to_fastest_phase']:>6.2f}  {peers}"
+        )
+    for r in results:
+        t = r["trainer_summaries"]
+        early = [f"{p['name']} at {p['exited_early_at_s']:.0f}s" for p in r["peers"] if p["exited_early_at_s"]]
+        print(
+            f"{r['arm']}: {r['rounds_committed']} rounds, fastest phase {r['fastest_phase_s_median']:.1f}s, "
+            f"link floor {r['link_floor_s']:.1f}s/round, trainer summaries {t}, NAT fallback log lines "
+            f"{[p['nat_fallback_log_lines'] for p in r['peers']]}" + (f", exited early: {early}" if early else "")
+        )
+    print(f"bench wall time {bench_s:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument("--seconds", type=float, default=None, help="training wall time per arm (default 240)")
+    parser.add_argument("--inner-steps", type=int, default=None, help="H (default 400)")
+    parser.add_argument("--mbps", type=float, default=5.0, help="each peer's link, Mbit/s each way")
+    parser.add_argument("--speeds", default="1,0.5,0.25", help="duty cycle of each peer (comma-separated)")
+    parser.add_argument("--nat-peer", type=int, default=0, help="index of the peer behind NAT (-1 = none)")
+    parser.add_argument("--model", default="tiny", help="model preset")
+    parser.add_argument("--data", default=DATA, help="training text")
+    parser.add_argument("--out", default=None, help="directory for logs and metrics (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 75 s per arm, H=100")
+    parser.add_argument("--json", action="store_true", help="last line: a JSON list, one object per arm")
+    args = parser.parse_args(argv)
+    args.seconds = args.seconds or (75.0 if args.quick else 240.0)
+    args.inner_steps = args.inner_steps or (100 if args.quick else 400)
+    arms = [a for a in args.arms.split(",") if a]
+    speeds = [float(s) for s in args.speeds.split(",") if s]
+    if not arms or any(a not in ARMS for a in arms):
+        parser.error(f"--arms: choose from {', '.join(ARMS)}")
+    if not speeds or any(not 0 < s <= 1 for s in speeds) or args.seconds <= 0 or args.mbps <= 0:
+        parser.error("--speeds in (0, 1], --seconds and --mbps > 0")
+    if not -1 <= args.nat_peer < len(speeds):
+        parser.error("--nat-peer: a peer index or -1")
+    specs = [PeerSpec(f"peer{i}", s, i == args.nat_peer) for i, s in enumerate(speeds)]
+    out = Path(args.out or tempfile.mkdtemp(prefix="hivetrain-utilization-"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def on_sigterm(signum, frame):  # run the finally blocks: processes, namespaces
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    started = time.time()
+    ensure_iptables(log)
+    duty_supported = supports_duty_cycle()
+    if not duty_supported:
+        log("join-swarm has no --duty-cycle here: every peer runs at full speed (speeds reported as 1.0)")
+    results = []
+    topology = NetnsTopology()
+    try:
+        topology.create()
+        coordinator, members = build_network(topology, specs, args.mbps)
+        log(f"network: coordinator {coordinator.ip}; " + ", ".join(
+            f"{s.name} {m.ip}" + (f" behind NAT {m.public_ip}" if m.public_ip else "") + f" x{s.duty_cycle:g}"
+            for s, m in zip(specs, members, strict=True)
+        ))  # fmt: skip
+        for arm in arms:
+            arm_dir = out / arm.replace("+", "-")
+            arm_dir.mkdir(parents=True, exist_ok=True)
+            config_path = run_config(arm, args, arm_dir)
+            run = run_arm(arm, config_path, arm_dir, coordinator, members, specs, args.seconds, duty_supported, log)
+            results.append(figures(run, specs, duty_supported, args.mbps))
+            (out / "results.json").write_text(json.dumps(results, indent=2))
+    except KeyboardInterrupt:
+        log("interrupted: cleaning up")
+        return 130
+    finally:
+        topology.close()
+    settings = (
+        f"model {args.model}, H={args.inner_steps}, {args.mbps:g} Mbit/s per peer, speeds {args.speeds}"
+        f"{'' if duty_supported else ' (duty cycle unsupported: all 1x)'}, NAT peer {args.nat_peer}, "
+        f"{args.seconds:.0f}s per arm; logs in {out}"
+    )
+    print_table(results, time.time() - started, settings)
+    if args.json:
+        keys = ("arm", "utilization_min", "utilization_mean", "committed_sample_share", "eval_loss", "wall_s")
+        print(json.dumps([{k: r[k] for k in keys} for r in results]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
