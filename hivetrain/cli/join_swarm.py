@@ -252,7 +252,7 @@ def _train(
             ),
             faults=faults,
             on_event=reporter.event,
-            **_duty_keyword(DilocoTrainer, duty),
+            duty=duty,  # the SIGUSR1 handler toggles this same object
         )
         stats = trainer.run()
         reporter.close()
@@ -273,21 +273,6 @@ def _train(
         averager.shutdown(timeout_s=3)
         loop.stop(timeout_s=2)
         reporter.close()
-
-
-def _duty_keyword(trainer_class, duty: DutyCycle) -> dict:
-    """``{"duty": duty}`` once the trainer takes the DutyCycle (the SIGUSR1 handler toggles that same object).
-
-    Transitional: the trainer gains the ``duty`` keyword in the same series of changes; until then the flags are
-    accepted but have no effect, and we say so.
-    """
-    import inspect
-
-    if "duty" in inspect.signature(trainer_class.__init__).parameters:
-        return {"duty": duty}
-    if duty.fraction < 1.0 or duty.pause_file:
-        logger.warning("this trainer does not apply --duty-cycle/--pause-file/SIGUSR1 yet; training at full speed")
-    return {}
 
 
 def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:
