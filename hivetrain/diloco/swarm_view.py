@@ -24,6 +24,7 @@ from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
 logger = logging.getLogger(__name__)
 
 P2PD_CHECK_TIMEOUT_S = 5.0
+MIN_INTERVAL_S = 0.5  # the fastest heartbeat, seconds (one DHT store and one get per period)
 
 
 class SwarmView:
@@ -38,6 +39,8 @@ class SwarmView:
         record_ttl_s: our record expires this many seconds after each publish.
         record_interval_s: heartbeat period, seconds.
         clock: monotonic clock (tests inject one).
+        next_interval_s: optional callable giving the next heartbeat period, seconds (at most ``record_interval_s``):
+            the trainer refreshes faster when the swarm's epoch is about to end, as hivemind's progress tracker does.
 
     Thread-safety: every method may be called from any thread.
     """
@@ -53,11 +56,13 @@ class SwarmView:
         record_ttl_s: float,
         record_interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        next_interval_s: Callable[[], float] | None = None,
     ):
         self.node, self.loop, self.run_id, self.fingerprint = node, loop, run_id, fingerprint
         self.make_record = make_record
         self.record_ttl_s, self.record_interval_s = record_ttl_s, record_interval_s
         self.clock = clock
+        self.next_interval_s = next_interval_s
         self._p2p = None
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -133,8 +138,16 @@ class SwarmView:
             logger.warning("p2pd daemon does not answer: %r", exc)
             return False
 
+    def _interval_s(self) -> float:
+        if self.next_interval_s is None:
+            return self.record_interval_s
+        try:
+            return min(self.record_interval_s, max(MIN_INTERVAL_S, float(self.next_interval_s())))
+        except Exception:  # noqa: BLE001 - a broken hint must not stop the heartbeat
+            return self.record_interval_s
+
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self.record_interval_s):
+        while not self._stop.wait(self._interval_s()):
             self.publish()
             if not self._stop.is_set():
                 self.refresh()

@@ -83,7 +83,8 @@ def decide_sync(
 def may_commit_alone(
     my_peer_id: str, my_epoch: int, records: Iterable[PeerRecord], now: float, stale_after_s: float
 ) -> tuple[bool, str]:
-    """A round of one peer may be applied only if no other live trainer is at our epoch or later.
+    """A round of one peer may be applied only if no other live trainer is at our epoch or later, or computing a
+    pseudo-gradient for it (``phase_epoch``: with overlap a peer's state lags the round its phase is for).
 
     Otherwise applying it would fork the run: the others will average without us, and we must wait or resync.
     """
@@ -92,8 +93,9 @@ def may_commit_alone(
         for r in records
         if r.peer_id != my_peer_id
         and r.role == "trainer"
+        and not r.left_reason
         and now - r.updated_at <= stale_after_s
-        and r.epoch >= my_epoch
+        and (r.epoch >= my_epoch or r.phase_epoch >= my_epoch)
     ]
     if others:
         return False, f"{len(others)} other live trainer(s) at epoch >= {my_epoch}; a solo step would fork the run"

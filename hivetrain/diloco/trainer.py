@@ -128,7 +128,7 @@ class DilocoTrainer:
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
         self.options, self.faults = options, faults
         self.on_event = on_event or (lambda event: None)
-        self.duty = duty
+        self.duty = duty if duty is not None else DutyCycle(options.duty_cycle, pause_file=options.pause_file)
         self.state = TrainingState.from_model(model)
         self.stats = TrainerStats()
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
@@ -158,6 +158,7 @@ class DilocoTrainer:
             max_extrapolation_s=3 * options.record_interval_s,
         )
         self._phase = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start): published as our progress
+        self._eta_s = float("inf")  # the schedule's estimate of the seconds left in the swarm's phase
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         self._inflight: tuple[Future, Contribution] | None = None  # overlap: the round running in the background
         self._previous: PreviousRound | None = None  # our last committed round (for overlap = "eager")
@@ -169,6 +170,7 @@ class DilocoTrainer:
             self._record,
             record_ttl_s=options.record_ttl_s,
             record_interval_s=options.record_interval_s,
+            next_interval_s=lambda: self._eta_s / 2,
         )
         self.rounds = RoundRunner(
             node.peer_id,
@@ -248,6 +250,11 @@ class DilocoTrainer:
                     continue
                 if self._inflight is not None and self._settle() == "resync":
                     continue  # others moved on: download their state first; our contributions stay pending
+                if self._inflight is None and self._phase[0] > self.state.epoch:
+                    # overlap, just in step with the swarm: its round for our phase needs the state it is reaching
+                    if self._catch_up(self._phase[0]):
+                        self.outer_phase()
+                    continue
                 if self._overlap != "off" and not self._last_epoch():
                     self._launch()
                 else:
@@ -332,7 +339,7 @@ class DilocoTrainer:
         load_into_model(start, self.model)
         h = self.config.diloco.inner_steps
         epoch = self.state.epoch
-        phase_epoch = epoch + (1 if self._inflight is not None else 0)  # the round our pseudo-gradient goes to
+        phase_epoch = self._phase_epoch()  # the round our pseudo-gradient goes to
         started = last = time.monotonic()
         slept = 0.0
         self._phase = (phase_epoch, 0, started)
@@ -350,6 +357,8 @@ class DilocoTrainer:
             if self.duty is not None:
                 slept += self.duty.after_step(step_s, self._stop)  # sleeps (duty cycle) or blocks (paused)
                 last = time.monotonic()
+                if self._stop.is_set():
+                    raise _Interrupted()
             self._check_dht()
 
         def should_end(num_steps: int, num_samples: int) -> bool:
@@ -357,6 +366,7 @@ class DilocoTrainer:
             decision = decide_phase_end(
                 self.plan, self.node.peer_id, phase_epoch, num_samples, rate, self.view.records, get_dht_time()
             )
+            self._eta_s = decision.eta_s if decision.action == "continue" else float("inf")
             return decision.action == "end"
 
         try:
@@ -409,7 +419,14 @@ class DilocoTrainer:
 
         def run_round() -> None:
             try:
-                future.set_result(self.rounds.run(state, state_hash, contribution))
+                outcome = self.rounds.run(state, state_hash, contribution)
+                if outcome.policy.action == "apply" and outcome.state is not None:
+                    # publish the new shared state at once (peers see our epoch, joiners can download it); the
+                    # phase in progress does not read self.state: it runs from its own start point
+                    self.state = outcome.state
+                    self._note_state(outcome.state_hash)
+                    self.view.publish()
+                future.set_result(outcome)
             except BaseException as exc:  # noqa: BLE001 - handed to _settle on the train loop's thread
                 future.set_exception(exc)
 
@@ -445,7 +462,10 @@ class DilocoTrainer:
             return policy.action
         result = outcome.result
         assert result is not None and outcome.state is not None
-        self.state = outcome.state
+        if self.state is not outcome.state:  # a background round already applied it
+            self.state = outcome.state
+            self._note_state(outcome.state_hash)
+            self.view.publish()
         if self._overlap == "eager" and outcome.sent is not None and result.total_weight > 0:
             share = min(1.0, contribution.samples / result.total_weight)
             self._previous = PreviousRound(result.tensors, outcome.sent, share)
@@ -454,8 +474,6 @@ class DilocoTrainer:
         self.stats.samples_total += contribution.samples
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
-        self._note_state(outcome.state_hash)
-        self.view.publish()
         eval_every = self.config.diloco.eval_every
         eval_loss = self._evaluate() if eval_every and self.state.epoch % eval_every == 0 else None
         self._emit(
@@ -471,6 +489,40 @@ class DilocoTrainer:
         return policy.action
 
     # ---- helpers -------------------------------------------------------------------------------------------------
+    def _phase_epoch(self) -> int:
+        """The round our next phase computes for: our epoch, +1 with a round in flight. With overlap, a peer that
+        just downloaded state (no round in flight) is one round behind the swarm, whose phases are for epoch + 1:
+        it joins their phase (at most one ahead of its state, whatever records claim) and catches up after it."""
+        epoch = self.state.epoch
+        if self._inflight is not None:
+            return epoch + 1
+        if self._overlap == "off":
+            return epoch
+        now = get_dht_time()
+        ahead = [
+            r.phase_epoch
+            for r in self.view.records
+            if r.role == "trainer"
+            and r.peer_id != self.node.peer_id
+            and not r.left_reason
+            and r.epoch == epoch
+            and r.phase_epoch == epoch + 1
+            and now - r.updated_at <= self.options.record_ttl_s
+        ]
+        return epoch + 1 if ahead else epoch
+
+    def _catch_up(self, epoch: int) -> bool:
+        """Wait (at most the matchmaking window plus a record interval) until peers publish ``epoch``, then download
+        it. Returns whether we now hold ``epoch``; if not, our contribution stays pending for the next round."""
+        wait_until = time.monotonic() + self.config.averaging.matchmaking_time_s + self.options.record_interval_s
+        while not self._stop.is_set() and time.monotonic() < wait_until:
+            records = self.view.refresh()
+            if any(r.epoch >= epoch and r.state_hash for r in records if r.peer_id != self.node.peer_id):
+                break
+            self._stop.wait(0.2)
+        self.sync_state()
+        return self.state.epoch == epoch
+
     def _start_state(self) -> TrainingState:
         """θ the next inner phase starts from: the shared θ, or with a round in flight its overlap estimate."""
         if self._inflight is None:
