@@ -1,0 +1,164 @@
+"""RoundRunner: one round with its retries, against a scripted averager (no network).
+
+All-or-nothing: a failed round returns no state and leaves the caller's state untouched; members given the same
+average build bit-identical states; a contribution that did not commit is handed back, never dropped.
+"""
+
+import threading
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from hivetrain.averaging.base import RoundFailed, RoundResult
+from hivetrain.config import RunConfig
+from hivetrain.diloco.outer import outer_step
+from hivetrain.diloco.rounds import Contribution, RoundRunner, expected_peers
+from hivetrain.diloco.state import TrainingState
+from hivetrain.faults import NO_FAULTS
+from hivetrain.peers.records import PeerRecord
+
+CONFIG = RunConfig.from_dict({"averaging": {"max_retries": 1, "round_timeout_s": 20.0}})
+
+
+def rec(peer, epoch, phase_epoch=None, digest="h"):
+    return PeerRecord(
+        peer_id=peer,
+        role="trainer",
+        version="0.1.0",
+        run_id="r",
+        model_fingerprint="f",
+        epoch=epoch,
+        phase_epoch=epoch if phase_epoch is None else phase_epoch,
+        throughput=1.0,
+        state_hash=digest,
+        updated_at=get_dht_time(),
+    )
+
+
+class FakeView:
+    def __init__(self, records, view_ok=True):
+        self._records, self.view_ok, self.view_age_s = records, view_ok, 0.0
+
+    @property
+    def records(self):
+        return list(self._records)
+
+    def refresh(self):
+        return list(self._records)
+
+
+class ScriptedAverager:
+    """Returns or raises the scripted outcomes in order; records what it was called with."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.calls = list(outcomes), []
+
+    def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset()):
+        self.calls.append((weight, epoch, expected_peers))
+        outcome = self.outcomes.pop(0)
+        if callable(outcome):
+            outcome = outcome()
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+def state() -> TrainingState:
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 2, generator=g)}
+    return TrainingState(epoch=4, params=params, momentum={"w": torch.zeros(3, 2)})
+
+
+def runner(averager, records, events=None, view_ok=True):
+    emit = (lambda event, **f: events.append((event, f))) if events is not None else (lambda event, **f: None)
+    return RoundRunner(
+        "me",
+        averager,
+        FakeView(records, view_ok),
+        CONFIG,
+        NO_FAULTS,
+        "",
+        emit,
+        threading.Event(),
+        stale_after_s=30.0,
+        dht_lost_after_s=60.0,
+    )
+
+
+def contribution(samples=80):
+    return Contribution([torch.full((3, 2), 0.5)], samples, epoch=4)
+
+
+def test_a_committed_round_builds_the_same_next_state_on_every_member():
+    avg = [torch.full((3, 2), 0.25)]
+    results = []
+    for _ in range(2):  # two members given the same averaged bytes
+        done = RoundResult(tensors=[a.clone() for a in avg], group=("a", "me"), total_weight=160.0, round_id="x")
+        s = state()
+        out = runner(ScriptedAverager(done), [rec("a", 4)]).run(s, s.state_hash(), contribution())
+        assert out.policy.action == "apply" and out.state.epoch == 5
+        assert out.state_hash == out.state.state_hash()
+        results.append(out.state_hash)
+    expected = outer_step(state(), avg, CONFIG.diloco.outer_lr, CONFIG.diloco.outer_momentum).state_hash()
+    assert results[0] == results[1] == expected
+
+
+def test_expected_peers_are_the_live_trainers_of_our_epoch():
+    avg = ScriptedAverager(RoundResult([torch.zeros(3, 2)], ("a", "me"), 160.0, "x"))
+    s = state()
+    runner(avg, [rec("a", 4), rec("b", 3), rec("c", 5)]).run(s, s.state_hash(), contribution())
+    assert avg.calls[0] == (80.0, 4, frozenset({"a"}))
+    assert expected_peers([rec("me", 4)], "me", 4, get_dht_time(), 30.0) == frozenset()
+
+
+def test_a_failed_round_applies_nothing_and_hands_the_contribution_back_when_others_moved_on():
+    s = state()
+    before = s.state_hash()
+    events = []
+    avg = ScriptedAverager(RoundFailed("not_in_group", "group of a closed before we announced"))
+    out = runner(avg, [rec("a", 5, digest="h5")], events).run(s, before, contribution())
+    assert out.policy.action == "resync" and out.state is None and out.result is None
+    assert s.state_hash() == before
+    assert [e for e, _ in events] == ["round_failed"] and events[0][1]["reason"] == "not_in_group"
+
+
+def test_retries_then_carries_when_nobody_else_is_at_our_epoch():
+    s = state()
+    avg = ScriptedAverager(RoundFailed("peer_failed"), RoundFailed("peer_failed"))
+    out = runner(avg, []).run(s, s.state_hash(), contribution())
+    assert out.policy.action == "carry" and out.attempts == 2 and len(avg.calls) == 2
+
+
+def test_a_round_of_one_is_not_applied_while_another_peer_computes_for_our_epoch():
+    # with overlap, a peer whose state is still at epoch 3 may be computing its pseudo-gradient for round 4
+    s = state()
+    alone = RoundResult([torch.zeros(3, 2)], ("me",), 80.0, "x")
+    r = runner(None, [rec("a", 3, phase_epoch=4)])
+
+    def stop_waiting():  # past the retries the peer keeps waiting for it until the deadline: stop it here
+        r.stop.set()
+        return RoundFailed("no_group")
+
+    r.averager = avg = ScriptedAverager(alone, alone, alone, stop_waiting)
+    out = r.run(s, s.state_hash(), contribution())
+    assert out.policy.action == "stop" and out.state is None and len(avg.calls) == 4
+    assert r.rounds_failed == 4 and "no_group" in r.last_failure
+
+
+def test_merged_contributions_sum_pseudo_gradients_and_weights_and_keep_the_older_epoch():
+    old = Contribution([torch.ones(2)], 8, epoch=3)
+    new = Contribution([torch.full((2,), 2.0)], 16, epoch=4)
+    merged = new.merged(old)
+    assert torch.equal(merged.delta[0], torch.full((2,), 3.0)) and merged.samples == 24 and merged.epoch == 3
+    assert new.merged(None) is new
+
+
+def test_a_non_finite_pseudo_gradient_is_refused_before_it_is_sent():
+    s = state()
+    bad = Contribution([torch.full((3, 2), float("nan"))], 8, epoch=4)
+    moshpit = RunConfig.from_dict({"averaging": {"strategy": "moshpit", "target_group_size": 2}})
+    r = runner(ScriptedAverager(), [])
+    r.config, r.exact_average = moshpit, False
+    with pytest.raises(ValueError, match="not finite"):
+        r.run(s, s.state_hash(), bad)
