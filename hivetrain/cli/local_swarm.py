@@ -1,6 +1,9 @@
 """``hivetrain local-swarm --peers N --out DIR``: a coordinator and N join-swarm processes on 127.0.0.1.
 
-Waits until the peers finish K outer steps, prints a summary table and writes ``DIR/summary.json``.
+Waits until the peers finish K outer steps, prints a summary table and writes ``DIR/summary.json`` (README,
+"local-swarm output"): which peers left, when and why; whether the state hashes agree among how many peers; the
+DDP-equivalent bytes of the inner steps run; each peer's compute. Exits 0 only if every peer finished (see
+``run_exit_code``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from hivetrain.cli.common import (
 )
 from hivetrain.config import load_run_config
 from hivetrain.testing.launcher import LocalSwarm
-from hivetrain.testing.summary import build_summary, read_events
+from hivetrain.testing.summary import PeerFiles, build_summary, read_events
 
 logger = logging.getLogger("hivetrain.local_swarm")
 
@@ -195,17 +198,36 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         swarm.close()
         return fail(str(exc), EXIT_FAILED)
+    stopped = {p.name for p in swarm.peers if p.alive()}  # still running at the deadline
     swarm.close()
-    summary = build_summary(swarm.peers, config.diloco.inner_steps, wall_s=time.time() - started)
+    summary = build_summary(
+        [PeerFiles.of(p, stopped=p.name in stopped) for p in swarm.peers],
+        config.diloco.inner_steps,
+        wall_s=time.time() - started,
+        batch_size=config.data.batch_size,
+        started_at=started,
+        exact_average=config.averaging.strategy == "butterfly",
+    )
     summary["timed_out"] = not finished
     summary["exit_codes"] = {p.name: p.popen.returncode for p in swarm.peers}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    _print_summary(console, summary, out, exact_average=config.averaging.strategy == "butterfly")
-    ok = finished and all(code == 0 for code in summary["exit_codes"].values())
-    return 0 if ok else EXIT_FAILED
+    _print_summary(console, summary, out)
+    return run_exit_code(summary)
 
 
-def _print_summary(console: Console, summary: dict, out: Path, exact_average: bool = True) -> None:
+def run_exit_code(summary: dict) -> int:
+    """0 only when the run finished in time, every peer exited 0 (none left with an error or was stopped) and no
+    two peers held different states at one epoch; else EXIT_FAILED."""
+    failed = (
+        summary.get("timed_out")
+        or any(code != 0 for code in summary.get("exit_codes", {}).values())
+        or summary.get("peers_left")
+        or summary.get("hash_agreement", {}).get("verdict") == "no"
+    )
+    return EXIT_FAILED if failed else 0
+
+
+def _print_summary(console: Console, summary: dict, out: Path) -> None:
     table = Table(title="local swarm summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -216,20 +238,17 @@ def _print_summary(console: Console, summary: dict, out: Path, exact_average: bo
         "final_eval_loss",
         "wall_s",
         "bytes_sent_total",
+        "inner_steps_total",
         "bytes_ddp_equivalent",
         "rounds_failed",
         "state_downloads",
     ):
         table.add_row(key, fmt(summary.get(key)))
-    if summary["bytes_sent_total"]:
+    if summary.get("bytes_sent_total", 0) > 0 and summary.get("bytes_ddp_equivalent", 0) > 0:
         table.add_row(
             "DDP bytes / DiLoCo bytes", f"{summary['bytes_ddp_equivalent'] / summary['bytes_sent_total']:.1f}x"
         )
-    agree = all(len(set(h.values())) == 1 for h in summary["state_hashes"].values())
-    if exact_average:
-        table.add_row("state hashes agree at every epoch", "yes" if agree else "NO")
-    else:  # moshpit/gossip: groups average θ, each peer keeps its own outer momentum
-        table.add_row("state hashes agree at every epoch", "n/a (moshpit/gossip: peers' states differ by design)")
+    table.add_row("state hashes agree at every epoch", summary["hash_agreement"]["text"])
     drift = summary.get("param_drift") or {}
     if drift:
         last_epoch = max(drift, key=int)
@@ -237,7 +256,29 @@ def _print_summary(console: Console, summary: dict, out: Path, exact_average: bo
             "parameter drift max_p |θp-θ̄|/|θ̄| (last epoch / worst)",
             f"{drift[last_epoch]:.2e} / {max(drift.values()):.2e}",
         )
+    per_peer = summary.get("per_peer") or {}
+    if per_peer:
+        table.add_row(
+            "compute utilization (compute_s / wall_s)",
+            ", ".join(
+                f"{name} {'-' if p['compute_utilization'] is None else format(p['compute_utilization'], '.2f')}"
+                for name, p in per_peer.items()
+            ),
+        )
+        table.add_row(
+            "samples committed / computed",
+            ", ".join(f"{name} {p['samples_committed']}/{p['samples_computed']}" for name, p in per_peer.items()),
+        )
+    table.add_row("peers that left", str(len(summary.get("peers_left", []))))
     console.print(table)
+    if summary.get("peers_left"):
+        left = Table(title="peers that left")
+        for column in ("peer", "exit code", "last epoch", "at (s)", "reason"):
+            left.add_column(column)
+        for p in summary["peers_left"]:
+            at = "-" if p["at_s"] is None else f"{p['at_s']:.0f}"
+            left.add_row(p["name"], str(p["exit_code"]), str(p["epoch"]), at, p["reason"])
+        console.print(left)
     console.print(f"summary written to {out / 'summary.json'}; peer logs in {out}")
 
 

@@ -32,13 +32,19 @@ class PeerProcess:
     metrics_path: Path | None = None
     summary_path: Path | None = None
     started_at: float = field(default_factory=time.time)
+    exited_at: float | None = None  # unix time (s) ``alive()`` first saw it exited; None = not seen yet
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        """Whether the process runs; the first call that finds it exited records ``exited_at``."""
+        if self.popen.poll() is None:
+            return True
+        if self.exited_at is None:
+            self.exited_at = time.time()
+        return False
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the process group (the process and its p2pd)."""
