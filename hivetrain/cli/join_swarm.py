@@ -5,6 +5,8 @@ resumes inner steps, as does ``--pause-file PATH`` (paused while the file exists
 
 Exit codes: 0 finished, 2 bad input or no reachable initial peer, 3 incompatible with the run, 4 failed,
 130 interrupted (SIGINT/SIGTERM: leaves within a few seconds, p2pd included).
+On every exit the ``--summary-file`` is written with ``exit_code`` and ``exit_reason`` ("finished", "interrupted", or
+what ended the peer), and a peer that trained publishes a last record with ``left_reason`` for the coordinator.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     install_signal_handlers()
+    ending = _Ending(args.summary_file)
     try:
         faults = FaultInjector()
         for spec in args.fault:
@@ -174,29 +178,38 @@ def main(argv: list[str] | None = None) -> int:
         ncfg = node_config(args, args.addresses)
         duty = DutyCycle(args.duty_cycle, pause_file=args.pause_file)
     except ValueError as exc:
-        return fail(str(exc), EXIT_BAD_INPUT)
+        return ending.leave(fail(str(exc), EXIT_BAD_INPUT), str(exc))
     install_pause_handler(duty.toggle)
     node = None
     try:
         start_reaper()
         node = start_node(ncfg)
-        return _train(args, node, device, faults, duty)
+        ending.node = node
+        return _train(args, node, device, faults, duty, ending)
     except BootstrapFailed as exc:
-        return fail(str(exc), EXIT_BAD_INPUT)
+        return ending.leave(fail(str(exc), EXIT_BAD_INPUT), str(exc))
     except (ValueError, FileNotFoundError) as exc:
-        return fail(str(exc), EXIT_BAD_INPUT)
+        return ending.leave(fail(str(exc), EXIT_BAD_INPUT), str(exc))
     except IncompatibleRun as exc:
-        return fail(str(exc), EXIT_INCOMPATIBLE)
+        return ending.leave(fail(str(exc), EXIT_INCOMPATIBLE), str(exc))
     except Interrupted:
         logger.info("interrupted, leaving the swarm")
-        return EXIT_INTERRUPTED
+        return ending.leave(EXIT_INTERRUPTED, "interrupted")
+    except Exception as exc:  # noqa: BLE001 - an unexpected failure still leaves a summary saying why
+        logger.exception("join-swarm failed")
+        return ending.leave(EXIT_FAILED, f"{type(exc).__name__}: {exc}")
     finally:
         if node is not None:
             node.shutdown()
 
 
 def _train(
-    args: argparse.Namespace, node: PeerNode, device: torch.device, faults: FaultInjector, duty: DutyCycle
+    args: argparse.Namespace,
+    node: PeerNode,
+    device: torch.device,
+    faults: FaultInjector,
+    duty: DutyCycle,
+    ending: _Ending,
 ) -> int:
     from hivetrain.averaging import GroupAverager
     from hivetrain.data import load_corpus
@@ -232,6 +245,7 @@ def _train(
         announce_host=announce_host,
     )
     trainer = None
+    code, reason = EXIT_FAILED, "training did not start"
     try:
         averager.start()
         averager.wait_ready(timeout_s=30)
@@ -254,25 +268,27 @@ def _train(
             on_event=reporter.event,
             duty=duty,  # the SIGUSR1 handler toggles this same object
         )
-        stats = trainer.run()
+        ending.trainer = trainer
+        trainer.run()
         reporter.close()
-        _write_summary(args.summary_file, node, trainer, stats, interrupted=False)
-        return EXIT_OK
+        code, reason = EXIT_OK, "finished"
     except Interrupted:
-        if trainer is not None:
-            trainer.stop()
-            _write_summary(args.summary_file, node, trainer, trainer.stats, interrupted=True)
+        code, reason = EXIT_INTERRUPTED, "interrupted"
         raise
     except DhtLost as exc:
         logger.error("%s; leaving", exc)
-        return EXIT_FAILED
-    except Exception:
+        code, reason = EXIT_FAILED, str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure of training ends this peer, saying why
         logger.exception("training failed")
-        return EXIT_FAILED
+        code, reason = EXIT_FAILED, f"training failed: {type(exc).__name__}: {exc}"
     finally:
+        if trainer is not None:  # the summary first: announcing may wait on a DHT that no longer answers
+            ending.leave(code, reason)
+            _announce_leaving(trainer, reason)
         averager.shutdown(timeout_s=3)
         loop.stop(timeout_s=2)
         reporter.close()
+    return ending.leave(code, reason)
 
 
 def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -285,25 +301,80 @@ def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:
     return listen, announce
 
 
-def _write_summary(path: str | None, node: PeerNode, trainer, stats, interrupted: bool) -> None:
+def _announce_leaving(trainer, reason: str, timeout_s: float = 3.0) -> None:
+    """Stop the trainer and publish its last record with ``left_reason`` (the coordinator shows it), waiting at
+    most ``timeout_s`` seconds: after a lost DHT the store may never answer, and leaving must not hang on it."""
+    if trainer is None:
+        return
+    trainer.stop()
+    thread = threading.Thread(target=trainer.announce_leaving, args=(reason,), name="announce-leaving", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("could not announce that we leave within %.0f s; leaving anyway", timeout_s)
+
+
+class _Ending:
+    """How this peer ends, for its ``--summary-file``: the first ``leave(code, reason)`` writes the summary (every
+    exit path calls it: finished, interrupted, lost DHT, bad input, unexpected exceptions) and returns ``code``.
+
+    Attributes:
+        node, trainer: set once they exist; the summary holds what they know (peer id, epoch, counters).
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.started_at = time.time()
+        self.node: PeerNode | None = None
+        self.trainer = None
+        self.done = False
+
+    def leave(self, code: int, reason: str) -> int:
+        if not self.done:
+            self.done = True
+            try:
+                _write_summary(self.path, self.node, self.trainer, code, reason, self.started_at)
+            except Exception:  # noqa: BLE001 - a summary that cannot be written must not change the exit code
+                logger.exception("could not write the summary file %s", self.path)
+        return code
+
+
+def _write_summary(
+    path: str | None, node: PeerNode | None, trainer, exit_code: int, exit_reason: str, started_at: float
+) -> None:
+    """Write the peer's summary JSON (README, "local-swarm output"); counters are 0 if training never started.
+
+    ``exit_reason`` is "finished", "interrupted", or what ended the peer (a lost DHT, an exception, bad input).
+    """
     if not path:
         return
+    stats = trainer.stats if trainer is not None else None
+
+    def stat(name: str, default=0):
+        return getattr(stats, name, default) if stats is not None else default
+
     summary = {
-        "peer_id": node.peer_id,
-        "epoch": trainer.state.epoch,
-        "interrupted": interrupted,
-        "state_hashes": {str(k): v for k, v in sorted(stats.state_hashes.items())},
-        "param_sketches": {str(k): sketch_to_text(v) for k, v in sorted(stats.param_sketches.items())},
-        "bytes_sent": stats.bytes_sent,
-        "bytes_received": stats.bytes_received,
-        "state_bytes_downloaded": stats.state_bytes_downloaded,
-        "state_downloads": stats.state_downloads,
-        "rounds_committed": stats.rounds_committed,
-        "rounds_failed": stats.rounds_failed,
-        "samples_total": stats.samples_total,
-        "compute_s": stats.compute_s,
-        "final_eval_loss": stats.last_eval_loss,
-        "num_parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "peer_id": node.peer_id if node is not None else "",
+        "epoch": trainer.state.epoch if trainer is not None else 0,
+        "interrupted": exit_code == EXIT_INTERRUPTED,
+        "exit_code": exit_code,
+        "exit_reason": exit_reason,
+        "started_at": started_at,
+        "written_at": time.time(),
+        "state_hashes": {str(k): v for k, v in sorted(stat("state_hashes", {}).items())},
+        "param_sketches": {str(k): sketch_to_text(v) for k, v in sorted(stat("param_sketches", {}).items())},
+        "bytes_sent": stat("bytes_sent"),
+        "bytes_received": stat("bytes_received"),
+        "state_bytes_downloaded": stat("state_bytes_downloaded"),
+        "state_downloads": stat("state_downloads"),
+        "rounds_committed": stat("rounds_committed"),
+        "rounds_failed": stat("rounds_failed"),
+        "samples_total": stat("samples_total"),
+        "samples_computed": stat("samples_computed"),
+        "samples_discarded": stat("samples_discarded"),
+        "compute_s": stat("compute_s", 0.0),
+        "final_eval_loss": stat("last_eval_loss", None),
+        "num_parameters": sum(p.numel() for p in trainer.model.parameters()) if trainer is not None else 0,
     }
     Path(path).write_text(json.dumps(summary, indent=2))
 
