@@ -38,6 +38,8 @@ class PeerRun:
         exit_code: None while alive at the end (then it was stopped by the runner).
         killed: the harness killed it on purpose (kill or churn fault).
         rss: (t_s, bytes) samples of the peer and its p2pd together.
+        reason: why it exited, as the runner read it (``testing.summary.exit_reason``: its summary's
+            ``exit_reason``, else its log's last ERROR line, else "exit code N"); "" while alive.
     """
 
     name: str
@@ -50,6 +52,7 @@ class PeerRun:
     events: list[dict] = field(default_factory=list)
     summary: dict | None = None
     rss: list[tuple[float, int]] = field(default_factory=list)
+    reason: str = ""
 
     @property
     def honest(self) -> bool:
@@ -140,6 +143,40 @@ def rss_growth_mib(peer: PeerRun) -> float:
 def eval_series(peer: PeerRun) -> list[tuple[float, float]]:
     """(t_s, eval loss) of a peer: at start, after evaluated outer steps and at finish."""
     return [(e["t_s"], e["eval_loss"]) for e in peer.events if e.get("eval_loss") is not None]
+
+
+def last_epoch(peer: PeerRun) -> int | None:
+    """The last epoch a peer reached (its summary's, else its events'); None if it reached none."""
+    epochs = [int(e["epoch"]) for e in peer.events if e["event"] in ("start", "outer_step", "state_downloaded")]
+    if peer.summary:
+        epochs.append(int(peer.summary.get("epoch", 0)))
+    return max(epochs, default=None)
+
+
+def peers_left(peers: list[PeerRun]) -> list[dict]:
+    """The peers that left before the end, in the order they left: killed on purpose, or exited non-zero.
+
+    Returns:
+        Dicts with name, peer_id ("" if unknown), exit_code, epoch (last reached), at_s (seconds after the swarm
+        started) and reason (marked "hit by a fault on purpose" for peers the harness killed or cut off).
+    """
+    left = []
+    for p in peers:
+        if p.exit_code is None or (p.exit_code == 0 and not p.killed):
+            continue
+        peer_id = (p.summary or {}).get("peer_id") or next((e["peer"] for e in p.events if e.get("peer")), "")
+        reason = p.reason or f"exit code {p.exit_code}"
+        left.append(
+            {
+                "name": p.name,
+                "peer_id": peer_id,
+                "exit_code": p.exit_code,
+                "epoch": last_epoch(p),
+                "at_s": None if p.exited_at_s is None else round(p.exited_at_s, 1),
+                "reason": f"{reason} (hit by a fault on purpose)" if p.killed else reason,
+            }
+        )
+    return sorted(left, key=lambda d: (d["at_s"] is None, d["at_s"] or 0.0))
 
 
 def build_report(
@@ -241,9 +278,11 @@ def build_report(
                 "exit_code": p.exit_code,
                 "killed": p.killed,
                 "final_epoch": p.summary.get("epoch") if p.summary else None,
+                "reason": p.reason,
             }
             for p in peers
         ],
+        "peers_left": peers_left(peers),
         "commits": [{"t_s": round(t, 2), "epoch": epoch} for t, epoch in commits],
         "leftover_pids": leftover_pids,
         "checkpoints": checkpoints,
@@ -284,6 +323,14 @@ def format_summary(report: dict) -> str:
             f"  {f['label']:<28} fired {_fmt(f.get('fired_at_s')):>8} s  recovery {_fmt(f.get('recovery_s')):>7} s"
             f"  samples lost {f.get('samples_lost', 0):>5}  {f.get('detail', '')}"
         )
+    if report.get("peers_left"):
+        lines += ["", "peers that left:"]
+        for p in report["peers_left"]:
+            lines.append(
+                f"  {p['name']:<10} exit {_fmt(p['exit_code']):>4} at {'-' if p['at_s'] is None else p['at_s']:>6} s,"
+                f" epoch {_fmt(p['epoch'])}"
+                f": {p['reason']}"
+            )
     if report["diverged_peers"]:
         lines.append(f"diverged peers: {', '.join(report['diverged_peers'])}")
     if report["leftover_pids"]:

@@ -27,7 +27,7 @@ from hivetrain.chaos.report import PeerRun, build_report, format_summary
 from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, UNREACHABLE_HOST, Scenario
 from hivetrain.chaos.schedule import ChurnStep, Observed, churn_decision, churn_plan, due_faults
 from hivetrain.testing.launcher import LocalSwarm, PeerProcess
-from hivetrain.testing.summary import read_peer_summary
+from hivetrain.testing.summary import exit_reason, read_peer_summary
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +248,7 @@ class ChaosRunner:
             if run.exit_code is None and not peer.proc.alive():
                 run.exit_code, run.exited_at_s = peer.proc.popen.returncode, self.now()
                 run.summary = read_peer_summary(peer.proc)
+                run.reason = exit_reason(run.summary, peer.proc.log_path, run.exit_code)
                 self.log(f"[{run.exited_at_s:6.1f}s] {run.name} exited with code {run.exit_code}")
                 self._after_exit(peer)
             if peer.hooks and run.exit_code is None:

@@ -127,3 +127,25 @@ def test_plot_is_written(tmp_path):
     report = report_of(peers)
     path = plot_run(report, peers, tmp_path / "plot.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_peers_that_left_are_named_with_when_and_why():
+    lost = honest_peer("peer1", 1)
+    lost.events = lost.events[:3]  # committed epoch 1, then lost the DHT
+    lost.exit_code, lost.exited_at_s = 4, 14.26
+    lost.summary = {"peer_id": "QmLost", "epoch": 1, "state_hashes": {"0": "h0", "1": "h1"}}
+    lost.reason = "lost the DHT: could not read the swarm for 72s (did the p2pd daemon die?)"
+    report = report_of([honest_peer("peer0", 0), lost, killed_peer()])
+    assert report["peers_left"] == [
+        {
+            "name": "peer2",
+            "peer_id": "",
+            "exit_code": -9,
+            "epoch": 1,
+            "at_s": 12.2,
+            "reason": "exit code -9 (hit by a fault on purpose)",
+        },
+        {"name": "peer1", "peer_id": "QmLost", "exit_code": 4, "epoch": 1, "at_s": 14.3, "reason": lost.reason},
+    ]
+    text = format_summary(report)
+    assert "peers that left:" in text and "peer1      exit    4 at   14.3 s, epoch 1: lost the DHT" in text
