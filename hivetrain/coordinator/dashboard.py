@@ -7,6 +7,7 @@ Routes (all read-only, GET):
                       /api/fragments every ``refresh_interval_s`` and swaps the sections that changed (no reload)
     /api/status       the whole snapshot as JSON
     /api/peers        ?limit=1..1000 (default 100) &offset=0..1e9: a page of peers, with the total
+                      (peers that left, with why, are in /api/status ``peers_left`` and on the page)
     /api/rounds       ?limit=1..1000 (default 50): the newest rounds
     /api/fragments    {"sections": {element id: html}} for the polling script
     /metrics          Prometheus text (per-server CollectorRegistry, see ``metrics.py``)
@@ -45,6 +46,7 @@ from hivetrain.coordinator.web.snapshot import (
     ContributorRow,
     DashboardSnapshot,
     DriftPoint,
+    LeftPeerRow,
     LossPoint,
     PeerRow,
     RoundRow,
@@ -61,6 +63,7 @@ __all__ = [
     "DashboardServer",
     "DashboardSnapshot",
     "DriftPoint",
+    "LeftPeerRow",
     "LossPoint",
     "PeerRow",
     "RoundRow",
@@ -72,7 +75,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _TEMPLATES = Path(__file__).parent / "web" / "templates"
-_SECTIONS = ("header", "stats", "chart", "peers", "contributors", "rounds", "checkpoints", "config")
+_SECTIONS = ("header", "stats", "chart", "peers", "peers_left", "contributors", "rounds", "checkpoints", "config")
 _CSP = (
     "default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
     "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"

@@ -2,7 +2,8 @@
 
 Peer records expire when peers leave, so the coordinator folds every poll into a bounded history: the eval loss of
 each epoch (all members of a committed step hold the same θ, so their held-out losses agree), the committed rounds
-and failures peers reported, and the samples and compute seconds each peer contributed. ``observe(records, now)``
+and failures peers reported, the samples and compute seconds each peer contributed, and the peers that left (with
+the reason their last record gave, or "record expired"). ``observe(records, now)``
 and ``snapshot(...)`` are plain functions of their inputs (time injected), so tests need no swarm.
 """
 
@@ -18,6 +19,7 @@ from hivetrain.coordinator.dashboard import (
     ContributorRow,
     DashboardSnapshot,
     DriftPoint,
+    LeftPeerRow,
     LossPoint,
     PeerRow,
     RoundRow,
@@ -31,6 +33,7 @@ MAX_ROUNDS = 500
 MAX_CONTRIBUTORS = 10_000
 MAX_SKETCH_EPOCHS = 8  # epochs whose sketches are still collected (peers pass through an epoch in one outer step)
 MAX_SKETCHES_PER_EPOCH = 1024  # 2 KiB each: at most 16 MiB held; beyond that the figure is over the first 1024 peers
+MAX_LEFT = 1000  # peers that left, remembered with why (the oldest are forgotten first)
 
 
 @dataclass
@@ -55,12 +58,14 @@ class SwarmObserver:
     checkpoints_written: int = 0
     drift: OrderedDict[int, DriftPoint] = field(default_factory=OrderedDict)
     sketches: OrderedDict[int, dict[str, bytes]] = field(default_factory=OrderedDict)
+    left: OrderedDict[str, LeftPeerRow] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe(self, records: list[PeerRecord], now: float) -> None:
         """Fold one poll of the run's records (``now``: unix seconds)."""
         trainers = [r for r in records if r.role == "trainer"]
         with self._lock:
+            self._fold_departures(records)
             self.records = list(records)
             by_epoch: dict[int, list[PeerRecord]] = {}
             for r in trainers:
@@ -88,6 +93,24 @@ class SwarmObserver:
             _trim(self.loss_by_epoch, MAX_POINTS)
             _trim(self.rounds, MAX_ROUNDS)
             _trim(self.contributors, MAX_CONTRIBUTORS)
+            _trim(self.left, MAX_LEFT)
+
+    def _fold_departures(self, records: list[PeerRecord]) -> None:
+        """Remember peers that left: a record carrying ``left_reason`` (the peer said why), or a record of the last
+        poll that is gone from this one ("record expired": it vanished without saying). A peer seen again without
+        ``left_reason`` is back (it rejoined, or one poll missed its record) and is forgotten here."""
+        now_ids = {r.peer_id for r in records}
+        for r in records:
+            if r.role == "coordinator":
+                continue
+            if r.left_reason:
+                if r.peer_id not in self.left or self.left[r.peer_id].reason != r.left_reason:
+                    self.left[r.peer_id] = _left_row(r, r.left_reason)
+            else:
+                self.left.pop(r.peer_id, None)
+        for r in self.records:
+            if r.role != "coordinator" and r.peer_id not in now_ids and r.peer_id not in self.left:
+                self.left[r.peer_id] = _left_row(r, "record expired")
 
     def _fold_sketches(self, trainers: list[PeerRecord]) -> None:
         """Collect each peer's sketch of θ per epoch (a record shows only its current epoch, so the sketches of an
@@ -119,7 +142,8 @@ class SwarmObserver:
     def snapshot(self, now: float) -> DashboardSnapshot:
         """The dashboard's view at ``now`` (unix seconds)."""
         with self._lock:
-            trainers = [r for r in self.records if r.role == "trainer"]
+            present = [r for r in self.records if not r.left_reason]
+            trainers = [r for r in present if r.role == "trainer"]
             peers = tuple(
                 PeerRow(
                     r.peer_id,
@@ -131,7 +155,7 @@ class SwarmObserver:
                     "public" if r.reachable else "client mode",
                     r.public_name,
                 )
-                for r in sorted(self.records, key=lambda r: (r.role != "coordinator", -r.epoch, r.peer_id))
+                for r in sorted(present, key=lambda r: (r.role != "coordinator", -r.epoch, r.peer_id))
             )
             rounds = tuple(sorted(self.rounds.values(), key=lambda row: (row.epoch, row.finished_at), reverse=True))
             contributors = tuple(
@@ -152,7 +176,12 @@ class SwarmObserver:
                 checkpoints_written_total=self.checkpoints_written,
                 taken_at=now,
                 drift_curve=tuple(self.drift.values()),
+                peers_left=tuple(sorted(self.left.values(), key=lambda row: -row.last_seen_at)),
             )
+
+
+def _left_row(record: PeerRecord, reason: str) -> LeftPeerRow:
+    return LeftPeerRow(record.peer_id, record.role, record.public_name, record.epoch, record.updated_at, reason)
 
 
 def _trim(mapping: OrderedDict, limit: int) -> None:

@@ -169,6 +169,35 @@ class PeerRow:
 
 
 @dataclass(frozen=True)
+class LeftPeerRow:
+    """A peer that left the run (newest first on the page).
+
+    Attributes:
+        peer_id: base58 libp2p peer id.
+        role: "trainer", "stage_server", ...
+        public_name: the volunteer's display name ("" = anonymous); sanitised, at most 48 characters.
+        epoch: the last epoch its record showed.
+        last_seen_at: unix time (s) of its last record.
+        reason: why it left: its last record's ``left_reason`` ("finished", "interrupted", "lost the DHT: ...")
+            or "record expired" when it vanished without saying; sanitised, at most 200 characters.
+    """
+
+    peer_id: str
+    role: str
+    public_name: str
+    epoch: int
+    last_seen_at: float
+    reason: str
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "epoch", "last_seen_at")
+        object.__setattr__(self, "peer_id", clean_text(self.peer_id, 80))
+        for name in ("role", "public_name"):
+            object.__setattr__(self, name, clean_text(getattr(self, name), MAX_NAME_CHARS))
+        object.__setattr__(self, "reason", clean_text(self.reason))
+
+
+@dataclass(frozen=True)
 class RoundRow:
     """One averaging round: ``committed`` False means it failed and ``reason`` says why."""
 
@@ -240,6 +269,7 @@ class DashboardSnapshot:
         checkpoints_written_total: checkpoints written since start; None = ``len(checkpoints)``.
         taken_at: unix time (s) the snapshot was taken.
         drift_curve: parameter drift per epoch, oldest first (epochs where at least 2 peers published a sketch).
+        peers_left: peers that left, newest first (bounded by the coordinator, e.g. the last thousand).
     """
 
     run: RunInfo
@@ -255,10 +285,11 @@ class DashboardSnapshot:
     checkpoints_written_total: int | None = None
     taken_at: float = 0.0
     drift_curve: tuple[DriftPoint, ...] = ()
+    peers_left: tuple[LeftPeerRow, ...] = ()
 
     def __post_init__(self) -> None:
         _non_negative(self, "epoch", "tokens_per_s", "taken_at")
-        for name in ("loss_curve", "peers", "rounds", "checkpoints", "contributors", "drift_curve"):
+        for name in ("loss_curve", "peers", "rounds", "checkpoints", "contributors", "drift_curve", "peers_left"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.rounds_committed_total is None:
             object.__setattr__(self, "rounds_committed_total", sum(r.committed for r in self.rounds))
