@@ -140,6 +140,12 @@ class RunConfig:
                 "averaging.max_samples_per_round must be at least diloco.inner_steps * data.batch_size "
                 f"({self.diloco.inner_steps * self.data.batch_size}), the weight an honest peer claims"
             )
+        if self.diloco.overlap != "off" and self.averaging.strategy != "butterfly":
+            raise ValueError(
+                f"diloco.overlap={self.diloco.overlap!r} needs averaging.strategy='butterfly': moshpit and gossip "
+                "average θ after each peer's own outer step, so there is no shared state for a round in flight to land "
+                "on; set diloco.overlap='off' or use the butterfly strategy"
+            )
         if self.averaging.strategy != "butterfly" and self.averaging.compression in ("int8", "int4"):
             raise ValueError(
                 f"averaging.compression={self.averaging.compression!r} with averaging.strategy="

@@ -73,3 +73,15 @@ def test_presets_have_the_documented_sizes_and_identical_init():
     assert model_fingerprint(cfg, m1) == model_fingerprint(cfg, m2)
     other = build_config("small", 256, 128)
     assert model_fingerprint(other, build_model(other, 7)) != model_fingerprint(cfg, m1)
+
+
+def test_overlap_needs_the_butterfly_strategy():
+    import pytest
+
+    from hivetrain.config import RunConfig
+
+    with pytest.raises(ValueError, match="diloco.overlap='eager' needs averaging.strategy='butterfly'"):
+        RunConfig.from_dict(
+            {"diloco": {"overlap": "eager"}, "averaging": {"strategy": "moshpit", "target_group_size": 2}}
+        )
+    assert RunConfig.from_dict({"diloco": {"overlap": "eager"}}).diloco.overlap == "eager"

@@ -169,7 +169,8 @@ class DilocoTrainer:
             fingerprint,
             self._record,
             record_ttl_s=options.record_ttl_s,
-            record_interval_s=options.record_interval_s,
+            # read the swarm several times per lost-DHT timeout, whatever the record interval
+            record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
             next_interval_s=lambda: self._eta_s / 2,
         )
         self.rounds = RoundRunner(
