@@ -37,7 +37,7 @@ from hivetrain.diloco.schedule import PhasePlan, decide_phase_end
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import RoundPolicy, decide_sync, keep_carried, published_hashes
+from hivetrain.diloco.sync_policy import decide_sync, keep_carried, published_hashes
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
@@ -106,8 +106,9 @@ class DilocoTrainer:
     """Runs one DiLoCo peer until ``stop()`` or the configured number of outer steps.
 
     The train loop reads on one screen (``run``): state sync, inner phase, outer step. With ``diloco.overlap`` the
-    epoch's round runs in the background (``_launch``) while the next inner phase runs, and is settled (applied, or
-    its contribution carried) when that phase ends. The shared state ``self.state`` changes only on this thread.
+    epoch's round runs in the background (``_launch``) while the next inner phase runs: when it commits it replaces
+    ``self.state`` at once (the phase in progress runs from its own start point and never reads it) and the train
+    loop settles it (statistics, evaluation, or carrying its contribution) when that phase ends.
     """
 
     def __init__(
@@ -160,7 +161,8 @@ class DilocoTrainer:
         self._phase = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start): published as our progress
         self._eta_s = float("inf")  # the schedule's estimate of the seconds left in the swarm's phase
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
-        self._inflight: tuple[Future, Contribution] | None = None  # overlap: the round running in the background
+        # overlap: the round running in the background, with our contribution and the state it started from
+        self._inflight: tuple[Future, Contribution, TrainingState] | None = None
         self._previous: PreviousRound | None = None  # our last committed round (for overlap = "eager")
         self.view = SwarmView(
             node,
@@ -249,9 +251,10 @@ class DilocoTrainer:
                 phase = self.inner_phase()
                 if phase is None:
                     continue
-                if self._inflight is not None and self._settle() == "resync":
-                    continue  # others moved on: download their state first; our contributions stay pending
-                if self._inflight is None and self._phase[0] > self.state.epoch:
+                if self._inflight is not None:
+                    if self._settle() == "resync":
+                        continue  # others moved on: download their state first; our contributions stay pending
+                elif self._phase[0] > self.state.epoch:
                     # overlap, just in step with the swarm: its round for our phase needs the state it is reaching
                     if self._catch_up(self._phase[0]):
                         self.outer_phase()
@@ -262,8 +265,12 @@ class DilocoTrainer:
                     self.outer_phase()
         finally:
             if self._inflight is not None:  # we are stopping: do not wait for it (it ends within its timeouts)
-                self._discard(self._inflight[1].samples, "the peer stopped during a background round")
+                future, contribution, _ = self._inflight
                 self._inflight = None
+                if future.done() and future.exception() is None:
+                    self._apply(future.result(), contribution)
+                else:
+                    self._discard(contribution.samples, "the peer stopped during a background round")
             if self._pending is not None:
                 self._discard(self._pending.samples, "the peer stopped before sending them")
                 self._pending = None
@@ -432,20 +439,17 @@ class DilocoTrainer:
                 future.set_exception(exc)
 
         # a daemon thread: a peer that stops does not wait for a round in flight (it ends within its own timeouts)
+        self._inflight = (future, contribution, state)
         threading.Thread(target=run_round, name=f"round-e{state.epoch}", daemon=True).start()
-        self._inflight = (future, contribution)
 
     def _settle(self) -> str:
-        """Overlap: wait for the round in flight (bounded by its own timeouts) and apply it, or carry its part."""
+        """Overlap: wait for the round in flight (bounded by its own timeouts) and apply it, or carry its part.
+
+        Raises what the round raised (as the synchronous ``outer_phase`` would)."""
         assert self._inflight is not None
-        future, contribution = self._inflight
+        future, contribution, _ = self._inflight
         self._inflight = None
-        try:
-            outcome = future.result()
-        except (DhtLost, ValueError, RuntimeError) as exc:
-            logger.error("background round failed: %r", exc)
-            outcome = RoundOutcome(RoundPolicy("carry", f"round raised {exc!r}"), 0)
-        return self._apply(outcome, contribution)
+        return self._apply(future.result(), contribution)
 
     def _apply(self, outcome: RoundOutcome, contribution: Contribution) -> str:
         """Apply a committed round, or keep its contribution pending (resync/carry). Returns the policy's action."""
@@ -494,9 +498,9 @@ class DilocoTrainer:
         """The round our next phase computes for: our epoch, +1 with a round in flight. With overlap, a peer that
         just downloaded state (no round in flight) is one round behind the swarm, whose phases are for epoch + 1:
         it joins their phase (at most one ahead of its state, whatever records claim) and catches up after it."""
-        epoch = self.state.epoch
         if self._inflight is not None:
-            return epoch + 1
+            return self._inflight[2].epoch + 1
+        epoch = self.state.epoch
         if self._overlap == "off":
             return epoch
         now = get_dht_time()
@@ -528,12 +532,14 @@ class DilocoTrainer:
         """θ the next inner phase starts from: the shared θ, or with a round in flight its overlap estimate."""
         if self._inflight is None:
             return self.state
-        _, in_flight = self._inflight
+        _, in_flight, base = self._inflight
+        if self.state is not base:  # the round committed already: its state is the start point
+            return self.state
         diloco = self.config.diloco
         params = start_params(
-            self.state, in_flight.delta, self._previous, self._overlap, diloco.outer_lr, diloco.outer_momentum
+            base, in_flight.delta, self._previous, self._overlap, diloco.outer_lr, diloco.outer_momentum
         )
-        return TrainingState(epoch=self.state.epoch, params=params, momentum=self.state.momentum)
+        return TrainingState(epoch=base.epoch, params=params, momentum=base.momentum)
 
     def _discard(self, samples: int, reason: str) -> None:
         if samples <= 0:
