@@ -1,6 +1,7 @@
 """The averaging interface the rest of hivetrain uses.
 
-DiLoCo calls ``averager.average(tensors, weight, epoch, timeout_s)`` once per outer step with its pseudo-gradient.
+DiLoCo calls ``averager.average(tensors, weight, epoch, timeout_s, expected_peers)`` once per outer step with its
+pseudo-gradient.
 The call either returns a ``RoundResult`` whose tensors are bit-identical on every member of the group, or raises
 ``RoundFailed``; a failed round changes nothing locally (the caller keeps θ and may retry or resync).
 """
@@ -54,7 +55,14 @@ class RoundResult:
 class Averager(Protocol):
     """What DiLoCo needs from an averaging engine."""
 
-    def average(self, tensors: Sequence[torch.Tensor], weight: float, epoch: int, timeout_s: float) -> RoundResult:
+    def average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        epoch: int,
+        timeout_s: float,
+        expected_peers: frozenset[str] = frozenset(),
+    ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight``.
 
         Args:
@@ -62,6 +70,12 @@ class Averager(Protocol):
             weight: this peer's weight, in samples (finite, >= 0).
             epoch: peers average only with peers of the same epoch.
             timeout_s: the whole call (matchmaking + all-reduce + commit) ends within this many seconds.
+            expected_peers: the peer ids (base58) the caller expects to average at ``epoch``, e.g. the live trainers
+                its DHT records show at that epoch; ours may be in it or not. The group closes as soon as every one
+                of them (peers we banned aside) is ready, instead of waiting out the matchmaking window: the window
+                is only for peers not yet visible. A peer missing from the set is still grouped if it is ready in
+                time; an expected peer that never comes delays the group to the window, no further. An empty set
+                (the default) = no such knowledge: the group closes at the window or when it is full.
 
         Returns:
             The committed round.

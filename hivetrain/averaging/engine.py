@@ -38,7 +38,8 @@ from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
-from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration, Matchmaker
+from hivetrain.averaging.matchmaker import Matchmaker
+from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
 from hivetrain.averaging.relay import P2PFallback
 from hivetrain.averaging.validation import BanConfig, BanList
 from hivetrain.faults import NO_FAULTS, FaultInjector
@@ -187,7 +188,14 @@ class GroupAverager:
         return self.server.port
 
     # ---- averaging ----------------------------------------------------------------------------------------------
-    def average(self, tensors: Sequence[torch.Tensor], weight: float, epoch: int, timeout_s: float) -> RoundResult:
+    def average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        epoch: int,
+        timeout_s: float,
+        expected_peers: frozenset[str] = frozenset(),
+    ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight`` (see ``base.Averager``).
 
         Args:
@@ -195,6 +203,9 @@ class GroupAverager:
             weight: our weight in samples, finite, in [0, max_samples_per_round].
             epoch: only peers calling with the same epoch average together.
             timeout_s: the whole call ends within this many seconds (plus at most ``poll_interval_s``).
+            expected_peers: peer ids expected at ``epoch`` (ours may be in it): once all of them (banned ones aside)
+                are ready, the group closes at once instead of after ``matchmaking_time_s``. Empty = wait for the
+                window (or ``target_group_size`` ready peers).
 
         Returns:
             RoundResult: the mean (fp32, input shapes), bit-identical on every member for "butterfly".
@@ -210,6 +221,8 @@ class GroupAverager:
         """
         started = time.monotonic()
         self._check_input(tensors, weight, epoch, timeout_s)
+        if not isinstance(expected_peers, frozenset) or not all(isinstance(p, str) for p in expected_peers):
+            raise TypeError("expected_peers must be a frozenset of peer id strings")
         if not self._started.is_set() or self._closed:
             raise RuntimeError("GroupAverager is not running: call start() first")
         deadline = started + timeout_s
@@ -227,10 +240,11 @@ class GroupAverager:
                     torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
                 # a zero-weight contribution counts for nothing: it neither carries nor consumes the residual
                 residual = self._feedback.apply(flat) if self._feedback is not None and weight > 0 else None
+                args = (flat, float(weight), epoch, deadline, residual, expected_peers)
                 if self.config.strategy == "butterfly":
-                    outcome, round_id, group = self._butterfly(flat, float(weight), epoch, deadline, residual)
+                    outcome, round_id, group = self._butterfly(*args)
                 else:
-                    outcome, round_id, group = self._mixing(flat, float(weight), epoch, deadline, residual)
+                    outcome, round_id, group = self._mixing(*args)
             finally:
                 if not in_place:
                     self.pool.give(flat)
@@ -273,7 +287,7 @@ class GroupAverager:
         return frozenset(r.peer_id for r in self.bans.active(time.time()))
 
     def _match(
-        self, round_key: str, target: int, deadline: float
+        self, round_key: str, target: int, deadline: float, expected: frozenset[str]
     ) -> tuple[GroupDeclaration, X25519PrivateKey, frozenset[str]]:
         cfg = self.config
         secret = X25519PrivateKey.generate()
@@ -289,6 +303,7 @@ class GroupAverager:
             ttl_s=cfg.round_timeout_s,
             deadline_monotonic=deadline,
             banned=banned,
+            expected=expected,
         )
         if decision.action != "joined" or decision.declaration is None:
             raise RoundFailed(_FAILURES.get(decision.action, "no_group"), reason)
@@ -315,10 +330,10 @@ class GroupAverager:
                            fallback=self.fallback, **kw)  # fmt: skip
         return r.run(flat, weight, deadline, out=out, residual_out=residual_out)
 
-    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual):
+    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected):
         out = self._outputs
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
-        decl, secret, banned = self._match(f"e{epoch}", self.config.target_group_size, deadline)
+        decl, secret, banned = self._match(f"e{epoch}", self.config.target_group_size, deadline, expected)
         ids = decl.member_ids()
         if len(ids) == 1:
             solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0)
@@ -338,10 +353,10 @@ class GroupAverager:
         else:
             self._feedback.commit()
 
-    def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual):
+    def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected):
         """Moshpit / gossip: agree on the participants once, then ``moshpit_rounds`` rounds in derived groups."""
         cfg = self.config
-        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline)
+        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected)
         ids = decl.member_ids()
         current, current_w = flat, weight
         sent = received = 0

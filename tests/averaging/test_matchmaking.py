@@ -14,9 +14,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import ValueWithExpiration
 from hivemind.utils.crypto import RSAPrivateKey
 
+from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.matchmaking import (
     GroupDeclaration,
-    Matchmaker,
     ReadyEntry,
     decide,
     make_round_id,
@@ -31,6 +31,7 @@ from .conftest import run_threads
 
 PREFIX = "run.avg"
 GRACE = 1.0
+TTL = 30.0  # a declaration older than this is over (the round timeout)
 
 
 def entry(peer: str, session: int = 1, at: float = 100.0, wait_s: float = 5.0, key: str = "e0") -> ReadyEntry:
@@ -45,16 +46,20 @@ def declaration(members: list[ReadyEntry], at: float, reason: str = "window") ->
                             round_id=make_round_id(PREFIX, key, members), members=tuple(members))  # fmt: skip
 
 
-def run(me, entries=(), decls=(), now=101.0, target=8, min_size=1, banned=frozenset()):
+def run(me, entries=(), decls=(), now=101.0, target=8, min_size=1, banned=frozenset(), expected=frozenset()):
     return decide(me, entries, decls, now, target_group_size=target, min_group_size=min_size,
-                  declare_grace_s=GRACE, banned=banned)  # fmt: skip
+                  declare_grace_s=GRACE, declaration_ttl_s=TTL, banned=banned, expected=expected)  # fmt: skip
+
+
+def ids(decision) -> list[str]:
+    return [m.peer_id for m in decision.members]
 
 
 def test_a_lone_peer_waits_for_the_window_then_declares_itself() -> None:
     me = entry("A")
     assert run(me, now=102.0).action == "wait"
     d = run(me, now=105.0)
-    assert d.action == "declare" and [m.peer_id for m in d.members] == ["A"]
+    assert d.action == "declare" and [m.peer_id for m in d.members] == ["A"] and d.closed_by == "window"
 
 
 def test_the_smallest_id_leads_and_the_window_is_the_first_peers_deadline() -> None:
@@ -69,7 +74,7 @@ def test_a_full_group_is_declared_at_once() -> None:
     entries = [entry(p) for p in "ABCDE"]
     d = run(entries[0], entries, now=100.1, target=4)
     assert d.action == "declare" and [m.peer_id for m in d.members] == ["A", "B", "C", "D"]
-    assert "full" in d.reason
+    assert d.closed_by == "full"
     assert run(entries[4], entries, now=100.1, target=4).action == "wait"  # E forms the next group
 
 
@@ -97,6 +102,125 @@ def test_a_peer_arriving_after_a_group_closed_its_window_is_late_but_not_after_a
     assert d.action == "late"
     alone = declaration([a], 105.0)  # A's caller may refuse to commit alone and retry with us
     assert run(entry("C", at=106.0), [a], [alone], now=106.0).action == "wait"
+
+
+# ---- a declared group whose round is over blocks nobody (no livelock after a failed round) -----------------------
+
+
+def test_a_failed_groups_declaration_stops_blocking_once_its_members_announce_again() -> None:
+    """pause-mid-round's livelock: {A, B} was declared without C, its round failed, and C was told "late" by that
+    declaration at every later attempt while A and B retried at the same epoch."""
+    a1, b1 = entry("A", 1), entry("B", 1)
+    failed = declaration([a1, b1], 105.0)
+    c = entry("C", 1, at=106.0)
+    assert run(c, [a1, b1, c], [failed], now=106.0).action == "late"  # while its round may still commit
+    a2, b2, c2 = entry("A", 2, at=118.0), entry("B", 2, at=118.2), entry("C", 2, at=118.5)
+    entries = [a1, b1, a2, b2, c2]  # the old entries are still in the DHT
+    d = run(c2, entries, [failed], now=119.0)
+    assert d.action == "wait", d.reason  # A and B retried: that round failed, the epoch is open again
+    assert run(b2, entries, [failed], now=119.0).action == "wait"
+    d = run(a2, entries, [failed], now=123.0)  # A's window (118 + 5) closed: one group of all three
+    assert d.action == "declare" and ids(d) == ["A", "B", "C"], d.reason
+    only_a = [a1, b1, a2, c2]  # one member announcing again is proof enough (B's new entry went only to A)
+    assert run(c2, only_a, [failed], now=119.0).action == "wait"
+
+
+def test_three_failed_pairs_block_nobody() -> None:
+    """Each peer was left out of one failed pair group: every declaration is over (its members announced again)."""
+    first = {p: entry(p, 1) for p in "ABC"}
+    pairs = [declaration([first["A"], first["B"]], 105.0), declaration([first["B"], first["C"]], 105.1),
+             declaration([first["A"], first["C"]], 105.2)]  # fmt: skip
+    retry = {p: entry(p, 2, at=120.0) for p in "ABC"}
+    for p in "ABC":
+        assert run(retry[p], retry.values(), pairs, now=121.0).action == "wait", p
+    d = run(retry["A"], retry.values(), pairs, now=125.0)
+    assert d.action == "declare" and ids(d) == ["A", "B", "C"]
+
+
+def test_a_newer_session_inside_another_declaration_ends_the_older_group() -> None:
+    """Followers matched by a direct push never store their entry in the DHT: a later declaration listing a member's
+    newer session proves the earlier group over too. The later group itself may have committed: it blocks."""
+    a1, b1 = entry("A", 1), entry("B", 1)
+    a2, b2 = entry("A", 2, at=118.0), entry("B", 2, at=118.0)
+    first, second = declaration([a1, b1], 105.0), declaration([a2, b2], 118.1)
+    c = entry("C", 1, at=119.0)
+    d = run(c, [a1, b1, c], [first, second], now=119.0)
+    assert d.action == "late" and "118.10" in d.reason, d.reason
+
+
+def test_a_declaration_older_than_the_round_timeout_blocks_nobody() -> None:
+    """A group whose members never show up again (they committed and moved on, or died) is over after the round
+    timeout, as its DHT record is: a peer arriving later is not told "late" by a memory of it."""
+    a, b = entry("A"), entry("B")
+    old = declaration([a, b], 105.0)
+    assert run(entry("C", at=134.0), [a, b], [old], now=134.5).action == "late"  # 29.5 s old: may still run
+    d = run(entry("C", at=135.5), [a, b], [old], now=135.5)
+    assert d.action == "wait", d.reason
+
+
+def test_a_live_declaration_still_makes_a_latecomer_late() -> None:
+    """Entries that do not prove the round over change nothing: a member's entry older than the one declared, and
+    the latecomer's own earlier attempts."""
+    a0, a1, b1 = entry("A", 0, at=90.0), entry("A", 1), entry("B", 1)
+    live = declaration([a1, b1], 105.0)
+    c1, c2 = entry("C", 1, at=106.0), entry("C", 2, at=110.0)
+    d = run(c2, [a0, a1, b1, c1, c2], [live], now=110.0)
+    assert d.action == "late" and "closed at 105.00" in d.reason
+    c3 = entry("C", 3, at=104.0)  # announced before it, left out: not_in_group
+    assert run(c3, [a0, a1, b1, c3], [live], now=105.2).action == "not_in_group"
+
+
+def test_a_declaration_listing_us_whose_round_is_over_fails_at_once() -> None:
+    """Our session was declared, but another member already announced again: waiting for that round would only
+    time out. Our entry stays consumed (a session groups once); the caller retries with a new one."""
+    a, b1, b2 = entry("A"), entry("B", 1), entry("B", 2, at=112.0)
+    over = declaration([a, b1], 105.0)
+    d = run(a, [a, b1, b2], [over], now=112.5)
+    assert d.action == "no_group" and "B announced again" in d.reason
+    assert run(a, [a, b1], [over], now=112.5).action == "joined"
+
+
+# ---- expected peers: no idle window -----------------------------------------------------------------------------
+
+
+def test_the_group_closes_as_soon_as_every_expected_peer_is_ready() -> None:
+    a, b, c = entry("A"), entry("B", at=100.5), entry("C", at=100.7)
+    expected = frozenset("ABC")
+    assert run(a, [a, b], now=100.6, expected=expected).action == "wait"  # C is still training
+    d = run(a, [a, b, c], now=100.8, expected=expected)
+    assert d.action == "declare" and ids(d) == ["A", "B", "C"] and d.closed_by == "complete", d.reason
+    d = run(c, [a, b, c], now=100.8, expected=expected)  # a follower sees it too and waits for A's declaration
+    assert d.action == "wait" and d.closed_by == "complete" and d.leader == a
+    assert run(a, [a, b, c], now=100.8).action == "wait"  # nothing expected: today's window
+
+
+def test_expected_peers_that_are_banned_or_ourselves_do_not_hold_the_group_and_others_still_join() -> None:
+    a, b, x = entry("A"), entry("B"), entry("X")  # X is ready but nobody expected it: it is grouped anyway
+    d = run(a, [a, b, x], now=101.0, expected=frozenset({"B", "M"}), banned=frozenset({"M"}))
+    assert d.action == "declare" and ids(d) == ["A", "B", "X"] and d.closed_by == "complete"
+    d = run(a, [a], now=101.0, expected=frozenset({"A"}))  # we expect nobody else
+    assert d.action == "declare" and ids(d) == ["A"] and d.closed_by == "complete"
+
+
+def test_an_expected_peer_that_never_comes_delays_the_group_to_the_window_only() -> None:
+    a, b = entry("A"), entry("B")
+    expected = frozenset("ABC")
+    d = run(a, [a, b], now=104.9, expected=expected)
+    assert d.action == "wait" and "1 expected peer(s) not ready" in d.reason
+    d = run(a, [a, b], now=105.0, expected=expected)
+    assert d.action == "declare" and ids(d) == ["A", "B"] and d.closed_by == "window"
+
+
+def test_a_complete_group_below_min_group_size_waits_for_the_window() -> None:
+    a = entry("A")
+    assert run(a, [a], now=101.0, min_size=2, expected=frozenset("A")).action == "wait"
+    assert run(a, [a], now=105.0, min_size=2, expected=frozenset("A")).action == "too_small"
+
+
+def test_a_full_group_closes_before_a_complete_one() -> None:
+    entries = [entry(p) for p in "ABC"]
+    d = run(entries[0], entries, now=100.1, target=2, expected=frozenset("ABC"))
+    assert d.action == "declare" and ids(d) == ["A", "B"] and d.closed_by == "full"
 
 
 def test_a_peer_its_leader_did_not_see_fails_fast_and_a_silent_leader_after_the_grace() -> None:
@@ -222,11 +346,11 @@ def _matchmakers(keys, dht: FakeDHT) -> tuple[list[Matchmaker], list[str]]:
     return list(by_id.values()), pushes
 
 
-def _match_both(mms: list[Matchmaker], round_key: str, timeout_s: float) -> list:
+def _match_both(mms: list[Matchmaker], round_key: str, timeout_s: float, target: int = 2, expected=frozenset()) -> list:
     def one(mm: Matchmaker):
         me = mm.make_entry(round_key, os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0)
-        return mm.match(me, target_group_size=2, min_group_size=2, ttl_s=30.0,
-                        deadline_monotonic=time.monotonic() + timeout_s)  # fmt: skip
+        return mm.match(me, target_group_size=target, min_group_size=2, ttl_s=30.0,
+                        deadline_monotonic=time.monotonic() + timeout_s, expected=expected)  # fmt: skip
 
     return run_threads([lambda m=m: one(m) for m in mms], timeout_s + 5.0)
 
@@ -250,6 +374,19 @@ def test_peers_that_averaged_before_match_through_their_data_ports_while_the_dht
     assert stored == [leader + b"|group", leader + b"|ready"]  # the follower, matched in time, used no DHT at all
 
 
+def test_peers_that_expect_each_other_match_without_waiting_out_the_window(keys) -> None:
+    """A 5 s window, a target of 8: the group closes when both expected peers are in ("complete"), and its signed
+    declaration says "window" (the epoch's group: a latecomer is late, as for a window that ran out)."""
+    dht = FakeDHT()
+    mms, _ = _matchmakers(keys, dht)
+    started = time.monotonic()
+    both = _match_both(mms, "e0", 5.0, target=8, expected=frozenset(pid for pid, _ in keys[:2]))
+    assert [d.action for d, _ in both] == ["joined", "joined"], both
+    assert time.monotonic() - started < 2.0  # the window would have taken 5 s
+    assert both[0][0].declaration == both[1][0].declaration
+    assert both[0][0].closed_by == "complete" and both[0][0].declaration.reason == "window"
+
+
 def test_pushed_entries_are_kept_only_when_signed_by_their_peer(keys) -> None:
     (pid, key), (other_pid, _) = keys[0], keys[1]
     mm = Matchmaker(FakeNode(other_pid, keys[1][1], FakeDHT()), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE)
@@ -259,6 +396,58 @@ def test_pushed_entries_are_kept_only_when_signed_by_their_peer(keys) -> None:
     assert mm.offer_entry(good.model_dump())
     entries, _ = mm._merge("e0", [])
     assert entries == [good]
+
+
+def _signed_entry(pid: str, key: RSAPrivateKey, session: int, at: float, wait_s: float = 5.0) -> ReadyEntry:
+    raw = entry(pid, session, at=at, wait_s=wait_s).model_copy(update={"public_key": key.get_public_key().to_bytes()})
+    return sign_entry(PREFIX, raw, key)
+
+
+def _put(dht: FakeDHT, key: RSAPrivateKey, kind: bytes, record) -> None:
+    marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+    dht.data.setdefault(f"{PREFIX}.e0.mm", {})[marker + b"|" + kind] = ValueWithExpiration(
+        record.model_dump(), time.time() + 60
+    )
+
+
+def test_a_remembered_failed_group_blocks_no_attempt_once_the_dht_shows_its_members_again(keys) -> None:
+    """The matchmaker remembers every declaration it saw, and its first decision of an attempt has no entries yet:
+    a verdict of "late" must wait for a DHT read made after we announced, which shows A and B announced again.
+    Before that read, pause-mid-round's peers were told "late" by the same old declaration at every attempt."""
+    (c_id, c_key), (a_id, a_key), (b_id, b_key) = keys  # we (C) have the smallest id: we lead the next group
+    now = time.time()
+    a1, b1 = _signed_entry(a_id, a_key, 1, now - 20), _signed_entry(b_id, b_key, 1, now - 20)
+    failed = sign_declaration(PREFIX, declaration([a1, b1], now - 15), a_key)
+    dht = FakeDHT()
+    mm = Matchmaker(FakeNode(c_id, c_key, dht), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE)
+    assert mm.offer(failed.model_dump())  # remembered from an earlier attempt (the DHT copy may have expired)
+    _put(dht, a_key, b"ready", _signed_entry(a_id, a_key, 2, now - 0.5))
+    _put(dht, b_key, b"ready", _signed_entry(b_id, b_key, 2, now - 0.4))
+    me = mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 0.3)
+    decision, reason = mm.match(me, target_group_size=8, min_group_size=1, ttl_s=TTL,
+                                deadline_monotonic=time.monotonic() + 5.0)  # fmt: skip
+    assert decision.action == "joined", reason
+    assert decision.declaration.member_ids() == (c_id, a_id, b_id)
+
+
+def test_a_peer_told_late_withdraws_its_entry(keys) -> None:
+    """The same old group with no sign of a retry: C is late, and replaces its stored entry by one whose deadline
+    has passed (stored to expire later, so DHT nodes keep it), so that nobody declares C's dead session."""
+    (c_id, c_key), (a_id, a_key), (b_id, b_key) = keys
+    now = time.time()
+    a1, b1 = _signed_entry(a_id, a_key, 1, now - 2), _signed_entry(b_id, b_key, 1, now - 2)
+    dht = FakeDHT()
+    _put(dht, a_key, b"group", sign_declaration(PREFIX, declaration([a1, b1], now - 1), a_key))
+    mm = Matchmaker(FakeNode(c_id, c_key, dht), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE)
+    me = mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0)
+    decision, _ = mm.match(me, target_group_size=8, min_group_size=1, ttl_s=TTL,
+                           deadline_monotonic=time.monotonic() + 5.0)  # fmt: skip
+    assert decision.action == "late"
+    stored = dht.data[f"{PREFIX}.e0.mm"][mm.node.owner_marker + b"|ready"]
+    withdrawn = ReadyEntry.model_validate(stored.value)
+    assert verify_entry(PREFIX, withdrawn) and withdrawn.session == me.session and withdrawn.deadline == 0.0
+    assert me.announced_at + TTL < stored.expiration_time < time.time() + TTL  # replaces it, not our next entry
+    assert ids(run(entry("A", 3, at=now), [withdrawn], now=now + 5.0)) == ["A"]  # nobody's candidate any more
 
 
 class ManualDHT(FakeDHT):

@@ -1,0 +1,371 @@
+"""The I/O side of matchmaking: announce our entry, read the DHT, push records between data ports, declare.
+
+``Matchmaker.match`` runs the pure ``matchmaking.decide`` (the protocol is described there) on every DHT read and
+every pushed record until a group is joined or the attempt fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from hivemind.utils import get_dht_time
+
+from hivetrain.averaging.group_records import (
+    GroupDeclaration,
+    ReadyEntry,
+    make_round_id,
+    sign_declaration,
+    sign_entry,
+    verify_declaration,
+    verify_entry,
+)
+from hivetrain.averaging.matchmaking import ClosedBy, Decision, decide
+from hivetrain.peers.records import parse_signed
+
+logger = logging.getLogger(__name__)
+
+MAX_PUSHED = 64  # pushed declarations remembered per round key, and round keys remembered
+MAX_PUSHED_ENTRIES = 1024  # pushed ready entries remembered per round key (the latest per peer)
+MAX_VERIFIED = 4096  # signature checks remembered
+FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, seconds
+FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
+HINT_FANOUT = 2  # we push our entry to this many of the smallest members of our previous group
+ANNOUNCE_DELAY_S = 0.05  # a follower that told its likely leader uses the DHT only if not matched by then, seconds
+WITHDRAW_AFTER_S = 1e-3  # a withdrawn entry expires this much later than the entry (a next one comes later), seconds
+
+
+class Matchmaker:
+    """Runs ``decide`` on what the DHT and our data port bring: announce, read, push, declare.
+
+    A DHT read takes ~5-20 ms on loopback (more under load), so the records also travel directly between data ports
+    (``push(kind, raw, targets)``, e.g. ``dataplane.Pusher``; all pushes are best effort):
+
+    - a follower pushes its signed entry to the peer it expects to lead: before its first DHT read, the smallest
+      members of its previous group (the same peers usually average every epoch), then whoever ``decide`` names;
+      the leader so declares ("full", "complete") when the last member arrives, not at its next DHT poll;
+    - the leader pushes its signed declaration to the followers;
+    - each push and each finished DHT read wakes ``match``, which decides from the union of its last DHT read and
+      the pushed records at once; DHT reads (one get of one key per poll) run in the background.
+
+    Pushed records are verified (signatures) before use, bounded in number, and only add what the DHT would show
+    anyway; the DHT stays the source of truth for latecomers and for pushes that were lost. Someone flooding our
+    port with records of other round keys can evict pushed records (we then wait for the DHT), not forge any.
+    One per GroupAverager; ``match`` from one thread at a time, ``offer``/``offer_entry`` from any thread.
+    """
+
+    def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None):
+        self.node, self.prefix, self.push = node, prefix, push
+        self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
+        self._decls: dict[str, list[GroupDeclaration]] = {}  # round key -> verified declarations: ours, pushed, read
+        self._entries: dict[str, dict[str, ReadyEntry]] = {}  # round key -> peer id -> latest pushed entry
+        self._verified: dict[object, bool] = {}  # record -> whether its signatures verify
+        self._hints: tuple[ReadyEntry, ...] = ()  # our previous group, by peer id
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+
+    def _key(self, round_key: str) -> str:
+        return f"{self.prefix}.{round_key}.mm"
+
+    def _subkey(self, kind: bytes) -> bytes:
+        return self.node.owner_marker + b"|" + kind  # still an owner marker: every DHT node checks the signature
+
+    def make_entry(
+        self, round_key: str, session: bytes, host: str, port: int, kx_public: bytes, wait_s: float
+    ) -> ReadyEntry:
+        """Our signed entry: ready now, waiting at most ``wait_s`` seconds for a group."""
+        now = get_dht_time()
+        entry = ReadyEntry(
+            peer_id=self.node.peer_id,
+            round_key=round_key,
+            session=session,
+            host=host,
+            port=port,
+            kx_public=kx_public,
+            announced_at=now,
+            deadline=now + wait_s,
+            public_key=self.node.identity.private_key.get_public_key().to_bytes(),
+        )
+        return sign_entry(self.prefix, entry, self.node.identity.private_key)
+
+    def announce(self, entry: ReadyEntry, ttl_s: float):
+        """Start storing our entry until ``entry.announced_at + ttl_s``; returns the DHT's future (True if stored).
+
+        ``ttl_s`` (the round timeout) exceeds any wait (``matchmaking_time_s``), so the entry outlives its deadline.
+        The expiration grows with ``announced_at``: a DHT node keeps, per subkey, the value that expires last, so our
+        newer entry (or withdrawal) always replaces an older one, whatever each one's wait.
+        """
+        return self.node.dht.store(
+            self._key(entry.round_key),
+            entry.model_dump(),
+            entry.announced_at + ttl_s,
+            subkey=self._subkey(b"ready"),
+            return_future=True,
+        )
+
+    def withdraw(self, entry: ReadyEntry, ttl_s: float):
+        """Replace our stored entry by a copy whose deadline has passed, which every peer's ``decide`` finds stale, so
+        that nobody groups with a session we stopped waiting with (a peer told "late" would otherwise be declared
+        into the next group by its old entry, and that group would fail). It expires WITHDRAW_AFTER_S later than the
+        entry (a DHT node keeps the value that expires last), and earlier than our next entry. Not awaited.
+        Returns the DHT's future."""
+        gone = sign_entry(self.prefix, entry.model_copy(update={"deadline": 0.0}), self.node.identity.private_key)
+        return self.node.dht.store(
+            self._key(entry.round_key),
+            gone.model_dump(),
+            entry.announced_at + ttl_s + WITHDRAW_AFTER_S,
+            subkey=self._subkey(b"ready"),
+            return_future=True,
+        )
+
+    def declare(
+        self, me: ReadyEntry, members: tuple[ReadyEntry, ...], closed_by: ClosedBy, ttl_s: float
+    ) -> GroupDeclaration:
+        """Sign the declaration of ``members`` (we are its leader), push it to them, store it for ``ttl_s`` seconds.
+
+        The signed ``reason`` tells latecomers what the group means for them: "full" leaves room for a next group;
+        "window" (also for a group closed early because every expected peer was ready) is the epoch's group.
+        """
+        decl = GroupDeclaration(
+            leader=me.peer_id,
+            round_key=me.round_key,
+            round_id=make_round_id(self.prefix, me.round_key, members),
+            members=members,
+            declared_at=get_dht_time(),
+            reason="full" if closed_by == "full" else "window",
+        )
+        decl = sign_declaration(self.prefix, decl, self.node.identity.private_key)
+        self._remember(decl)  # a retry of this round key must see these entries as consumed, DHT or not
+        raw = decl.model_dump()
+        if self.push is not None:  # followers hear it at once instead of at their next DHT poll
+            self.push("group", raw, [m for m in members if m.peer_id != me.peer_id])
+        self.node.dht.store(  # for latecomers ("late") and followers the push missed; not awaited
+            self._key(me.round_key), raw, decl.declared_at + ttl_s, subkey=self._subkey(b"group"), return_future=True
+        )
+        return decl
+
+    # ---- verified records ---------------------------------------------------------------------------------------
+    def _verify(self, record: ReadyEntry | GroupDeclaration) -> bool:
+        """Signature check, remembered (records are frozen and hashable; polls see the same ones again)."""
+        with self._lock:
+            known = self._verified.get(record)
+        if known is not None:
+            return known
+        if isinstance(record, ReadyEntry):
+            ok = verify_entry(self.prefix, record)
+        else:
+            ok = verify_declaration(self.prefix, record, lambda _, m: self._verify(m))
+        with self._lock:
+            self._verified[record] = ok
+            while len(self._verified) > MAX_VERIFIED:
+                del self._verified[next(iter(self._verified))]
+        return ok
+
+    def offer(self, raw: object) -> bool:
+        """A declaration pushed to us over the data plane (any thread). Kept if valid and signed; returns that."""
+        try:
+            decl = GroupDeclaration.model_validate(raw)
+        except ValueError:
+            return False
+        if not self._verify(decl):
+            logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
+            return False
+        self._remember(decl)
+        return True
+
+    def _remember(self, decl: GroupDeclaration) -> None:
+        """Keep a verified declaration (at most ``MAX_PUSHED`` per round key and round keys) and wake ``match``."""
+        with self._lock:
+            known = self._decls.setdefault(decl.round_key, [])
+            if decl not in known:
+                known.append(decl)
+                del known[:-MAX_PUSHED]
+            while len(self._decls) > MAX_PUSHED:  # forget the oldest round keys
+                del self._decls[next(iter(self._decls))]
+            self._wake.set()
+
+    def offer_entry(self, raw: object) -> bool:
+        """A ready entry pushed to us by a peer that expects us to lead (any thread). Kept if valid and signed by its
+        peer (the latest per peer, at most ``MAX_PUSHED_ENTRIES`` per round key); returns that."""
+        try:
+            entry = ReadyEntry.model_validate(raw)
+        except ValueError:
+            return False
+        if not self._verify(entry):
+            logger.warning("dropping a pushed ready entry that does not verify (peer %s)", entry.peer_id)
+            return False
+        with self._lock:
+            by_peer = self._entries.setdefault(entry.round_key, {})
+            old = by_peer.get(entry.peer_id)
+            if old is None and len(by_peer) >= MAX_PUSHED_ENTRIES:
+                return False
+            if old is None or entry.announced_at > old.announced_at:
+                by_peer[entry.peer_id] = entry
+            while len(self._entries) > MAX_PUSHED:
+                del self._entries[next(iter(self._entries))]
+            self._wake.set()
+        return True
+
+    def _merge(self, round_key: str, entries: list[ReadyEntry]) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+        """Entries the DHT showed plus those pushed to us (``decide`` keeps the latest per peer), and every
+        declaration we know of: read, pushed, or ours."""
+        with self._lock:
+            pushed_entries = list(self._entries.get(round_key, {}).values())
+            decls = list(self._decls.get(round_key, ()))
+        return entries + pushed_entries, decls
+
+    # ---- DHT reads ----------------------------------------------------------------------------------------------
+    def _start_read(self, round_key: str):
+        future = self.node.dht.get(self._key(round_key), latest=True, return_future=True)
+        future.add_done_callback(lambda _: self._wake.set())
+        return future
+
+    def _collect(self, future, round_key: str, timeout_s: float) -> list[ReadyEntry]:
+        """The verified entries of a DHT read; its verified declarations are remembered (forged or malformed records
+        are dropped; a failed or unfinished read gives nothing)."""
+        try:
+            found = future.result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed poll is retried at the next interval
+            logger.debug("DHT read failed: %s", exc)
+            return []
+        if found is None or not isinstance(found.value, dict):
+            return []
+        entries = []
+        for subkey, item in found.value.items():
+            kind = subkey.rsplit(b"|", 1)[-1] if isinstance(subkey, bytes) else b""
+            schema, id_field = {b"ready": (ReadyEntry, "peer_id"), b"group": (GroupDeclaration, "leader")}.get(
+                kind, (None, "")
+            )
+            record = parse_signed(subkey, getattr(item, "value", None), schema, id_field) if schema else None
+            if record is None or record.round_key != round_key:
+                continue
+            if not self._verify(record):
+                logger.warning("dropping an invalid %s by %s", schema.__name__, getattr(record, id_field))
+            elif isinstance(record, ReadyEntry):
+                entries.append(record)
+            else:
+                self._remember(record)
+        return entries
+
+    def read(self, round_key: str) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+        """One blocking DHT read merged with what was pushed to us: verified entries and declarations."""
+        timeout_s = max(5.0, 10 * self.poll_interval_s)
+        return self._merge(round_key, self._collect(self._start_read(round_key), round_key, timeout_s))
+
+    # ---- matching -----------------------------------------------------------------------------------------------
+    def _push_entry(self, me: ReadyEntry, targets: Sequence[ReadyEntry], pushed_to: set[str]) -> None:
+        targets = [t for t in targets if t.peer_id not in pushed_to and t.peer_id != me.peer_id]
+        if self.push is not None and targets:
+            pushed_to.update(t.peer_id for t in targets)
+            self.push("ready", me.model_dump(), targets)
+
+    def match(
+        self,
+        me: ReadyEntry,
+        *,
+        target_group_size: int,
+        min_group_size: int,
+        ttl_s: float,
+        deadline_monotonic: float,
+        banned: frozenset[str] = frozenset(),
+        expected: frozenset[str] = frozenset(),
+    ) -> tuple[Decision, str]:
+        """Announce ``me``, then decide on every push and DHT read until a decision other than "wait" (or the call
+        deadline, ``time.monotonic()``).
+
+        Args:
+            me: our signed entry (``make_entry``).
+            target_group_size, min_group_size, banned, expected: as in ``decide``.
+            ttl_s: our entry and declaration live this long in the DHT, seconds; also ``decide``'s
+                ``declaration_ttl_s`` (the round timeout: a declaration older than that is over).
+            deadline_monotonic: the call gives up at this ``time.monotonic()``.
+
+        Returns:
+            (decision, reason); ``decision.action`` is "joined" (with its declaration) or a failure action.
+            A "timeout" is reported as ("no_group", ...).
+        """
+        # A follower of a previous group tells its likely leader directly, and uses the DHT (store its entry, read)
+        # only if that formed no group within ANNOUNCE_DELAY_S: a matched entry is consumed at once, nobody needs it.
+        # Leaders and newcomers (no smaller peer to tell) announce and read at once, so a newcomer finds the leader
+        # in the DHT and the leader finds the newcomer. This takes two DHT operations per follower off every round.
+        pushed_to: set[str] = set()
+        hinted = [h for h in self._hints if h.peer_id < me.peer_id and h.peer_id not in banned][:HINT_FANOUT]
+        self._push_entry(me, hinted, pushed_to)
+        announce_at = time.monotonic() + (ANNOUNCE_DELAY_S if hinted else 0.0)
+        stored = None
+        read_timeout_s = max(5.0, 10 * self.poll_interval_s)
+        dht_entries: list[ReadyEntry] = []
+        read, read_started, next_read_at = None, 0.0, announce_at
+        read_started_dht = seen_as_of_dht = 0.0  # DHT time the pending / the last collected read started
+        while True:
+            now_m = time.monotonic()
+            if read is not None and (read.done() or now_m > read_started + read_timeout_s):
+                dht_entries = self._collect(read, me.round_key, 0.0)
+                read, seen_as_of_dht = None, read_started_dht
+            if announce_at is not None and now_m >= announce_at:
+                stored, announce_at = self.announce(me, ttl_s), None  # we read meanwhile: our entry is in our view
+            if stored is not None and stored.done():
+                if not stored.exception() and not stored.result():
+                    logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
+                stored = None
+            self._wake.clear()  # anything pushed from here on wakes the wait below
+            entries, decls = self._merge(me.round_key, dht_entries)
+            decision = decide(
+                me,
+                entries,
+                decls,
+                get_dht_time(),
+                target_group_size=target_group_size,
+                min_group_size=min_group_size,
+                declare_grace_s=self.declare_grace_s,
+                declaration_ttl_s=ttl_s,
+                banned=banned,
+                expected=expected,
+            )
+            # A window closes on what the DHT showed after it closed: a view read before the deadline (a slow DHT under
+            # load) may lack peers that announced in time, and would leave them out of the group (or split it).
+            # ("full" and "complete" wait for nobody else: no re-read needed.)
+            stale = decision.action == "declare" and decision.closed_by == "window"
+            stale = stale and seen_as_of_dht < min(m.deadline for m in decision.members)
+            if decision.action == "declare" and not stale:
+                # decide() would have returned "joined" had a smaller leader's declaration listed us; two leaders
+                # that did not see each other yield two groups whose overlap fails at the handshake and retries.
+                assert decision.closed_by is not None
+                declared = self.declare(me, decision.members, decision.closed_by, ttl_s)
+                self._hints = declared.members
+                joined = Decision("joined", decision.reason, declaration=declared, closed_by=decision.closed_by)
+                return joined, decision.reason
+            if decision.action == "joined" and decision.declaration is not None:
+                self._hints = decision.declaration.members
+                return decision, decision.reason
+            # A verdict that the epoch's group formed without us stands only on a DHT view read after we announced:
+            # the declarations we remember from earlier attempts come without the newer entries of their members
+            # that may show their round over (then it blocks nobody).
+            unproven = decision.action in ("late", "not_in_group") and seen_as_of_dht < me.announced_at
+            if decision.action not in ("wait", "declare") and not unproven:
+                if announce_at is None:
+                    self.withdraw(me, ttl_s)
+                return decision, decision.reason
+            leader = decision.leader
+            if leader is not None and leader.peer_id != me.peer_id:
+                self._push_entry(me, [leader], pushed_to)
+            # Poll fast when a declaration is imminent (followers whose window closed or group filled up), and during
+            # the first second while we lead (the group may fill up any moment) or have not told our leader yet. A
+            # follower that finds the group complete does not: its leader may expect more peers than it does.
+            just_started = get_dht_time() - me.announced_at < FAST_LEAD_S
+            imminent = decision.closed_by in ("window", "full") or (
+                just_started and (leader is None or leader.peer_id == me.peer_id or leader.peer_id not in pushed_to)
+            )
+            interval_s = min(self.poll_interval_s, FAST_POLL_S) if imminent else self.poll_interval_s
+            if read is None and (now_m >= next_read_at or stale or unproven):
+                read_started_dht = get_dht_time()
+                read, read_started, next_read_at = self._start_read(me.round_key), now_m, now_m + interval_s
+            if now_m >= deadline_monotonic:
+                if announce_at is None:
+                    self.withdraw(me, ttl_s)
+                return Decision("no_group", "call deadline reached during matchmaking"), "deadline"
+            wake_at = read_started + read_timeout_s if read is not None else next_read_at
+            wake_at = wake_at if announce_at is None else min(wake_at, announce_at)
+            self._wake.wait(max(0.0, min(wake_at, deadline_monotonic) - now_m))
