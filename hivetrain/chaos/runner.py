@@ -310,6 +310,7 @@ class ChaosRunner:
             if self.faults[i]["fired_at_s"] is not None:
                 continue
             if fault.action == "stop" and process.is_stopped(peer.proc):
+                process.pause(peer.proc)  # a laptop lid stops everything: its p2pd and DHT process too
                 self._fired(i, f"{peer.run.name} stopped itself at {fault.point}; SIGCONT in {fault.seconds:g}s")
                 self.faults[i]["ended_at_s"] = self.now() + fault.seconds
                 self.timers.append(_Timer(self.now() + fault.seconds, lambda p=peer.proc: process.resume(p)))

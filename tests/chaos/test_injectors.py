@@ -30,7 +30,8 @@ def fake_peer(tmp_path):
     )
     peer = PeerProcess(name="fake", popen=popen, log_path=tmp_path / "fake.log")
     deadline = time.monotonic() + 10
-    while len(peer.group_pids()) < 2 and time.monotonic() < deadline:
+    # until the child has exec'd the copy named p2pd (before that it is a bash fork, and p2pd_pids finds nothing)
+    while (len(peer.group_pids()) < 2 or not process.p2pd_pids(peer)) and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
         yield peer
@@ -150,3 +151,28 @@ def test_runner_records_each_process_fault_when_it_fires(tmp_path, fake_peer):
     runner._fire(3, "test")
     assert runner.faults[3]["fired_at_s"] is None and "not running" in runner.faults[3]["detail"]
     assert sum(f["fired_at_s"] is not None for f in runner.faults) == 3
+
+
+def test_a_peer_that_stops_itself_at_a_hook_is_paused_whole_then_resumed(tmp_path, fake_peer):
+    """A ``stop`` hook SIGSTOPs only the peer's own process; the harness stops the rest of its group (p2pd, DHT
+    process) when it sees that, as a laptop lid would, and SIGCONTs them all ``seconds`` later."""
+    import os
+
+    import psutil
+
+    runner = runner_with(
+        tmp_path,
+        fake_peer,
+        {"kind": "hook", "peer": 1, "point": "averaging.mid_transfer", "action": "stop", "seconds": 2},
+    )
+    runner.peers[0].hooks = [0]
+    (daemon,) = process.p2pd_pids(fake_peer)
+    os.kill(fake_peer.pid, signal.SIGSTOP)  # what the hook does to itself
+    assert wait_for(lambda: process.is_stopped(fake_peer))
+    assert psutil.Process(daemon).status() != psutil.STATUS_STOPPED
+    runner._check_hooks(runner.peers[0])
+    assert runner.faults[0]["fired_at_s"] is not None and len(runner.timers) == 1
+    assert wait_for(lambda: psutil.Process(daemon).status() == psutil.STATUS_STOPPED)
+    runner.timers.pop().action()
+    assert wait_for(lambda: not process.is_stopped(fake_peer))
+    assert wait_for(lambda: psutil.Process(daemon).status() != psutil.STATUS_STOPPED)

@@ -13,7 +13,7 @@ from hivetrain.chaos.runner import run_scenario
 from hivetrain.chaos.scenario import bundled_scenarios, load_scenario
 from hivetrain.testing.summary import read_events
 
-SMOKE = ("kill-one-of-four", "pause-mid-round", "nan-peer", "nat-peer")
+SMOKE = ("kill-one-of-four", "pause-mid-round", "pause-mid-allreduce", "nan-peer", "nat-peer")
 
 
 @pytest.mark.slow
