@@ -83,6 +83,14 @@ def run_config(arm: str, args: argparse.Namespace, out_dir: Path) -> Path:
     return path
 
 
+def eval_curve(commits: dict[str, list[metrics.Commit]], t_start: float) -> list[list]:
+    """[seconds after the start, epoch, eval loss] of each committed epoch up to the stop, first report per epoch."""
+    first: dict[int, metrics.Commit] = {}
+    for c in sorted((c for cs in commits.values() for c in cs if c.eval_loss is not None), key=lambda c: c.time_s):
+        first.setdefault(c.epoch, c)
+    return [[round(c.time_s - t_start, 1), epoch, c.eval_loss] for epoch, c in sorted(first.items())]
+
+
 def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, mbps: float) -> dict:
     """The arm's JSON object: the issue's keys first, then per-peer detail."""
     duty = {s.name: (s.duty_cycle if duty_supported else 1.0) for s in specs}
@@ -111,6 +119,7 @@ def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, mbps: floa
         "fastest_phase_s_median": phase_s,
         "round_to_fastest_phase": ratio,
         "link_floor_s": max(sent) * 8 / (mbps * 1e6) if sent else 0.0,
+        "eval_curve": eval_curve(commits, run.t_start),
         "peers": [
             {
                 "name": u.name,
@@ -154,6 +163,7 @@ def print_table(results: list[dict], bench_s: float, settings: str) -> None:
             f"link floor {r['link_floor_s']:.1f}s/round, trainer summaries {t}, NAT fallback log lines "
             f"{[p['nat_fallback_log_lines'] for p in r['peers']]}" + (f", exited early: {early}" if early else "")
         )
+        print(f"  eval loss by epoch: {', '.join(f'{t:.0f}s e{e} {loss:.3f}' for t, e, loss in r['eval_curve'])}")
     print(f"bench wall time {bench_s:.0f}s")
 
 
