@@ -1,222 +1,320 @@
 #!/usr/bin/env python3
-"""DiLoCo vs synchronous data parallelism: same model, same data, same total samples, in one run.
+"""Learning per byte: DiLoCo vs tuned data parallelism, overlapped DiLoCo and asynchronous SGD, same samples.
 
-Both arms run W worker processes (torch.distributed, gloo, 127.0.0.1) from the same initial parameters:
+Every arm trains the same model from the same initial parameters on the same per-worker data streams for the same
+number of samples, W workers simulated one after another in one process (``lpb_arms.py`` says what each arm does
+and how bytes are counted). The bench is a sweep of *families* (rows of the table): each family tunes its
+hyper-parameters on seed 0 over a small grid, then runs its best setting on the other seeds; a family may take
+its grid from another family's best (the long runs reuse the short runs' choices). Runs go to ``--jobs`` worker
+processes; ``--results FILE`` keeps every finished run (JSON lines) so an interrupted sweep resumes where it was.
 
-* DDP: every step, gradients are all-reduced (averaged) and every worker takes the same AdamW step.
-* DiLoCo: every worker takes H local AdamW steps (hivetrain's InnerOptimizer), then the pseudo-gradients are
-  all-reduced (sample-weighted mean; equal weights here) and hivetrain's outer Nesterov step is applied.
+Plans (``--plan``):
+  quick    smoke run (< 1 min): tiny model, 2 workers, 20 steps of 4 windows of 32 tokens, one seed, every arm.
+  default  the README's Performance table (~35 min on 2 free cores; at nice 19 beside other work, longer). 4
+           workers, 8 windows of 64 tokens per worker per step, inner lr 2e-3, 20 warmup steps, cosine decay over
+           the run. Tiny preset, 400 steps: DDP lr ∈ {1,2,4}e-3; DiLoCo H = 40 (10 outer steps) over outer lr
+           {0.5,0.7,1.0} × momentum {0,0.5,0.9}; H = 20 and H = 10 over (1,0), (0.7,0.5), (0.7,0.9); overlap
+           delayed and eager at H = 40 over outer lr {1,0.7,0.5,0.3} with momentum 0; async SGD lr ∈
+           {0.25,0.5,1,2}e-3; the config defaults (``DilocoConfig``) and the paper's 0.7/0.9 at H = 40. 1200
+           steps: DDP at the 400-step lr; DiLoCo H = 10 (120 outer steps) over the 3 settings, the defaults and
+           0.7/0.9. Three seeds per row. Small preset, 200 steps, one seed: DDP at lr 2e-3; DiLoCo H = 20 over the
+           3 settings, the defaults and 0.7/0.9.
+  full     every grid everywhere, 3 seeds (hours).
 
-Bytes communicated are counted as a ring all-reduce sends them: 2·(W−1)/W · payload bytes per worker per call.
-Eval loss is measured on the same held-out windows for both. Prints a table and the ratios; ``--json`` prints one
-JSON object with diloco_eval_loss, ddp_eval_loss, diloco_bytes, ddp_bytes (and more).
+``--json`` prints, as its last line, a JSON list with one object per row: arm, preset, steps, inner_steps,
+eval_loss (mean over seeds), eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties),
+bytes_vs_ddp, vs_ddp (relative loss gap to the best DDP row of the same preset and steps), lr, outer_lr,
+outer_momentum (null where not applicable) and grid (seed-0 loss of every setting tried).
 
-Example: scripts/bench/diloco_vs_ddp.py --workers 4 --steps 400 --inner-steps 50
+Example: nice -n 19 scripts/bench/diloco_vs_ddp.py --results /tmp/lpb.jsonl --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import multiprocessing as mp
 import os
-import socket
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lpb_arms import Arm, Setup, run_arm  # noqa: E402
 
-from hivetrain.config import DataConfig, DilocoConfig
-from hivetrain.data import load_corpus, stream_seed
-from hivetrain.diloco.inner import InnerOptimizer, lr_multiplier
-from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
-from hivetrain.diloco.state import TrainingState
-from hivetrain.model import build_config, build_model, evaluate, lm_loss
+from hivetrain.config import DilocoConfig  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+OUTER_GRID = tuple((lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.0, 0.5, 0.9))
+OVERLAP_GRID = ((1.0, 0.0), (0.7, 0.0), (0.5, 0.0), (0.3, 0.0))  # a one-epoch delay wants a smaller step, no momentum
 
 
-def ring_bytes(num_floats: int, workers: int) -> int:
-    return int(2 * (workers - 1) / workers * num_floats * 4)
+@dataclass(frozen=True)
+class Family:
+    """One row: a grid tuned on ``seeds[0]``, its best setting run on every seed.
+
+    ``after``/``derive``: the grid is ``derive(best arm of family after)`` once that family has chosen.
+    """
+
+    label: str
+    setup: Setup
+    grid: tuple[Arm, ...] = ()
+    seeds: tuple[int, ...] = (0, 1, 2)
+    after: str = ""
+    derive: Callable[[Arm], tuple[Arm, ...]] = field(default=lambda arm: (arm,), compare=False)
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, arm: str, out: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.workers)
-    data_cfg = DataConfig(
-        paths=(args.data,),
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        num_eval_windows=args.eval_windows,
-        max_corpus_bytes=0,
-    )
-    corpus = load_corpus(data_cfg)
-    model = build_model(build_config(args.model, corpus.vocab_size, args.seq_len), seed=args.seed)
-    params = [p for p in model.parameters()]
-    num_floats = sum(p.numel() for p in params)
-    batches = corpus.train_batches(args.seq_len, args.batch_size, stream_seed(args.seed, f"worker{rank}"))
-    cfg = DilocoConfig(
-        inner_steps=args.inner_steps,
-        inner_lr=args.lr,
-        warmup_steps=args.warmup,
-        total_inner_steps=args.steps,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-    )
-    sent = 0
-    codec, feedback, bits_per_float = None, None, 32.0
-    if arm.startswith("diloco-"):
-        from hivetrain.averaging.codecs import CodecConfig, ErrorFeedback, make_codec
-
-        name = arm.removeprefix("diloco-")
-        codec = make_codec(CodecConfig(name=name.removesuffix("-ef"), block_size=64))
-        feedback = ErrorFeedback() if name.endswith("-ef") else None
-        bits_per_float = codec.encode(torch.zeros(1 << 16)).num_bytes * 8 / (1 << 16)
-    started = time.perf_counter()
-    if arm == "ddp":
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-        for step in range(args.steps):
-            for group in opt.param_groups:
-                group["lr"] = args.lr * lr_multiplier(step, cfg)
-            loss = lm_loss(model, next(batches))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            flat /= args.workers
-            sent += ring_bytes(num_floats, args.workers)
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-    else:
-        state = TrainingState.from_model(model)
-        inner = InnerOptimizer(model, cfg)
-        for epoch in range(args.steps // args.inner_steps):
-            load_into_model(state, model)
-            inner.run(batches, first_step=epoch * args.inner_steps, num_steps=args.inner_steps)
-            deltas = pseudo_gradient(state, model)
-            flat = torch.cat([d.reshape(-1) for d in deltas])
-            if codec is not None:  # as hivetrain's round: each contribution (+ EF residual) is quantized per block
-                residual = feedback.apply(flat) if feedback is not None else None
-                quantized = codec.decode(codec.encode(flat))
-                if residual is not None:
-                    torch.sub(flat, quantized, out=residual)
-                    feedback.commit()
-                flat = quantized
-            dist.all_reduce(flat)
-            flat /= args.workers
-            if codec is not None:  # ... and so is the reduced mean, which every worker decodes from the same bytes
-                flat = codec.decode(codec.encode(flat))
-            sent += int(ring_bytes(num_floats, args.workers) * bits_per_float / 32)
-            avg, offset = [], 0
-            for d in deltas:
-                avg.append(flat[offset : offset + d.numel()].view_as(d).clone())
-                offset += d.numel()
-            state = outer_step(state, avg, args.outer_lr, args.outer_momentum)
-        load_into_model(state, model)
-    wall = time.perf_counter() - started
-    if rank == 0:
-        eval_loss = evaluate(model, corpus.eval_windows(args.seq_len, args.eval_windows))
-        out.put({"arm": arm, "eval_loss": eval_loss, "wall_s": wall, "num_parameters": num_floats})
-    out.put({"arm": arm, "rank": rank, "bytes": sent})
-    dist.destroy_process_group()
+def diloco_grid(lr: float, h: int, settings, overlap: str = "off") -> tuple[Arm, ...]:
+    return tuple(Arm("diloco", lr, h, olr, mu, overlap) for olr, mu in settings)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def defaults_arm(lr: float, h: int) -> Arm:
+    cfg = DilocoConfig()
+    return Arm("diloco", lr, h, cfg.outer_lr, cfg.outer_momentum)
 
 
-def run_arm(args: argparse.Namespace, arm: str) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args, port, arm, queue)) for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    results = []
+def paper_arm(lr: float, h: int) -> Arm:
+    """Douillard et al. 2023's outer Nesterov lr 0.7, momentum 0.9 (hivetrain's defaults until 2026-11-25)."""
+    return Arm("diloco", lr, h, 0.7, 0.9)
+
+
+def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
+    """The families of a plan (see the module docstring)."""
+    lr = 2e-3
+    three = ((1.0, 0.0), (0.7, 0.5), (0.7, 0.9))
+    if name == "quick":
+        s = Setup(data, "tiny", workers=2, steps=20, seq_len=32, batch_size=4, warmup_steps=4, eval_windows=8)
+        one = ((1.0, 0.5),)
+        return [
+            Family("ddp", s, (Arm("ddp", lr),), (0,)),
+            Family("diloco-H10", s, diloco_grid(lr, 10, one), (0,)),
+            Family("diloco-H10-defaults", s, (defaults_arm(lr, 10),), (0,)),
+            Family("diloco-H5-delayed", s, diloco_grid(lr, 5, one, "delayed"), (0,)),
+            Family("diloco-H5-eager", s, diloco_grid(lr, 5, one, "eager"), (0,)),
+            Family("async", s, (Arm("async", 1e-3),), (0,)),
+        ] + [Family(f"diloco-H10-{c}", s, (), (0,), "diloco-H10", _codec(c)) for c in codecs]
+    if name not in ("default", "full"):
+        raise ValueError(f"unknown plan {name!r}")
+    full = name == "full"
+    short = Setup(data, "tiny", workers=4, steps=400, seq_len=64, batch_size=8, warmup_steps=20)
+    long = replace(short, steps=1200)
+    small = replace(short, preset="small", steps=200)
+    ddp_grid = tuple(Arm("ddp", x) for x in (1e-3, 2e-3, 4e-3))
+    outer_few = OUTER_GRID if full else three
+    fams = [
+        Family("tiny/400/ddp", short, ddp_grid),
+        Family("tiny/400/diloco-H40", short, diloco_grid(lr, 40, OUTER_GRID)),
+        Family("tiny/400/diloco-H40-defaults", short, (defaults_arm(lr, 40),)),
+        Family("tiny/400/diloco-H40-paper", short, (paper_arm(lr, 40),)),
+        Family("tiny/400/diloco-H20", short, diloco_grid(lr, 20, outer_few)),
+        Family("tiny/400/diloco-H10", short, diloco_grid(lr, 10, OUTER_GRID if full else three)),
+        Family("tiny/400/diloco-H40-delayed", short, diloco_grid(lr, 40, OVERLAP_GRID, "delayed")),
+        Family("tiny/400/diloco-H40-eager", short, diloco_grid(lr, 40, OVERLAP_GRID, "eager")),
+        Family("tiny/400/async", short, tuple(Arm("async", x) for x in (2.5e-4, 5e-4, 1e-3, 2e-3))),
+    ]
+    fams += [Family(f"tiny/400/diloco-H40-{c}", short, after="tiny/400/diloco-H40", derive=_codec(c)) for c in codecs]
+    fams += [
+        Family("tiny/1200/ddp", long, ddp_grid) if full else Family("tiny/1200/ddp", long, after="tiny/400/ddp"),
+        Family("tiny/1200/diloco-H10", long, diloco_grid(lr, 10, outer_few)),
+        Family("tiny/1200/diloco-H10-defaults", long, (defaults_arm(lr, 10),)),
+        Family("tiny/1200/diloco-H10-paper", long, (paper_arm(lr, 10),)),
+    ]
+    seeds = (0, 1, 2) if full else (0,)  # budget: the small preset runs one seed, DDP at the tiny lr
+    fams += [
+        Family("small/200/ddp", small, ddp_grid if full else (Arm("ddp", lr),), seeds),
+        Family("small/200/diloco-H20", small, diloco_grid(lr, 20, outer_few), seeds),
+        Family("small/200/diloco-H20-defaults", small, (defaults_arm(lr, 20),), seeds),
+        Family("small/200/diloco-H20-paper", small, (paper_arm(lr, 20),), seeds),
+    ]
+    return fams
+
+
+def _codec(name: str) -> Callable[[Arm], tuple[Arm, ...]]:
+    return lambda arm: (replace(arm, codec=name),)
+
+
+RunKey = tuple[str, str, int]
+
+
+def run_key(setup: Setup, arm: Arm, seed: int) -> RunKey:
+    return (setup.key(), arm.key(), seed)
+
+
+def _work(setup: Setup, arm: Arm, seed: int) -> dict:
     try:
-        for _ in range(args.workers + 1):
-            results.append(queue.get(timeout=args.timeout))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    summary = next(r for r in results if "eval_loss" in r)
-    summary["bytes"] = sum(r["bytes"] for r in results if "bytes" in r)
-    return summary
+        return asdict(run_arm(setup, arm, seed))
+    except FloatingPointError as exc:
+        return {"eval_loss": math.inf, "bytes": 0, "wall_s": 0.0, "num_parameters": 0, "error": str(exc)}
+
+
+class Sweep:
+    """Runs the families' tuning and seed runs on a process pool, as soon as each run's inputs are known."""
+
+    def __init__(self, families: list[Family], jobs: int, results_path: str):
+        self.families = {f.label: f for f in families}
+        self.grid: dict[str, tuple[Arm, ...]] = {f.label: f.grid for f in families if not f.after}
+        self.best: dict[str, Arm] = {}
+        self.done: dict[RunKey, dict] = {}
+        self.jobs, self.results_path = jobs, results_path
+        if results_path and Path(results_path).is_file():
+            for line in Path(results_path).read_text().splitlines():
+                row = json.loads(line)
+                self.done[(row["setup"], row["arm"], row["seed"])] = row["result"]
+
+    def needed(self) -> list[tuple[Setup, Arm, int]]:
+        """Runs whose inputs are known and whose result is not; updates the families' choices on the way."""
+        out = []
+        for label, fam in self.families.items():
+            if label not in self.grid and fam.after in self.best:
+                self.grid[label] = fam.derive(self.best[fam.after])
+            if label not in self.grid:
+                continue
+            tuning = [(fam.setup, arm, fam.seeds[0]) for arm in self.grid[label]]
+            missing = [r for r in tuning if run_key(*r) not in self.done]
+            if missing:
+                out += missing
+                continue
+            losses = [self.done[run_key(*r)]["eval_loss"] for r in tuning]
+            self.best[label] = self.grid[label][min(range(len(losses)), key=losses.__getitem__)]
+            out += [
+                (fam.setup, self.best[label], s)
+                for s in fam.seeds[1:]
+                if run_key(fam.setup, self.best[label], s) not in self.done
+            ]
+        return out
+
+    def run(self, log) -> None:
+        started = time.monotonic()
+
+        def record(key: RunKey, result: dict) -> None:
+            self.done[key] = result
+            if self.results_path:
+                with open(self.results_path, "a") as fh:
+                    fh.write(json.dumps({"setup": key[0], "arm": key[1], "seed": key[2], "result": result}) + "\n")
+            log(
+                f"[{time.monotonic() - started:7.0f}s] {key[0]} {key[1]} seed {key[2]}: "
+                f"eval {result['eval_loss']:.4f} ({result['wall_s']:.0f}s)"
+            )
+
+        if self.jobs == 0:  # in this process, one run after another (tests, profiling)
+            while todo := self.needed():
+                for setup, arm, seed in dict.fromkeys(todo):
+                    record(run_key(setup, arm, seed), _work(setup, arm, seed))
+            return
+        inflight: dict[RunKey, Future] = {}
+        with ProcessPoolExecutor(max_workers=self.jobs, mp_context=mp.get_context("spawn")) as pool:
+            while True:
+                for setup, arm, seed in self.needed():
+                    key = run_key(setup, arm, seed)
+                    if key not in inflight:
+                        inflight[key] = pool.submit(_work, setup, arm, seed)
+                if not inflight:
+                    return
+                finished, _ = wait(inflight.values(), return_when=FIRST_COMPLETED)
+                for key in [k for k, f in inflight.items() if f in finished]:
+                    record(key, inflight.pop(key).result())
+
+    def rows(self) -> list[dict]:
+        """One summary per family (best setting, all seeds), with vs_ddp against the best DDP row of its setup."""
+        rows = []
+        for label, fam in self.families.items():
+            if label not in self.best:
+                continue
+            arm = self.best[label]
+            results = [self.done[run_key(fam.setup, arm, s)] for s in fam.seeds]
+            losses = [r["eval_loss"] for r in results]
+            rows.append(
+                {
+                    "arm": label.split("/", 2)[-1] if "/" in label else label,
+                    "preset": fam.setup.preset,
+                    "steps": fam.setup.steps,
+                    "workers": fam.setup.workers,
+                    "inner_steps": arm.inner_steps or None,
+                    "overlap": arm.overlap if arm.kind == "diloco" else None,
+                    "codec": arm.codec or None,
+                    "lr": arm.lr,
+                    "outer_lr": arm.outer_lr,
+                    "outer_momentum": arm.outer_momentum,
+                    "eval_loss": statistics.fmean(losses),
+                    "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+                    "eval_loss_min": min(losses),
+                    "eval_loss_max": max(losses),
+                    "seeds": list(fam.seeds),
+                    "bytes": results[0]["bytes"],
+                    "num_parameters": results[0]["num_parameters"],
+                    "grid": [
+                        {
+                            "lr": a.lr,
+                            "outer_lr": a.outer_lr,
+                            "outer_momentum": a.outer_momentum,
+                            "eval_loss_seed0": self.done[run_key(fam.setup, a, fam.seeds[0])]["eval_loss"],
+                        }
+                        for a in self.grid[label]
+                    ],
+                }
+            )
+        for row in rows:
+            ddp = [r for r in rows if r["arm"] == "ddp" and (r["preset"], r["steps"]) == (row["preset"], row["steps"])]
+            base = min(ddp, key=lambda r: r["eval_loss"]) if ddp else None
+            row["vs_ddp"] = (row["eval_loss"] - base["eval_loss"]) / base["eval_loss"] if base else None
+            row["bytes_vs_ddp"] = row["bytes"] / base["bytes"] if base and base["bytes"] else None
+        return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of the rows (the README's Performance section)."""
+    head = "| preset | steps | arm | lr | outer lr / μ | eval loss (mean ± std, n) | vs tuned DDP | bytes vs DDP |"
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        outer = f"{r['outer_lr']} / {r['outer_momentum']}" if r["outer_lr"] is not None else "—"
+        std = f" ± {r['eval_loss_std']:.3f}" if r["eval_loss_std"] is not None else ""
+        vs = f"{100 * r['vs_ddp']:+.1f}%" if r["vs_ddp"] is not None else "—"
+        lines.append(
+            f"| {r['preset']} | {r['steps']} | {r['arm']} | {r['lr']:g} | {outer} | "
+            f"{r['eval_loss']:.3f}{std} (n={len(r['seeds'])}) | {vs} | {_ratio(r['bytes_vs_ddp'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return "—"
+    if abs(ratio - 1) < 1e-9:
+        return "1"
+    return f"{ratio:.3g}x" if ratio >= 1 else f"1/{1 / ratio:.0f}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="text file (default: shared tinyshakespeare.txt)")
-    parser.add_argument("--workers", type=int, default=4, help="data-parallel workers")
-    parser.add_argument("--model", default="tiny", help="model preset")
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per worker (same total samples)")
-    parser.add_argument("--inner-steps", type=int, default=50, help="DiLoCo H")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per window")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per worker per step")
-    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate (both arms)")
-    parser.add_argument("--warmup", type=int, default=20, help="warmup steps")
-    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate")
-    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
-    parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per arm")
+    parser.add_argument("--plan", default="default", choices=("quick", "default", "full"), help="which sweep")
+    parser.add_argument("--quick", action="store_true", help="same as --plan quick (smoke run, < 1 min)")
     parser.add_argument(
-        "--codecs",
-        default="",
-        help="also run DiLoCo with these pseudo-gradient codecs, comma-separated: fp16, int8, int4, and any of "
-        "them with -ef for error feedback (e.g. int4,int4-ef)",
+        "--jobs", type=int, default=2, help="worker processes (one torch thread each); 0 = in this process"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--results", default="", help="JSON-lines file of finished runs, reused and appended to")
+    parser.add_argument("--codecs", default="", help="also DiLoCo H=40 with these codecs, e.g. int4,int4-ef")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list on the last line")
     args = parser.parse_args()
-    if args.steps % args.inner_steps:
-        parser.error("--steps must be a multiple of --inner-steps")
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
-    for name in filter(None, args.codecs.split(",")):
-        if name.removesuffix("-ef") not in ("fp16", "int8", "int4"):
-            parser.error(f"--codecs: unknown codec {name!r} (fp16, int8, int4, optionally with -ef)")
-    ddp = run_arm(args, "ddp")
-    diloco = run_arm(args, "diloco")
-    codecs = {name: run_arm(args, f"diloco-{name}") for name in filter(None, args.codecs.split(","))}
-    result = {
-        "workers": args.workers,
-        "model": args.model,
-        "num_parameters": ddp["num_parameters"],
-        "steps_per_worker": args.steps,
-        "inner_steps": args.inner_steps,
-        "samples_total": args.steps * args.workers * args.batch_size,
-        "diloco_eval_loss": diloco["eval_loss"],
-        "ddp_eval_loss": ddp["eval_loss"],
-        "diloco_bytes": diloco["bytes"],
-        "ddp_bytes": ddp["bytes"],
-        "bytes_ratio_ddp_over_diloco": ddp["bytes"] / max(diloco["bytes"], 1),
-        "eval_loss_ratio_diloco_over_ddp": diloco["eval_loss"] / ddp["eval_loss"],
-        "diloco_wall_s": diloco["wall_s"],
-        "ddp_wall_s": ddp["wall_s"],
-        "codecs": {name: {k: r[k] for k in ("eval_loss", "bytes", "wall_s")} for name, r in codecs.items()},
-    }
+    codecs = [c for c in args.codecs.split(",") if c]
+    for c in codecs:
+        if c.removesuffix("-ef") not in ("fp16", "int8", "int4"):
+            parser.error(f"--codecs: unknown codec {c!r} (fp16, int8, int4, optionally with -ef)")
+    sweep = Sweep(plan("quick" if args.quick else args.plan, args.data, codecs), args.jobs, args.results)
+    started = time.monotonic()
+    sweep.run(lambda line: print(line, file=sys.stderr, flush=True))
+    rows = sweep.rows()
+    print(table(rows))
+    print(f"sweep wall time {time.monotonic() - started:.0f}s, {len(sweep.done)} runs known")
     if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"{'':16}{'eval loss':>12}{'bytes sent':>16}{'wall s':>10}")
-        print(f"{'DDP':16}{ddp['eval_loss']:12.4f}{ddp['bytes']:16,}{ddp['wall_s']:10.1f}")
-        print(f"{'DiLoCo':16}{diloco['eval_loss']:12.4f}{diloco['bytes']:16,}{diloco['wall_s']:10.1f}")
-        for name, r in codecs.items():
-            print(f"{'DiLoCo ' + name:16}{r['eval_loss']:12.4f}{r['bytes']:16,}{r['wall_s']:10.1f}")
-        print(
-            f"DiLoCo/DDP eval loss {result['eval_loss_ratio_diloco_over_ddp']:.3f}; "
-            f"DDP sent {result['bytes_ratio_ddp_over_diloco']:.0f}x the bytes of DiLoCo (H={args.inner_steps})"
-        )
+        print(json.dumps(rows))
     return 0
 
 

@@ -1,0 +1,72 @@
+"""The learning-per-byte bench (scripts/bench/diloco_vs_ddp.py): its JSON contract and the arms' simulations.
+
+The arms are checked against each other where the math says they must agree: with one worker, DiLoCo with plain
+averaging (outer lr 1, momentum 0) is one AdamW run, asynchronous SGD has no staleness and is DDP, and the eager
+overlap's estimate is exactly the worker's own pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "scripts" / "bench"
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+sys.path.insert(0, str(BENCH))
+
+from lpb_arms import Arm, Setup, run_arm  # noqa: E402
+
+KEYS = {"arm", "eval_loss", "eval_loss_std", "seeds", "bytes", "vs_ddp", "outer_lr", "outer_momentum"}
+
+
+def test_quick_json_has_one_finite_row_per_arm():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "diloco_vs_ddp.py"), "--quick", "--json", "--jobs", "0", "--data", str(DATA)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    arms = {row["arm"] for row in rows}
+    assert {"ddp", "async", "diloco-H10", "diloco-H5-delayed", "diloco-H5-eager"} <= arms
+    for row in rows:
+        assert KEYS <= row.keys(), row
+        assert math.isfinite(row["eval_loss"]) and 0 < row["eval_loss"] < math.log(256), row
+        assert row["bytes"] > 0
+        assert (row["outer_lr"] is None) == (not row["arm"].startswith("diloco")), row
+    ddp = next(r for r in rows if r["arm"] == "ddp")
+    assert ddp["vs_ddp"] == 0.0
+    asgd = next(r for r in rows if r["arm"] == "async")
+    assert asgd["bytes"] == 2 * ddp["bytes"]  # W = 2: a push and a pull per worker step vs 2·(W−1)/W per worker
+
+
+SETUP = Setup(str(DATA), "tiny", workers=1, steps=12, seq_len=32, batch_size=2, warmup_steps=2, eval_windows=4)
+
+
+def test_one_worker_plain_averaging_is_one_adamw_run():
+    ddp = run_arm(SETUP, Arm("ddp", 2e-3), seed=0)
+    diloco = run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0), seed=0)
+    assert diloco.eval_loss == pytest.approx(ddp.eval_loss, rel=1e-4)
+
+
+def test_async_without_staleness_is_ddp():
+    ddp = run_arm(SETUP, Arm("ddp", 2e-3), seed=0)
+    asgd = run_arm(SETUP, Arm("async", 2e-3), seed=0)
+    assert asgd.eval_loss == ddp.eval_loss
+
+
+def test_eager_overlap_with_one_worker_is_plain_diloco():
+    off = run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0), seed=0)
+    eager = run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0, "eager"), seed=0)
+    delayed = run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0, "delayed"), seed=0)
+    assert eager.eval_loss == pytest.approx(off.eval_loss, rel=1e-4)
+    assert delayed.eval_loss != pytest.approx(off.eval_loss, rel=1e-4)  # the delay changes the trajectory
+    assert eager.bytes == off.bytes == delayed.bytes
