@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 from hivemind.utils import get_dht_time
@@ -30,10 +29,12 @@ from hivetrain.data import Corpus, stream_seed
 from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer
+from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.overlap import PreviousRound, start_params
+from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner
-from hivetrain.diloco.schedule import PhasePlan, decide_phase_end
+from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.swarm_view import SwarmView
@@ -46,60 +47,6 @@ from hivetrain.peers.records import PeerRecord, fetch_records
 from hivetrain.testing.byzantine import arm_wire_corruption, corrupt_served_state
 
 logger = logging.getLogger(__name__)
-
-_MAX_PHASE_STEPS = 10_000_000  # the schedule ends a phase; this only bounds the loop
-
-
-@dataclass(frozen=True)
-class TrainerOptions:
-    """Per-peer settings that are not part of the run config.
-
-    Args:
-        public_name: shown on the contributors' board.
-        record_ttl_s: our peer record expires after this many seconds unless refreshed.
-        record_interval_s: refresh period of our record, seconds.
-        state_timeout_s: limit of one state-download network call, seconds.
-        max_outer_steps: stop after this epoch (0 = the run config's ``diloco.outer_steps``).
-        dht_lost_after_s: give up (DhtLost) after the DHT has been unreachable this long, seconds.
-        byzantine: fault-harness only: misbehave this way (see ``hivetrain.testing.byzantine``).
-        duty_cycle: train at most this fraction of wall time (0 < F <= 1), sleeping between inner steps.
-        pause_file: while this file exists the peer pauses its inner steps (stays in the swarm); "" = none.
-    """
-
-    public_name: str = ""
-    record_ttl_s: float = 30.0
-    record_interval_s: float = 5.0
-    state_timeout_s: float = 30.0
-    max_outer_steps: int = 0
-    byzantine: str = ""
-    dht_lost_after_s: float = 60.0
-    duty_cycle: float = 1.0
-    pause_file: str = ""
-
-
-@dataclass
-class TrainerStats:
-    """Counters for progress displays and summaries (bytes, samples, seconds)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    state_bytes_downloaded: int = 0
-    rounds_committed: int = 0
-    rounds_failed: int = 0
-    state_downloads: int = 0
-    samples_total: int = 0  # samples of ours in committed outer steps
-    samples_computed: int = 0  # samples of all our inner steps
-    samples_discarded: int = 0  # computed samples that will never reach a committed outer step
-    compute_s: float = 0.0  # seconds in inner steps (duty-cycle sleeps and pauses excluded)
-    last_loss: float | None = None
-    last_eval_loss: float | None = None
-    throughput: float = 0.0
-    peers_seen: int = 0
-    last_round_s: float | None = None
-    last_group_size: int = 0
-    last_failure: str = ""
-    state_hashes: dict[int, str] = field(default_factory=dict)
-    param_sketches: dict[int, bytes] = field(default_factory=dict)  # epoch -> diloco.drift sketch of θ
 
 
 class DilocoTrainer:
@@ -138,10 +85,6 @@ class DilocoTrainer:
         self._sketcher_pool = ThreadPoolExecutor(1, thread_name_prefix="sketch")  # off the critical path
         self._sketch_text: tuple[int, str] = (-1, "")
         self._emit_lock = threading.Lock()
-        self.inner = InnerOptimizer(model, config.diloco)
-        self.batches = corpus.train_batches(
-            config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
-        )
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         arm_wire_corruption(options.byzantine, faults)
         self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
@@ -149,7 +92,7 @@ class DilocoTrainer:
         self._left_reason = ""
         self._exact_average = config.averaging.strategy == "butterfly"
         self._overlap = config.diloco.overlap if self._exact_average else "off"
-        self.plan = PhasePlan(
+        plan = PhasePlan(
             schedule=config.diloco.schedule,
             inner_steps=config.diloco.inner_steps,
             batch_size=config.data.batch_size,
@@ -158,8 +101,10 @@ class DilocoTrainer:
             stale_after_s=options.record_ttl_s,
             max_extrapolation_s=3 * options.record_interval_s,
         )
-        self._phase = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start): published as our progress
-        self._eta_s = float("inf")  # the schedule's estimate of the seconds left in the swarm's phase
+        batches = corpus.train_batches(
+            config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
+        )
+        self.phases = PhaseRunner(InnerOptimizer(model, config.diloco), batches, plan, self.duty, node.peer_id)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         # overlap: the round running in the background, with our contribution and the state it started from
         self._inflight: tuple[Future, Contribution, TrainingState] | None = None
@@ -173,7 +118,7 @@ class DilocoTrainer:
             record_ttl_s=options.record_ttl_s,
             # read the swarm several times per lost-DHT timeout, whatever the record interval
             record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
-            next_interval_s=lambda: self._eta_s / 2,
+            next_interval_s=lambda: self.phases.refresh_hint_s(),
         )
         self.rounds = RoundRunner(
             node.peer_id,
@@ -254,9 +199,9 @@ class DilocoTrainer:
                 if self._inflight is not None:
                     if self._settle() == "resync":
                         continue  # others moved on: download their state first; our contributions stay pending
-                elif self._phase[0] > self.state.epoch:
+                elif self.phases.progress[0] > self.state.epoch:
                     # overlap, just in step with the swarm: its round for our phase needs the state it is reaching
-                    if self._catch_up(self._phase[0]):
+                    if self._catch_up(self.phases.progress[0]):
                         self.outer_phase()
                     continue
                 if self._overlap != "off" and not self._last_epoch():
@@ -345,60 +290,40 @@ class DilocoTrainer:
         """
         start = self._start_state()
         load_into_model(start, self.model)
-        h = self.config.diloco.inner_steps
-        epoch = self.state.epoch
+        h, epoch = self.config.diloco.inner_steps, self.state.epoch
         phase_epoch = self._phase_epoch()  # the round our pseudo-gradient goes to
-        started = last = time.monotonic()
-        slept = 0.0
-        self._phase = (phase_epoch, 0, started)
+        self.phases.begin(phase_epoch)
         self.view.publish()  # others count us in this epoch's schedule from now on
 
         def on_step(i: int, loss: float) -> None:
-            nonlocal last, slept
             self.stats.last_loss = loss
-            if self._stop.is_set():
-                raise _Interrupted()
-            now = time.monotonic()
-            step_s, last = now - last, now
-            self._phase = (phase_epoch, self._phase[1] + self.config.data.batch_size, started)
-            self.on_event({"event": "inner_step", "epoch": epoch, "inner_step": phase_epoch * h + i + 1, "loss": loss})
-            if self.duty is not None:
-                slept += self.duty.after_step(step_s, self._stop)  # sleeps (duty cycle) or blocks (paused)
-                last = time.monotonic()
-                if self._stop.is_set():
-                    raise _Interrupted()
+            with self._emit_lock:
+                self.on_event(
+                    {"event": "inner_step", "epoch": epoch, "inner_step": phase_epoch * h + i + 1, "loss": loss}
+                )
             self._check_dht()
 
-        def should_end(num_steps: int, num_samples: int) -> bool:
-            rate = num_samples / max(time.monotonic() - started, 1e-9)
-            decision = decide_phase_end(
-                self.plan, self.node.peer_id, phase_epoch, num_samples, rate, self.view.records, get_dht_time()
-            )
-            self._eta_s = decision.eta_s if decision.action == "continue" else float("inf")
-            return decision.action == "end"
-
         try:
-            result = self.inner.run(self.batches, phase_epoch * h, _MAX_PHASE_STEPS, on_step, should_end)
-        except _Interrupted:
+            phase = self.phases.run(lambda: self.view.records, self._stop, on_step)
+        except PhaseInterrupted:
             return None
         except FloatingPointError as exc:
             logger.error("inner phase diverged, discarding it: %s", exc)
             self._emit("inner_diverged", reason=str(exc))
             return None
-        wall_s = time.monotonic() - started
-        compute_s = max(0.0, result.duration_s - slept)
-        self.stats.compute_s += compute_s
+        result = phase.inner
+        self.stats.compute_s += phase.compute_s
         self.stats.samples_computed += result.num_samples
-        self.stats.throughput = result.num_samples / max(wall_s, 1e-9)
+        self.stats.throughput = self.phases.last_rate
         self._emit(
             "inner_phase",
             loss=result.mean_loss,
             steps=result.num_steps,
             samples=result.num_samples,
-            compute_s=compute_s,
-            wall_s=wall_s,
+            compute_s=phase.compute_s,
+            wall_s=phase.wall_s,
             round_key=phase_epoch,
-            tokens_per_s=result.num_tokens / max(compute_s, 1e-9),
+            tokens_per_s=result.num_tokens / max(phase.compute_s, 1e-9),
         )
         fresh = Contribution(pseudo_gradient(start, self.model), result.num_samples, phase_epoch)
         if self._pending is not None:
@@ -555,14 +480,7 @@ class DilocoTrainer:
         return loss
 
     def _record(self) -> PeerRecord:
-        phase_epoch, phase_samples, phase_started = self._phase
-        paused = self.duty is not None and self.duty.paused
-        if paused:
-            throughput = 0.0
-        elif phase_samples < 3 * self.config.data.batch_size:  # too few steps to measure: our last phase's rate
-            throughput = self.stats.throughput
-        else:
-            throughput = phase_samples / max(time.monotonic() - phase_started, 1e-9)
+        phase_epoch, phase_samples = self.phases.progress
         sketch_epoch, sketch_text = self._sketch_text
         return PeerRecord(
             peer_id=self.node.peer_id,
@@ -571,7 +489,7 @@ class DilocoTrainer:
             run_id=self.config.run_id,
             model_fingerprint=self.fingerprint,
             epoch=self.state.epoch,
-            throughput=min(throughput, 1e12),
+            throughput=min(self.phases.throughput, 1e12),
             state_hash=self.state_hash,
             param_sketch=sketch_text if sketch_epoch == self.state.epoch else "",
             samples_total=self.stats.samples_total,
@@ -610,10 +528,6 @@ class DilocoTrainer:
         }
         with self._emit_lock:  # the background round emits too
             self.on_event(payload)
-
-
-class _Interrupted(Exception):
-    pass
 
 
 class DhtLost(RuntimeError):

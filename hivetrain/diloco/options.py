@@ -1,0 +1,57 @@
+"""Per-peer settings of a DiLoCo trainer that are not part of the run config, and the counters it keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """Per-peer settings that are not part of the run config.
+
+    Args:
+        public_name: shown on the contributors' board.
+        record_ttl_s: our peer record expires after this many seconds unless refreshed.
+        record_interval_s: refresh period of our record, seconds.
+        state_timeout_s: limit of one state-download network call, seconds.
+        max_outer_steps: stop after this epoch (0 = the run config's ``diloco.outer_steps``).
+        dht_lost_after_s: give up (DhtLost) after the DHT has been unreachable this long, seconds.
+        byzantine: fault-harness only: misbehave this way (see ``hivetrain.testing.byzantine``).
+        duty_cycle: train at most this fraction of wall time (0 < F <= 1), sleeping between inner steps.
+        pause_file: while this file exists the peer pauses its inner steps (stays in the swarm); "" = none.
+    """
+
+    public_name: str = ""
+    record_ttl_s: float = 30.0
+    record_interval_s: float = 5.0
+    state_timeout_s: float = 30.0
+    max_outer_steps: int = 0
+    byzantine: str = ""
+    dht_lost_after_s: float = 60.0
+    duty_cycle: float = 1.0
+    pause_file: str = ""
+
+
+@dataclass
+class TrainerStats:
+    """Counters for progress displays and summaries (bytes, samples, seconds)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    state_bytes_downloaded: int = 0
+    rounds_committed: int = 0
+    rounds_failed: int = 0
+    state_downloads: int = 0
+    samples_total: int = 0  # samples of ours in committed outer steps
+    samples_computed: int = 0  # samples of all our inner steps
+    samples_discarded: int = 0  # computed samples that will never reach a committed outer step
+    compute_s: float = 0.0  # seconds in inner steps (duty-cycle sleeps and pauses excluded)
+    last_loss: float | None = None
+    last_eval_loss: float | None = None
+    throughput: float = 0.0
+    peers_seen: int = 0
+    last_round_s: float | None = None
+    last_group_size: int = 0
+    last_failure: str = ""
+    state_hashes: dict[int, str] = field(default_factory=dict)
+    param_sketches: dict[int, bytes] = field(default_factory=dict)  # epoch -> diloco.drift sketch of θ

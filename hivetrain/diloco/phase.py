@@ -1,0 +1,138 @@
+"""One inner phase of a volunteer: inner steps paced by its duty cycle and ended by the swarm's schedule.
+
+``PhaseRunner.run`` runs AdamW inner steps (``inner.InnerOptimizer``) from whatever θ the model holds, sleeps between
+them as ``duty.DutyCycle`` asks (or blocks while the volunteer paused), and ends the phase when
+``schedule.decide_phase_end`` says so. It keeps our progress (``progress``, ``throughput``) for the record the
+heartbeat publishes, and the schedule's estimate of the seconds left (``eta_s``) for the heartbeat's period.
+
+Units: samples, seconds. ``compute_s`` counts the inner steps only (sleeps and pauses excluded); ``wall_s`` the whole
+phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from hivemind.utils import get_dht_time
+
+from hivetrain.diloco.duty import DutyCycle
+from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
+from hivetrain.diloco.schedule import PhasePlan, decide_phase_end
+from hivetrain.peers.records import PeerRecord
+
+MAX_PHASE_STEPS = 10_000_000  # the schedule ends a phase; this only bounds the loop
+MIN_MEASURED_STEPS = 3  # below this many steps into a phase, our throughput is the last phase's
+
+
+class PhaseInterrupted(Exception):
+    """The trainer is stopping: the phase ended early and its samples are not to be sent."""
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """A finished inner phase: the optimizer's result, with the seconds spent computing and in all."""
+
+    inner: InnerPhaseResult
+    compute_s: float
+    wall_s: float
+
+
+class PhaseRunner:
+    """Runs a peer's inner phases (see the module docstring). One phase at a time; the progress properties may be
+    read from any thread.
+
+    Args:
+        inner: the inner optimizer (AdamW over the model).
+        batches: yields (B, T+1) int64 token windows.
+        plan: the schedule settings.
+        duty: paces the steps (fraction 1 and no pause = no sleep).
+        peer_id: ours (the schedule ignores our own record: our progress is exact).
+    """
+
+    def __init__(
+        self, inner: InnerOptimizer, batches: Iterator[torch.Tensor], plan: PhasePlan, duty: DutyCycle, peer_id: str
+    ):
+        self.inner, self.batches, self.plan, self.duty, self.peer_id = inner, batches, plan, duty, peer_id
+        self._progress = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start)
+        self.last_rate = 0.0  # samples per wall second of our last phase (sleeps included)
+        self.eta_s = float("inf")  # the schedule's estimate of the seconds left in the swarm's phase
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """(epoch our current or last phase is for, samples computed in it)."""
+        return self._progress[0], self._progress[1]
+
+    @property
+    def throughput(self) -> float:
+        """Our effective samples per wall second, as published: 0 while paused, the last phase's rate until a few
+        steps of the current one are measured."""
+        if self.duty.paused:
+            return 0.0
+        _, samples, started = self._progress
+        if samples < MIN_MEASURED_STEPS * self.plan.batch_size:
+            return self.last_rate
+        return samples / max(time.monotonic() - started, 1e-9)
+
+    def refresh_hint_s(self) -> float:
+        """How soon the swarm view should be read again, seconds: often at the start of a phase (0.5, 1, 2, 4 s in:
+        peers that began their phase a moment after us must be counted before we plan ours), then half the
+        schedule's estimate of the time left."""
+        elapsed_s = time.monotonic() - self._progress[2]
+        return min(self.eta_s / 2, max(0.5, elapsed_s))
+
+    def begin(self, phase_epoch: int) -> None:
+        """Mark the start of a phase for ``phase_epoch`` (so the record published next shows it)."""
+        self._progress = (phase_epoch, 0, time.monotonic())
+
+    def run(
+        self,
+        records: Callable[[], list[PeerRecord]],
+        stop: threading.Event,
+        on_step: Callable[[int, float], None],
+    ) -> PhaseResult:
+        """Run the phase begun by ``begin``: inner steps until the schedule ends it.
+
+        Args:
+            records: the swarm's latest records (no I/O expected: the swarm view's cache).
+            stop: set when the trainer stops.
+            on_step: callback(step_index, loss) after each step (events, liveness checks; may raise to abort).
+
+        Raises:
+            PhaseInterrupted: ``stop`` was set.
+            FloatingPointError: the loss became NaN/Inf (the caller discards the phase).
+        """
+        phase_epoch, _, started = self._progress
+        last = started
+        slept = 0.0
+
+        def step_done(i: int, loss: float) -> None:
+            nonlocal last, slept
+            if stop.is_set():
+                raise PhaseInterrupted()
+            now = time.monotonic()
+            step_s, last = now - last, now
+            self._progress = (phase_epoch, self._progress[1] + self.plan.batch_size, started)
+            on_step(i, loss)
+            slept += self.duty.after_step(step_s, stop)  # sleeps (duty cycle) or blocks (paused)
+            last = time.monotonic()
+            if stop.is_set():
+                raise PhaseInterrupted()
+
+        def should_end(num_steps: int, num_samples: int) -> bool:
+            rate = num_samples / max(time.monotonic() - started, 1e-9)
+            decision = decide_phase_end(
+                self.plan, self.peer_id, phase_epoch, num_samples, rate, records(), get_dht_time()
+            )
+            self.eta_s = decision.eta_s if decision.action == "continue" else float("inf")
+            return decision.action == "end"
+
+        first_step = phase_epoch * self.plan.inner_steps  # the cosine schedule follows the swarm's epochs
+        result = self.inner.run(self.batches, first_step, MAX_PHASE_STEPS, step_done, should_end)
+        wall_s = time.monotonic() - started
+        self.last_rate = result.num_samples / max(wall_s, 1e-9)
+        self.eta_s = float("inf")
+        return PhaseResult(result, max(0.0, result.duration_s - slept), wall_s)
