@@ -228,10 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         topology.close()
+    outer = load_run_config(None, {}).diloco
     settings = (
         f"model {args.model}, H={args.inner_steps}, {args.mbps:g} Mbit/s per peer, speeds {args.speeds}"
         f"{'' if duty_supported else ' (duty cycle unsupported: all 1x)'}, NAT peer {args.nat_peer}, "
-        f"{args.seconds:.0f}s per arm; logs in {out}"
+        f"{args.seconds:.0f}s per arm, outer lr {outer.outer_lr:g} momentum {outer.outer_momentum:g} (run defaults); "
+        f"logs in {out}"
     )
     print_table(results, time.time() - started, settings)
     if args.json:
