@@ -70,6 +70,7 @@ class SwarmView:
         self._view_ok = False
         self._view_ok_at = clock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # publish now (request_publish), without waiting for the period
         self._thread = threading.Thread(target=self._heartbeat, name="swarm-view", daemon=True)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -83,6 +84,7 @@ class SwarmView:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the heartbeat (idempotent; waits at most ``timeout_s`` seconds for a read in progress)."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -112,6 +114,11 @@ class SwarmView:
                 publish_record(self.node.dht, self.node.owner_marker, self.make_record(), self.record_ttl_s)
             except Exception as exc:  # noqa: BLE001 - retried by the heartbeat
                 logger.warning("could not publish our record: %r", exc)
+
+    def request_publish(self) -> None:
+        """Publish our record soon, from the heartbeat thread: the caller never blocks on the DHT (a store waits for
+        its replicas, and a stalled peer among them holds it for seconds)."""
+        self._wake.set()
 
     def refresh(self) -> list[PeerRecord]:
         """Read the swarm's records now (blocking: one DHT get and one p2pd call, each bounded); returns the view."""
@@ -147,7 +154,11 @@ class SwarmView:
             return self.record_interval_s
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self._interval_s()):
+        while True:
+            self._wake.wait(self._interval_s())
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self.publish()
             if not self._stop.is_set():
                 self.refresh()

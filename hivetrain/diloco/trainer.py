@@ -164,7 +164,7 @@ class DilocoTrainer:
             self.stats.param_sketches[state.epoch] = encoded
             if self.state is state:
                 self._sketch_text = (state.epoch, sketch_to_text(encoded))
-                self.view.publish()
+                self.view.request_publish()
 
         self._sketcher_pool.submit(sketch)
 
@@ -279,7 +279,7 @@ class DilocoTrainer:
         self.stats.state_bytes_downloaded += state.num_bytes()
         self._note_state()
         self._emit("state_downloaded", reason=decision.reason)
-        self.view.publish()
+        self.view.request_publish()
         return True
 
     def inner_phase(self) -> Contribution | None:
@@ -293,7 +293,7 @@ class DilocoTrainer:
         h, epoch = self.config.diloco.inner_steps, self.state.epoch
         phase_epoch = self._phase_epoch()  # the round our pseudo-gradient goes to
         self.phases.begin(phase_epoch)
-        self.view.publish()  # others count us in this epoch's schedule from now on
+        self.view.request_publish()  # others count us in this epoch's schedule from now on
 
         def on_step(i: int, loss: float) -> None:
             self.stats.last_loss = loss
@@ -358,7 +358,7 @@ class DilocoTrainer:
                     # phase in progress does not read self.state: it runs from its own start point
                     self.state = outcome.state
                     self._note_state(outcome.state_hash)
-                    self.view.publish()
+                    self.view.request_publish()
                 future.set_result(outcome)
             except BaseException as exc:  # noqa: BLE001 - handed to _settle on the train loop's thread
                 future.set_exception(exc)
@@ -395,7 +395,7 @@ class DilocoTrainer:
         if self.state is not outcome.state:  # a background round already applied it
             self.state = outcome.state
             self._note_state(outcome.state_hash)
-            self.view.publish()
+            self.view.request_publish()
         if self._overlap == "eager" and outcome.sent is not None and result.total_weight > 0:
             share = min(1.0, contribution.samples / result.total_weight)
             self._previous = PreviousRound(result.tensors, outcome.sent, share)
