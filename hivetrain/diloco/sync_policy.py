@@ -189,14 +189,19 @@ def decide_after_round(
     return RoundPolicy("retry", failure, backoff_s=min(0.25 * 2 ** (view.attempt - 1), 4.0))
 
 
-def keep_carried(carried_epoch: int, new_epoch: int, carried_samples: int, max_samples: int) -> tuple[bool, str]:
+def keep_carried(
+    carried_epoch: int, new_epoch: int, carried_samples: int, max_samples: int, max_staleness: int = 0
+) -> tuple[bool, str]:
     """May a pseudo-gradient computed against the state of ``carried_epoch`` go into the round of ``new_epoch``?
 
-    One epoch of staleness is kept (a peer that missed a round by seconds, or downloaded the state it missed, still
-    contributes its samples, as in asynchronous SGD with delay 1); more is dropped, as is a contribution whose weight
-    would exceed ``max_samples`` (``averaging.max_samples_per_round``, what other peers accept).
+    A contribution whose round failed while nobody moved on is sent again with the next one (same state: nothing is
+    stale). Past ``max_staleness`` epochs it is dropped, as is a contribution whose weight would exceed
+    ``max_samples`` (``averaging.max_samples_per_round``, what other peers accept). The trainer uses 0: in the
+    utilization bench a pseudo-gradient carried across a state download (one epoch stale) with the weight of two
+    phases took the eval loss from 2.72 to 4.39 for one epoch (dev/LOG.md, 2026-11-25), while the swarm's schedule
+    kept every sample without it.
     """
-    if new_epoch - carried_epoch > 1:
+    if new_epoch - carried_epoch > max_staleness:
         return False, f"computed at epoch {carried_epoch}, {new_epoch - carried_epoch} epochs stale"
     if carried_samples > max_samples:
         return False, f"{carried_samples} samples exceed averaging.max_samples_per_round ({max_samples})"

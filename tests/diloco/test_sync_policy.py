@@ -130,9 +130,12 @@ def test_stopping_stops():
     assert decide_after_round("me", view(stopping=True), [], NOW, **POLICY).action == "stop"
 
 
-def test_carried_contributions_are_kept_one_epoch_stale_and_bounded_by_the_weight_cap():
-    assert keep_carried(3, 3, 100, 1000)[0] and keep_carried(3, 4, 100, 1000)[0]
-    ok, why = keep_carried(3, 5, 100, 1000)
+def test_carried_contributions_are_kept_only_as_stale_as_allowed_and_bounded_by_the_weight_cap():
+    assert keep_carried(3, 3, 100, 1000)[0]
+    ok, why = keep_carried(3, 4, 100, 1000)  # the default: nothing stale (computed against another state)
+    assert not ok and "1 epochs stale" in why
+    assert keep_carried(3, 4, 100, 1000, max_staleness=1)[0]
+    ok, why = keep_carried(3, 5, 100, 1000, max_staleness=1)
     assert not ok and "2 epochs stale" in why
-    ok, why = keep_carried(3, 4, 2000, 1000)
+    ok, why = keep_carried(3, 3, 2000, 1000)
     assert not ok and "max_samples_per_round" in why
