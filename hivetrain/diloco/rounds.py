@@ -7,7 +7,8 @@ the background while the next inner phase runs (``diloco.overlap``).
 
 All-or-nothing (``averaging.base``): a round either commits bit-identical results on every member or applies nothing
 anywhere. A contribution that did not commit is never silently dropped: "resync" and "carry" hand it back to the
-trainer, which sends it with its next pseudo-gradient (only if computed against the same state, ``sync_policy.keep_carried``).
+trainer, which sends it with its next pseudo-gradient if that is computed against the same state, and otherwise
+counts it as discarded (``sync_policy.keep_carried``).
 """
 
 from __future__ import annotations
