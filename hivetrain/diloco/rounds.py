@@ -71,13 +71,17 @@ class RoundOutcome:
 
 
 def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: float, stale_after_s: float):
-    """Peer ids of the live trainers at ``epoch`` (they will average at it): a group closes once all have announced."""
+    """Peer ids of the live trainers that will average at ``epoch``: a group closes once all have announced.
+
+    A record one epoch behind counts too: a peer that just committed ``epoch - 1`` may not have published it yet
+    (records lag by up to a heartbeat), and leaving it out would close the group without it. A peer that really is
+    one epoch behind only makes the group wait for its window, as before expected peers existed."""
     return frozenset(
         r.peer_id
         for r in records
         if r.role == "trainer"
         and r.peer_id != my_peer_id
-        and r.epoch == epoch
+        and (r.epoch in (epoch - 1, epoch) or r.phase_epoch == epoch)
         and r.throughput > 0  # a paused peer publishes 0: it will not come, do not wait for it
         and not r.left_reason
         and now - r.updated_at <= stale_after_s

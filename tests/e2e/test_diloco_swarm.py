@@ -58,7 +58,9 @@ def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path):
 
 
 def test_late_joiner_downloads_state_and_contributes_to_the_next_outer_step(local_swarm):
-    swarm = local_swarm(**{"diloco.outer_steps": 6, "diloco.inner_steps": 40})
+    # long enough that the first two are still training when the late joiner is up (groups close as soon as every
+    # expected peer is ready, so short epochs no longer wait out the matchmaking window)
+    swarm = local_swarm(**{"diloco.outer_steps": 8, "diloco.inner_steps": 600})
     first = [swarm.add_peer() for _ in range(2)]
     wait_for_event(first[0], lambda e: e["event"] == "outer_step" and e["epoch"] >= 1, timeout_s=120)
     late = swarm.add_peer(name="late")
@@ -80,7 +82,13 @@ def test_moshpit_swarm_averages_parameters_in_pairs_and_loss_falls(tmp_path):
     outer steps (momentum stays local), so peers hold different states that must not be taken for forks."""
     config = write_config(
         tmp_path / "run.toml",
-        **{"averaging.strategy": "moshpit", "averaging.target_group_size": 2, "averaging.moshpit_rounds": 1},
+        # phases of a second or more: the swarm's schedule lines peers up from records refreshed every 0.5 s or more
+        **{
+            "averaging.strategy": "moshpit",
+            "averaging.target_group_size": 2,
+            "averaging.moshpit_rounds": 1,
+            "diloco.inner_steps": 100,
+        },
     )
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm", "--peers", "4", "--config", str(config)]

@@ -34,7 +34,7 @@ def test_inner_phases_longer_than_the_lost_dht_timeout_keep_every_peer_in_every_
         tmp_path,
         2,
         ["--peer-args", "--dht-lost-timeout 4"],
-        **{"diloco.inner_steps": 250, "diloco.outer_steps": 2, "diloco.schedule": "steps"},
+        **{"diloco.inner_steps": 800, "diloco.outer_steps": 2, "diloco.schedule": "steps"},
     )
     for name, evs in events.items():
         phases = [e for e in evs if e["event"] == "inner_phase"]
