@@ -20,7 +20,9 @@ from tests.e2e.conftest import wait_for_event, write_config
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("coord")
-    config = write_config(tmp / "run.toml", **{"diloco.outer_steps": 60, "diloco.inner_steps": 10})
+    # Rounds close as soon as both peers are ready, so epochs of 10 steps took 0.2 s and the run ended before the
+    # coordinator test's 60 s outage was over: epochs of about a second, and more than any test here waits for.
+    config = write_config(tmp / "run.toml", **{"diloco.outer_steps": 1000, "diloco.inner_steps": 100})
     swarm = LocalSwarm(tmp / "swarm", config, threads_per_peer=1)
     try:
         swarm.start_coordinator(extra_args=["--checkpoint-dir", str(tmp / "ckpt"), "--http-port", "0"])
