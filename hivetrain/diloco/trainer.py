@@ -147,11 +147,6 @@ class DilocoTrainer:
             cached = self._hash_cache = (self.state, self.state.state_hash())
         return cached[1]
 
-    @property
-    def param_sketch(self) -> bytes:
-        """The run's count sketch of the current θ (``diloco.drift``; 2 KiB fp32), computed once per state."""
-        return self.sketcher.encode(self.state, self.state.params)
-
     def _note_state(self, state_hash: str | None = None) -> None:
         """Remember the new state's hash (and its θ sketch, computed in the background: 17 s for 154M parameters)."""
         state = self.state
