@@ -58,6 +58,8 @@ class PhaseRunner:
     ):
         self.inner, self.batches, self.plan, self.duty, self.peer_id = inner, batches, plan, duty, peer_id
         self._progress = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start)
+        self._done = (0, 0)  # (epoch of our last ended phase, its samples)
+        self._running = False
         self.last_rate = 0.0  # samples per wall second of our last phase (sleeps included)
         self.eta_s = float("inf")  # the schedule's estimate of the seconds left in the swarm's phase
 
@@ -67,13 +69,18 @@ class PhaseRunner:
         return self._progress[0], self._progress[1]
 
     @property
+    def done(self) -> tuple[int, int]:
+        """(epoch of our last ended phase, its samples); (0, 0) before the first phase ends."""
+        return self._done
+
+    @property
     def throughput(self) -> float:
-        """Our effective samples per wall second, as published: 0 while paused, the last phase's rate until a few
-        steps of the current one are measured."""
+        """Our effective samples per wall second, as published: 0 while paused, the last phase's rate between
+        phases and until a few steps of the current one are measured."""
         if self.duty.paused:
             return 0.0
         _, samples, started = self._progress
-        if samples < MIN_MEASURED_STEPS * self.plan.batch_size:
+        if not self._running or samples < MIN_MEASURED_STEPS * self.plan.batch_size:
             return self.last_rate
         return samples / max(time.monotonic() - started, 1e-9)
 
@@ -87,6 +94,9 @@ class PhaseRunner:
     def begin(self, phase_epoch: int) -> None:
         """Mark the start of a phase for ``phase_epoch`` (so the record published next shows it)."""
         self._progress = (phase_epoch, 0, time.monotonic())
+        if self._done[0] == phase_epoch:  # another phase for the same round (after a failed one): it runs anew
+            self._done = (0, 0)
+        self._running = True
 
     def run(
         self,
@@ -131,8 +141,12 @@ class PhaseRunner:
             return decision.action == "end"
 
         first_step = phase_epoch * self.plan.inner_steps  # the cosine schedule follows the swarm's epochs
-        result = self.inner.run(self.batches, first_step, MAX_PHASE_STEPS, step_done, should_end)
+        try:
+            result = self.inner.run(self.batches, first_step, MAX_PHASE_STEPS, step_done, should_end)
+        finally:
+            self._running = False
         wall_s = time.monotonic() - started
         self.last_rate = result.num_samples / max(wall_s, 1e-9)
+        self._done = (phase_epoch, result.num_samples)
         self.eta_s = float("inf")
         return PhaseResult(result, max(0.0, result.duration_s - slept), wall_s)

@@ -10,7 +10,9 @@ time, a fast peer running more inner steps than a slow one (the dynamic local up
 2024, "Asynchronous Local-SGD Training for Language Modeling", Sec. 3.2), and the average stays weighted by samples.
 
 The progress of others comes from their signed records (``PeerRecord.phase_epoch``, ``phase_samples``,
-``throughput``, ``updated_at``), extrapolated from ``updated_at`` to ``now`` by their throughput. A record is a
+``throughput``, ``updated_at``), extrapolated from ``updated_at`` to ``now`` by their throughput; a peer whose phase
+for the epoch has ended (``done_epoch``, ``done_samples``) counts with its final samples. Without that, a slow peer
+whose step outlasts the others' phase end would see them gone to the next epoch (overlap) and count itself alone. A record is a
 claim, so every claimed number is bounded: extrapolation covers at most ``max_extrapolation_s``, and one peer counts
 for at most ``max_samples_per_peer`` samples, so a liar can shorten an epoch only to what that bound allows.
 
@@ -90,29 +92,33 @@ def decide_phase_end(
         if my_samples >= target:
             return PhaseDecision("end", f"ran {plan.inner_steps} inner steps", my_samples, target)
         return PhaseDecision("continue", "fixed H", my_samples, target)
-    peers = [
+    live = [
         r
         for r in records
         if r.peer_id != my_peer_id
         and r.role == "trainer"
         and not r.left_reason
-        and r.phase_epoch == phase_epoch
         and now - r.updated_at <= plan.stale_after_s
     ]
-    num_peers = 1 + len(peers)
+    # A peer whose phase for this epoch ended counts with its final samples, not extrapolated: with overlap it has
+    # moved on to the next epoch's phase already, and without overlap it waits for the round.
+    done = [r for r in live if r.done_epoch == phase_epoch and r.done_samples > 0]
+    running = [r for r in live if r.phase_epoch == phase_epoch and r not in done]
+    num_peers = 1 + len(done) + len(running)
     step_s = plan.batch_size / my_samples_per_s if my_samples_per_s > 0 else float("inf")
+    finished = sum(min(r.done_samples, plan.max_samples_per_peer) for r in done)
 
     def swarm_samples(ahead_s: float, mine: float) -> float:
         """The swarm's samples ``ahead_s`` seconds from now: each record extrapolated by its throughput, bounded."""
-        total = mine
-        for r in peers:
+        total = mine + finished
+        for r in running:
             elapsed_s = min(max(now - r.updated_at, 0.0) + ahead_s, plan.max_extrapolation_s)
             total += min(r.phase_samples + r.throughput * elapsed_s, plan.max_samples_per_peer)
         return total
 
     target = plan.target_samples_per_epoch or plan.inner_steps * plan.batch_size * num_peers
     total = swarm_samples(0.0, my_samples)
-    rate = my_samples_per_s + sum(r.throughput for r in peers)
+    rate = my_samples_per_s + sum(r.throughput for r in running)
     eta_s = max(0.0, target - total) / rate if rate > 0 else float("inf")
     if my_samples >= plan.max_samples_per_peer:
         return PhaseDecision("end", f"our {my_samples} samples reach the per-peer bound", total, target, num_peers)

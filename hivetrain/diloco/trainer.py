@@ -306,6 +306,7 @@ class DilocoTrainer:
             logger.error("inner phase diverged, discarding it: %s", exc)
             self._emit("inner_diverged", reason=str(exc))
             return None
+        self.view.request_publish()  # others stop counting on our progress for this round
         result = phase.inner
         self.stats.compute_s += phase.compute_s
         self.stats.samples_computed += result.num_samples
@@ -476,6 +477,7 @@ class DilocoTrainer:
 
     def _record(self) -> PeerRecord:
         phase_epoch, phase_samples = self.phases.progress
+        done_epoch, done_samples = self.phases.done
         sketch_epoch, sketch_text = self._sketch_text
         return PeerRecord(
             peer_id=self.node.peer_id,
@@ -501,6 +503,8 @@ class DilocoTrainer:
             last_failure=self.stats.last_failure[:200],
             phase_epoch=phase_epoch,
             phase_samples=phase_samples,
+            done_epoch=done_epoch,
+            done_samples=done_samples,
             left_reason=self._left_reason,
             updated_at=get_dht_time(),
         )

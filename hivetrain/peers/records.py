@@ -66,6 +66,8 @@ class PeerRecord(BaseModel):
     last_failure: str = Field(default="", max_length=200, description="reason of the last failed round")
     phase_epoch: int = Field(default=0, ge=0, description="epoch (round key) the inner phase in progress is for")
     phase_samples: int = Field(default=0, ge=0, description="samples computed so far for `phase_epoch`")
+    done_epoch: int = Field(default=0, ge=0, description="epoch (round key) of the last inner phase that ended")
+    done_samples: int = Field(default=0, ge=0, description="samples of that phase (0: no phase ended yet)")
     left_reason: str = Field(default="", max_length=200, description="set in the last record of a peer that left")
     updated_at: float = Field(ge=0.0)
 

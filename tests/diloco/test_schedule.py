@@ -90,3 +90,32 @@ def test_end_before_a_step_that_would_finish_after_the_swarm():
 def test_the_first_step_always_runs():
     d = decide_phase_end(SWARM, "me", 3, 0, 0.0, [rec("a", samples=10**6, throughput=8.0)], NOW)
     assert d.action == "continue"
+
+
+def done(peer, epoch=3, samples=0, phase_epoch=None, throughput=8.0):
+    """The record of a peer whose phase for ``epoch`` ended with ``samples`` (now in ``phase_epoch``'s phase)."""
+    r = rec(peer, phase_epoch=epoch if phase_epoch is None else phase_epoch, samples=0, throughput=throughput)
+    return r.model_copy(update={"done_epoch": epoch, "done_samples": samples})
+
+
+def test_peers_whose_phase_ended_count_with_their_final_samples_after_moving_to_the_next_epoch():
+    # Overlap: the two fast peers ended their phase for epoch 3 (the swarm had 240 of 240 by their count) and run
+    # epoch 4's. The slow peer's step ended just after: it must see the epoch as done, not count itself alone.
+    records = [done("fast", samples=150, phase_epoch=4), done("mid", samples=70, phase_epoch=4)]
+    d = decide_phase_end(SWARM, "me", 3, 24, 2.0, records, NOW)
+    assert d.action == "end" and d.num_peers == 3 and d.target_samples == 240 and d.swarm_samples == 244
+    # with 16 samples the swarm is 4 short: one more step of ours, and none of theirs is extrapolated
+    d = decide_phase_end(SWARM, "me", 3, 16, 2.0, records, NOW)
+    assert d.action == "continue" and d.swarm_samples == 236
+
+
+def test_a_peer_waiting_for_the_round_is_not_extrapolated():
+    # Without overlap a peer that ended its phase stays at phase_epoch 3 and still publishes a throughput.
+    d = decide_phase_end(SWARM, "me", 3, 8, 8.0, [done("a", samples=40, phase_epoch=3, throughput=100.0)], NOW)
+    assert d.swarm_samples == 48 and d.action == "continue"
+
+
+def test_a_finished_phase_claim_is_bounded_like_progress():
+    plan = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, max_samples_per_peer=100)
+    d = decide_phase_end(plan, "me", 3, 8, 8.0, [done("liar", samples=10**9, phase_epoch=4)], NOW)
+    assert d.action == "continue" and d.swarm_samples == 108
