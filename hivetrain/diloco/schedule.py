@@ -12,9 +12,10 @@ time, a fast peer running more inner steps than a slow one (the dynamic local up
 The progress of others comes from their signed records (``PeerRecord.phase_epoch``, ``phase_samples``,
 ``throughput``, ``updated_at``), extrapolated from ``updated_at`` to ``now`` by their throughput; a peer whose phase
 for the epoch has ended (``done_epoch``, ``done_samples``) counts with its final samples. Without that, a slow peer
-whose step outlasts the others' phase end would see them gone to the next epoch (overlap) and count itself alone. A record is a
-claim, so every claimed number is bounded: extrapolation covers at most ``max_extrapolation_s``, and one peer counts
-for at most ``max_samples_per_peer`` samples, so a liar can shorten an epoch only to what that bound allows.
+whose step outlasts the others' phase end would see them gone to the next epoch (overlap) and count itself alone.
+A record is a claim, so every claimed number is bounded: extrapolation covers at most ``max_extrapolation_s``, and
+one peer counts for at most ``max_samples_per_peer`` samples, so a liar can shorten an epoch only to what that bound
+allows.
 
 Pure: no I/O, no clock (``now`` is DHT time, seconds).
 """

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from hivemind.utils import get_dht_time
@@ -26,12 +26,12 @@ from hivetrain import __version__
 from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
+from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
-from hivetrain.diloco.overlap import PreviousRound, start_params
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner
 from hivetrain.diloco.schedule import PhasePlan
@@ -53,9 +53,9 @@ class DilocoTrainer:
     """Runs one DiLoCo peer until ``stop()`` or the configured number of outer steps.
 
     The train loop reads on one screen (``run``): state sync, inner phase, outer step. With ``diloco.overlap`` the
-    epoch's round runs in the background (``_launch``) while the next inner phase runs: when it commits it replaces
-    ``self.state`` at once (the phase in progress runs from its own start point and never reads it) and the train
-    loop settles it (statistics, evaluation, or carrying its contribution) when that phase ends.
+    epoch's round runs in the background (``BackgroundRound``) while the next inner phase runs: when it commits it
+    replaces ``self.state`` at once (the phase in progress runs from its own start point and never reads it) and the
+    train loop settles it (statistics, evaluation, or carrying its contribution) when that phase ends.
     """
 
     def __init__(
@@ -106,9 +106,6 @@ class DilocoTrainer:
         )
         self.phases = PhaseRunner(InnerOptimizer(model, config.diloco), batches, plan, self.duty, node.peer_id)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
-        # overlap: the round running in the background, with our contribution and the state it started from
-        self._inflight: tuple[Future, Contribution, TrainingState] | None = None
-        self._previous: PreviousRound | None = None  # our last committed round (for overlap = "eager")
         self.view = SwarmView(
             node,
             loop,
@@ -131,6 +128,10 @@ class DilocoTrainer:
             self._stop,
             stale_after_s=options.record_ttl_s,
             dht_lost_after_s=options.dht_lost_after_s,
+        )
+        diloco = config.diloco
+        self.background = BackgroundRound(
+            self.rounds, self._overlap, diloco.outer_lr, diloco.outer_momentum, self._committed_in_background
         )
         self._note_state()
 
@@ -186,13 +187,13 @@ class DilocoTrainer:
         try:
             while not self._stop.is_set() and not self._done():
                 self._check_dht()
-                if self._inflight is None and not self.sync_state():
+                if not self.background.in_flight and not self.sync_state():
                     continue
                 phase = self.inner_phase()
                 if phase is None:
                     continue
-                if self._inflight is not None:
-                    if self._settle() == "resync":
+                if self.background.in_flight:
+                    if self._apply(*self.background.settle()) == "resync":
                         continue  # others moved on: download their state first; our contributions stay pending
                 elif self.phases.progress[0] > self.state.epoch:
                     # overlap, just in step with the swarm: its round for our phase needs the state it is reaching
@@ -200,17 +201,16 @@ class DilocoTrainer:
                         self.outer_phase()
                     continue
                 if self._overlap != "off" and not self._last_epoch():
-                    self._launch()
+                    contribution, self._pending = self._pending, None
+                    self.background.launch(self.state, self.state_hash, contribution)
                 else:
                     self.outer_phase()
         finally:
-            if self._inflight is not None:  # we are stopping: do not wait for it (it ends within its timeouts)
-                future, contribution, _ = self._inflight
-                self._inflight = None
-                if future.done() and future.exception() is None:
-                    self._apply(future.result(), contribution)
-                else:
-                    self._discard(contribution.samples, "the peer stopped during a background round")
+            outcome, contribution = self.background.abandon()  # stopping: do not wait (it ends within its timeouts)
+            if outcome is not None and contribution is not None:
+                self._apply(outcome, contribution)
+            elif contribution is not None:
+                self._discard(contribution.samples, "the peer stopped during a background round")
             if self._pending is not None:
                 self._discard(self._pending.samples, "the peer stopped before sending them")
                 self._pending = None
@@ -269,7 +269,7 @@ class DilocoTrainer:
             self._stop.wait(1.0)
             return False
         self.state = state
-        self._previous = None  # our last round's average is not the one that led to this state
+        self.background.forget()
         self.stats.state_downloads += 1
         self.stats.state_bytes_downloaded += state.num_bytes()
         self._note_state()
@@ -281,9 +281,9 @@ class DilocoTrainer:
         """Inner steps from our start point until the schedule ends the phase (``diloco.schedule``); the result,
         with anything carried from earlier, becomes ``self._pending``. Returns it, or None if interrupted/diverged.
 
-        The start point is θ, or with a round in flight (overlap) ``overlap.start_params``.
+        The start point is θ, or with a round in flight (overlap) ``BackgroundRound.start_state``.
         """
-        start = self._start_state()
+        start = self.background.start_state(self.state)
         load_into_model(start, self.model)
         h, epoch = self.config.diloco.inner_steps, self.state.epoch
         phase_epoch = self._phase_epoch()  # the round our pseudo-gradient goes to
@@ -339,38 +339,13 @@ class DilocoTrainer:
         outcome = self.rounds.run(self.state, self.state_hash, contribution)
         return self._apply(outcome, contribution)
 
-    def _launch(self) -> None:
-        """Overlap: start the round of our pending contribution in the background; the next phase runs meanwhile."""
-        contribution, self._pending = self._pending, None
-        assert contribution is not None
-        future: Future = Future()
-        state, state_hash = self.state, self.state_hash
-
-        def run_round() -> None:
-            try:
-                outcome = self.rounds.run(state, state_hash, contribution)
-                if outcome.policy.action == "apply" and outcome.state is not None:
-                    # publish the new shared state at once (peers see our epoch, joiners can download it); the
-                    # phase in progress does not read self.state: it runs from its own start point
-                    self.state = outcome.state
-                    self._note_state(outcome.state_hash)
-                    self.view.request_publish()
-                future.set_result(outcome)
-            except BaseException as exc:  # noqa: BLE001 - handed to _settle on the train loop's thread
-                future.set_exception(exc)
-
-        # a daemon thread: a peer that stops does not wait for a round in flight (it ends within its own timeouts)
-        self._inflight = (future, contribution, state)
-        threading.Thread(target=run_round, name=f"round-e{state.epoch}", daemon=True).start()
-
-    def _settle(self) -> str:
-        """Overlap: wait for the round in flight (bounded by its own timeouts) and apply it, or carry its part.
-
-        Raises what the round raised (as the synchronous ``outer_phase`` would)."""
-        assert self._inflight is not None
-        future, contribution, _ = self._inflight
-        self._inflight = None
-        return self._apply(future.result(), contribution)
+    def _committed_in_background(self, outcome: RoundOutcome) -> None:
+        """Overlap: a background round committed. Publish the new shared state at once (peers see our epoch,
+        joiners can download it); the phase in progress runs from its own start point and never reads it."""
+        assert outcome.state is not None
+        self.state = outcome.state
+        self._note_state(outcome.state_hash)
+        self.view.request_publish()
 
     def _apply(self, outcome: RoundOutcome, contribution: Contribution) -> str:
         """Apply a committed round, or keep its contribution pending (resync/carry). Returns the policy's action."""
@@ -392,9 +367,7 @@ class DilocoTrainer:
             self.state = outcome.state
             self._note_state(outcome.state_hash)
             self.view.request_publish()
-        if self._overlap == "eager" and outcome.sent is not None and result.total_weight > 0:
-            share = min(1.0, contribution.samples / result.total_weight)
-            self._previous = PreviousRound(result.tensors, outcome.sent, share)
+        self.background.remember(outcome, contribution)
         self.stats.rounds_committed += 1
         self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
         self.stats.samples_total += contribution.samples
@@ -419,8 +392,8 @@ class DilocoTrainer:
         """The round our next phase computes for: our epoch, +1 with a round in flight. With overlap, a peer that
         just downloaded state (no round in flight) is one round behind the swarm, whose phases are for epoch + 1:
         it joins their phase (at most one ahead of its state, whatever records claim) and catches up after it."""
-        if self._inflight is not None:
-            return self._inflight[2].epoch + 1
+        if self.background.in_flight:
+            return self.background.base_epoch + 1
         epoch = self.state.epoch
         if self._overlap == "off":
             return epoch
@@ -448,19 +421,6 @@ class DilocoTrainer:
             self._stop.wait(0.2)
         self.sync_state()
         return self.state.epoch == epoch
-
-    def _start_state(self) -> TrainingState:
-        """θ the next inner phase starts from: the shared θ, or with a round in flight its overlap estimate."""
-        if self._inflight is None:
-            return self.state
-        _, in_flight, base = self._inflight
-        if self.state is not base:  # the round committed already: its state is the start point
-            return self.state
-        diloco = self.config.diloco
-        params = start_params(
-            base, in_flight.delta, self._previous, self._overlap, diloco.outer_lr, diloco.outer_momentum
-        )
-        return TrainingState(epoch=base.epoch, params=params, momentum=base.momentum)
 
     def _discard(self, samples: int, reason: str) -> None:
         if samples <= 0:
