@@ -6,22 +6,11 @@ import torch
 from hivetrain.coordinator.dashboard import RunInfo
 from hivetrain.coordinator.observer import MAX_SKETCH_EPOCHS, SwarmObserver
 from hivetrain.diloco.drift import SKETCH_SIZE, encode_sketch, sketch_to_text
-from hivetrain.peers.records import PeerRecord
+from tests.records import peer_record
 
 
 def rec(peer, epoch, **kw):
-    fields = dict(
-        peer_id=peer,
-        role="trainer",
-        version="0.1.0",
-        run_id="r",
-        model_fingerprint="f",
-        epoch=epoch,
-        throughput=10.0,
-        updated_at=100.0,
-    )
-    fields.update(kw)
-    return PeerRecord(**fields)
+    return peer_record(peer, epoch, **{"throughput": 10.0, **kw})
 
 
 def test_loss_curve_rounds_and_contributors_survive_peers_leaving():

@@ -9,24 +9,14 @@ from dataclasses import replace
 
 from hivetrain.coordinator.dashboard import DashboardServer, LeftPeerRow, RunInfo
 from hivetrain.coordinator.observer import MAX_LEFT, SwarmObserver
-from hivetrain.peers.records import PeerRecord
 from tests.coordinator.conftest import SnapshotHolder, make_snapshot
+from tests.records import peer_record
 
 DHT_LOST = "lost the DHT: could not read the swarm for 72s (did the p2pd daemon die?)"
 
 
-def rec(peer: str, epoch: int, updated_at: float, **kw) -> PeerRecord:
-    fields = dict(
-        peer_id=peer,
-        role="trainer",
-        version="0.1.0",
-        run_id="r",
-        model_fingerprint="f",
-        epoch=epoch,
-        throughput=10.0,
-        updated_at=updated_at,
-    )
-    return PeerRecord(**{**fields, **kw})
+def rec(peer: str, epoch: int, updated_at: float, **kw):
+    return peer_record(peer, epoch, updated_at, **{"throughput": 10.0, **kw})
 
 
 def observer() -> SwarmObserver:

@@ -16,24 +16,14 @@ from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.rounds import Contribution, RoundRunner, expected_peers
 from hivetrain.diloco.state import TrainingState
 from hivetrain.faults import NO_FAULTS
-from hivetrain.peers.records import PeerRecord
+from tests.records import peer_record
 
 CONFIG = RunConfig.from_dict({"averaging": {"max_retries": 1, "round_timeout_s": 20.0}})
 
 
 def rec(peer, epoch, phase_epoch=None, digest="h"):
-    return PeerRecord(
-        peer_id=peer,
-        role="trainer",
-        version="0.1.0",
-        run_id="r",
-        model_fingerprint="f",
-        epoch=epoch,
-        phase_epoch=epoch if phase_epoch is None else phase_epoch,
-        throughput=1.0,
-        state_hash=digest,
-        updated_at=get_dht_time(),
-    )
+    phase_epoch = epoch if phase_epoch is None else phase_epoch
+    return peer_record(peer, epoch, get_dht_time(), phase_epoch=phase_epoch, state_hash=digest)
 
 
 class FakeView:

@@ -1,25 +1,22 @@
 """The swarm's schedule (pure): when a peer ends its inner phase, from the progress others publish."""
 
 from hivetrain.diloco.schedule import PhasePlan, decide_phase_end
-from hivetrain.peers.records import PeerRecord
+from tests.records import peer_record
 
 NOW = 1000.0
 SWARM = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, stale_after_s=30.0, max_extrapolation_s=15.0)
 
 
 def rec(peer, phase_epoch=3, samples=0, throughput=0.0, age=0.0, role="trainer", left=""):
-    return PeerRecord(
-        peer_id=peer,
+    return peer_record(
+        peer,
+        phase_epoch,
+        NOW - age,
         role=role,
-        version="0.1.0",
-        run_id="r",
-        model_fingerprint="f",
-        epoch=phase_epoch,
         throughput=throughput,
         phase_epoch=phase_epoch,
         phase_samples=samples,
         left_reason=left,
-        updated_at=NOW - age,
     )
 
 

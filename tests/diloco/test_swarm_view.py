@@ -5,7 +5,7 @@ import time
 from hivemind.utils import get_dht_time
 
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.peers.records import PeerRecord
+from tests.records import peer_record
 
 
 class SlowDht:
@@ -28,17 +28,8 @@ class Node:
         self.dht, self.peer_id, self.owner_marker = dht, "me", b"me"
 
 
-def record() -> PeerRecord:
-    return PeerRecord(
-        peer_id="me",
-        role="trainer",
-        version="0.1.0",
-        run_id="r",
-        model_fingerprint="f",
-        epoch=0,
-        throughput=0.0,
-        updated_at=get_dht_time(),
-    )
+def record():
+    return peer_record("me", 0, get_dht_time(), throughput=0.0)
 
 
 def test_request_publish_returns_at_once_and_the_heartbeat_publishes_soon():

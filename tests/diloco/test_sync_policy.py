@@ -8,23 +8,13 @@ from hivetrain.diloco.sync_policy import (
     may_commit_alone,
     published_hashes,
 )
-from hivetrain.peers.records import PeerRecord
+from tests.records import peer_record
 
 NOW = 1000.0
 
 
 def rec(peer, epoch, digest, role="trainer", age=0.0):
-    return PeerRecord(
-        peer_id=peer,
-        role=role,
-        version="0.1.0",
-        run_id="r",
-        model_fingerprint="f",
-        epoch=epoch,
-        throughput=1.0,
-        state_hash=digest,
-        updated_at=NOW - age,
-    )
+    return peer_record(peer, epoch, NOW - age, role=role, state_hash=digest)
 
 
 def test_in_sync_keeps_training():
