@@ -1,14 +1,22 @@
 """Start a peer's DHT node: persistent identity, listen/announce addresses, bootstrap with a bounded wait.
 
 The DHT (hivemind, libp2p via the p2pd daemon shipped in hivemind's wheel) runs in a child process. Records signed by
-the peer's identity are validated by every node (``RSASignatureValidator`` with the identity's key).
+the peer's identity are validated by every node (``RSASignatureValidator`` with the identity's key), and hivetrain's
+records are bounded by ``RecordGuard`` (``peers/validators.py``: schema, size, expiration, timestamps, epochs).
+
+A failed bootstrap says why: an initial peer that cannot be reached, an identity another live peer already uses, a
+clock too far from the initial peer's, or an initial peer that cannot dial us back (``explain_bootstrap_failure``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -16,12 +24,20 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from hivetrain.peers.identity import Identity, load_or_create_identity
+from hivetrain.peers.validators import RecordBounds, RecordGuard
 
 logger = logging.getLogger(__name__)
 
 
+BootstrapCause = Literal["unreachable", "identity_in_use", "clock_skew", "not_dialable", "start_failed"]
+
+
 class BootstrapFailed(RuntimeError):
-    """No initial peer could be reached; the message names the addresses tried and what to check."""
+    """The node could not join: the message says why and what to do; ``cause`` is the same for programs."""
+
+    def __init__(self, message: str, cause: BootstrapCause = "unreachable"):
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,10 @@ class NodeConfig:
         startup_timeout_s: give up bootstrapping after this many seconds.
         client_mode: do not accept incoming connections (for peers behind NAT without port forwarding).
         use_relay: allow reaching/being reached through libp2p circuit relays.
+        extra_validators: more hivemind record validators for this node.
+        run_ids: runs whose peer and stage records this node checks from the start (more can be added once the
+            run is known: ``PeerNode.guard_run``).
+        record_bounds: the caps every hivetrain record must respect (``RecordGuard``).
     """
 
     initial_peers: tuple[str, ...] = ()
@@ -46,6 +66,8 @@ class NodeConfig:
     client_mode: bool = False
     use_relay: bool = True
     extra_validators: tuple = field(default_factory=tuple)
+    run_ids: tuple[str, ...] = ()
+    record_bounds: RecordBounds = RecordBounds()
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
@@ -88,6 +110,25 @@ class PeerNode:
         """Full multiaddrs (with /p2p/ID) others can use as initial peers."""
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
+    def guard_run(self, run_id: str) -> None:
+        """Have this node check the peer and stage records of ``run_id`` (``RecordGuard``) from now on."""
+        self.dht.add_validators([RecordGuard(self.config.record_bounds, run_ids=(run_id,))])
+
+    def clock_offset_s(self, timeout_s: float = 5.0, max_peers: int = 8) -> float | None:
+        """How far our clock is ahead of the swarm's (negative: behind), seconds: the median over up to
+        ``max_peers`` DHT neighbours of our time at the middle of a ping minus the time they answered.
+
+        Returns:
+            The offset, or None if no neighbour answered within ``timeout_s`` (alone, or the DHT is down).
+        """
+        future = self.dht.run_coroutine(partial(_probe_clock, max_peers=max_peers, timeout_s=timeout_s), True)
+        try:
+            offsets = future.result(timeout=timeout_s + 1.0)
+        except Exception as exc:  # noqa: BLE001 - a failed probe means "unknown"
+            logger.debug("clock probe failed: %s", exc)
+            return None
+        return statistics.median(offsets) if offsets else None
+
     def shutdown(self) -> None:
         """Stop the DHT process and its p2pd daemon; idempotent."""
         if self.dht.is_alive():
@@ -110,7 +151,8 @@ def start_node(config: NodeConfig) -> PeerNode:
         ValueError: the identity file is invalid.
     """
     identity = load_or_create_identity(config.identity_path)
-    validators = [RSASignatureValidator(identity.private_key), *config.extra_validators]
+    guard = RecordGuard(config.record_bounds, run_ids=config.run_ids)
+    validators = [RSASignatureValidator(identity.private_key), guard, *config.extra_validators]
     started = time.monotonic()
     dht = hivemind.DHT(
         initial_peers=list(config.initial_peers),
@@ -133,17 +175,62 @@ def start_node(config: NodeConfig) -> PeerNode:
             dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise BootstrapFailed(_bootstrap_message(config, exc, time.monotonic() - started)) from None
+        cause, message = explain_bootstrap_failure(config, identity, str(exc), time.monotonic() - started)
+        raise BootstrapFailed(message, cause) from None
     logger.info("DHT node %s up in %.1fs", identity.peer_id, time.monotonic() - started)
     return PeerNode(dht=dht, identity=identity, config=config)
 
 
-def _bootstrap_message(config: NodeConfig, exc: BaseException, elapsed_s: float) -> str:
+_IDENTITY_TAKEN_RE = re.compile(r"Identity from `(.*?)` is already taken")
+_CLOCK_RE = re.compile(r"local time must be within ([\d.]+) seconds\s*of others\s*\(local: ([\d.]+), peer: ([\d.]+)\)")
+_NOT_DIALABLE_RE = re.compile(r"can't access this node")
+
+
+def explain_bootstrap_failure(
+    config: NodeConfig, identity: Identity, error: str, elapsed_s: float
+) -> tuple[BootstrapCause, str]:
+    """Why the DHT node failed to start, from hivemind's error text, and what to do about it.
+
+    hivemind refuses to join (all three are correct refusals, not network failures) when another live peer of the
+    swarm already uses our identity (``P2P.create``'s identity check), when our DHT time differs from an initial
+    peer's by more than 3 s (``DHTProtocol.call_ping``), or when the initial peer cannot dial us back.
+
+    Args:
+        config: the node's config (initial peers, limits).
+        identity: the identity the node ran under (its file is named in the message).
+        error: the text of the exception the DHT process raised.
+        elapsed_s: seconds from start to failure.
+
+    Returns:
+        (cause, message): the message says what is wrong and what to do.
+    """
+    if _IDENTITY_TAKEN_RE.search(error):
+        return "identity_in_use", (
+            f"another live peer already uses the identity in {identity.path} (peer ID {identity.peer_id}), so the "
+            "swarm refused this one. Each peer needs its own identity: give this one its own --identity-path (a "
+            "missing file is created), or, if the other process is an earlier run of this peer, stop it first."
+        )
+    clock = _CLOCK_RE.search(error)
+    if clock:
+        limit_s, local, peer = (float(g) for g in clock.groups())
+        offset_s = local - peer
+        return "clock_skew", (
+            f"your clock is {abs(offset_s):.1f} s {'ahead of' if offset_s > 0 else 'behind'} the initial peer's, "
+            f"and peers refuse a node whose clock is more than {limit_s:g} s off. Enable time synchronisation (NTP), "
+            "e.g. `sudo timedatectl set-ntp true` on Linux or 'Set time automatically' on Windows/macOS, then retry."
+        )
     if not config.initial_peers:
-        return f"could not start the DHT node after {elapsed_s:.1f}s: {exc}"
+        return "start_failed", f"could not start the DHT node after {elapsed_s:.1f}s: {error}"
     tried = "\n  ".join(config.initial_peers)
-    cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-    return (
+    if _NOT_DIALABLE_RE.search(error):
+        return "not_dialable", (
+            "the initial peer answered but could not connect back to this node.\n"
+            f"Tried:\n  {tried}\n"
+            "If you are behind NAT without port forwarding, add --client-mode; otherwise forward/open the TCP port of "
+            "--host-maddrs and set --announce-maddrs to the public address others should dial."
+        )
+    cause = error.strip().splitlines()[-1] if error.strip() else "no error text"
+    return "unreachable", (
         f"could not reach any initial peer within {elapsed_s:.1f}s (limit {config.startup_timeout_s:.0f}s).\n"
         f"Tried:\n  {tried}\n"
         f"Cause: {cause}\n"
@@ -151,3 +238,42 @@ def _bootstrap_message(config: NodeConfig, exc: BaseException, elapsed_s: float)
         "the coordinator is running; its TCP port is open to you (firewall, NAT port forwarding); "
         "and that you can reach the host (e.g. `nc -vz HOST PORT`)."
     )
+
+
+def clock_skew_problem(offset_s: float | None, bounds: RecordBounds) -> str | None:
+    """What to tell the user when our clock is off by ``offset_s`` seconds (``PeerNode.clock_offset_s``), or None.
+
+    Other peers refuse our records once our timestamps are more than ``bounds.max_clock_skew_s`` ahead of their
+    clocks, and count us as gone when they look older than the record TTL; half the allowance is the warning line.
+    """
+    if offset_s is None or abs(offset_s) <= bounds.max_clock_skew_s / 2:
+        return None
+    return (
+        f"your clock is {abs(offset_s):.1f} s {'ahead of' if offset_s > 0 else 'behind'} the other peers': "
+        f"they refuse records more than {bounds.max_clock_skew_s:g} s ahead and drop peers that look stale. "
+        "Enable time synchronisation (NTP), e.g. `sudo timedatectl set-ntp true` on Linux."
+    )
+
+
+async def _probe_clock(_dht, node, max_peers: int, timeout_s: float) -> list[float]:
+    """Runs in the DHT process: (our time at the middle of each ping) - (the neighbour's DHT time in its answer)."""
+    import asyncio
+
+    from hivemind.proto import dht_pb2
+    from hivemind.utils import get_dht_time
+
+    neighbours = node.protocol.routing_table.get_nearest_neighbors(node.node_id, k=max_peers, exclude=node.node_id)
+
+    async def ping(peer_id) -> float | None:
+        started = get_dht_time()
+        response = await node.protocol.get_stub(peer_id).rpc_ping(dht_pb2.PingRequest(), timeout=timeout_s)
+        ended = get_dht_time()
+        return (started + ended) / 2 - response.dht_time if response.dht_time else None
+
+    tasks = [asyncio.create_task(ping(peer_id)) for _, peer_id in neighbours]
+    if not tasks:
+        return []
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    return [t.result() for t in done if t.exception() is None and t.result() is not None]

@@ -1,0 +1,277 @@
+"""DHT hygiene: every honest node refuses hivetrain records that are malformed, oversized, far-future or out of bounds.
+
+hivemind calls a node's record validators when another node asks it to store a record, when a node returns records
+to our reads, and on our own stores (``hivemind/dht/protocol.py``, ``node.py``). ``RecordGuard`` is one such
+validator. A record it refuses is neither stored nor read by an honest node, so a hostile record can live only on the
+hostile node itself, and every dictionary that node returns is dropped whole by honest readers (hivemind validates a
+dictionary's every subkey). What a record must satisfy (``check_record``, a pure function of the record and ``now``):
+
+- size: the serialized value is at most ``RecordBounds.max_*_bytes`` for its kind;
+- one record per peer per key: the subkey is the signer's ``[owner:...]`` marker (``|ready``/``|group`` appended for
+  matchmaking), so hivemind's ``RSASignatureValidator`` checked the signature, and the record's id field is the
+  signer's peer ID (a peer can neither speak for another nor hold two records under one key);
+- schema: the kind's pydantic model (``PeerRecord``, ``StageRecord``, ``RunConfigRecord``, ``ReadyEntry``,
+  ``GroupDeclaration``) accepts the value, and a run-scoped record names the run of its key;
+- time: the record's own timestamp (``updated_at``, ``published_at``, ``announced_at``, ``declared_at``) is at most
+  ``max_clock_skew_s`` ahead of ``now``, its expiration at most the kind's TTL cap (plus the skew) ahead of ``now``,
+  and at most that far after its timestamp (a record cannot claim to be older than its lifetime allows);
+- epochs (``epoch``, ``phase_epoch``, ``done_epoch``) at most ``max_epoch``: a hard sanity cap; refusing a plausible
+  but false epoch is the quorum rule's job (``hivetrain.diloco``).
+
+Every rule is monotone in time where a record is alive: a record valid when stored stays valid until it expires, so
+honest nodes never drop each other's dictionaries because time passed. The TTL cap bounds how long an attacker's
+record outlives the attacker (the issue-12 freeze: one record with expiration now + 10^9 s, kept forever, which also
+shadowed the owner's later refresh since a DHT node keeps the copy that expires last).
+
+Which records: DHT keys reach validators hashed (``DHTID``), so the guard knows a key only if told its name: the run
+config key always, ``{run_id}.peers`` and ``{run_id}.swarm.servers`` for each run given (``RecordGuard(run_ids=...)``
+or ``PeerNode.guard_run``). Matchmaking keys (``{prefix}.{round_key}.mm``) change every round, so matchmaking records
+are recognised by their subkey (``[owner:...]|ready`` or ``|group``) under any key. Anything else passes unchanged
+(other hivemind users of the same DHT).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from pydantic import BaseModel
+
+from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
+from hivetrain.peers.identity import peer_id_of_owner
+from hivetrain.peers.records import RUN_CONFIG_KEY, PeerRecord, RunConfigRecord, peers_key
+from hivetrain.swarm.announce import StageRecord, servers_key
+
+logger = logging.getLogger(__name__)
+
+RecordKind = Literal["peer", "stage", "run_config", "ready", "group"]
+
+_OWNER_RE = re.compile(rb"^\[owner:(.+)\](?:\|(ready|group))?$", re.DOTALL)
+_MATCHMAKING_TAILS = (b"]|ready", b"]|group")
+
+
+@dataclass(frozen=True)
+class RecordBounds:
+    """What an honest node accepts in a hivetrain DHT record. Units: seconds of DHT (unix) time, bytes.
+
+    The TTL caps sit well above the lifetimes the code uses, and at the config fields' own upper bounds:
+
+    Args:
+        max_record_ttl_s: cap on a peer or stage record's remaining lifetime (peers publish theirs for
+            ``TrainerOptions.record_ttl_s`` / ``CoordinatorOptions.record_ttl_s``, 30 s by default, stage servers
+            for ``swarm.record_ttl_s``, 5 s by default). Must be >= every record TTL of the run.
+        max_round_ttl_s: cap for matchmaking entries and declarations (stored for ``averaging.round_timeout_s``,
+            60 s by default, at most 3600 s).
+        max_config_ttl_s: cap for the signed run config (``CoordinatorOptions.config_ttl_s``, 3600 s by default).
+        max_clock_skew_s: how far a record's timestamp may be ahead of our clock (hivemind itself refuses to
+            bootstrap a node whose clock is more than 3 s off its initial peers', so this is slack for drift).
+        max_epoch: hard cap on any epoch a record claims.
+        max_record_bytes: serialized size cap of a peer or stage record.
+        max_config_bytes: serialized size cap of the run config record.
+        max_entry_bytes: serialized size cap of a matchmaking ready entry.
+        max_declaration_bytes: serialized size cap of a group declaration (each member's entry is embedded,
+            ~1 KiB each: 1 MiB holds ~1000 members; raise it with ``averaging.target_group_size``).
+
+    Raises:
+        ValueError: a bound is not positive.
+    """
+
+    max_record_ttl_s: float = 600.0
+    max_round_ttl_s: float = 3600.0
+    max_config_ttl_s: float = 7200.0
+    max_clock_skew_s: float = 30.0
+    max_epoch: int = 10**6
+    max_record_bytes: int = 16 * 1024
+    max_config_bytes: int = 64 * 1024
+    max_entry_bytes: int = 8 * 1024
+    max_declaration_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"RecordBounds.{name} must be > 0, got {value}")
+
+    def ttl_cap_s(self, kind: RecordKind) -> float:
+        return {"peer": self.max_record_ttl_s, "stage": self.max_record_ttl_s, "run_config": self.max_config_ttl_s}.get(
+            kind, self.max_round_ttl_s
+        )
+
+    def size_cap_bytes(self, kind: RecordKind) -> int:
+        return {
+            "peer": self.max_record_bytes,
+            "stage": self.max_record_bytes,
+            "run_config": self.max_config_bytes,
+            "ready": self.max_entry_bytes,
+            "group": self.max_declaration_bytes,
+        }[kind]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a record is accepted; ``reason`` is for people (logs), ``rule`` names the rule that refused it."""
+
+    ok: bool
+    rule: Literal["", "size", "subkey", "schema", "signer", "run", "time", "expiration", "epoch"]
+    reason: str
+
+
+_ACCEPT = Verdict(True, "", "accepted")
+_SCHEMAS: dict[RecordKind, tuple[type[BaseModel], str, str]] = {  # kind -> (model, id field, timestamp field)
+    "peer": (PeerRecord, "peer_id", "updated_at"),
+    "stage": (StageRecord, "peer_id", "updated_at"),
+    "run_config": (RunConfigRecord, "coordinator_id", "published_at"),
+    "ready": (ReadyEntry, "peer_id", "announced_at"),
+    "group": (GroupDeclaration, "leader", "declared_at"),
+}
+_EPOCH_FIELDS: dict[RecordKind, tuple[str, ...]] = {"peer": ("epoch", "phase_epoch", "done_epoch"), "stage": ("epoch",)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _signer_of(marker: bytes) -> str:
+    return peer_id_of_owner(marker)
+
+
+def check_record(
+    kind: RecordKind,
+    run_id: str,
+    subkey: Any,
+    value_bytes: bytes,
+    expiration_time: float,
+    now: float,
+    bounds: RecordBounds,
+) -> Verdict:
+    """Whether an honest node accepts one hivetrain record (the rules are in the module docstring).
+
+    Args:
+        kind: which record the key (or, for matchmaking, the subkey) says this is.
+        run_id: the run of the key (``{run_id}.peers``, ``{run_id}.swarm.servers``); ignored for other kinds.
+        subkey: the deserialized subkey (bytes for every hivetrain record).
+        value_bytes: the msgpack-serialized value, its hivemind signature already stripped.
+        expiration_time: the record's DHT expiration, seconds of DHT time.
+        now: our DHT time, seconds.
+        bounds: the caps.
+
+    Returns:
+        The verdict; never raises (any malformed input is a refusal).
+    """
+    cap = bounds.size_cap_bytes(kind)
+    if len(value_bytes) > cap:
+        return Verdict(False, "size", f"{kind} record of {len(value_bytes)} bytes exceeds {cap} bytes")
+    match = _OWNER_RE.match(subkey) if isinstance(subkey, bytes) else None
+    expected_tail = kind.encode() if kind in ("ready", "group") else None
+    if match is None or match.group(2) != expected_tail:
+        return Verdict(False, "subkey", f"{kind} record's subkey is not its signer's owner marker")
+    model, id_field, stamp_field = _SCHEMAS[kind]
+    try:
+        signer = _signer_of(b"[owner:" + match.group(1) + b"]")
+        record = model.model_validate(MSGPackSerializer.loads(value_bytes))
+    except Exception as exc:  # noqa: BLE001 - msgpack, the marker parse and pydantic raise several types
+        return Verdict(False, "schema", f"malformed {kind} record: {type(exc).__name__}: {str(exc)[:200]}")
+    if getattr(record, id_field) != signer:
+        return Verdict(False, "signer", f"{kind} record claims {getattr(record, id_field)} but is signed by {signer}")
+    if kind in ("peer", "stage") and record.run_id != run_id:
+        return Verdict(False, "run", f"{kind} record of run {record.run_id!r} stored under run {run_id!r}")
+    stamp, ttl_cap, skew = getattr(record, stamp_field), bounds.ttl_cap_s(kind), bounds.max_clock_skew_s
+    if stamp > now + skew:
+        return Verdict(
+            False, "time", f"{stamp_field} is {stamp - now:.1f}s ahead of our clock (allowed {skew:g}s): clock skew?"
+        )
+    if expiration_time > now + ttl_cap + skew:
+        return Verdict(
+            False,
+            "expiration",
+            f"expires {expiration_time - now:.0f}s from now (cap {ttl_cap:g}s + {skew:g}s clock skew)",
+        )
+    if expiration_time - stamp > ttl_cap + skew:
+        return Verdict(
+            False,
+            "time",
+            f"expires {expiration_time - stamp:.0f}s after its {stamp_field} (cap {ttl_cap:g}s + {skew:g}s)",
+        )
+    if kind == "ready" and record.deadline > stamp + ttl_cap:
+        return Verdict(False, "time", f"deadline {record.deadline - stamp:.0f}s after announced_at (cap {ttl_cap:g}s)")
+    if kind == "group" and any(m.round_key != record.round_key for m in record.members):
+        return Verdict(False, "schema", "a member's entry is for another round key than the declaration")
+    for name in _EPOCH_FIELDS.get(kind, ()):
+        if getattr(record, name) > bounds.max_epoch:
+            return Verdict(False, "epoch", f"{name} {getattr(record, name)} exceeds the cap {bounds.max_epoch}")
+    return _ACCEPT
+
+
+def key_id(key: str) -> bytes:
+    """The bytes a validator sees as ``DHTRecord.key`` for the raw DHT key ``key``."""
+    return DHTID.generate(source=key).to_bytes()
+
+
+def run_keys(run_id: str) -> dict[bytes, tuple[RecordKind, str]]:
+    """Hashed keys of a run's records -> (kind, run id)."""
+    return {key_id(peers_key(run_id)): ("peer", run_id), key_id(servers_key(run_id)): ("stage", run_id)}
+
+
+class RecordGuard(RecordValidatorBase):
+    """hivemind record validator applying ``check_record`` to the hivetrain records it recognises.
+
+    Runs after ``RSASignatureValidator`` on validation (lower ``priority``), so it sees values whose signature was
+    checked and stripped; it neither signs nor strips. Two guards merge into one (the run keys of both; the first
+    one's bounds), so ``DHT.add_validators([RecordGuard(run_ids=(run,))])`` adds a run to a running node.
+
+    Args:
+        bounds: the caps.
+        run_ids: runs whose peer and stage record keys are checked.
+        clock: DHT time, seconds (default ``hivemind.utils.get_dht_time``); for tests. Must be picklable to be
+            passed to ``DHT.add_validators``.
+    """
+
+    def __init__(
+        self,
+        bounds: RecordBounds = RecordBounds(),
+        run_ids: Iterable[str] = (),
+        clock: Callable[[], float] | None = None,
+    ):
+        self.bounds, self._clock = bounds, clock
+        self._keys: dict[bytes, tuple[RecordKind, str]] = {key_id(RUN_CONFIG_KEY): ("run_config", "")}
+        for run_id in run_ids:
+            self._keys.update(run_keys(run_id))
+        self.num_refused = 0
+
+    def kind_of(self, record: DHTRecord) -> tuple[RecordKind, str] | None:
+        """What the guard checks ``record`` as: (kind, run id), or None for records it leaves alone."""
+        known = self._keys.get(record.key)
+        if known is not None:
+            return known
+        if record.subkey.endswith(_MATCHMAKING_TAILS) and b"[owner:" in record.subkey:
+            return ("ready" if record.subkey.endswith(b"|ready") else "group"), ""
+        return None
+
+    def validate(self, record: DHTRecord) -> bool:
+        known = self.kind_of(record)
+        if known is None:
+            return True
+        kind, run_id = known
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # noqa: BLE001 - a subkey that does not deserialize is malformed
+            subkey = None
+        now = self._clock() if self._clock is not None else get_dht_time()
+        verdict = check_record(kind, run_id, subkey, record.value, record.expiration_time, now, self.bounds)
+        if not verdict.ok:
+            self.num_refused += 1
+            logger.debug("refusing a %s record: %s", kind, verdict.reason)
+        return verdict.ok
+
+    @property
+    def priority(self) -> int:
+        return 0  # below RSASignatureValidator's 10: validated after the signature is checked and stripped
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, RecordGuard):
+            return False
+        self._keys.update(other._keys)
+        return True
