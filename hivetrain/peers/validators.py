@@ -19,9 +19,17 @@ dictionary's every subkey). What a record must satisfy (``check_record``, a pure
   but false epoch is the quorum rule's job (``hivetrain.diloco``).
 
 Every rule is monotone in time where a record is alive: a record valid when stored stays valid until it expires, so
-honest nodes never drop each other's dictionaries because time passed. The TTL cap bounds how long an attacker's
-record outlives the attacker (the issue-12 freeze: one record with expiration now + 10^9 s, kept forever, which also
-shadowed the owner's later refresh since a DHT node keeps the copy that expires last).
+honest nodes never drop each other's dictionaries because time passed. Clocks differ between nodes, though, and
+hivemind drops the whole dictionary a node returns if one of its records fails: a reader whose clock is behind a
+storer's by more than a record's margin to the bounds drops that storer's answer for that key until its clock has
+caught up (the rules are monotone in time: at most the clock difference). The allowance (``max_clock_skew_s``, 60 s)
+is therefore far above the clock differences hivemind admits (3 s at bootstrap), so honest records, stamped with
+their writer's ``now``, sit far inside the bounds; only a record aimed at the edge of one storer's clock can cause
+such a drop, for readers behind that storer, for that long.
+
+The TTL cap bounds how long an attacker's record outlives the attacker (the issue-12 freeze: one record with expiration
+now + 10^9 s, kept forever, which also shadowed the owner's later refresh since a DHT node keeps the copy that
+expires last).
 
 Which records: DHT keys reach validators hashed (``DHTID``), so the guard knows a key only if told its name: the run
 config key always, ``{run_id}.peers`` and ``{run_id}.swarm.servers`` for each run given (``RecordGuard(run_ids=...)``
@@ -86,7 +94,7 @@ class RecordBounds:
     max_record_ttl_s: float = 600.0
     max_round_ttl_s: float = 3600.0
     max_config_ttl_s: float = 7200.0
-    max_clock_skew_s: float = 30.0
+    max_clock_skew_s: float = 60.0
     max_epoch: int = 10**6
     max_record_bytes: int = 16 * 1024
     max_config_bytes: int = 64 * 1024
@@ -250,21 +258,25 @@ class RecordGuard(RecordValidatorBase):
             return ("ready" if record.subkey.endswith(b"|ready") else "group"), ""
         return None
 
-    def validate(self, record: DHTRecord) -> bool:
+    def check(self, record: DHTRecord) -> Verdict | None:
+        """The verdict on ``record`` (signature already stripped), or None for a record the guard leaves alone."""
         known = self.kind_of(record)
         if known is None:
-            return True
+            return None
         kind, run_id = known
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
         except Exception:  # noqa: BLE001 - a subkey that does not deserialize is malformed
             subkey = None
         now = self._clock() if self._clock is not None else get_dht_time()
-        verdict = check_record(kind, run_id, subkey, record.value, record.expiration_time, now, self.bounds)
-        if not verdict.ok:
+        return check_record(kind, run_id, subkey, record.value, record.expiration_time, now, self.bounds)
+
+    def validate(self, record: DHTRecord) -> bool:
+        verdict = self.check(record)
+        if verdict is not None and not verdict.ok:
             self.num_refused += 1
-            logger.debug("refusing a %s record: %s", kind, verdict.reason)
-        return verdict.ok
+            logger.debug("refusing a record: %s", verdict.reason)
+        return verdict is None or verdict.ok
 
     @property
     def priority(self) -> int:

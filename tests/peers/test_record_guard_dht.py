@@ -23,6 +23,20 @@ def _record(peer_id: str, epoch: int) -> PeerRecord:
     )
 
 
+def _attacker(tmp_path, initial_peers):
+    """A plain hivemind node (signature validator only), as an attacker would run it, and its identity."""
+    identity = load_or_create_identity(tmp_path / "mallory.key")
+    dht = hivemind.DHT(
+        initial_peers=initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        identity_path=str(identity.path),
+        record_validators=[RSASignatureValidator(identity.private_key)],
+        startup_timeout=30,
+        start=True,
+    )
+    return dht, identity
+
+
 def test_a_hostile_record_is_dropped_by_every_honest_node(make_node, tmp_path):
     a = make_node()
     b = make_node(a.visible_maddrs())
@@ -30,17 +44,8 @@ def test_a_hostile_record_is_dropped_by_every_honest_node(make_node, tmp_path):
         node.guard_run("r")
         assert publish_record(node.dht, node.owner_marker, _record(node.peer_id, 5), 30)
 
-    # the attacker runs a plain hivemind node (signature validator only) and stores the issue-12 freeze record
-    mallory = load_or_create_identity(tmp_path / "mallory.key")
+    attacker, mallory = _attacker(tmp_path, a.visible_maddrs())  # stores the issue-12 freeze record
     hostile = _record(mallory.peer_id, 10**9).model_dump(mode="json")
-    attacker = hivemind.DHT(
-        initial_peers=a.visible_maddrs(),
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        identity_path=str(mallory.path),
-        record_validators=[RSASignatureValidator(mallory.private_key)],
-        startup_timeout=30,
-        start=True,
-    )
     try:
         # stored on its own node only; a and b refuse it (the attacker's store reports its local copy)
         attacker.store(peers_key("r"), hostile, time.time() + 1e9, subkey=mallory.owner_marker)
