@@ -110,9 +110,14 @@ class PeerNode:
         """Full multiaddrs (with /p2p/ID) others can use as initial peers."""
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
-    def guard_run(self, run_id: str) -> None:
-        """Have this node check the peer and stage records of ``run_id`` (``RecordGuard``) from now on."""
-        self.dht.add_validators([RecordGuard(self.config.record_bounds, run_ids=(run_id,))])
+    def guard_run(self, run_id: str, timeout_s: float = 10.0) -> None:
+        """Have this node check the peer and stage records of ``run_id`` (``RecordGuard``) from now on.
+
+        Raises:
+            TimeoutError: the DHT process did not take the guard within ``timeout_s`` seconds.
+        """
+        guard = RecordGuard(self.config.record_bounds, run_ids=(run_id,))
+        self.dht.run_coroutine(partial(_add_validator, validator=guard), return_future=True).result(timeout=timeout_s)
 
     def clock_offset_s(self, timeout_s: float = 5.0, max_peers: int = 8) -> float | None:
         """How far our clock is ahead of the swarm's (negative: behind), seconds: the median over up to
@@ -147,7 +152,9 @@ def start_node(config: NodeConfig) -> PeerNode:
     """Start the DHT, bootstrapping from ``config.initial_peers`` within ``config.startup_timeout_s``.
 
     Raises:
-        BootstrapFailed: none of the initial peers could be reached in time (no DHT process is left behind).
+        BootstrapFailed: the node could not join (no DHT process is left behind); ``cause`` says why: no initial
+            peer reached in time, our identity used by another live peer, our clock too far off, or we cannot be
+            dialed back (``explain_bootstrap_failure``).
         ValueError: the identity file is invalid.
     """
     identity = load_or_create_identity(config.identity_path)
@@ -253,6 +260,11 @@ def clock_skew_problem(offset_s: float | None, bounds: RecordBounds) -> str | No
         f"they refuse records more than {bounds.max_clock_skew_s:g} s ahead and drop peers that look stale. "
         "Enable time synchronisation (NTP), e.g. `sudo timedatectl set-ntp true` on Linux."
     )
+
+
+async def _add_validator(_dht, node, validator) -> None:
+    """Runs in the DHT process: chain ``validator`` with the node's others (a ``RecordGuard`` merges into ours)."""
+    node.protocol.record_validator.extend([validator])
 
 
 async def _probe_clock(_dht, node, max_peers: int, timeout_s: float) -> list[float]:
