@@ -202,7 +202,8 @@ class GroupAverager:
             tensors: fp32 CPU tensors, the same shapes and order on every peer; not modified.
             weight: our weight in samples, finite, in [0, max_samples_per_round].
             epoch: only peers calling with the same epoch average together.
-            timeout_s: the whole call ends within this many seconds (plus at most ``poll_interval_s``).
+            timeout_s: the whole call ends within this many seconds (plus at most ``poll_interval_s``, or
+                ``commit_timeout_s`` for a round that reached its vote).
             expected_peers: peer ids expected at ``epoch`` (ours may be in it): once all of them (banned ones aside)
                 are ready, the group closes at once instead of after ``matchmaking_time_s``. Empty = wait for the
                 window (or ``target_group_size`` ready peers).

@@ -36,7 +36,7 @@ class RoundLinks:
     ``members``, ``me``, ``config``, ``faults``, ``epoch``, ``round_id``, ``codec``/``codec_config``,
     ``max_weight``, ``_cond`` (guards everything below), ``_links``, ``_send_queues``, ``_plans``, ``_outs``,
     ``_inbox``, ``_done``, ``_waiting``, ``_receiving``, ``_threads``, ``_mid_fired``/``_hook_lock``,
-    ``_vote_sent_at``/``_vote_received_at``, ``fallback`` (a ``relay.P2PFallback`` or None); and
+    ``_vote_sent_at``, ``fallback`` (a ``relay.P2PFallback`` or None); and
     ``_take(num_elements)`` (a pooled receive buffer).
 
     Dialing: the member with the smaller id dials, over direct TCP first. If that fails (``Unreachable``: the member
@@ -227,7 +227,6 @@ class RoundLinks:
                     ok = ok and m == mac(link.key, b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), h)
                     with self._cond:
                         self._inbox.votes[j] = (sub, h if ok else b"bad-mac")
-                        self._vote_received_at[j] = time.monotonic()
                         self._cond.notify_all()
                     break
                 else:

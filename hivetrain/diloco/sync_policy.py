@@ -52,8 +52,9 @@ def decide_sync(
 ) -> SyncDecision:
     """Decide whether to keep training or download state first.
 
-    Download when a live peer is at a newer epoch (we are behind), or when peers at our epoch published a different
-    majority hash than ours (our last outer step diverged: e.g. we were paused through a commit).
+    Download when a live peer is at a newer epoch (we are behind), or when the majority hash of our epoch, counting
+    our own, is not ours (our last outer step diverged: e.g. we were paused through a commit). Every peer counts the
+    same population, so both sides of a fork agree on which one downloads.
 
     Args:
         records: peer records of the run (ours included or not).
@@ -68,7 +69,7 @@ def decide_sync(
     if newest > my_epoch:
         donors = tuple(r.peer_id for r in live if r.epoch == newest and r.state_hash == hashes.get(newest))
         return SyncDecision("download", newest, donors, f"behind: peers are at epoch {newest}, we are at {my_epoch}")
-    theirs = hashes.get(my_epoch)
+    theirs = _majority_with_us(my_hash, my_epoch, live)
     if exact_average and theirs is not None and theirs != my_hash:
         donors = tuple(r.peer_id for r in live if r.epoch == my_epoch and r.state_hash == theirs)
         return SyncDecision(
@@ -78,6 +79,23 @@ def decide_sync(
             f"forked: peers hold state {theirs[:12]} at epoch {my_epoch}, we hold {my_hash[:12]}",
         )
     return SyncDecision("train", my_epoch, (), "in sync")
+
+
+def _majority_with_us(my_hash: str, my_epoch: int, live: list[PeerRecord]) -> str | None:
+    """The hash most holders of ``my_epoch`` published, ourselves included (ties broken by the hash string, so every
+    peer with the same view picks the same one); a coordinator's hash wins. None: nobody else is at our epoch.
+
+    Without our own vote, a member of the 2-peer side of a 2-1 fork saw a 1-1 tie among the others and downloaded
+    the lone peer's state while the lone peer downloaded theirs (utilization bench, 2026-11-25)."""
+    at_epoch = [r for r in live if r.epoch == my_epoch and r.state_hash]
+    if not at_epoch:
+        return None
+    authority = [r.state_hash for r in at_epoch if r.role == "coordinator"]
+    if authority:
+        return authority[0]
+    counts = Counter(r.state_hash for r in at_epoch)
+    counts[my_hash] += 1
+    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
 
 def may_commit_alone(

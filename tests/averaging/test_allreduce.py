@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
+from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.dataplane import (
     AuthFailed,
     LinkClosed,
@@ -98,9 +99,9 @@ def test_an_oversized_frame_header_is_refused_before_reading_it(servers) -> None
     assert _wait_until(lambda: server.rejected == 1, 3.0)
 
 
-def _round(servers, num: int, numel: int, faults=None, **cfg) -> list:
+def _round(servers, num: int, numel: int, faults=None, deadline_s: float = 20.0, **cfg) -> list:
     config = AveragingConfig(**{"part_timeout_s": 1.0, "connect_timeout_s": 1.0, "commit_timeout_s": 1.0, **cfg})
-    srv = [servers() for _ in range(num)]
+    srv = [servers(part_timeout_s=config.part_timeout_s) for _ in range(num)]  # it times out inbound links
     secrets = [X25519PrivateKey.generate() for _ in range(num)]
     ids = [f"peer{i}" for i in range(num)]
     members = [Member(ids[i], "127.0.0.1", srv[i].port, _public(secrets[i])) for i in range(num)]
@@ -112,7 +113,8 @@ def _round(servers, num: int, numel: int, faults=None, **cfg) -> list:
     g = torch.Generator().manual_seed(0)
     flats = [torch.randn(numel, generator=g) for _ in range(num)]
     results = run_threads(
-        [lambda r=r, f=f: r.run(f, 1.0, time.monotonic() + 20) for r, f in zip(rounds, flats, strict=False)], 25
+        [lambda r=r, f=f: r.run(f, 1.0, time.monotonic() + deadline_s) for r, f in zip(rounds, flats, strict=False)],
+        deadline_s + 5,
     )
     return results, flats
 
@@ -136,3 +138,22 @@ def test_heartbeats_keep_a_member_waiting_on_a_slow_peer_alive(servers) -> None:
     assert slow.fired_count("averaging.before_send") == 1 and pausing.fired_count("averaging.after_reduce") == 1
     assert all(isinstance(r, RoundOutcome) for r in results), results
     assert all(torch.equal(r.flat, results[0].flat) for r in results)
+
+
+def test_a_member_that_votes_late_but_before_the_deadline_commits_with_everyone(servers) -> None:
+    # On a home uplink a vote queues behind the member's RESULT frames for seconds. The others must wait for it (up
+    # to the deadline), not abort after commit_timeout_s: the late voter has every vote and would commit alone.
+    late = FaultInjector()
+    late.arm(Fault("averaging.before_commit", "sleep", seconds=2.5))
+    results, _ = _round(servers, 3, 3000, faults={1: late}, part_timeout_s=5.0, commit_timeout_s=1.0)
+    assert late.fired_count("averaging.before_commit") == 1
+    assert all(isinstance(r, RoundOutcome) for r in results), results
+    assert all(torch.equal(r.flat, results[0].flat) for r in results)
+
+
+def test_a_member_that_reaches_its_vote_after_the_deadline_makes_everyone_abort(servers) -> None:
+    late = FaultInjector()
+    late.arm(Fault("averaging.before_commit", "sleep", seconds=4.0))
+    results, _ = _round(servers, 3, 3000, faults={1: late}, deadline_s=3.0, part_timeout_s=6.0, commit_timeout_s=0.5)
+    assert late.fired_count("averaging.before_commit") == 1
+    assert all(isinstance(r, RoundFailed) and r.reason == "timeout" for r in results), results  # nobody commits

@@ -35,6 +35,21 @@ def test_forked_state_at_same_epoch_resyncs():
     assert d.action == "download" and d.donors == ("a", "b") and "forked" in d.reason
 
 
+def test_both_sides_of_a_fork_agree_on_who_downloads():
+    # A 2-1 fork at epoch 3 (the two-peer side's round committed without the third): counting its own hash, each
+    # peer sees the same majority. Without its own vote, "a" saw a 1-1 tie among the others and could download.
+    lone, pair = "h-lone", "h-pair"
+    records = [rec("a", 3, pair), rec("b", 3, pair), rec("c", 3, lone)]
+    assert decide_sync("a", 3, pair, records, NOW, 30).action == "train"
+    assert decide_sync("b", 3, pair, records, NOW, 30).action == "train"
+    d = decide_sync("c", 3, lone, records, NOW, 30)
+    assert d.action == "download" and set(d.donors) == {"a", "b"}
+    # a 1-1 tie is broken by the hash string, the same way on both sides: exactly one of them downloads
+    two = [rec("a", 3, "h-x"), rec("b", 3, "h-y")]
+    actions = {p: decide_sync(p, 3, h, two, NOW, 30).action for p, h in (("a", "h-x"), ("b", "h-y"))}
+    assert sorted(actions.values()) == ["download", "train"]
+
+
 def test_stale_records_are_ignored():
     d = decide_sync("me", 1, "h1", [rec("a", 9, "h9", age=100)], NOW, 30)
     assert d.action == "train"
