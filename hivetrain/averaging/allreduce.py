@@ -7,7 +7,7 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` active members sorted
    sends slice j, encoded by the round's codec, with its weight to member j (frame PART).
 2. Reduce: member j validates every contribution to its slice (exact size and codec, finite values, weight finite in
    [0, max_samples_per_round]), drops the bad ones, aggregates the rest in peer-id order (``weighted_mean_into``,
-   in place into the result, or ``robust.centered_clip``) and encodes the reduced slice *once*.
+   in place into the result, or ``bucketing.robust_aggregate``) and encodes the reduced slice *once*.
 3. Gather: member j sends those same bytes to every member (frame RESULT, with the weights it used and whom it
    excluded); everyone, j included, decodes the same bytes, so the results are bit-identical. Receivers hash what they
    receive (BLAKE3, while it arrives).
@@ -53,6 +53,7 @@ import torch
 
 from hivetrain.averaging import codecs
 from hivetrain.averaging.base import RoundFailed
+from hivetrain.averaging.bucketing import aggregation_seed, robust_aggregate, robust_options
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, FrameType, Link, RoundKeys, mac
 from hivetrain.averaging.groups import butterfly_partition
@@ -67,7 +68,7 @@ from hivetrain.averaging.reduce import (
     tensor_view,
     weighted_mean_into,
 )
-from hivetrain.averaging.robust import NoValidContribution, centered_clip
+from hivetrain.averaging.robust import NoValidContribution
 from hivetrain.averaging.validation import BanList
 from hivetrain.faults import FaultInjector
 
@@ -284,7 +285,8 @@ class ButterflyRound(RoundLinks):
         kept = [p for p in plan.active if p not in bad_here]
         dest = self._outs[sub][start:end]  # without a codec we reduce straight into the result: no copy
         reduced = dest if self.codec is None else self._take(end - start)
-        self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced)
+        seed = aggregation_seed(plan.tag, plan.active.index(self.me))  # the same on every member: see bucketing
+        self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced, seed)
         self._mark("reduce")
         self._hook("averaging.after_reduce", sub, reduced=reduced)
         payload = self._encode(reduced)
@@ -353,15 +355,15 @@ class ButterflyRound(RoundLinks):
                     seen.setdefault(p, set()).add(float(w))
         return {p for p, ws in seen.items() if len(ws) > 1}
 
-    def _aggregate(self, parts: list[torch.Tensor], weights: list[float], out: torch.Tensor) -> None:
-        """Aggregate ``parts`` (fp32 (m,) each, in peer-id order) into ``out`` (fp32 (m,))."""
+    def _aggregate(self, parts: list[torch.Tensor], weights: list[float], out: torch.Tensor, seed: int) -> None:
+        """Aggregate ``parts`` (fp32 (m,) each, in peer-id order) into ``out`` (fp32 (m,)); ``seed``: buckets."""
         if not parts:
             raise RoundFailed("aborted", "no valid contribution to our slice")
         if not math.fsum(weights) > 0:
             weights = [1.0] * len(weights)
         if self.config.aggregation == "centered_clip" and len(parts) > 2:
             try:
-                out.copy_(centered_clip(parts, weights, self.config.clip_tau, self.config.clip_iters).value)
+                out.copy_(robust_aggregate(parts, weights, seed=seed, **robust_options(self.config)).value)
             except NoValidContribution as exc:
                 raise RoundFailed("aborted", str(exc)) from None
             return

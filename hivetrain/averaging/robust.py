@@ -19,6 +19,9 @@ they do not count in B. The start v_0 is the coordinate-wise median, which with 
 the honest per-coordinate range, so ||e_0|| <= ||max_h x_h - min_h x_h|| (coordinate-wise max and min). Choose
 ``tau`` a bit above the honest spread: ``median_distance_tau(parts, center)`` (factor x the median distance to the
 median) is one robust choice; a fixed tau below the honest spread clips honest peers and slows convergence.
+
+The reducers' robust aggregator, ``bucketing.robust_aggregate``, builds on these: collusion discount, bucketing,
+rejection of far contributions, and ``centered_clip`` with that data-driven radius.
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ class ClipResult:
     distances: tuple[float, ...]
 
 
-def _check_parts(parts: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> list[float]:
+def check_parts(parts: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> list[float]:
+    """Validate k contributions (1-D fp32 CPU, one shape) and their weights; return the weights as floats.
+
+    Raises:
+        ValueError: no parts, a shape/dtype/device mismatch, a weight count mismatch, or a non-finite or negative
+            weight. TypeError: a part is not a tensor.
+    """
     if len(parts) == 0:
         raise ValueError("need at least one contribution")
     shape = parts[0].shape
@@ -94,7 +103,7 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     Raises:
         ValueError: no parts, mismatched shapes/dtypes, non-finite or negative weights, or zero total weight.
     """
-    w = _check_parts(parts, weights)
+    w = check_parts(parts, weights)
     total = math.fsum(w)
     if not total > 0:
         raise ValueError("total weight is zero")
@@ -130,7 +139,7 @@ def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     Returns:
         A new fp32 tensor of shape (n,); deterministic (only comparisons, two halvings and one add).
     """
-    _check_parts(parts)
+    check_parts(parts)
     k, n = len(parts), parts[0].numel()
     out = torch.empty(n, dtype=torch.float32)
     for start in range(0, n, _CHUNK_NUM_ELEMENTS):
@@ -143,7 +152,8 @@ def coordinate_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _is_finite(x: torch.Tensor) -> bool:
+def is_finite(x: torch.Tensor) -> bool:
+    """True if every element of ``x`` is finite (one min/max pass; NaN propagates into both)."""
     if x.numel() == 0:
         return True
     lo, hi = torch.aminmax(x)  # NaN propagates into both
@@ -159,7 +169,7 @@ def median_distance_tau(parts: Sequence[torch.Tensor], center: torch.Tensor, fac
     """
     if not factor > 0:
         raise ValueError(f"factor must be > 0, got {factor}")
-    dists = sorted(float(torch.linalg.vector_norm(p - center)) for p in parts if _is_finite(p))
+    dists = sorted(float(torch.linalg.vector_norm(p - center)) for p in parts if is_finite(p))
     if not dists:
         raise NoValidContribution("no finite contribution")
     mid = len(dists) // 2
@@ -195,14 +205,14 @@ def centered_clip(
         ValueError: bad shapes/dtypes/weights/tau/num_iters/init.
         NoValidContribution: every contribution is non-finite, or the finite ones have zero total weight.
     """
-    w = _check_parts(parts, weights)
+    w = check_parts(parts, weights)
     if not (math.isfinite(tau) and tau > 0):
         raise ValueError(f"tau must be finite and > 0, got {tau}")
     if not isinstance(num_iters, int) or num_iters < 1:
         raise ValueError(f"num_iters must be an int >= 1, got {num_iters!r}")
     if not (math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"tolerance must be finite and >= 0, got {tolerance}")
-    dropped = tuple(i for i, p in enumerate(parts) if not _is_finite(p))
+    dropped = tuple(i for i, p in enumerate(parts) if not is_finite(p))
     kept = [i for i in range(len(parts)) if i not in dropped]
     total = math.fsum(w[i] for i in kept)
     if not kept or not total > 0:
@@ -210,8 +220,8 @@ def centered_clip(
     if init is None:
         v = coordinate_median([parts[i] for i in kept])
     else:
-        _check_parts([parts[0], init])
-        if not _is_finite(init):
+        check_parts([parts[0], init])
+        if not is_finite(init):
             raise ValueError("init must be finite")
         v = init.clone()
     diff, delta = torch.empty_like(v), torch.empty_like(v)

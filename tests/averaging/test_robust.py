@@ -1,4 +1,5 @@
-"""Robust aggregation: deterministic weighted mean, coordinate median, CenteredClip against one or more attackers."""
+"""Robust aggregation: deterministic weighted mean, coordinate median, CenteredClip against one or more attackers, and
+the reducers' pipeline (``bucketing.robust_aggregate``: collusion discount, buckets, rejection, data-driven radius)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ import math
 import pytest
 import torch
 
+from hivetrain.averaging.bucketing import (
+    aggregation_seed,
+    bucket_permutation,
+    colluding_groups,
+    robust_aggregate,
+    robust_options,
+)
+from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.robust import (
     NoValidContribution,
     centered_clip,
@@ -183,3 +192,160 @@ def test_median_distance_tau_is_not_inflated_by_a_minority() -> None:
     assert 0 < clean and attacked <= clean * 1.2
     with pytest.raises(NoValidContribution):
         median_distance_tau([torch.full((3,), float("nan"))], torch.zeros(3))
+
+
+# ---- robust_aggregate (bucketing.py) ----------------------------------------------------------------------------
+
+
+def _uneven(k: int, seed: int = 0) -> tuple[list[torch.Tensor], list[float]]:
+    """k heterogeneous honest contributions: signal s (||s|| ~ 64) plus per-peer noise of 0.7-1.3 x its norm, and
+    weights 1-3 (the benchmark's "synthetic" inputs at a test size)."""
+    gen = torch.Generator().manual_seed(seed)
+    signal = torch.randn(N, generator=gen)
+    xs = [signal + (0.7 + 0.6 * float(torch.rand(1, generator=gen))) * torch.randn(N, generator=gen) for _ in range(k)]
+    return xs, [1.0 + 2.0 * float(torch.rand(1, generator=gen)) for _ in range(k)]
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("bucket_size", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_robust_aggregate_without_attacker_is_the_weighted_mean(seed: int, bucket_size: int) -> None:
+    """The issue's bound is 0.5%; nothing honest is clipped or rejected, so it is the mean up to rounding."""
+    xs, weights = _uneven(8, seed)
+    res = robust_aggregate(xs, weights, seed=seed, bucket_size=bucket_size)
+    assert _rel_err(res.value, weighted_mean(xs, weights)) < 1e-6
+    assert res.clipped == res.rejected == res.dropped == () and res.colluding == ()
+    assert sorted(i for b in res.buckets for i in b) == list(range(8))
+    assert all(len(b) == bucket_size for b in res.buckets)
+    # the old fixed radius clips these honest parts (radius 1.0 against distances of ~60)
+    assert _rel_err(centered_clip(xs, weights, 1.0, 5).value, weighted_mean(xs, weights)) > 0.005
+
+
+def test_robust_aggregate_is_deterministic_and_the_seed_picks_the_buckets() -> None:
+    xs, weights = _uneven(8)
+    a = robust_aggregate(xs, weights, seed=123, bucket_size=2)
+    b = robust_aggregate([x.clone() for x in xs], list(weights), seed=123, bucket_size=2)
+    assert torch.equal(a.value, b.value) and a.buckets == b.buckets and a.tau == b.tau
+    assert robust_aggregate(xs, weights, seed=124, bucket_size=2).buckets != a.buckets
+    # the permutation is a pure function (no RNG state, no torch version): pinned here
+    assert bucket_permutation(8, 1) == bucket_permutation(8, 1) == [2, 1, 3, 7, 4, 0, 6, 5]
+    assert sorted(bucket_permutation(33, 7)) == list(range(33)) and bucket_permutation(0, 7) == []
+    assert aggregation_seed(b"tag", 3) == aggregation_seed(b"tag", 3) != aggregation_seed(b"tag", 4)
+    assert 0 <= aggregation_seed(b"", 0) < 1 << 64
+
+
+def test_robust_aggregate_respects_sample_weights() -> None:
+    xs, _ = _uneven(6)
+    weights = [1.0, 5.0, 0.0, 2.0, 1.0, 3.0]
+    for bucket_size in (1, 2, 3):
+        res = robust_aggregate(xs, weights, seed=5, bucket_size=bucket_size)
+        assert _rel_err(res.value, weighted_mean(xs, weights)) < 1e-6
+        assert _rel_err(res.value, weighted_mean(xs, [1.0] * 6)) > 0.01  # the weights did matter
+
+
+def test_robust_aggregate_rejects_a_far_attacker_exactly() -> None:
+    """A huge-norm or sign-flipped contribution beyond tau from the median adds nothing: the honest weighted mean."""
+    honest, weights = _honest(7, spread=0.1), [1.0, 2.0, 1.0, 3.0, 1.0, 1.0, 2.0]
+    for attacker in (torch.full((N,), 1e6), -honest[0], -100.0 * honest[1]):
+        parts = honest[:2] + [attacker] + honest[2:]
+        res = robust_aggregate(parts, weights[:2] + [3.0] + weights[2:], seed=0)
+        assert res.rejected == (2,) and res.clipped == ()
+        assert _rel_err(res.value, weighted_mean(honest, weights)) < 1e-6
+
+
+def test_robust_aggregate_counts_colluding_copies_once() -> None:
+    """f = 2 and 3 attackers sending one vector inside the honest spread (ALIE, IPM with small epsilon): the group
+    weighs as one member, so the result is the weighted mean with their weights divided by the group's size."""
+    honest, _ = _uneven(6)
+    stacked = torch.stack(honest)
+    alie = stacked.mean(0) - stacked.std(0)
+    ipm = -0.1 * stacked.mean(0)
+    for attack, f in ((alie, 2), (alie, 3), (ipm, 2)):
+        parts, weights = honest[:3] + [attack] * f + honest[3:], [2.0] * (6 + f)
+        res = robust_aggregate(parts, weights, seed=0)
+        assert res.colluding == (tuple(range(3, 3 + f)),) and res.rejected == ()
+        expected = weighted_mean(parts, [2.0] * 3 + [2.0 / f] * f + [2.0] * 3)
+        torch.testing.assert_close(res.value, expected, rtol=0, atol=1e-5)
+        honest_mean = weighted_mean(honest, [2.0] * 6)  # error 1/7 of the attack, not f / (6 + f) as in the mean
+        torch.testing.assert_close(res.value - honest_mean, (attack - honest_mean) / 7, rtol=0, atol=1e-5)
+
+
+def test_robust_aggregate_attacker_inside_the_radius_moves_it_at_most_tau_share() -> None:
+    """A single attacker that is no copy and stays inside tau: ||error|| <= tau * W_b / W_h (robust.py's bound)."""
+    honest, weights = _uneven(7, seed=3)
+    honest_mean = weighted_mean(honest, weights)
+    checked = 0
+    for scale in (0.5, 1.0, 1.5, 2.0, 2.5):
+        direction = torch.randn(N, generator=torch.Generator().manual_seed(11))
+        spread = float((honest[0] - honest_mean).norm())
+        attacker = honest_mean + scale * spread * direction / direction.norm()
+        res = robust_aggregate([attacker] + honest, [3.0] + weights, seed=0)
+        if res.rejected:
+            continue
+        err = float((res.value - honest_mean).norm())
+        assert err <= res.tau * 3.0 / math.fsum(weights) * (1 + 1e-4)
+        checked += 1
+    assert checked >= 3
+
+
+def test_robust_aggregate_groups_ignore_independent_honest_peers_and_keep_exact_duplicates() -> None:
+    xs, _ = _uneven(8)
+    center = coordinate_median(xs)
+    assert colluding_groups(xs, center, 0.1) == []
+    dup = xs[:5] + [xs[1].clone(), xs[4] + 1e-6, xs[1].clone()]
+    assert colluding_groups(dup, coordinate_median(dup), 0.1) == [[1, 5, 7], [4, 6]]
+    assert colluding_groups(dup, coordinate_median(dup), 0.0) == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_robust_aggregate_drops_non_finite_contributions(bad: float) -> None:
+    xs, weights = _uneven(6)
+    broken = xs[2].clone()
+    broken[77] = bad
+    res = robust_aggregate(xs[:2] + [broken] + xs[3:], weights, seed=0)
+    assert res.dropped == (2,) and 2 not in {i for b in res.buckets for i in b}
+    rest = [0, 1, 3, 4, 5]
+    assert _rel_err(res.value, weighted_mean([xs[i] for i in rest], [weights[i] for i in rest])) < 1e-6
+    with pytest.raises(NoValidContribution):
+        robust_aggregate([torch.full((N,), float("nan"))] * 3, [1.0] * 3, seed=0)
+    with pytest.raises(NoValidContribution):
+        robust_aggregate(xs[:2] + [broken], [0.0, 0.0, 1.0], seed=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bucket_size=0), "bucket_size must be an int >= 1"),
+        (dict(bucket_size=1.5), "bucket_size must be an int >= 1"),
+        (dict(tau=0.0), "tau must be finite and > 0"),
+        (dict(tau=float("inf")), "tau must be finite and > 0"),
+        (dict(tau_factor=-1.0), "tau_factor must be finite and > 0"),
+        (dict(duplicate_ratio=1.0), r"duplicate_ratio must be in \[0, 1\)"),
+        (dict(reject_factor=0.5), "reject_factor must be 0"),
+        (dict(seed=-1), "seed must be in"),
+        (dict(seed=1 << 64), "seed must be in"),
+        (dict(num_iters=0), "num_iters must be an int >= 1"),
+    ],
+)
+def test_robust_aggregate_rejects_bad_arguments(kwargs: dict, match: str) -> None:
+    xs, weights = _uneven(4)
+    args = dict(seed=0) | kwargs
+    with pytest.raises(ValueError, match=match):
+        robust_aggregate(xs, weights, **args)
+
+
+def test_bucketing_helpers_reject_bad_arguments_and_config_maps_to_options() -> None:
+    with pytest.raises(ValueError, match="part_index must be >= 0"):
+        aggregation_seed(b"t", -1)
+    with pytest.raises(ValueError, match="num_items must be >= 0"):
+        bucket_permutation(-1, 0)
+    with pytest.raises(ValueError, match="weights must be finite"):
+        robust_aggregate([torch.ones(3)] * 3, [1.0, -1.0, 1.0], seed=0)
+    default = robust_options(AveragingConfig())
+    assert default["tau"] is None and default["tau_factor"] == 1.75 and default["bucket_size"] == 1
+    assert robust_options(AveragingConfig(clip_tau=0.5, bucket_size=2))["tau"] == 0.5
+    with pytest.raises(ValueError):
+        AveragingConfig(clip_tau=-1.0)
