@@ -14,8 +14,11 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` active members sorted
 4. If any member was excluded (bad data, or different weights to different reducers), every member sees it in the
    RESULT frames; the round restarts from step 1 without them (a "subround"; the excluded members fail with
    RoundFailed("excluded")), at most ``max_subrounds`` times.
-5. Commit: every member sends a vote (frame VOTE) with the hash of the full result, MACed with the pair key, to every
-   member, and returns the result only if all votes arrived within ``commit_timeout_s`` and match its own hash.
+5. Commit: every member that holds the full result before the round's deadline sends a vote (frame VOTE) with the
+   hash of the full result, MACed with the pair key, to every member, and returns the result only if all votes
+   arrived within ``commit_timeout_s`` past that deadline (a member whose link closes or stalls fails the round at
+   once), match its own hash, and its own votes left by then. So a round may return up to ``commit_timeout_s``
+   after its deadline.
 
 Failure handling: any failure (a link closes, no byte for ``part_timeout_s``, a protocol violation, a deadline)
 makes the member close all its links and raise RoundFailed, so the others, blocked on it, fail at once too. While a
@@ -23,9 +26,10 @@ member waits on others it sends HEARTBEAT frames on idle links (every ``part_tim
 merely waiting for a slow third peer is not mistaken for a stalled one; a member whose round thread is stuck sends
 none. Inputs are never modified.
 
-The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, or a link
-broke) aborts while the others, who got every vote, commit. Members then hold different states. DiLoCo closes this
-gap: peers publish their state hash per epoch and a peer whose hash disagrees with the majority downloads the state.
+The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, a link broke,
+or the deadline came) aborts while the others, who got every vote, commit. Members then hold different states. DiLoCo
+closes this gap: peers publish their state hash per epoch and a peer whose hash disagrees with the majority downloads
+the state.
 
 Layout: this file holds the round logic (scatter, reduce, gather, subrounds, commit); ``links.RoundLinks``, its base
 class, the links, threads and receive path; ``reduce`` the plan, outcome, arithmetic and buffer pool.
@@ -126,7 +130,6 @@ class ButterflyRound(RoundLinks):
         self._vote_sent_at: dict[str, float] = {}
         self.timings: dict[str, float] = {}  # phase -> seconds it took (for logs and benchmarks)
         self._last_mark = time.monotonic()
-        self._vote_received_at: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
 
     # ---- public -------------------------------------------------------------------------------------------------
@@ -375,28 +378,28 @@ class ButterflyRound(RoundLinks):
         summary = msgpack.packb([self.round_id, sub, list(plan.active), sorted(weights.items()), digests])
         full_hash = blake3.blake3(summary).digest()
         self._hook("averaging.before_commit", sub)
+        # One rule for every member, so that all commit or none does: vote only before our deadline; then wait for
+        # every vote until the deadline plus a grace of commit_timeout_s (members' deadlines differ by their
+        # matchmaking skew, and a vote queued behind RESULT frames on a home uplink takes seconds to arrive); commit
+        # if all votes match and ours have left. A fixed wait after our own vote made an early voter abort while a
+        # late one, which had every vote, committed: a fork (utilization bench, 2.5 Mbit/s links, 2026-11-25). A
+        # member that dies or stalls meanwhile is detected by its link (closed, or no byte for part_timeout_s).
+        if time.monotonic() >= deadline:
+            raise RoundFailed("timeout", "the round deadline came before we could vote")
         for p in others:
             vote_mac = mac(self._links[p].key, b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), full_hash)
             self._send(p, FrameType.VOTE, sub, {"hash": full_hash, "mac": vote_mac})
-        commit_deadline = min(deadline, time.monotonic() + self.config.commit_timeout_s)
+        votes_deadline = deadline + self.config.commit_timeout_s
         inbox = self._inbox
         awaited = lambda: [p for p in others if p not in inbox.votes]  # noqa: E731 - a voter may close after voting
-        self._wait(lambda: not awaited(), awaited, commit_deadline, "waiting for votes")
+        self._wait(lambda: not awaited(), awaited, votes_deadline, "waiting for votes")
         disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
         if disagree:
             raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")
-        self._flush(commit_deadline)
-        # Narrow the two-phase-commit gap: member p aborts if our vote reaches it more than commit_timeout_s after it
-        # queued its own; we received p's vote one transit time after that and p gets ours one transit time after we
-        # sent it, so a vote sent later than commit_timeout_s - RTT after receiving p's arrives too late: abort too.
-        for p in others:
-            sent_at, margin_s = self._vote_sent_at.get(p), 2 * self._links[p].rtt_s + 0.01
-            if sent_at is None:
-                raise RoundFailed("timeout", f"our vote to {p} was not sent within the commit timeout; it has aborted")
-            late_s = sent_at - self._vote_received_at[p]
-            if late_s > self.config.commit_timeout_s - margin_s:
-                why = f"our vote left {late_s:.2f}s after {p}'s came (rtt {self._links[p].rtt_s:.3f}s): it aborted"
-                raise RoundFailed("timeout", why)
+        self._flush(votes_deadline)
+        unsent = [p for p in others if p not in self._vote_sent_at]
+        if unsent:  # still queued behind our RESULT frames: it reaches them after they gave up
+            raise RoundFailed("timeout", f"our vote to {unsent} did not leave before the votes deadline")
         links = list(self._links.values())
         return RoundOutcome(
             flat=self._outs[sub],

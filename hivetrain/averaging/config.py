@@ -27,7 +27,8 @@ class AveragingConfig:
         connect_timeout_s: dialing a member and the authentication handshake, seconds.
         part_timeout_s: a member that sends no byte for this long while we wait on it is declared failed (stall
             detection; it bounds how long a stalled or vanished member holds the others), seconds.
-        commit_timeout_s: after voting, wait at most this long for the other members' votes, seconds.
+        commit_timeout_s: votes are awaited until the round's deadline plus this grace (members' deadlines differ by
+            their matchmaking skew, and a vote may queue behind results on a slow uplink), seconds.
         declare_grace_s: followers wait this long past the group deadline for the leader's declaration, seconds.
         poll_interval_s: DHT polling period during matchmaking, seconds.
         compression: wire codec of parts and results ("none" = fp32 bit-exact inputs; "fp16", "int8", "int4"
