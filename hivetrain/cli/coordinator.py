@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     try:
         config = load_run_config(args.config, run_overrides(args))
-        ncfg = node_config(args, args.initial_peers)
+        ncfg = dataclasses.replace(node_config(args, args.initial_peers), run_ids=(config.run_id,))
         options = CoordinatorOptions(refresh_interval_s=args.refresh_interval)
         if args.http_port is not None and not 0 <= args.http_port <= 65535:
             raise ValueError(f"--http-port {args.http_port}: must be 0..65535")

@@ -218,6 +218,7 @@ def _train(
     from hivetrain.peers.loop import LoopThread
 
     config = resolve_config(args, node)
+    node.guard_run(config.run_id)  # from now on our DHT node refuses out-of-bounds records of this run
     corpus = load_corpus(config.data)
     model_config = build_config(config.model, vocab_size=corpus.vocab_size, max_seq_len=config.data.seq_len)
     model = build_model(model_config, seed=config.seed)

@@ -56,7 +56,7 @@ class SwarmConfig:
     ban_base_s: float = Field(default=2.0, gt=0.0)
     ban_max_s: float = Field(default=60.0, gt=0.0)
     announce_interval_s: float = Field(default=1.0, gt=0.0, le=600.0)
-    record_ttl_s: float = Field(default=5.0, gt=0.0, le=3600.0)
+    record_ttl_s: float = Field(default=5.0, gt=0.0, le=600.0)  # RecordBounds.max_record_ttl_s: longer is refused
     rebalance_interval_s: float = Field(default=10.0, ge=0.0)
     rebalance_margin: float = Field(default=0.2, ge=0.0, le=100.0)
     rebalance_cooldown_s: float = Field(default=30.0, ge=0.0)

@@ -108,7 +108,7 @@ def server_main(argv: list[str] | None = None) -> int:
             faults.arm(parse_fault_spec(spec))
         stage = None if args.stage == "auto" else int(args.stage)
         model_config, fingerprint = describe_model(run)
-        node = start_node(node_config(args, args.initial_peers))
+        node = start_node(dataclasses.replace(node_config(args, args.initial_peers), run_ids=(run.run_id,)))
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     server = None
@@ -169,7 +169,7 @@ def trainer_main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     try:
         run, swarm = read_process_config(Path(args.config))
-        node = start_node(node_config(args, args.initial_peers))
+        node = start_node(dataclasses.replace(node_config(args, args.initial_peers), run_ids=(run.run_id,)))
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     stats: dict = {}
