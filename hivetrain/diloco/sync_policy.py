@@ -1,43 +1,136 @@
 """Pure decisions about a peer's place in the swarm: is it behind, is its state forked, may it average alone?
 
-Functions of the records peers published and ``now``; no I/O. The trainer calls them between phases.
+Functions of the records peers published, our own state, a ``SyncTrust`` and ``now``; no I/O. The trainer calls them
+between phases, the coordinator's follower to follow the run.
+
+A state is adopted on evidence, not on one claim (issue 12: one signed record claiming epoch 10^9 took over every
+honest peer, the coordinator and a joiner in 3.5 s). The evidence is either a quorum of live peers
+(``hivetrain.peers.quorum.backed_states``: by default 2 distinct peers and a strict majority) or the signed record of
+the run's known coordinator, which follows committed steps under the quorum rule itself and trains nothing. A record
+with the coordinator role from any other identity is ignored. Claims past what the run's age allows are dropped and
+their senders returned for banning.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from hivetrain.peers.quorum import (
+    Backing,
+    QuorumConfig,
+    Vote,
+    backed_states,
+    implausible,
+    max_plausible_epoch,
+)
 from hivetrain.peers.records import PeerRecord
 
 Action = Literal["train", "download"]
 
 
 @dataclass(frozen=True)
+class SyncTrust:
+    """What a peer weighs the swarm's records with, besides the records themselves.
+
+    Args:
+        quorum: the quorum rule's thresholds (the run's, so every peer applies the same).
+        coordinator_id: base58 peer ID of the run's coordinator: the signer of the run config record this peer
+            trusts (``RunConfigRecord.coordinator_id``, signed by an ID from the bootstrap addresses). "" = none
+            known: records with the coordinator role are then ignored, never trusted.
+        run_started_at: DHT time (unix seconds) of the run's epoch 0; None = unknown (no run-age bound). It must
+            never be later than the truth (a coordinator restart must not reset it): honest epochs would then look
+            implausible, though a claim a quorum backs is never banned.
+        banned: peer IDs whose records are ignored.
+    """
+
+    quorum: QuorumConfig = QuorumConfig()
+    coordinator_id: str = ""
+    run_started_at: float | None = None
+    banned: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class SyncDecision:
+    """``action``: "train" or "download" the state of ``target_epoch`` from ``donors``; ``ban``: peers whose claims the
+    run's age rules out (the caller bans them); ``reason`` is for people only."""
+
     action: Action
     target_epoch: int
     donors: tuple[str, ...]
     reason: str
+    ban: tuple[str, ...] = field(default=())
 
 
-def published_hashes(records: Iterable[PeerRecord]) -> dict[int, str]:
-    """epoch -> the state hash most peers published for it (ties broken by the hash string, deterministically).
+@dataclass(frozen=True)
+class _Evidence:
+    claims: list[PeerRecord]  # live, plausible, not banned, not the coordinator; ours excluded
+    coordinator: PeerRecord | None  # the run's known coordinator's live record with a state
+    backed: dict[int, Backing]  # the quorum's states, our own vote included when we hold a state
+    ban: tuple[str, ...]
+    notes: tuple[str, ...]
 
-    The coordinator's hash, when present, wins its epoch: it follows every committed step and trains nothing.
+
+def _weigh(
+    my_peer_id: str,
+    records: Iterable[PeerRecord],
+    mine: Vote | None,
+    now: float | None,
+    stale_after_s: float | None,
+    trust: SyncTrust,
+    exact_average: bool,
+) -> _Evidence:
+    live = [
+        r
+        for r in records
+        if r.peer_id != my_peer_id
+        and r.state_hash
+        and not r.left_reason
+        and r.peer_id not in trust.banned
+        and (now is None or stale_after_s is None or now - r.updated_at <= stale_after_s)
+    ]
+    coordinator = next((r for r in live if r.role == "coordinator" and r.peer_id == trust.coordinator_id), None)
+    claims = [r for r in live if r.role != "coordinator"]
+    notes = []
+    impostors = sorted({r.peer_id for r in live if r.role == "coordinator" and r.peer_id != trust.coordinator_id})
+    if impostors:
+        notes.append(f"ignored coordinator record(s) of {', '.join(p[:12] for p in impostors)}: not the run's")
+    votes = claims + ([mine] if mine is not None else [])
+    bound = None if now is None else max_plausible_epoch(trust.run_started_at, now, trust.quorum)
+    ban: tuple[str, ...] = ()
+    suspects = implausible(claims, bound)
+    if suspects:
+        backed = backed_states(votes, trust.quorum, exact_average)
+        ban = tuple(
+            p for p in suspects if not any(p in b.holders for e, b in backed.items() if bound is not None and e > bound)
+        )
+        if ban:
+            notes.append(f"epoch past the run-age bound {bound} claimed by {', '.join(p[:12] for p in ban)}: banned")
+        claims = [r for r in claims if r.peer_id not in ban]
+        votes = claims + ([mine] if mine is not None else [])
+    return _Evidence(claims, coordinator, backed_states(votes, trust.quorum, exact_average), ban, tuple(notes))
+
+
+def published_hashes(
+    records: Iterable[PeerRecord],
+    *,
+    trust: SyncTrust = SyncTrust(),
+    exact_average: bool = True,
+    now: float | None = None,
+    stale_after_s: float | None = None,
+) -> dict[int, str]:
+    """epoch -> the state hash a download may accept for it: the state a quorum of ``records`` backs
+    (``hivetrain.peers.quorum.backed_states``), or at its epoch the run's known coordinator's.
+
+    An epoch only one peer (or a minority) claims is absent, so a liar's own hash is never "the majority" of an epoch
+    only it claims. ``now`` and ``stale_after_s`` (seconds) drop stale records and apply the run-age bound; without
+    them every record given counts (e.g. a fresh DHT read, whose records are unexpired).
     """
-    votes: dict[int, Counter[str]] = {}
-    authority: dict[int, str] = {}
-    for record in records:
-        if not record.state_hash:
-            continue
-        if record.role == "coordinator":
-            authority[record.epoch] = record.state_hash
-        votes.setdefault(record.epoch, Counter())[record.state_hash] += 1
-    result = {epoch: max(counter.items(), key=lambda kv: (kv[1], kv[0]))[0] for epoch, counter in votes.items()}
-    result.update(authority)
+    evidence = _weigh("", records, None, now, stale_after_s, trust, exact_average)
+    result = {epoch: b.state_hash for epoch, b in evidence.backed.items()}
+    if evidence.coordinator is not None:
+        result[evidence.coordinator.epoch] = evidence.coordinator.state_hash
     return result
 
 
@@ -49,62 +142,89 @@ def decide_sync(
     now: float,
     stale_after_s: float,
     exact_average: bool = True,
+    *,
+    trust: SyncTrust = SyncTrust(),
+    my_vote: bool = True,
 ) -> SyncDecision:
-    """Decide whether to keep training or download state first.
+    """Decide whether to keep training or download state first, on evidence only.
 
-    Download when a live peer is at a newer epoch (we are behind), or when the majority hash of our epoch, counting
-    our own, is not ours (our last outer step diverged: e.g. we were paused through a commit). Every peer counts the
-    same population, so both sides of a fork agree on which one downloads.
+    Rules, in order:
+
+    - **behind**: the run's known coordinator verified a newer state than ours (and no quorum backs a newer one
+      still), or a quorum backs a newer epoch: download the newest such state from its holders.
+    - **forked** (``exact_average`` only): at our epoch, the coordinator's state or the state a quorum backs,
+      counting our own vote, is not ours. Every peer counts the same population, its own hash included, so both sides
+      of a fork agree on who downloads (a 2-1 fork: the lone peer; a 1-1 tie: nobody, as nothing tells the honest
+      side from a liar; with ``min_fraction < 0.5`` ties go to the larger hash string on both sides).
+    - otherwise **train**: claims without a quorum are ignored (the reason names them).
 
     Args:
+        my_hash: sha256 of our state ("" = none yet).
         records: peer records of the run (ours included or not).
-        exact_average: peers of an epoch hold the same state (butterfly averaging). With moshpit or gossip groups
-            they differ by design, so only "behind" triggers a download, never a differing hash.
         now: current time (unix seconds, DHT time).
         stale_after_s: records not updated for this long are ignored.
+        exact_average: peers of an epoch hold the same state (butterfly averaging). With moshpit or gossip groups
+            they differ by design, so only "behind" triggers a download, never a differing hash.
+        trust: the quorum's thresholds, the run's coordinator, the run's start, the banned peers.
+        my_vote: our state counts as a vote (trainers); False for the coordinator, which trains nothing.
+
+    Returns:
+        The decision; ``ban`` lists the peers whose epochs the run's age rules out.
     """
-    live = [r for r in records if r.peer_id != my_peer_id and now - r.updated_at <= stale_after_s]
-    hashes = published_hashes(live)
-    newest = max((r.epoch for r in live if r.state_hash), default=-1)
+    mine = Vote(my_peer_id, my_epoch, my_hash) if my_vote and my_hash else None
+    ev = _weigh(my_peer_id, records, mine, now, stale_after_s, trust, exact_average)
+    coord = ev.coordinator
+    notes = "".join(f"; {n}" for n in ev.notes)
+
+    def holding(epoch: int, state_hash: str) -> tuple[str, ...]:
+        donors = [r.peer_id for r in ev.claims if r.epoch == epoch and r.state_hash == state_hash]
+        if coord is not None and coord.epoch == epoch and coord.state_hash == state_hash:
+            donors.append(coord.peer_id)  # the coordinator serves the state it verified
+        return tuple(donors)
+
+    newest = max((e for e in ev.backed if e > my_epoch), default=-1)
+    if coord is not None and coord.epoch > my_epoch and coord.epoch >= newest:
+        why = f"behind: the run's coordinator verified epoch {coord.epoch}, we are at {my_epoch}"
+        return SyncDecision("download", coord.epoch, holding(coord.epoch, coord.state_hash), why + notes, ev.ban)
     if newest > my_epoch:
-        donors = tuple(r.peer_id for r in live if r.epoch == newest and r.state_hash == hashes.get(newest))
-        return SyncDecision("download", newest, donors, f"behind: peers are at epoch {newest}, we are at {my_epoch}")
-    theirs = _majority_with_us(my_hash, my_epoch, live)
-    if exact_average and theirs is not None and theirs != my_hash:
-        donors = tuple(r.peer_id for r in live if r.epoch == my_epoch and r.state_hash == theirs)
-        return SyncDecision(
-            "download",
-            my_epoch,
-            donors,
-            f"forked: peers hold state {theirs[:12]} at epoch {my_epoch}, we hold {my_hash[:12]}",
-        )
-    return SyncDecision("train", my_epoch, (), "in sync")
+        b = ev.backed[newest]
+        why = f"behind: {b.describe()}, we are at {my_epoch}"
+        return SyncDecision("download", newest, holding(newest, b.state_hash), why + notes, ev.ban)
+    if exact_average:
+        if coord is not None and coord.epoch == my_epoch:
+            theirs, by = coord.state_hash, "the run's coordinator verified"
+        elif my_epoch in ev.backed:
+            theirs, by = ev.backed[my_epoch].state_hash, f"{len(ev.backed[my_epoch].holders)} peer(s) hold"
+        else:
+            theirs, by = my_hash, ""
+        if my_hash and theirs != my_hash:
+            why = f"forked: {by} state {theirs[:12]} at epoch {my_epoch}, we hold {my_hash[:12]}"
+            return SyncDecision("download", my_epoch, holding(my_epoch, theirs), why + notes, ev.ban)
+    return SyncDecision("train", my_epoch, (), "in sync" + _unbacked(ev, my_epoch) + notes, ev.ban)
 
 
-def _majority_with_us(my_hash: str, my_epoch: int, live: list[PeerRecord]) -> str | None:
-    """The hash most holders of ``my_epoch`` published, ourselves included (ties broken by the hash string, so every
-    peer with the same view picks the same one); a coordinator's hash wins. None: nobody else is at our epoch.
-
-    Without our own vote, a member of the 2-peer side of a 2-1 fork saw a 1-1 tie among the others and downloaded
-    the lone peer's state while the lone peer downloaded theirs (utilization bench, 2026-11-25)."""
-    at_epoch = [r for r in live if r.epoch == my_epoch and r.state_hash]
-    if not at_epoch:
-        return None
-    authority = [r.state_hash for r in at_epoch if r.role == "coordinator"]
-    if authority:
-        return authority[0]
-    counts = Counter(r.state_hash for r in at_epoch)
-    counts[my_hash] += 1
-    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+def _unbacked(ev: _Evidence, my_epoch: int) -> str:
+    """Names newer claims that lack a quorum (why a peer does not follow them), for logs and the dashboard."""
+    ahead = sorted({r.epoch for r in ev.claims if r.epoch > my_epoch and r.epoch not in ev.backed})
+    if not ahead:
+        return ""
+    shown = ", ".join(str(e) for e in ahead[:3]) + (" ..." if len(ahead) > 3 else "")
+    return f"; no quorum for epoch(s) {shown} claimed by {sum(r.epoch > my_epoch for r in ev.claims)} peer(s)"
 
 
 def may_commit_alone(
-    my_peer_id: str, my_epoch: int, records: Iterable[PeerRecord], now: float, stale_after_s: float
+    my_peer_id: str,
+    my_epoch: int,
+    records: Iterable[PeerRecord],
+    now: float,
+    stale_after_s: float,
+    trust: SyncTrust = SyncTrust(),
 ) -> tuple[bool, str]:
     """A round of one peer may be applied only if no other live trainer is at our epoch or later, or computing a
     pseudo-gradient for it (``phase_epoch``: with overlap a peer's state lags the round its phase is for).
 
     Otherwise applying it would fork the run: the others will average without us, and we must wait or resync.
+    Banned peers (``trust.banned``) do not count.
     """
     others = [
         r
@@ -112,6 +232,7 @@ def may_commit_alone(
         if r.peer_id != my_peer_id
         and r.role == "trainer"
         and not r.left_reason
+        and r.peer_id not in trust.banned
         and now - r.updated_at <= stale_after_s
         and (r.epoch >= my_epoch or r.phase_epoch >= my_epoch)
     ]
@@ -168,18 +289,21 @@ def decide_after_round(
     stale_after_s: float,
     dht_lost_after_s: float,
     exact_average: bool = True,
+    trust: SyncTrust = SyncTrust(),
 ) -> RoundPolicy:
     """The retry / solo-commit / resync / lost-DHT policy of the train loop, after one averaging attempt.
 
     Rules, in order: stopping stops; a swarm unreadable for over ``dht_lost_after_s`` is "lost"; a committed group of
     two or more is applied; a group of one is applied only on a real view of the swarm with no other live trainer at
-    our epoch or later (``may_commit_alone``: else it would fork the run); after a failure, peers at a newer epoch or a
-    different hash of ours mean "resync"; otherwise retry with exponential backoff (0.25 s doubling, at most 4 s),
-    past ``max_retries`` only while live peers of our epoch may still come and the round's deadline is not reached;
-    then "carry". Nothing a peer computed is thrown away here: "resync" and "carry" keep the contribution.
+    our epoch or later (``may_commit_alone``: else it would fork the run); after a failure, evidence of a newer epoch or
+    of another state at ours (``decide_sync``: a quorum or the run's coordinator) means "resync"; otherwise retry
+    with exponential backoff (0.25 s doubling, at most 4 s), past ``max_retries`` only while live peers of our epoch
+    may still come and the round's deadline is not reached; then "carry". Nothing a peer computed is thrown away
+    here: "resync" and "carry" keep the contribution.
 
     Args:
         records: the swarm's peer records (ours included or not); now: DHT time, seconds.
+        trust: passed to ``decide_sync`` and ``may_commit_alone`` (a resync needs the same evidence as a download).
     """
     records = list(records)
     if view.stopping:
@@ -193,14 +317,14 @@ def decide_after_round(
         if not view.view_ok:
             failure = "alone: cannot read the swarm's records (DHT unreachable): no solo step"
         else:
-            ok, why = may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s)
+            ok, why = may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust)
             if ok:
                 return RoundPolicy("apply", f"alone: {why}")
             failure = f"alone: {why}"
-    sync = decide_sync(my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average)
+    sync = decide_sync(my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average, trust=trust)
     if sync.action == "download":
         return RoundPolicy("resync", f"{failure}; {sync.reason}")
-    waiting_for_peers = not may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s)[0]
+    waiting_for_peers = not may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust)[0]
     if view.attempt > max_retries and not (waiting_for_peers and view.time_left_s > 0):
         why = "round deadline reached" if waiting_for_peers else "no other live peer at our epoch"
         return RoundPolicy("carry", f"{failure}; {why} after {view.attempt} attempts: train on, send both later")

@@ -2,12 +2,14 @@
 
 from hivetrain.diloco.sync_policy import (
     RoundView,
+    SyncTrust,
     decide_after_round,
     decide_sync,
     keep_carried,
     may_commit_alone,
     published_hashes,
 )
+from hivetrain.peers.quorum import QuorumConfig
 from tests.records import peer_record
 
 NOW = 1000.0
@@ -44,10 +46,14 @@ def test_both_sides_of_a_fork_agree_on_who_downloads():
     assert decide_sync("b", 3, pair, records, NOW, 30).action == "train"
     d = decide_sync("c", 3, lone, records, NOW, 30)
     assert d.action == "download" and set(d.donors) == {"a", "b"}
-    # a 1-1 tie is broken by the hash string, the same way on both sides: exactly one of them downloads
+    # a 1-1 tie: one peer's word against another's, nothing tells the honest side from a liar: nobody downloads
     two = [rec("a", 3, "h-x"), rec("b", 3, "h-y")]
     actions = {p: decide_sync(p, 3, h, two, NOW, 30).action for p, h in (("a", "h-x"), ("b", "h-y"))}
-    assert sorted(actions.values()) == ["download", "train"]
+    assert sorted(actions.values()) == ["train", "train"]
+    # a quorum loose enough to back both sides breaks the tie by the hash string, the same way on both sides
+    loose = SyncTrust(quorum=QuorumConfig(min_peers=1, min_fraction=0.4))
+    actions = {p: decide_sync(p, 3, h, two, NOW, 30, trust=loose).action for p, h in (("a", "h-x"), ("b", "h-y"))}
+    assert actions == {"a": "download", "b": "train"}
 
 
 def test_stale_records_are_ignored():
@@ -55,9 +61,11 @@ def test_stale_records_are_ignored():
     assert d.action == "train"
 
 
-def test_coordinator_hash_wins_its_epoch():
-    hashes = published_hashes([rec("a", 2, "x"), rec("b", 2, "x"), rec("c", 2, "y", role="coordinator")])
-    assert hashes[2] == "y"
+def test_the_known_coordinators_hash_wins_its_epoch_and_an_impostors_counts_for_nothing():
+    records = [rec("a", 2, "x"), rec("b", 2, "x"), rec("c", 2, "y", role="coordinator")]
+    assert published_hashes(records, trust=SyncTrust(coordinator_id="c"))[2] == "y"
+    assert published_hashes(records, trust=SyncTrust(coordinator_id="other"))[2] == "x"
+    assert published_hashes(records)[2] == "x"  # no coordinator known: a coordinator role proves nothing
 
 
 def test_solo_round_only_without_live_trainers():
@@ -71,6 +79,120 @@ def test_moshpit_peers_with_different_states_at_one_epoch_are_not_forks():
     records = [rec("a", 4, "theirs"), rec("b", 4, "theirs")]
     assert decide_sync("me", 4, "mine", records, NOW, 30, exact_average=False).action == "train"
     assert decide_sync("me", 3, "mine", records, NOW, 30, exact_average=False).action == "download"
+
+
+# ---- a state is adopted on evidence, not on one claim (issue 12, item 1) ---------------------------------------
+
+HOUR_OLD = SyncTrust(run_started_at=NOW - 3600.0)  # 3600 s at >= 0.1 s per epoch: epochs past 36600 are implausible
+
+
+def test_one_liar_far_ahead_among_two_honest_peers_moves_nobody_and_is_banned_by_the_runs_age():
+    records = [rec("a", 5, "h5"), rec("b", 5, "h5"), rec("liar", 10**6, "random")]
+    assert "no quorum for epoch(s) 1000000 claimed by 1 peer(s)" in decide_sync("a", 5, "h5", records, NOW, 30).reason
+    for trust in (SyncTrust(), HOUR_OLD):
+        assert decide_sync("a", 5, "h5", records, NOW, 30, trust=trust).action == "train"
+        joiner = decide_sync("new", 0, "theta0", records, NOW, 30, trust=trust)
+        assert joiner.action == "download" and joiner.target_epoch == 5 and set(joiner.donors) == {"a", "b"}
+        assert published_hashes(records, trust=trust) == {5: "h5"}
+    assert decide_sync("a", 5, "h5", records, NOW, 30).ban == ()  # no run start known: ignored, not banned
+    d = decide_sync("a", 5, "h5", records, NOW, 30, trust=HOUR_OLD)
+    assert d.ban == ("liar",) and "run-age bound 36600" in d.reason
+
+
+def test_a_plausible_lie_needs_a_quorum_too():
+    records = [rec("a", 5, "h5"), rec("b", 5, "h5"), rec("liar", 6, "random")]
+    d = decide_sync("a", 5, "h5", records, NOW, 30, trust=HOUR_OLD)
+    assert d.action == "train" and d.ban == ()
+    # a peer that fell behind catches up with the honest pair, not with the liar
+    d = decide_sync("late", 2, "h2", records, NOW, 30, trust=HOUR_OLD)
+    assert d.action == "download" and d.target_epoch == 5 and set(d.donors) == {"a", "b"}
+
+
+def test_two_colluders_among_five_can_neither_lead_nor_fork_the_run():
+    honest = [rec(p, 7, "h7") for p in ("a", "b", "c")]
+    ahead = honest + [rec("x", 12, "evil"), rec("y", 12, "evil")]
+    assert decide_sync("a", 7, "h7", ahead, NOW, 30).action == "train"
+    d = decide_sync("new", 0, "theta0", ahead, NOW, 30)
+    assert d.action == "download" and d.target_epoch == 7 and set(d.donors) == {"a", "b", "c"}
+    same_epoch = honest + [rec("x", 7, "evil"), rec("y", 7, "evil")]
+    assert decide_sync("a", 7, "h7", same_epoch, NOW, 30).action == "train"
+    d = decide_sync("new", 0, "theta0", same_epoch, NOW, 30)
+    assert d.action == "download" and set(d.donors) == {"a", "b", "c"}
+    assert published_hashes(same_epoch) == {7: "h7"}
+    # half is not a quorum: two honest peers are not moved by two colluders either
+    assert decide_sync("a", 7, "h7", honest[1:2] + ahead[3:], NOW, 30).action == "train"
+
+
+def test_a_two_peer_swarm_trains_and_can_be_joined_but_no_lone_claim_is_followed():
+    pair = [rec("a", 5, "h5"), rec("b", 5, "h5")]
+    assert decide_sync("a", 5, "h5", pair, NOW, 30).action == "train"
+    assert decide_sync("b", 5, "h5", pair, NOW, 30).action == "train"
+    joiner = decide_sync("new", 0, "theta0", pair, NOW, 30)
+    assert joiner.action == "download" and set(joiner.donors) == {"a", "b"}
+    # a round of the two commits: whoever publishes epoch 6 first is not yet a quorum for the other, which commits
+    # the same step itself; a joiner takes epoch 5 meanwhile, epoch 6 once both have published it
+    mid_commit = [rec("a", 6, "h6"), rec("b", 5, "h5")]
+    assert decide_sync("b", 5, "h5", mid_commit, NOW, 30).action == "train"
+    assert decide_sync("new", 0, "theta0", mid_commit, NOW, 30).action == "train"
+    assert decide_sync("new", 0, "theta0", [rec("a", 6, "h6"), rec("b", 6, "h6")], NOW, 30).target_epoch == 6
+    # five joiners at once do not keep each other out (θ₀ holders neither back nor oppose a trained state)
+    crowd = pair + [rec(f"j{i}", 0, "theta0") for i in range(5)]
+    assert decide_sync("j0", 0, "theta0", crowd, NOW, 30).action == "download"
+
+
+def test_a_joiner_adopts_only_a_quorum_backed_epoch():
+    assert decide_sync("new", 0, "", [rec("liar", 9, "random")], NOW, 30).action == "train"
+    one_honest = [rec("a", 5, "h5"), rec("liar", 9, "random")]
+    assert decide_sync("new", 0, "", one_honest, NOW, 30).action == "train"
+    d = decide_sync("new", 0, "", one_honest + [rec("b", 5, "h5")], NOW, 30)
+    assert d.action == "download" and d.target_epoch == 5 and set(d.donors) == {"a", "b"}
+
+
+def test_an_epoch_a_quorum_backs_is_never_banned_even_past_a_wrong_run_start():
+    records = [rec("a", 500, "h"), rec("b", 500, "h")]
+    too_young = SyncTrust(run_started_at=NOW - 1.0)  # e.g. a start time reset by a restart: 610 epochs at most
+    d = decide_sync("new", 0, "", records, NOW, 30, trust=too_young)
+    assert d.action == "download" and d.target_epoch == 500 and d.ban == ()
+    d = decide_sync("new", 0, "", records + [rec("liar", 900, "x")], NOW, 30, trust=too_young)
+    assert d.ban == ("liar",) and d.target_epoch == 500
+
+
+def test_banned_peers_count_for_nothing():
+    records = [rec("a", 5, "h5"), rec("b", 5, "h5")]
+    assert decide_sync("new", 0, "", records, NOW, 30, trust=SyncTrust(banned=frozenset({"b"}))).action == "train"
+    assert may_commit_alone("me", 5, records[:1], NOW, 30, SyncTrust(banned=frozenset({"a"})))[0]
+
+
+def test_the_known_coordinators_record_is_evidence_an_impostors_is_not():
+    lone = [rec("a", 8, "h8"), rec("c", 8, "h8", role="coordinator")]
+    trust = SyncTrust(coordinator_id="c")
+    d = decide_sync("new", 0, "", lone, NOW, 30, trust=trust)
+    assert d.action == "download" and d.target_epoch == 8 and set(d.donors) == {"a", "c"} and "coordinator" in d.reason
+    # the same record from an identity that is not the run's coordinator: one trainer's claim, not followed
+    assert decide_sync("new", 0, "", lone, NOW, 30, trust=SyncTrust(coordinator_id="x")).action == "train"
+    d = decide_sync("new", 0, "", lone, NOW, 30)
+    assert d.action == "train" and "not the run's" in d.reason
+    # a coordinator that lags a quorum does not hold peers back; at our epoch its state settles a fork
+    ahead = [rec("a", 9, "h9"), rec("b", 9, "h9"), rec("c", 8, "h8", role="coordinator")]
+    assert decide_sync("new", 0, "", ahead, NOW, 30, trust=trust).target_epoch == 9
+    tie = [rec("a", 8, "h-x"), rec("c", 8, "h-x", role="coordinator")]
+    d = decide_sync("b", 8, "h-y", tie, NOW, 30, trust=trust)
+    assert d.action == "download" and "forked" in d.reason and set(d.donors) == {"a", "c"}
+    assert decide_sync("a", 8, "h-x", tie + [rec("b", 8, "h-y")], NOW, 30, trust=trust).action == "train"
+
+
+def test_the_coordinator_follows_a_majority_of_trainers_without_voting_itself():
+    follow = SyncTrust(quorum=QuorumConfig(min_peers=1))
+    d = decide_sync("coord", 3, "h3", [rec("a", 8, "h8")], NOW, 30, trust=follow, my_vote=False)
+    assert d.action == "download" and d.target_epoch == 8
+    tied = [rec("a", 8, "h8"), rec("liar", 8, "random")]  # one word against another: neither is a majority
+    assert decide_sync("coord", 3, "h3", tied, NOW, 30, trust=follow, my_vote=False).action == "train"
+    d = decide_sync("coord", 3, "h3", tied + [rec("b", 8, "h8")], NOW, 30, trust=follow, my_vote=False)
+    assert d.target_epoch == 8 and set(d.donors) == {"a", "b"}
+    # a liar claiming a newer epoch is not followed; it even counts as having passed the honest trainer's epoch
+    ahead = [rec("a", 8, "h8"), rec("liar", 9, "random")]
+    d = decide_sync("coord", 3, "h3", ahead, NOW, 30, trust=follow, my_vote=False)
+    assert d.target_epoch == 8 and d.donors == ("a",)
 
 
 # ---- the retry / solo-commit / resync / lost-DHT policy after one averaging attempt ----------------------------
@@ -107,8 +229,12 @@ def test_failures_back_off_exponentially_up_to_4_s():
 
 
 def test_peers_that_moved_on_mean_resync_not_retry():
-    p = decide_after_round("me", view(failure="not_in_group"), [rec("a", 4, "h4")], NOW, **POLICY)
+    records = [rec("a", 4, "h4"), rec("b", 4, "h4")]
+    p = decide_after_round("me", view(failure="not_in_group"), records, NOW, **POLICY)
     assert p.action == "resync" and "behind" in p.reason
+    # one peer's claim of a newer epoch is no evidence: retry at ours
+    p = decide_after_round("me", view(failure="not_in_group"), records[:1], NOW, **POLICY)
+    assert p.action == "retry"
 
 
 def test_past_the_retries_a_peer_waits_for_peers_of_its_epoch_until_the_deadline_then_carries():

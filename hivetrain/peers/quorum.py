@@ -1,0 +1,178 @@
+"""The quorum rule: which (epoch, state hash) the live peers of a run back, and which epochs the run's age rules out.
+
+A peer that adopts a state it did not compute (a joiner, a peer that fell behind or forked, the coordinator, a stage
+server joining a stage) must not do so on one peer's word: in issue 12 one signed record claiming epoch 10^9 with the
+hash of random weights was downloaded by every honest peer within 3.5 s. ``backed_states`` is the one rule every
+such decision uses (``diloco/sync_policy.py`` for trainers and the coordinator, ``swarm/server.py`` for stage
+servers): a pure function of the claims and a ``QuorumConfig``.
+
+The rule, for a state (E, h), over distinct peers (``voters``; a peer's own state counts when it holds one):
+
+1. **holders**: at least ``min_peers`` voters publish exactly (E, h);
+2. **agreement**: they are more than ``min_fraction`` of the voters at epoch E (any hash), so two hashes can never
+   both be backed at one epoch unless ``min_fraction < 0.5``, and then the larger group wins, ties broken by the
+   hash string so that every peer with the same view picks the same one;
+3. **progress**: the voters at epoch E or later are more than ``min_fraction`` of the population. The population is
+   every voter at epoch >= 1: voters behind E count against it, which is what stops a minority that claims an epoch
+   far ahead of the rest (2 colluders at E + 5 among 3 honest peers at E: 2 of 5). Voters at epoch 0 hold θ₀, which
+   every peer builds from the run seed; they are joiners, who neither back nor oppose a trained state, so a crowd of
+   joiners cannot keep each other from catching up.
+
+With ``exact=False`` (moshpit or gossip groups: peers of one epoch hold different states by design) rules 1 and 2
+count voters at epoch E whatever their hash; no hash can be checked against others then, and the one published is
+the largest hash string among the epoch's holders.
+
+What it does not stop: identities are free, so a quorum counts identities, not people (a Sybil attacker with more
+identities than the honest peers wins; admission, issue 12 item 6, is the answer), and a colluding majority is the
+run.
+
+``max_plausible_epoch`` bounds an epoch by the run's age: epochs cannot come faster than one per ``min_epoch_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Claim(Protocol):
+    """What a peer says about its state (``PeerRecord``, ``StageRecord`` and ``Vote`` all have these fields)."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def state_hash(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Vote:
+    """A claim made of plain values (e.g. our own state, which has no record in the caller's view)."""
+
+    peer_id: str
+    epoch: int
+    state_hash: str
+
+
+@dataclass(frozen=True)
+class QuorumConfig:
+    """How much agreement a state needs before a peer adopts it.
+
+    Args:
+        min_peers: distinct peers that must hold exactly the state. 2 (the default): no single identity can make a
+            peer adopt a state. A run of one trainer with no coordinator then cannot be joined: nothing tells a
+            joiner that trainer from a liar; the coordinator follows with 1 (``FollowerOptions``), since a lone
+            trainer defines the run's progress anyway, honest or not, and joiners trust the coordinator's record.
+        min_fraction: the holders must be more than this fraction of the voters at the state's epoch, and the
+            voters at that epoch or later more than this fraction of the population (voters at epoch >= 1). 0.5:
+            a strict majority, so a minority cannot outvote the rest, and half cannot either (a tie adopts nothing).
+        min_epoch_s: the fewest seconds one epoch (an inner phase plus its averaging round) can take, for the
+            run-age bound. The fastest runs hivetrain has (tiny models on loopback in the e2e tests) take about 1 s
+            per epoch; 0.1 s leaves a 10x margin so no honest run is ever judged implausible, and an epoch of 10^6
+            still needs a run 28 h old.
+        max_clock_skew_s: slack added to the run's age for clocks that differ, seconds (the DHT record guard's).
+
+    Raises:
+        ValueError: ``min_peers < 1``, ``min_fraction`` outside [0, 1), ``min_epoch_s <= 0`` or a negative skew.
+    """
+
+    min_peers: int = 2
+    min_fraction: float = 0.5
+    min_epoch_s: float = 0.1
+    max_clock_skew_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.min_peers < 1:
+            raise ValueError(f"QuorumConfig.min_peers must be >= 1, got {self.min_peers}")
+        if not 0.0 <= self.min_fraction < 1.0:
+            raise ValueError(f"QuorumConfig.min_fraction must be in [0, 1), got {self.min_fraction}")
+        if self.min_epoch_s <= 0 or self.max_clock_skew_s < 0:
+            raise ValueError("QuorumConfig.min_epoch_s must be > 0 and max_clock_skew_s >= 0")
+
+
+@dataclass(frozen=True)
+class Backing:
+    """The support a backed state has (counts of distinct peers).
+
+    Attributes:
+        holders: peer IDs publishing exactly (``epoch``, ``state_hash``), sorted.
+        at_epoch: voters at ``epoch``, any hash; passed: voters at ``epoch`` or later; population: voters counted.
+    """
+
+    epoch: int
+    state_hash: str
+    holders: tuple[str, ...]
+    at_epoch: int
+    passed: int
+    population: int
+
+    def describe(self) -> str:
+        return f"{len(self.holders)} of {self.population} live peer(s) hold epoch {self.epoch} ({self.state_hash[:12]})"
+
+
+def distinct_voters(claims: Iterable[Claim]) -> list[Claim]:
+    """One claim per peer ID (a peer publishes one record per key; of duplicates the newest epoch is kept, then the
+    largest hash), claims without a state hash dropped, sorted by peer ID."""
+    best: dict[str, Claim] = {}
+    for claim in claims:
+        if not claim.state_hash:
+            continue
+        seen = best.get(claim.peer_id)
+        if seen is None or (claim.epoch, claim.state_hash) > (seen.epoch, seen.state_hash):
+            best[claim.peer_id] = claim
+    return [best[p] for p in sorted(best)]
+
+
+def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = True) -> dict[int, Backing]:
+    """epoch -> the state a quorum of ``claims`` backs at that epoch (the rule in the module docstring).
+
+    Args:
+        claims: the live claims to weigh, ours included when we hold a state; the caller drops stale, departed,
+            banned and implausible ones. Several claims of one peer ID count once.
+        exact: peers of an epoch hold identical states (butterfly averaging); False for moshpit/gossip groups.
+
+    Returns:
+        Only epochs whose state passes the rule; an epoch nobody backs enough is absent.
+    """
+    voters = distinct_voters(claims)
+    trained = sum(1 for v in voters if v.epoch >= 1)
+    result: dict[int, Backing] = {}
+    for epoch in sorted({v.epoch for v in voters}):
+        at = [v for v in voters if v.epoch == epoch]
+        population = trained if epoch >= 1 else len(voters)
+        passed = sum(1 for v in voters if v.epoch >= epoch)
+        if exact:
+            counts = Counter(v.state_hash for v in at)
+            state_hash, count = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+            holders = tuple(v.peer_id for v in at if v.state_hash == state_hash)
+        else:
+            state_hash, count = max(v.state_hash for v in at), len(at)
+            holders = tuple(v.peer_id for v in at if v.state_hash == state_hash)
+        if (
+            count >= config.min_peers
+            and count > config.min_fraction * len(at)
+            and passed > config.min_fraction * population
+        ):
+            result[epoch] = Backing(epoch, state_hash, holders, len(at), passed, population)
+    return result
+
+
+def max_plausible_epoch(run_started_at: float | None, now: float, config: QuorumConfig) -> int | None:
+    """The newest epoch a run that began at ``run_started_at`` can have reached by ``now`` (both DHT time, seconds),
+    at one epoch per ``min_epoch_s`` at most, with ``max_clock_skew_s`` of slack; None when the start is unknown."""
+    if run_started_at is None:
+        return None
+    return max(0, math.floor((now - run_started_at + config.max_clock_skew_s) / config.min_epoch_s))
+
+
+def implausible(claims: Iterable[Claim], max_epoch: int | None) -> tuple[str, ...]:
+    """Peer IDs (sorted, distinct) of claims past ``max_epoch``; none when the bound is unknown."""
+    if max_epoch is None:
+        return ()
+    return tuple(sorted({c.peer_id for c in claims if c.epoch > max_epoch}))

@@ -1,0 +1,74 @@
+"""The quorum rule (pure): holders, agreement, progress; θ₀ holders; moshpit; the run-age bound."""
+
+import pytest
+
+from hivetrain.peers.quorum import QuorumConfig, Vote, backed_states, implausible, max_plausible_epoch
+
+Q = QuorumConfig()
+
+
+def votes(*spec):
+    """("a", 5, "h"), ... -> Votes."""
+    return [Vote(*s) for s in spec]
+
+
+def hashes(claims, config=Q, exact=True):
+    return {e: b.state_hash for e, b in backed_states(claims, config, exact).items()}
+
+
+def test_one_peer_is_never_a_quorum_and_two_agreeing_peers_are():
+    assert hashes(votes(("a", 5, "h"))) == {}
+    assert hashes(votes(("a", 5, "h"), ("b", 5, "h"))) == {5: "h"}
+    assert hashes(votes(("a", 5, "h"), ("b", 5, "h"))[:1] * 3) == {}  # one identity counted once
+    backing = backed_states(votes(("a", 5, "h"), ("b", 5, "h"), ("c", 3, "g")), Q)[5]
+    assert backing.holders == ("a", "b") and (backing.at_epoch, backing.passed, backing.population) == (2, 2, 3)
+
+
+def test_agreement_two_hashes_at_one_epoch_need_a_strict_majority_of_that_epoch():
+    assert hashes(votes(("a", 5, "h"), ("b", 5, "h"), ("x", 5, "e"), ("y", 5, "e"))) == {}
+    assert hashes(votes(("a", 5, "h"), ("b", 5, "h"), ("c", 5, "h"), ("x", 5, "e"), ("y", 5, "e"))) == {5: "h"}
+    # below one half, ties go to the larger hash string
+    loose = QuorumConfig(min_fraction=0.4)
+    assert hashes(votes(("a", 5, "h"), ("b", 5, "h"), ("x", 5, "e"), ("y", 5, "e")), loose) == {5: "h"}
+
+
+def test_progress_peers_behind_an_epoch_count_against_it_so_a_minority_cannot_run_ahead():
+    honest = votes(("a", 7, "h"), ("b", 7, "h"), ("c", 7, "h"))
+    colluders = votes(("x", 12, "e"), ("y", 12, "e"))
+    assert hashes(honest + colluders) == {7: "h"}  # epoch 12: 2 of 5 live peers; epoch 7: all 5 passed it
+    assert hashes(honest[:2] + colluders) == {7: "h"}  # 2 of 4 is not more than half either
+
+
+def test_theta0_holders_neither_back_nor_oppose_a_trained_state():
+    crowd = votes(("a", 7, "h"), ("b", 7, "h")) + votes(*[(f"j{i}", 0, "t0") for i in range(10)])
+    assert hashes(crowd) == {0: "t0", 7: "h"}
+
+
+def test_moshpit_counts_peers_at_an_epoch_whatever_their_hash():
+    peers = votes(("a", 4, "h-a"), ("b", 4, "h-b"), ("c", 3, "h-c"))
+    assert hashes(peers) == {}
+    assert hashes(peers, exact=False) == {4: "h-b"}
+    assert hashes(peers[:1] + peers[2:], exact=False) == {}
+
+
+def test_claims_without_a_state_hash_are_not_votes():
+    assert hashes(votes(("a", 5, "h"), ("b", 5, "h"), ("c", 9, ""), ("d", 9, ""))) == {5: "h"}
+
+
+def test_the_run_age_bounds_epochs():
+    config = QuorumConfig(min_epoch_s=0.5, max_clock_skew_s=10.0)
+    assert max_plausible_epoch(None, 1000.0, config) is None
+    assert max_plausible_epoch(1000.0, 1000.0, config) == 20
+    assert max_plausible_epoch(900.0, 1000.0, config) == 220
+    assert max_plausible_epoch(2000.0, 1000.0, config) == 0  # a start in the future: only epoch 0 is plausible
+    claims = votes(("a", 200, "h"), ("liar", 10**6, "x"), ("liar", 10**6 + 1, "y"))
+    assert implausible(claims, 220) == ("liar",)
+    assert implausible(claims, None) == ()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(min_peers=0), dict(min_fraction=1.0), dict(min_fraction=-0.1), dict(min_epoch_s=0.0)]
+)
+def test_bad_quorum_configs_are_refused(kwargs):
+    with pytest.raises(ValueError, match="QuorumConfig"):
+        QuorumConfig(**kwargs)
