@@ -5,6 +5,10 @@ state (θ, outer momentum, epoch) from them with the same verified, multi-donor 
 it only if its hash is the one the trainers published. It then serves that state to joiners (so a joiner is not
 limited to busy peers as donors) and saves a checkpoint every ``checkpoint_every`` epochs. On restart it loads its
 newest complete checkpoint and catches up from the peers.
+
+It follows on evidence (``diloco/sync_policy.decide_sync`` with the quorum rule of ``peers/quorum.py``), never on one
+claim among others: by default a strict majority of the live trainers, even a majority of one (``FollowerOptions``);
+trainers whose epochs the run's age rules out are banned for a while and ignored.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
+from hivetrain.averaging.validation import BanList
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.dashboard import CheckpointRow
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
-from hivetrain.diloco.sync_policy import decide_sync, published_hashes
+from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, published_hashes
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
+from hivetrain.peers.quorum import QuorumConfig
 from hivetrain.peers.records import PeerRecord, fetch_records
 
 logger = logging.getLogger(__name__)
@@ -34,12 +40,19 @@ class FollowerOptions:
     keep_checkpoints: keep the newest K complete checkpoints.
     download_timeout_s: limit of one state-download network call, seconds.
     stale_after_s: peer records older than this are ignored, seconds.
+    quorum: the quorum rule the coordinator follows trainers by. ``min_peers`` = 1 (the trainers' default is 2): a
+        run of one trainer is followed, so joiners can take its state from the coordinator; a lone trainer defines
+        the run's progress anyway, honest or not, and a single liar beside one honest trainer is no majority.
+    run_started_at: DHT time (unix seconds) of the run's epoch 0, for the run-age bound; None = unknown (no
+        bound). Must survive restarts (a later value would make honest epochs look implausible).
     """
 
     checkpoint_every: int = 1
     keep_checkpoints: int = 3
     download_timeout_s: float = 30.0
     stale_after_s: float = 30.0
+    quorum: QuorumConfig = QuorumConfig(min_peers=1)
+    run_started_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
@@ -68,6 +81,7 @@ class StateFollower:
         self.server = StateServer(self.current)
         self.checkpoints_written = 0
         self.downloads = 0
+        self.bans = BanList()
 
     def restore(self) -> int | None:
         """Load the newest complete checkpoint, if any. Returns its epoch."""
@@ -105,10 +119,20 @@ class StateFollower:
 
         Returns a short description of what it did (for logs)."""
         trainers = [r for r in records if r.role == "trainer" and r.model_fingerprint == self.fingerprint]
-        state = self.current()
+        state, now = self.current(), get_dht_time()
         decision = decide_sync(
-            self.node.peer_id, state.epoch, self.state_hash, trainers, get_dht_time(), self.options.stale_after_s
+            self.node.peer_id,
+            state.epoch,
+            self.state_hash,
+            trainers,
+            now,
+            self.options.stale_after_s,
+            trust=self._trust(now),
+            my_vote=False,  # the coordinator trains nothing: its copy is no vote
         )
+        for peer_id in decision.ban:
+            self.bans.ban(peer_id, now, reason="epoch past the run-age bound")
+            logger.warning("banned %s: its epoch is past what the run's age allows", peer_id)
         did = "in sync"
         if decision.action == "download" and decision.donors:
             try:
@@ -136,7 +160,13 @@ class StateFollower:
     def _fresh_hashes(self) -> dict[int, str]:
         """The hashes trainers published, read afresh (donors may have committed since our last poll)."""
         records = fetch_records(self.node.dht, self.run_id)
-        return published_hashes(r for r in records if r.role == "trainer" and r.model_fingerprint == self.fingerprint)
+        trainers = [r for r in records if r.role == "trainer" and r.model_fingerprint == self.fingerprint]
+        now = get_dht_time()
+        return published_hashes(trainers, trust=self._trust(now), now=now, stale_after_s=self.options.stale_after_s)
+
+    def _trust(self, now: float) -> SyncTrust:
+        banned = frozenset(b.peer_id for b in self.bans.active(now))
+        return SyncTrust(self.options.quorum, run_started_at=self.options.run_started_at, banned=banned)
 
     def _maybe_checkpoint(self) -> None:
         state = self.current()

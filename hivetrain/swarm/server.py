@@ -39,10 +39,11 @@ from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
-from hivetrain.diloco.sync_policy import decide_sync
+from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
+from hivetrain.peers.quorum import QuorumConfig, backed_states
 from hivetrain.peers.records import publish_record
 from hivetrain.swarm.announce import ServerState, StageRecord, fetch_stage_records, publish_stage_record
 from hivetrain.swarm.config import SwarmConfig
@@ -414,7 +415,14 @@ class StageServer:
         peers = [r for r in self._fetch_records() if r.stage == rt.spec.index and r.status == "serving"]
         peer_records = [r.as_peer_record(__version__, self.swarm.microbatch_size) for r in peers]
         decision = decide_sync(
-            self.node.peer_id, rt.state.epoch, rt.state.state_hash(), peer_records, time.time(), self.swarm.record_ttl_s
+            self.node.peer_id,
+            rt.state.epoch,
+            rt.state.state_hash(),
+            peer_records,
+            time.time(),
+            self.swarm.record_ttl_s,
+            trust=STAGE_TRUST,
+            my_vote=False,
         )
         if decision.action != "download":
             return
@@ -456,12 +464,17 @@ class StageServer:
         return self.run.diloco.inner_steps * max(self.swarm.microbatches_per_inner_step, 1)
 
 
+STAGE_QUORUM = QuorumConfig(min_peers=1)
+"""A stage server adopts the state a strict majority of its stage's other servers hold, even a majority of one: a
+stage served by one server must be joinable, and a stage's replicas must reconverge after one missed a commit. A
+liar is outvoted only where it faces two or more honest servers of its stage (the quorum rule of item 1 of issue 12,
+``hivetrain.peers.quorum``, applied to stage records)."""
+STAGE_TRUST = SyncTrust(quorum=STAGE_QUORUM)
+
+
 def _majority_hashes(records: list[StageRecord]) -> dict[int, str]:
-    """epoch -> the state hash most of ``records`` announce for it (ties broken by the hash string)."""
-    votes: dict[int, Counter[str]] = {}
-    for record in records:
-        votes.setdefault(record.epoch, Counter())[record.state_hash] += 1
-    return {epoch: max(counter.items(), key=lambda kv: (kv[1], kv[0]))[0] for epoch, counter in votes.items()}
+    """epoch -> the state hash a quorum of ``records`` (other servers of one stage) backs (``STAGE_QUORUM``)."""
+    return {epoch: b.state_hash for epoch, b in backed_states(records, STAGE_QUORUM).items()}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,65 @@
+"""The coordinator follows trainers on evidence: a majority of live trainers, never a lone liar; it bans the
+trainers whose epochs the run's age rules out. The network is faked: the loop records which download it was asked
+for and hands back a state of that epoch."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hivetrain.coordinator.follower as follower_module
+from hivetrain.coordinator.follower import FollowerOptions, StateFollower
+from hivetrain.diloco.state import TrainingState
+from tests.records import peer_record
+
+NOW = 10_000.0
+
+
+def state(epoch: int) -> TrainingState:
+    return TrainingState(epoch, {"w": torch.full((2,), float(epoch))}, {"w": torch.zeros(2)})
+
+
+class FakeLoop:
+    """Runs nothing: records the donors of each state download and returns the state of the epoch they hold."""
+
+    def __init__(self, epochs: dict[str, int]):
+        self.epochs, self.downloads = epochs, []
+
+    def run(self, coro, timeout_s):
+        donors = coro.cr_frame.f_locals["donors"]
+        coro.close()
+        self.downloads.append(tuple(donors))
+        return state(self.epochs[donors[0]])
+
+
+def make(epochs: dict[str, int], **options) -> tuple[StateFollower, FakeLoop]:
+    loop = FakeLoop(epochs)
+    node = SimpleNamespace(peer_id="coord", dht=None)
+    follower = StateFollower(node, loop, "r", state(0), None, {}, "f", FollowerOptions(**options))
+    follower._p2p = None
+    return follower, loop
+
+
+def rec(peer: str, epoch: int) -> object:
+    return peer_record(peer, epoch, NOW, state_hash=state(epoch).state_hash() if peer != "liar" else "random")
+
+
+@pytest.fixture(autouse=True)
+def dht_time(monkeypatch):
+    monkeypatch.setattr(follower_module, "get_dht_time", lambda: NOW)
+
+
+def test_the_coordinator_follows_a_lone_trainer_but_not_one_liar_against_it():
+    follower, loop = make({"a": 4})
+    assert follower.step([rec("a", 4)]).startswith("downloaded epoch 4")
+    assert loop.downloads == [("a",)] and follower.current().epoch == 4
+    follower, loop = make({"a": 4, "liar": 9})
+    liar = peer_record("liar", 4, NOW, state_hash="random")  # the same epoch, another state: one word against one
+    assert follower.step([rec("a", 4), liar]) == "in sync" and loop.downloads == []
+
+
+def test_the_coordinator_bans_an_epoch_the_runs_age_rules_out_and_follows_the_honest_pair():
+    follower, loop = make({"a": 4, "b": 4}, run_started_at=NOW - 600.0)  # 600 s: 6600 epochs at most
+    assert follower.step([rec("a", 4), rec("b", 4), rec("liar", 10**6)]).startswith("downloaded epoch 4")
+    assert loop.downloads == [("a", "b")]
+    assert [b.peer_id for b in follower.bans.active(NOW)] == ["liar"]
