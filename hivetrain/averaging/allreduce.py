@@ -21,18 +21,17 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` active members sorted
    after its deadline.
 
 Failure handling: any failure (a link closes, no byte for ``part_timeout_s``, a protocol violation, a deadline)
-makes the member close all its links and raise RoundFailed, so the others, blocked on it, fail at once too. While a
-member waits on others it sends HEARTBEAT frames on idle links (every ``part_timeout_s / 4``), so a member that is
-merely waiting for a slow third peer is not mistaken for a stalled one; a member whose round thread is stuck sends
-none. Inputs are never modified.
+makes the member close all its links and raise RoundFailed, so the others, blocked on it, fail at once too; a member
+merely waiting on a slow third peer sends heartbeats (``transport``). Inputs are never modified.
 
 The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, a link broke,
 or the deadline came) aborts while the others, who got every vote, commit. Members then hold different states. DiLoCo
 closes this gap: peers publish their state hash per epoch and a peer whose hash disagrees with the majority downloads
 the state.
 
-Layout: this file holds the round logic (scatter, reduce, gather, subrounds, commit); ``links.RoundLinks``, its base
-class, the links, threads and receive path; ``reduce`` the plan, outcome, arithmetic and buffer pool.
+Layout: this file holds the round logic (scatter, reduce, gather, subrounds, commit); by composition it uses a
+``transport.RoundTransport`` (links, threads, send queues, inbox, its lock, waiting on members) and a
+``receive.RoundReceiver`` (what each received frame means; plans and receive buffers); ``reduce`` the arithmetic.
 
 Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround``:
     averaging.before_send    before sending parts; also ``flat`` (our fp32 vector) and ``frames`` (peer id ->
@@ -46,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -59,12 +57,11 @@ from hivetrain.averaging import codecs
 from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.bucketing import aggregation_seed, robust_aggregate, robust_options
 from hivetrain.averaging.config import AveragingConfig
-from hivetrain.averaging.dataplane import DataPlaneServer, FrameType, Link, RoundKeys, mac
+from hivetrain.averaging.dataplane import DataPlaneServer
 from hivetrain.averaging.groups import butterfly_partition
-from hivetrain.averaging.links import RoundLinks
+from hivetrain.averaging.receive import RoundReceiver
 from hivetrain.averaging.reduce import (
     BufferPool,
-    Inbox,
     Member,
     Plan,
     RoundOutcome,
@@ -73,7 +70,9 @@ from hivetrain.averaging.reduce import (
     weighted_mean_into,
 )
 from hivetrain.averaging.robust import NoValidContribution
+from hivetrain.averaging.transport import PeerFailed, RoundTransport
 from hivetrain.averaging.validation import BanList
+from hivetrain.averaging.wire import FrameType, mac
 from hivetrain.faults import FaultInjector
 
 __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
@@ -81,7 +80,7 @@ __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite
 logger = logging.getLogger(__name__)
 
 
-class ButterflyRound(RoundLinks):
+class ButterflyRound:
     """Runs one round; create one per round, call ``run`` once from the round thread."""
 
     def __init__(
@@ -101,36 +100,28 @@ class ButterflyRound(RoundLinks):
         pool: BufferPool | None = None,
         fallback=None,
     ):
-        self.round_id, self.me, self.secret, self.server = round_id, me, secret, server
+        self.round_id, self.me = round_id, me
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
         if me not in self.members:
             raise ValueError("we are not a member of this round")
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
-        self.max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
-        self.pool = pool or BufferPool()
-        self.fallback = fallback  # relay.P2PFallback: links over libp2p to members direct TCP cannot reach
-        self._taken: list[torch.Tensor] = []
-        self._receiving = 0
+        max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
         self.codec_config = codecs.CodecConfig(
             config.compression, config.codec_block_size if config.compression in ("int8", "int4") else 64
         )
         self.codec = codecs.make_codec(self.codec_config) if config.compression != "none" else None
-        self._cond = threading.Condition()
-        self._links: dict[str, Link] = {}
-        self._send_queues: dict[str, queue.Queue] = {}
-        self._plans: dict[int, Plan] = {}
-        self._inbox = Inbox()
-        self._done = False
-        self._waiting = False
+        self.receiver = RoundReceiver(me=me, round_id=round_id, codec_config=self.codec_config, codec=self.codec,
+                                      max_weight=max_weight, pool=pool or BufferPool(),
+                                      plan_wait_s=config.part_timeout_s)  # fmt: skip
+        self.transport = RoundTransport(round_id=round_id, me=me, members=self.members, secret=secret, server=server,
+                                        config=config, on_frame=self.receiver.on_frame, fallback=fallback)  # fmt: skip
+        self.receiver.transport = self.transport
         self._out: torch.Tensor | None = None
         self._residual_out: torch.Tensor | None = None  # error feedback: what the codec drops from what we send
-        self._outs: dict[int, torch.Tensor] = {}  # subround -> its result buffer
         self._mid_fired: set[int] = set()
         self._hook_lock = threading.Lock()
-        self._vote_sent_at: dict[str, float] = {}
         self.timings: dict[str, float] = {}  # phase -> seconds it took (for logs and benchmarks)
         self._last_mark = time.monotonic()
-        self._threads: list[threading.Thread] = []
 
     # ---- public -------------------------------------------------------------------------------------------------
     def run(
@@ -161,21 +152,10 @@ class ButterflyRound(RoundLinks):
         """
         self._out = torch.empty_like(flat) if out is None else out
         self._residual_out = residual_out if self.codec is not None else None
-        others = [p for p in self.members if p != self.me]
-        keys = RoundKeys(
-            self.round_id,
-            self.me,
-            self.secret,
-            {p: self.members[p].kx_public for p in others},
-            self._attach,
-            dial_back=self._dial_back,
-        )
-        self._keys = keys
-        self.server.register(keys)
         committed = False
         try:
             self._mark("start")
-            self._connect(keys, others, deadline)
+            self.transport.open(deadline)
             self._mark("connect")
             outcome = self._run_subrounds(flat, weight, deadline)
             self._mark("commit")
@@ -184,43 +164,55 @@ class ButterflyRound(RoundLinks):
             return outcome
         except RoundFailed as exc:
             if exc.reason == "excluded":  # the others go on without us: let what we queued (results) reach them
-                self._flush(time.monotonic() + min(1.0, self.config.commit_timeout_s))
+                self.transport.flush(time.monotonic() + min(1.0, self.config.commit_timeout_s))
                 committed = True  # close gracefully
             raise
         except Exception as exc:
             logger.exception("averaging round %s crashed", self.round_id[:8])
             raise RoundFailed("aborted", f"local error: {type(exc).__name__}: {exc}") from exc
         finally:
-            self.server.unregister(self.round_id)
-            self._finish(graceful=committed)
-            self._return_buffers()
+            self.transport.close(graceful=committed)
+            self.receiver.close()
 
     def _mark(self, phase: str) -> None:
         now = time.monotonic()
         self.timings[phase] = self.timings.get(phase, 0.0) + now - self._last_mark
         self._last_mark = now
 
-    def _take(self, num_elements: int) -> torch.Tensor:
-        buf = self.pool.take(num_elements)
-        with self._cond:
-            self._taken.append(buf)
-        return buf
+    def _wait(self, ready, watched, deadline: float, what: str) -> None:
+        """``transport.wait``; a member failing while a reducer's RESULT names us among the bad explains the failure:
+        the others finished without us (RoundFailed "excluded")."""
+        try:
+            self.transport.wait(ready, watched, deadline, what)
+        except PeerFailed as exc:
+            if self._claimed_bad_by_someone():
+                raise RoundFailed("excluded", f"a reducer found our data bad; then {exc.detail}") from None
+            raise
 
-    def _return_buffers(self) -> None:
-        """Give receive buffers back to the pool unless a receiver may still write into one (then they are dropped)."""
-        with self._cond:
-            taken, self._taken = self._taken, []
-            busy = self._receiving
-        if not busy:
-            for buf in taken:
-                self.pool.give(buf)
+    def _claimed_bad_by_someone(self) -> bool:
+        def claims(inbox) -> bool:
+            metas = [meta for ok, _, _, meta, _ in inbox.results.values() if ok and isinstance(meta, dict)]
+            return any(isinstance(m.get("excluded"), list) and self.me in m["excluded"] for m in metas)
+
+        return bool(self.transport.read(claims))
+
+    def _send(self, peer_id: str, ftype: FrameType, sub: int, meta: dict, payload=()) -> None:
+        progress = self._mid_transfer_hook(sub) if ftype == FrameType.PART else None
+        self.transport.send(peer_id, ftype, sub, meta, payload, on_progress=progress)
+
+    def _mid_transfer_hook(self, sub: int):
+        def on_progress(sent: int, total: int) -> None:
+            with self._hook_lock:
+                if 2 * sent < total or sub in self._mid_fired:
+                    return
+                self._mid_fired.add(sub)
+            self._hook("averaging.mid_transfer", sub)
+
+        return on_progress
 
     # ---- the round ----------------------------------------------------------------------------------------------
     def _hook(self, point: str, sub: int, **extra) -> None:
         self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, **extra)
-
-    def _send(self, peer_id: str, ftype: FrameType, sub: int, meta: dict, payload: Sequence = ()) -> None:
-        self._send_queues[peer_id].put((ftype, sub, meta, list(payload)))
 
     def _encode(self, x: torch.Tensor, residual_at: int | None = None) -> list:
         """Wire buffers of ``x``; with error feedback and ``residual_at`` (the offset of ``x`` in our contribution),
@@ -238,10 +230,7 @@ class ButterflyRound(RoundLinks):
         for sub in range(self.config.max_subrounds):
             tag = blake3.blake3(msgpack.packb([self.round_id, sub, list(active)])).digest()[:16]
             plan = Plan(active, butterfly_partition(flat.numel(), active), tag)
-            with self._cond:
-                self._outs[sub] = self._out if sub == 0 else torch.empty_like(flat)
-                self._plans[sub] = plan
-                self._cond.notify_all()
+            self.receiver.start_subround(sub, plan, self._out if sub == 0 else torch.empty_like(flat))
             bad, result_meta, digests = self._subround(sub, plan, flat, weight, deadline)
             if not bad:
                 return self._commit(sub, plan, result_meta, digests, sorted(excluded), deadline)
@@ -267,7 +256,7 @@ class ButterflyRound(RoundLinks):
             self._send(p, FrameType.PART, sub, frames[p][0], frames[p][1])
 
         # reduce our slice
-        inbox = self._inbox
+        inbox = self.transport.inbox
         self._wait(lambda: all((sub, p) in inbox.parts for p in others), others, deadline, "waiting for parts")
         self._mark("parts")
         start, end = plan.slice_of(self.me)
@@ -286,8 +275,8 @@ class ButterflyRound(RoundLinks):
             if self.config.ban_time_s > 0:
                 self.bans.ban(p, now, self.config.ban_time_s, reason=contributions[p][2])
         kept = [p for p in plan.active if p not in bad_here]
-        dest = self._outs[sub][start:end]  # without a codec we reduce straight into the result: no copy
-        reduced = dest if self.codec is None else self._take(end - start)
+        dest = self.receiver.out(sub)[start:end]  # without a codec we reduce straight into the result: no copy
+        reduced = dest if self.codec is None else self.receiver.take(end - start)
         seed = aggregation_seed(plan.tag, plan.active.index(self.me))  # the same on every member: see bucketing
         self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced, seed)
         self._mark("reduce")
@@ -387,33 +376,25 @@ class ButterflyRound(RoundLinks):
         if time.monotonic() >= deadline:
             raise RoundFailed("timeout", "the round deadline came before we could vote")
         for p in others:
-            vote_mac = mac(self._links[p].key, b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), full_hash)
+            vote_mac = mac(self.transport.key(p), b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), full_hash)
             self._send(p, FrameType.VOTE, sub, {"hash": full_hash, "mac": vote_mac})
         votes_deadline = deadline + self.config.commit_timeout_s
-        inbox = self._inbox
+        inbox = self.transport.inbox
         awaited = lambda: [p for p in others if p not in inbox.votes]  # noqa: E731 - a voter may close after voting
         self._wait(lambda: not awaited(), awaited, votes_deadline, "waiting for votes")
         disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
         if disagree:
             raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")
-        self._flush(votes_deadline)
-        unsent = [p for p in others if p not in self._vote_sent_at]
+        self.transport.flush(votes_deadline)
+        unsent = [p for p in others if not self.transport.has_sent(p, FrameType.VOTE)]
         if unsent:  # still queued behind our RESULT frames: it reaches them after they gave up
             raise RoundFailed("timeout", f"our vote to {unsent} did not leave before the votes deadline")
-        links = list(self._links.values())
+        bytes_sent, bytes_received = self.transport.byte_counts()
         return RoundOutcome(
-            flat=self._outs[sub],
+            flat=self.receiver.out(sub),
             contributors=tuple(sorted(weights)),
             excluded=tuple(excluded),
             total_weight=math.fsum(weights.values()),
-            bytes_sent=sum(link.bytes_sent for link in links),
-            bytes_received=sum(link.bytes_received for link in links),
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
         )
-
-    def _flush(self, deadline: float) -> None:
-        """Let our votes leave before the links close (bounded by ``deadline``)."""
-        for q in self._send_queues.values():
-            q.put(None)
-        for t in self._threads:
-            if t.name == "hivetrain-avg-send":
-                t.join(max(0.0, deadline - time.monotonic()))

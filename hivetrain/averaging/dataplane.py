@@ -1,227 +1,91 @@
-"""The averaging data plane: dialing, accepting and authenticating links that carry ``wire`` frames.
+"""The averaging data plane's accepting side: ``DataPlaneServer`` takes connections on our data port, applies the
+limits that keep strangers from jamming it (``admission``), runs the listener's half of the handshake
+(``handshake``) and hands authenticated links to their rounds (``transport``); it also takes one-way pushes of signed
+matchmaking records.
 
-Why not libp2p streams first: hivemind's all-reduce moves tensors through p2pd, protobuf messages and asyncio queues;
-on loopback it is 9-11x slower than gloo. Here each pair of group members holds one TCP connection, tensors go from
-their memory to the socket and from the socket into the destination tensor (``recv_into``), with no copy in between
-and no serialisation. Members that cannot be dialed over TCP are reached over a libp2p stream (``relay``), with the
-same frames and handshake.
-
-Authentication (per round, per pair of members):
-    Every member's RSA-signed ready entry (see ``matchmaking``) carries a fresh X25519 public key. The pair key is
-    ``HKDF-SHA256(X25519(own secret, peer public), salt=round id, info=both peer ids)``. The dialer sends HELLO
-    (round id, both ids, a nonce), the listener answers CHALLENGE (its nonce, HMAC of both nonces), the dialer
-    answers AUTH (HMAC). Each side has then proved it holds the secret of the signed entry of this round.
-
-    Protected: a stranger, or a peer of another round, cannot open a link into a round, and cannot replay an old
-    handshake (fresh nonces, fresh keys per call). Commit votes are MACed with the pair key, so a vote cannot be
-    forged. Not protected: frames after the handshake are neither encrypted nor MACed, so an attacker on the path
-    who can hijack TCP could alter parts (tampering with results is caught by the commit hash: members would hold
-    different bytes and abort). Any TCP client can open connections: unauthenticated ones are limited in number
-    and dropped after ``connect_timeout_s``. Use a VPN (e.g. WireGuard) where confidentiality matters.
+Jamming: every connection is read by one selector thread, non-blocking, so an idle or dripping connection costs a
+file descriptor and a few hundred bytes, not a thread; what it may cost beyond that is bounded by ``admission``
+(per source, in total, in time, in buffered bytes). A member proves itself in its first frame and is never counted
+among strangers. Measured by ``scripts/bench/dataplane_flood.py`` (dev/LOG.md).
 """
 
 from __future__ import annotations
 
-import hmac
+import collections
 import logging
-import math
 import os
+import queue
+import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-
+from hivetrain.averaging.admission import DataPlaneLimits, StrangerPool, Verdict, source_key
+from hivetrain.averaging.handshake import (
+    NONCE_NUM_BYTES,
+    Pusher,
+    RoundKeys,
+    auth_is_genuine,
+    challenge_meta,
+    hello_is_genuine,
+    parse_hello,
+    tune,
+)
 from hivetrain.averaging.wire import (
-    HEADER,
     MAX_DECLARE_META_BYTES,
     MAX_HANDSHAKE_META_BYTES,
-    MAX_META_BYTES,
-    MAX_PENDING_CONNECTIONS,
     AuthFailed,
+    FrameAssembler,
     FrameType,
     Link,
     LinkClosed,
-    Unreachable,
-    describe,
-    mac,
+    frame_bytes,
     pair_key,
 )
 
-__all__ = [
-    "HEADER",
-    "MAX_META_BYTES",
-    "AuthFailed",
-    "DataPlaneServer",
-    "FrameType",
-    "Link",
-    "LinkClosed",
-    "Pusher",
-    "RoundKeys",
-    "Unreachable",
-    "dial",
-    "mac",
-    "pair_key",
-    "push_record",
-    "send_declaration",
-    "send_ready",
-]
+__all__ = ["DataPlaneLimits", "DataPlaneServer", "LinkClosed", "Pusher", "RoundKeys"]  # what the engine and relay use
 
 logger = logging.getLogger(__name__)
 
-
-def _tune(sock: socket.socket, buffer_num_bytes: int) -> None:
-    if sock.family == socket.AF_UNIX:  # a libp2p stream bridged to a socket pair (``relay``): nothing to tune
-        return
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if buffer_num_bytes:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_num_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_num_bytes)
+ACCEPT_BATCH = 64  # connections accepted per wake-up before pending reads are served again
+_TICK_S = 0.2  # the selector wakes at least this often (shutdown, deadlines)
 
 
-@dataclass(frozen=True)
-class RoundKeys:
-    """What a registered round tells the server to authenticate incoming links.
+@dataclass(eq=False)
+class _Conn:
+    """A connection whose handshake is in progress on the selector thread."""
 
-    Attributes:
-        round_id: the round's id.
-        my_id: our peer id.
-        secret: our X25519 secret for this call.
-        peers: peer id -> X25519 public key (from their signed entries) of the members allowed to dial us.
-        attach: called with each authenticated incoming Link.
-        dial_back: called with a member's peer id when it asks us (over libp2p, ``relay``) to dial it because it
-            could not dial us; dials its signed address directly, attaches the link, returns whether that worked.
-    """
-
-    round_id: str
-    my_id: str
-    secret: X25519PrivateKey
-    peers: dict[str, bytes]
-    attach: Callable[[Link], None]
-    dial_back: Callable[[str], bool] | None = None
-
-
-def dial(
-    host: str,
-    port: int,
-    keys: RoundKeys,
-    peer_id: str,
-    *,
-    connect_timeout_s: float,
-    part_timeout_s: float,
-    buffer_num_bytes: int,
-    join_wait_s: float = 0.0,
-    sock: socket.socket | None = None,
-) -> Link:
-    """Connect to member ``peer_id`` and authenticate both ways within ``connect_timeout_s`` (+ ``join_wait_s``,
-    how long the member may hold our HELLO until it has learned of the round itself).
-
-    ``sock``: an already connected socket to use instead of dialing ``host:port`` (a libp2p stream bridged to a
-    socket by ``relay.P2PFallback``); it is authenticated the same way and closed on failure.
-
-    Raises:
-        Unreachable: no TCP connection to ``host:port`` (the caller may try the libp2p fallback).
-        LinkClosed: it closed the connection (e.g. it is not in this round).
-        AuthFailed: it did not prove it holds the secret of its signed entry.
-    """
-    if sock is None:
-        try:
-            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-        except OSError as exc:
-            raise Unreachable(f"cannot connect to {peer_id} at {host}:{port}: {describe(exc)}") from None
-    _tune(sock, buffer_num_bytes)
-    key = pair_key(keys.secret, keys.peers[peer_id], keys.round_id, keys.my_id, peer_id)
-    link = Link(sock, peer_id, key, connect_timeout_s)
-    try:
-        nonce = os.urandom(16)
-        hello = {"round_id": keys.round_id, "sender": keys.my_id, "receiver": peer_id, "nonce": nonce}
-        sent_at = time.monotonic()
-        link.send_frame(FrameType.HELLO, 0, hello)
-        link.set_timeout(connect_timeout_s + join_wait_s)
-        ftype, _, meta, payload_len = link.recv_header(MAX_HANDSHAKE_META_BYTES)
-        held_s = meta.get("held_s")
-        held_s = float(held_s) if isinstance(held_s, float | int) and math.isfinite(held_s) else 0.0
-        link.rtt_s = max(0.0, time.monotonic() - sent_at - held_s)
-        their_nonce, their_mac = meta.get("nonce"), meta.get("mac")
-        if ftype != FrameType.CHALLENGE or payload_len or not isinstance(their_nonce, bytes) or len(their_nonce) != 16:
-            raise AuthFailed(f"{peer_id} answered the handshake with a malformed {ftype.name}")
-        if not isinstance(their_mac, bytes) or not hmac.compare_digest(
-            their_mac, mac(key, b"resp", nonce, their_nonce)
-        ):
-            raise AuthFailed(f"{peer_id} failed to prove its round key")
-        link.set_timeout(connect_timeout_s)
-        link.send_frame(FrameType.AUTH, 0, {"mac": mac(key, b"init", their_nonce, nonce)})
-    except BaseException:
-        link.close()
-        raise
-    link.set_timeout(part_timeout_s)
-    link.bytes_sent = link.bytes_received = 0
-    return link
-
-
-def push_record(host: str, port: int, ftype: FrameType, meta: dict, *, timeout_s: float) -> None:
-    """Send one unauthenticated one-way frame (a signed matchmaking record) to a data port and close.
-
-    The receiver trusts the record only if its signature verifies (see ``matchmaking``). Raises LinkClosed if the
-    port is unreachable or the send does not finish within ``timeout_s`` seconds."""
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except OSError as exc:
-        raise LinkClosed(f"cannot connect to {host}:{port}: {describe(exc)}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    link = Link(sock, f"{host}:{port}", b"", timeout_s)
-    try:
-        link.send_frame(ftype, 0, meta)
-    finally:
-        link.finish()
-        link.close()
-
-
-def send_declaration(host: str, port: int, declaration: dict, *, timeout_s: float) -> None:
-    """Push a signed group declaration (a plain dict) to a member's data port. Raises LinkClosed on failure."""
-    push_record(host, port, FrameType.DECLARE, {"decl": declaration}, timeout_s=timeout_s)
-
-
-def send_ready(host: str, port: int, entry: dict, *, timeout_s: float) -> None:
-    """Push our signed ready entry (a plain dict) to the expected leader's data port. Raises LinkClosed on failure."""
-    push_record(host, port, FrameType.READY, {"entry": entry}, timeout_s=timeout_s)
-
-
-class Pusher:
-    """Best-effort pushes of signed matchmaking records to peers' data ports, one short-lived thread per target.
-
-    A push that fails (peer gone, port closed, no progress within ``timeout_s``) is logged and dropped: the receiver
-    reads the same record from the DHT at its next poll. Call as ``pusher(kind, raw, targets)``: ``kind`` "group"
-    (a declaration) or "ready" (an entry), ``raw`` the record as a plain dict, ``targets`` objects with ``peer_id``,
-    ``host`` and ``port`` (ready entries)."""
-
-    def __init__(self, timeout_s: float):
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.timeout_s = timeout_s
-
-    def __call__(self, kind: str, raw: dict, targets: Sequence) -> None:
-        send = {"group": send_declaration, "ready": send_ready}[kind]
-
-        def push(target) -> None:
-            try:
-                send(target.host, target.port, raw, timeout_s=self.timeout_s)
-            except ConnectionError as exc:
-                logger.debug("could not push a %s record to %s: %s", kind, target.peer_id, exc)
-
-        for target in targets:
-            threading.Thread(target=push, args=(target,), name=f"hivetrain-avg-push-{kind}", daemon=True).start()
+    sock: socket.socket
+    source: str
+    accepted_at: float
+    frame: FrameAssembler
+    stage: str = "first"  # "first": no complete frame yet (a stranger); "auth": HELLO verified, CHALLENGE sent
+    keys: RoundKeys | None = None
+    sender: str = ""
+    key: bytes = b""
+    their_nonce: bytes = b""
+    my_nonce: bytes = b""
+    challenge_at: float = 0.0
 
 
 class DataPlaneServer:
-    """Accepts links for the rounds registered with it; a HELLO for a round not registered yet is held up to
-    ``join_wait_s`` (members learn of a group at slightly different times).
+    """Accepts links for the rounds registered with it, and pushed records.
 
-    Lifecycle: ``start`` -> ``register``/``unregister`` -> ``shutdown``. Threads: one acceptor, plus one
-    short-lived handshake thread per incoming connection (at most
-    ``MAX_PENDING_CONNECTIONS`` at once; more are refused)."""
+    Lifecycle: ``start`` -> ``register``/``unregister`` -> ``shutdown``. Threads: one selector thread (accepts,
+    reads and answers every handshake), one that hands pushed records to their handlers (they verify signatures).
+
+    Args:
+        listen_host: the address to bind (port chosen by the OS).
+        connect_timeout_s: the handshake deadline unless ``limits.handshake_timeout_s`` sets one, seconds.
+        part_timeout_s: the stall timeout of the links we hand to rounds, seconds.
+        buffer_num_bytes: SO_SNDBUF/SO_RCVBUF of data-plane sockets, bytes (0 = OS default).
+        join_wait_s: how long a dial-back request waits for its round to be registered here, seconds.
+        on_declaration / on_ready: verify and keep a pushed declaration / ready entry (a plain dict); return whether
+            it verified. None = refuse that kind.
+        limits: the admission limits (``admission.DataPlaneLimits``).
+    """
 
     def __init__(
         self,
@@ -233,23 +97,40 @@ class DataPlaneServer:
         join_wait_s: float = 0.0,
         on_declaration: Callable[[object], bool] | None = None,
         on_ready: Callable[[object], bool] | None = None,
+        limits: DataPlaneLimits | None = None,
     ):
-        self.listen_host, self.join_wait_s, self.on_declaration = listen_host, join_wait_s, on_declaration
-        self.on_ready = on_ready
-        self._meta_limits = {FrameType.HELLO: MAX_HANDSHAKE_META_BYTES, FrameType.READY: MAX_HANDSHAKE_META_BYTES}
-        if on_declaration is not None:
-            self._meta_limits[FrameType.DECLARE] = MAX_DECLARE_META_BYTES
+        self.listen_host, self.join_wait_s = listen_host, join_wait_s
         self.connect_timeout_s, self.part_timeout_s = connect_timeout_s, part_timeout_s
         self.buffer_num_bytes = buffer_num_bytes
-        self._rounds: dict[str, RoundKeys] = {}
-        self._cond = threading.Condition()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_CONNECTIONS)
+        self.limits = limits or DataPlaneLimits()
+        self.handshake_timeout_s = self.limits.handshake_timeout_s or connect_timeout_s
+        self._handlers = {FrameType.DECLARE: (on_declaration, "decl"), FrameType.READY: (on_ready, "entry")}
+        self._first_limits = {FrameType.HELLO: MAX_HANDSHAKE_META_BYTES}
+        if on_ready is not None:
+            self._first_limits[FrameType.READY] = MAX_HANDSHAKE_META_BYTES
+        if on_declaration is not None:
+            self._first_limits[FrameType.DECLARE] = MAX_DECLARE_META_BYTES
+        self._rounds: dict[str, tuple[RoundKeys, dict[str, bytes]]] = {}  # round id -> keys, pair keys by sender
+        self._cond = threading.Condition()  # guards _rounds; wakes dial-back requests waiting for a round
+        self.pool = StrangerPool(self.limits, self.handshake_timeout_s)  # selector thread only
+        self._conns: dict[int, _Conn] = {}  # fd -> connection in handshake (selector thread only)
+        self._member_handshakes: collections.Counter = collections.Counter()  # (round id, sender) -> count
+        self._records: queue.Queue = queue.Queue(self.limits.max_queued_records)
+        self._incoming: collections.deque[socket.socket] = collections.deque()  # from accept_connection
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
         self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.port = 0
-        self.rejected = 0
+        self.refused: collections.Counter = collections.Counter()  # why connections were dropped (tests, logs)
 
+    @property
+    def rejected(self) -> int:
+        """Connections and records refused so far, for any reason."""
+        return sum(self.refused.values())
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> int:
         """Bind and listen; returns the port. Raises OSError if the address cannot be bound."""
         family = socket.AF_INET6 if ":" in self.listen_host else socket.AF_INET
@@ -258,16 +139,21 @@ class DataPlaneServer:
         if self.buffer_num_bytes:  # set before listen so accepted sockets inherit a large window
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.buffer_num_bytes)
         sock.bind((self.listen_host, 0))
-        sock.listen(128)
-        sock.settimeout(0.2)
+        sock.listen(1024)  # accepted eagerly: a full backlog would drop members' SYNs for a second
+        sock.setblocking(False)
         self._sock, self.port = sock, sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept_loop, name="hivetrain-avg-accept", daemon=True)
-        self._thread.start()
+        self._sel.register(sock, selectors.EVENT_READ, "listen")
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        for target, name in ((self._loop, "hivetrain-avg-accept"), (self._record_loop, "hivetrain-avg-records")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
         return self.port
 
     def register(self, keys: RoundKeys) -> None:
         with self._cond:
-            self._rounds[keys.round_id] = keys
+            self._rounds[keys.round_id] = (keys, {})
             self._cond.notify_all()
 
     def unregister(self, round_id: str) -> None:
@@ -281,92 +167,232 @@ class DataPlaneServer:
         round's own connect timeout) seconds."""
         with self._cond:
             self._cond.wait_for(lambda: round_id in self._rounds or self._stop.is_set(), self.join_wait_s)
-            keys = self._rounds.get(round_id)
+            keys = self._rounds[round_id][0] if round_id in self._rounds else None
         if keys is None or keys.dial_back is None or peer_id not in keys.peers:
             return False
         return keys.dial_back(peer_id)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting; idempotent. Links already handed to rounds are closed by their rounds."""
+        """Stop accepting and drop handshakes in progress; idempotent. Links already handed to rounds are closed by
+        their rounds."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        if self._sock is not None:
-            self._sock.close()
+        with self._cond:
+            self._cond.notify_all()
+        self._wake()
+        for t in self._threads:
+            t.join(timeout_s)
 
     def accept_connection(self, conn: socket.socket) -> None:
-        """Serve a connection that arrived another way (a libp2p stream bridged to a socket by ``relay``): it is
-        authenticated exactly like one accepted on our TCP port. Closed at once if we are shut down or too many
-        handshakes are pending."""
-        if self._stop.is_set() or not self._pending.acquire(blocking=False):
-            self.rejected += 1
+        """Serve a connection that arrived another way (a libp2p stream bridged to a socket by ``relay``; any
+        thread): it is admitted and authenticated exactly like one accepted on our TCP port, as source "libp2p"."""
+        if self._stop.is_set():
+            self.refused["shut down"] += 1
             conn.close()
             return
-        threading.Thread(target=self._handshake, args=(conn,), name="hivetrain-avg-hs", daemon=True).start()
+        self._incoming.append(conn)
+        self._wake()
 
-    def _accept_loop(self) -> None:
+    # ---- the selector thread ------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"w")
+        except OSError:  # buffer full (it will wake anyway) or closed at shutdown
+            pass
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                deadline = self.pool.next_deadline()
+                timeout_s = _TICK_S if deadline is None else min(_TICK_S, max(0.0, deadline - time.monotonic()))
+                accept = False
+                for key, _ in self._sel.select(timeout_s):
+                    if key.data == "listen":
+                        accept = True
+                    elif key.data == "wake":
+                        self._on_wake()
+                    elif self._conns.get(key.fd) is key.data:  # not dropped by an earlier event of this batch
+                        self._read(key.data)
+                if accept:  # after the reads: a member whose HELLO arrived is served before newcomers can evict it
+                    self._accept_batch()
+                self._expire(time.monotonic())
+        finally:
+            for c in list(self._conns.values()):
+                self._drop(c, "shut down")
+            for s in (self._sock, self._wake_r, self._wake_w):
+                if s is not None:
+                    s.close()
+            self._sel.close()
+
+    def _on_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._incoming:
+            self._admit(self._incoming.popleft(), "libp2p")
+
+    def _accept_batch(self) -> None:
         assert self._sock is not None
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, address = self._sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:  # e.g. out of file descriptors: try again at the next tick
+                logger.warning("data port accept failed: %s", exc)
+                return
+            self._admit(conn, source_key(address))
+
+    def _admit(self, sock: socket.socket, source: str) -> None:
+        now = time.monotonic()
+        sock.setblocking(False)
+        c = _Conn(sock, source, now, FrameAssembler(self._first_limits, f"a stranger from {source}"))
+        self._conns[sock.fileno()] = c
+        self._sel.register(sock, selectors.EVENT_READ, c)
+        verdict = self.pool.admit(sock.fileno(), source, now)
+        for fd in verdict.evict:  # a last read first: one whose first frame is already here is served, not evicted
+            victim = self._conns.get(fd)
+            if victim is not None and not self._read(victim):
+                self._drop(victim, "evicted")
+        if verdict.evict:
+            logger.debug("data port: %s", verdict.reason)
+
+    def _act(self, verdict: Verdict, why: str) -> None:
+        for c in [self._conns[fd] for fd in verdict.evict if fd in self._conns]:
+            self._drop(c, why)
+
+    def _expire(self, now: float) -> None:
+        self._act(self.pool.expired(now), "handshake deadline")
+        for c in [c for c in self._conns.values() if c.stage == "auth"]:
+            if now - c.accepted_at >= self.handshake_timeout_s:
+                self._drop(c, "handshake deadline")
+
+    def _read(self, c: _Conn) -> bool:
+        """Read what has arrived (never past the current frame) and act on a complete frame. Returns whether the
+        connection is settled (its frame was handled, or it was dropped); False: it would block, frame incomplete."""
+        fd = c.sock.fileno()
+        while True:
+            try:
+                data = c.sock.recv(c.frame.need())
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                self._drop(c, f"error: {type(exc).__name__}")
+                return True
+            if not data:
+                self._drop(c, "closed early")
+                return True
+            if fd in self.pool:
+                verdict = self.pool.grow(fd, len(data))
+                self._act(verdict, "buffer budget")
+                if fd in verdict.evict:
+                    return True
+            try:
+                if c.frame.feed(data):
+                    self._on_frame(c, *c.frame.frame())
+                    return True
+            except (LinkClosed, AuthFailed) as exc:
+                self._drop(c, type(exc).__name__, str(exc))
+                return True
+            except Exception:  # noqa: BLE001 - a bug in one handshake must not stop the data port
+                logger.exception("data-plane handshake with %s crashed", c.source)
+                self._drop(c, "crashed")
+                return True
+
+    def _on_frame(self, c: _Conn, ftype: FrameType, _sub: int, meta: dict, payload_len: int) -> None:
+        self.pool.remove(c.sock.fileno())
+        if c.stage == "auth":
+            self._on_auth(c, ftype, meta, payload_len)
+            return
+        handler, field = self._handlers.get(ftype, (None, ""))
+        if handler is not None and not payload_len:
+            try:
+                self._records.put_nowait((handler, meta.get(field)))
+            except queue.Full:
+                self.refused["record queue full"] += 1
+            self._close(c)
+        elif ftype == FrameType.HELLO and not payload_len:
+            self._on_hello(c, meta)
+        else:
+            raise AuthFailed(f"{c.source} opened with a {ftype.name} frame")
+
+    def _on_hello(self, c: _Conn, meta: dict) -> None:
+        round_id, sender, receiver, nonce, proof = parse_hello(meta)
+        with self._cond:
+            keys, pair_keys = self._rounds.get(round_id, (None, {}))
+        if keys is None:  # not learned of it yet, or a stranger: nothing is held for a round we cannot verify
+            self._send(c, FrameType.RETRY, {})
+            self._drop(c, "unknown round")
+            return
+        if receiver != keys.my_id or sender not in keys.peers:
+            raise AuthFailed(f"{sender} is not a member of round {round_id[:12]}")
+        key = pair_keys.get(sender)
+        if key is None:  # an X25519 exchange: computed once per member and round, not per stranger's attempt
+            key = pair_keys[sender] = pair_key(keys.secret, keys.peers[sender], round_id, keys.my_id, sender)
+        if not hello_is_genuine(key, round_id, sender, receiver, nonce, proof):
+            raise AuthFailed(f"a HELLO claiming to be {sender} without its round key")
+        if self._member_handshakes[(round_id, sender)] >= self.limits.max_handshakes_per_member:
+            raise AuthFailed(f"{sender} has {self.limits.max_handshakes_per_member} handshakes in progress")
+        self._member_handshakes[(round_id, sender)] += 1
+        c.stage, c.keys, c.sender, c.key, c.their_nonce = "auth", keys, sender, key, nonce
+        c.frame = FrameAssembler({FrameType.AUTH: MAX_HANDSHAKE_META_BYTES}, sender)
+        c.my_nonce = os.urandom(NONCE_NUM_BYTES)
+        c.challenge_at = time.monotonic()
+        self._send(c, FrameType.CHALLENGE, challenge_meta(key, nonce, c.my_nonce))
+
+    def _on_auth(self, c: _Conn, ftype: FrameType, meta: dict, payload_len: int) -> None:
+        if ftype != FrameType.AUTH or payload_len or not auth_is_genuine(c.key, meta, c.my_nonce, c.their_nonce):
+            raise AuthFailed(f"{c.sender} failed to prove its round key")
+        assert c.keys is not None
+        self._forget(c)
+        tune(c.sock, self.buffer_num_bytes)
+        link = Link(c.sock, c.sender, c.key, self.part_timeout_s)  # blocking from here, with the stall timeout
+        link.rtt_s = time.monotonic() - c.challenge_at
+        c.keys.attach(link)
+
+    def _send(self, c: _Conn, ftype: FrameType, meta: dict) -> None:
+        """Send a small frame on a non-blocking socket (it fits in an empty send buffer). Raises LinkClosed."""
+        data = frame_bytes(ftype, 0, meta)
+        try:
+            if c.sock.send(data) != len(data):
+                raise LinkClosed(f"{c.source}: the send buffer of a new connection is full")
+        except OSError as exc:
+            raise LinkClosed(f"{c.source}: {type(exc).__name__}") from None
+
+    def _forget(self, c: _Conn) -> None:
+        fd = c.sock.fileno()
+        if self._conns.pop(fd, None) is None:
+            return
+        self.pool.remove(fd)
+        self._sel.unregister(c.sock)
+        if c.stage == "auth" and c.keys is not None:
+            key = (c.keys.round_id, c.sender)
+            self._member_handshakes[key] -= 1
+            if self._member_handshakes[key] <= 0:
+                del self._member_handshakes[key]
+
+    def _close(self, c: _Conn) -> None:
+        self._forget(c)
+        c.sock.close()
+
+    def _drop(self, c: _Conn, why: str, detail: str = "") -> None:
+        self.refused[why] += 1
+        logger.debug("dropping a data-plane connection from %s: %s %s", c.source, why, detail)
+        self._close(c)
+
+    # ---- pushed records -----------------------------------------------------------------------------------------
+    def _record_loop(self) -> None:
+        """Hand pushed records to their handlers (signature checks take ~0.1 ms-1 ms: not on the selector thread)."""
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
+                handler, raw = self._records.get(timeout=_TICK_S)
+            except queue.Empty:
                 continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            if not self._pending.acquire(blocking=False):
-                self.rejected += 1
-                conn.close()
-                continue
-            threading.Thread(target=self._handshake, args=(conn,), name="hivetrain-avg-hs", daemon=True).start()
-
-    def _handshake(self, conn: socket.socket) -> None:
-        try:
-            _tune(conn, self.buffer_num_bytes)
-            conn.settimeout(self.connect_timeout_s)
-            probe = Link(conn, "?", b"", self.connect_timeout_s)
-            ftype, _, meta, payload_len = probe.recv_header(0, self._meta_limits)  # other types: no metadata
-            pushed = {FrameType.DECLARE: (self.on_declaration, "decl"), FrameType.READY: (self.on_ready, "entry")}
-            handler, field = pushed.get(ftype, (None, ""))
-            if handler is not None and not payload_len:
-                if not handler(meta.get(field)):  # verifies the signatures before using anything
-                    self.rejected += 1
-                conn.close()
-                return
-            round_id, sender, receiver, nonce = (meta.get(k) for k in ("round_id", "sender", "receiver", "nonce"))
-            if ftype != FrameType.HELLO or payload_len or not isinstance(nonce, bytes) or len(nonce) != 16:
-                raise AuthFailed("malformed HELLO")
-            if not isinstance(round_id, str) or not isinstance(sender, str):
-                raise AuthFailed("malformed HELLO")
-            arrived_at = time.monotonic()
-            with self._cond:
-                self._cond.wait_for(lambda: round_id in self._rounds or self._stop.is_set(), self.join_wait_s)
-                keys = self._rounds.get(round_id)
-            if keys is None or receiver != keys.my_id or sender not in keys.peers:
-                raise AuthFailed(f"unknown round {str(round_id)[:12]} or peer {sender}")
-            key = pair_key(keys.secret, keys.peers[sender], round_id, keys.my_id, sender)
-            link = Link(conn, sender, key, self.connect_timeout_s)
-            my_nonce = os.urandom(16)
-            challenge = {"nonce": my_nonce, "mac": mac(key, b"resp", nonce, my_nonce)}
-            challenge_at = time.monotonic()
-            link.send_frame(FrameType.CHALLENGE, 0, {**challenge, "held_s": challenge_at - arrived_at})
-            ftype, _, meta, payload_len = link.recv_header(MAX_HANDSHAKE_META_BYTES)
-            link.rtt_s = time.monotonic() - challenge_at
-            their_mac = meta.get("mac")
-            if ftype != FrameType.AUTH or payload_len or not isinstance(their_mac, bytes):
-                raise AuthFailed(f"{sender} sent a malformed AUTH")
-            if not hmac.compare_digest(their_mac, mac(key, b"init", my_nonce, nonce)):
-                raise AuthFailed(f"{sender} failed to prove its round key")
-            link.set_timeout(self.part_timeout_s)
-            link.bytes_sent = link.bytes_received = 0
-            keys.attach(link)
-        except (ConnectionError, OSError, ValueError) as exc:
-            self.rejected += 1
-            logger.debug("dropping an incoming data-plane connection: %s", exc)
             try:
-                conn.close()
-            except OSError:
-                pass
-        finally:
-            self._pending.release()
+                ok = handler(raw)
+            except Exception:  # noqa: BLE001 - a handler bug must not stop the data port
+                logger.exception("a pushed-record handler failed")
+                ok = False
+            if not ok:
+                self.refused["record did not verify"] += 1

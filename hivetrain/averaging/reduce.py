@@ -1,7 +1,8 @@
 """The pieces of a butterfly all-reduce round that hold no connection: members, the per-subround plan of slices,
 what a committed round returns, wire sizes, the finite check, the in-place weighted mean and the buffer pool.
 
-Used by ``allreduce.ButterflyRound`` (the round) and ``links.RoundLinks`` (its links and receive path).
+Used by ``allreduce.ButterflyRound`` (the round), ``transport.RoundTransport`` (its links and inbox) and
+``receive.RoundReceiver`` (its receive path).
 """
 
 from __future__ import annotations
@@ -59,8 +60,17 @@ class Plan:
 
 @dataclass
 class Inbox:
+    """What arrived from the other members of a round (guarded by ``transport.RoundTransport``'s lock).
+
+    Attributes:
+        parts: (subround, sender) -> (fp32 part or None if bad, weight in samples, why it is bad or "").
+        results: (subround, reducer) -> (ok, why not, BLAKE3 digest of the bytes, RESULT metadata, unused).
+        votes: voter -> (subround, full-result hash, or b"bad-mac").
+        errors: member -> why its link failed.
+    """
+
     parts: dict[tuple[int, str], tuple[torch.Tensor | None, float, str]] = field(default_factory=dict)
-    results: dict[tuple[int, str], tuple[bool, str, bytes, dict]] = field(default_factory=dict)
+    results: dict[tuple[int, str], tuple[bool, str, bytes, dict, None]] = field(default_factory=dict)
     votes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 

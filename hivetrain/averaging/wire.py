@@ -9,6 +9,10 @@ Frame (little-endian)::
 
 The receiver checks magic, version, type and both sizes before reading anything else; payload sizes must equal what
 the round expects exactly. Metadata is msgpack (plain types only); nothing is unpickled.
+
+Bounded reads: nothing is allocated for a size a peer claims before the bytes arrive. Metadata grows as it arrives
+(``Link.recv_exact``, ``FrameAssembler``) up to a cap per frame type, so a stranger that claims an 8 MiB header and
+sends nothing costs nothing; a payload is read into a buffer only once its size equals what the round expects.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 MAX_HANDSHAKE_META_BYTES = 4096
 MAX_DECLARE_META_BYTES = 8 << 20
-MAX_PENDING_CONNECTIONS = 256
 _CHUNK_BYTES = 8 << 20
+_GROW_BYTES = 1 << 16  # a read of a claimed (not yet validated) size asks for at most this much at a time
 
 
 class FrameType(enum.IntEnum):
@@ -47,6 +51,7 @@ class FrameType(enum.IntEnum):
     HEARTBEAT = 7
     DECLARE = 8
     READY = 9
+    RETRY = 10  # listener -> dialer: the round is not registered here yet, dial again shortly (then closes)
 
 
 class LinkClosed(ConnectionError):
@@ -104,10 +109,9 @@ class Link:
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Send one frame; ``on_progress(sent, total)`` is called after each chunk of payload. Raises LinkClosed."""
-        meta_bytes = msgpack.packb(meta, use_bin_type=True)
         views = [memoryview(p).cast("B") for p in payload]
         total = sum(v.nbytes for v in views)
-        self._send(HEADER.pack(_MAGIC, _VERSION, int(ftype), subround, len(meta_bytes), total) + meta_bytes)
+        self._send(frame_bytes(ftype, subround, meta, total))
         sent = 0
         for v in views:
             for start in range(0, v.nbytes, _CHUNK_BYTES):
@@ -132,25 +136,25 @@ class Link:
         """Read a frame's header and metadata. Returns (type, subround, meta, payload num_bytes).
 
         ``per_type`` overrides ``max_meta_bytes`` for the frame types it names. Raises LinkClosed."""
-        raw = self.recv_exact(HEADER.size)
-        magic, version, ftype, subround, meta_len, payload_len = HEADER.unpack(raw)
-        if magic != _MAGIC or version != _VERSION or ftype not in FrameType._value2member_map_:
-            raise LinkClosed(f"{self.peer_id} sent a bad frame header (magic {magic!r}, version {version})")
-        if per_type is not None:
-            max_meta_bytes = per_type.get(FrameType(ftype), max_meta_bytes)
-        if meta_len > max_meta_bytes:
-            raise LinkClosed(f"{self.peer_id} sent {meta_len} bytes of metadata (limit {max_meta_bytes})")
-        try:
-            meta = msgpack.unpackb(self.recv_exact(meta_len), raw=False, strict_map_key=True) if meta_len else {}
-        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise LinkClosed(f"{self.peer_id} sent malformed metadata: {exc}") from None
-        if not isinstance(meta, dict):
-            raise LinkClosed(f"{self.peer_id} sent metadata that is not a map")
-        return FrameType(ftype), subround, meta, payload_len
+        ftype, subround, meta_len, payload_len = parse_header(self.recv_exact(HEADER.size), self.peer_id)
+        limit = per_type.get(ftype, max_meta_bytes) if per_type is not None else max_meta_bytes
+        if meta_len > limit:
+            raise LinkClosed(f"{self.peer_id} sent {meta_len} bytes of metadata (limit {limit})")
+        return ftype, subround, parse_meta(self.recv_exact(meta_len), self.peer_id), payload_len
 
     def recv_exact(self, num_bytes: int) -> bytearray:
-        buf = bytearray(num_bytes)
-        self.recv_into(memoryview(buf))
+        """Read exactly ``num_bytes`` (a size the peer claimed): the buffer grows as bytes arrive, so a claim that is
+        never sent allocates nothing. Raises LinkClosed on EOF, reset or a stall."""
+        buf = bytearray()
+        try:
+            while len(buf) < num_bytes:
+                chunk = self.sock.recv(min(num_bytes - len(buf), _GROW_BYTES))
+                if not chunk:
+                    raise LinkClosed(f"{self.peer_id} closed the connection")
+                buf += chunk
+                self.bytes_received += len(chunk)
+        except (OSError, ValueError) as exc:
+            raise LinkClosed(f"receiving from {self.peer_id}: {describe(exc)}") from None
         return buf
 
     def recv_into(self, view: memoryview, on_chunk: Callable[[memoryview], None] | None = None) -> None:
@@ -200,6 +204,85 @@ class Link:
         except OSError:
             pass
         self.sock.close()
+
+
+def frame_bytes(ftype: FrameType, subround: int, meta: dict, payload_num_bytes: int = 0) -> bytes:
+    """A frame's header and metadata (its payload, ``payload_num_bytes`` long, follows)."""
+    meta_bytes = msgpack.packb(meta, use_bin_type=True)
+    return HEADER.pack(_MAGIC, _VERSION, int(ftype), subround, len(meta_bytes), payload_num_bytes) + meta_bytes
+
+
+def parse_header(raw: bytes | bytearray, who: str) -> tuple[FrameType, int, int, int]:
+    """(type, subround, meta num_bytes, payload num_bytes) of a ``HEADER.size``-byte header. Raises LinkClosed."""
+    magic, version, ftype, subround, meta_len, payload_len = HEADER.unpack(raw)
+    if magic != _MAGIC or version != _VERSION or ftype not in FrameType._value2member_map_:
+        raise LinkClosed(f"{who} sent a bad frame header (magic {bytes(magic)!r}, version {version})")
+    return FrameType(ftype), subround, meta_len, payload_len
+
+
+def parse_meta(raw: bytes | bytearray, who: str) -> dict:
+    """Decode frame metadata (a msgpack map of plain types; empty = {}). Raises LinkClosed."""
+    if not raw:
+        return {}
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise LinkClosed(f"{who} sent malformed metadata: {exc}") from None
+    if not isinstance(meta, dict):
+        raise LinkClosed(f"{who} sent metadata that is not a map")
+    return meta
+
+
+class FrameAssembler:
+    """Assembles one frame's header and metadata from bytes as they arrive on a non-blocking socket (the data-plane
+    server reads strangers this way, on one thread, without a thread per connection).
+
+    ``need()`` says how many bytes to read next: never more than the current frame still lacks, so nothing after the
+    frame is consumed, and at most 64 KiB at a time. The buffer holds only what arrived: a claimed size costs nothing
+    until it is sent. Not thread-safe.
+
+    Args:
+        limits: frame type -> most metadata bytes accepted; types not named take ``default_limit``.
+        who: names the peer in errors.
+    """
+
+    def __init__(self, limits: Mapping[FrameType, int], who: str, default_limit: int = 0):
+        self.limits, self.who, self.default_limit = limits, who, default_limit
+        self._buf = bytearray()
+        self._header: tuple[FrameType, int, int, int] | None = None
+
+    @property
+    def buffered_num_bytes(self) -> int:
+        return len(self._buf)
+
+    def need(self) -> int:
+        """Bytes to read next (0: the frame is complete)."""
+        target = HEADER.size if self._header is None else self._header[2]
+        return min(target - len(self._buf), _GROW_BYTES)
+
+    def feed(self, data: bytes) -> bool:
+        """Add bytes read from the socket (at most ``need()``); returns whether the frame is complete.
+
+        Raises:
+            LinkClosed: a bad header, or metadata larger than the limit of its frame type (refused from the header,
+                before a byte of it is read).
+        """
+        self._buf += data
+        if self._header is None and len(self._buf) == HEADER.size:
+            ftype, sub, meta_len, payload_len = parse_header(self._buf, self.who)
+            limit = self.limits.get(ftype, self.default_limit)
+            if meta_len > limit:
+                raise LinkClosed(f"{self.who} claimed {meta_len} bytes of {ftype.name} metadata (limit {limit})")
+            self._header, self._buf = (ftype, sub, meta_len, payload_len), bytearray()
+        return self._header is not None and len(self._buf) == self._header[2]
+
+    def frame(self) -> tuple[FrameType, int, dict, int]:
+        """The complete frame: (type, subround, meta, payload num_bytes); resets for the next one. Raises LinkClosed."""
+        assert self._header is not None and len(self._buf) == self._header[2], "frame not complete"
+        ftype, sub, _, payload_len = self._header
+        meta = parse_meta(self._buf, self.who)
+        self._header, self._buf = None, bytearray()
+        return ftype, sub, meta, payload_len
 
 
 def describe(exc: BaseException) -> str:

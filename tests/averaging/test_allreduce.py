@@ -16,14 +16,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
 from hivetrain.averaging.base import RoundFailed
-from hivetrain.averaging.dataplane import (
-    AuthFailed,
-    LinkClosed,
-    RoundKeys,
-    dial,
-    send_declaration,
-)
+from hivetrain.averaging.handshake import RoundKeys, dial, send_declaration
 from hivetrain.averaging.validation import BanList
+from hivetrain.averaging.wire import AuthFailed, LinkClosed
 from hivetrain.faults import NO_FAULTS, Fault, FaultInjector
 
 from .conftest import run_threads

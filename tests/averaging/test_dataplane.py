@@ -10,12 +10,8 @@ import time
 import msgpack
 import pytest
 
-from hivetrain.averaging.dataplane import (
-    MAX_HANDSHAKE_META_BYTES,
-    Pusher,
-    send_declaration,
-    send_ready,
-)
+from hivetrain.averaging.handshake import Pusher, send_declaration, send_ready
+from hivetrain.averaging.wire import MAX_HANDSHAKE_META_BYTES
 
 
 def _wait_until(predicate, timeout_s: float) -> bool:

@@ -1,0 +1,305 @@
+"""The transport of one butterfly round: authenticated links to the other members, a sender and a receiver thread
+per link, send queues, heartbeats, the inbox of what arrived, and waiting on members with failure detection. It owns
+its lock; the round (``allreduce.ButterflyRound``) uses it through ``open``, ``send``, ``wait``, ``deliver`` and
+``close`` and never touches a socket. What a frame means is the round's business: each received frame is handed to
+the ``on_frame`` callback (``receive.RoundReceiver``), which reads its payload from the link.
+
+Why not libp2p streams first: hivemind's all-reduce moves tensors through p2pd, protobuf messages and asyncio queues;
+on loopback it is 9-11x slower than gloo. Here each pair of group members holds one TCP connection, tensors go from
+their memory to the socket and from the socket into the destination tensor (``recv_into``), with no copy in between
+and no serialisation. Members that cannot be dialed over TCP are reached over a libp2p stream (``relay``), with the
+same frames and handshake.
+
+Dialing: the member with the smaller id dials, over direct TCP first. If that fails (``Unreachable``: the member is
+behind NAT or a firewall) and a libp2p fallback is set, we ask the member over libp2p to dial *us* (connection
+reversal: a volunteer behind NAT can usually open outgoing connections, so the link is still direct TCP); if it
+cannot either (both behind NAT), the link goes over a libp2p stream (``relay``). Members that were unreachable
+recently skip the direct attempt. Incoming links arrive through the data-plane server, where the limits against
+strangers live (``dataplane``, ``admission``).
+
+Failures: a member that closes, resets or sends nothing for ``part_timeout_s`` is recorded in ``inbox.errors`` and
+makes ``wait`` raise ``PeerFailed`` if it is watched. While a ``wait`` is in progress, idle links carry a HEARTBEAT
+every ``part_timeout_s / 4``, so a member merely waiting on a slow third peer is not mistaken for a stalled one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from hivetrain.averaging.base import RoundFailed
+from hivetrain.averaging.config import AveragingConfig
+from hivetrain.averaging.dataplane import DataPlaneServer
+from hivetrain.averaging.handshake import RoundKeys, dial
+from hivetrain.averaging.reduce import Inbox, Member
+from hivetrain.averaging.wire import FrameType, Link, LinkClosed, Unreachable
+
+logger = logging.getLogger(__name__)
+
+# on_frame(link, type, subround, meta, payload num_bytes): reads the payload; raises StopReading or LinkClosed
+FrameHandler = Callable[[Link, FrameType, int, dict, int], None]
+
+
+class StopReading(Exception):
+    """Raised by a frame handler: nothing more from this peer is read (it is marked bad, or it has voted); the rest is
+    drained and dropped until it closes."""
+
+
+class PeerFailed(RoundFailed):
+    """A watched member closed, reset, stalled or broke the protocol (reason "peer_failed")."""
+
+
+class RoundTransport:
+    """Links, threads, queues and inbox of one round; one per round.
+
+    Args:
+        round_id: the round's id; me: our peer id; members: peer id -> ``Member`` (signed endpoints), us included.
+        secret: our X25519 secret of this call; server: our data-plane server (incoming links).
+        config: timeouts and socket buffers; fallback: a ``relay.P2PFallback`` or None.
+        on_frame: the handler of every received frame other than HEARTBEAT (called on receiver threads).
+    """
+
+    def __init__(
+        self,
+        *,
+        round_id: str,
+        me: str,
+        members: dict[str, Member],
+        secret,
+        server: DataPlaneServer,
+        config: AveragingConfig,
+        on_frame: FrameHandler,
+        fallback=None,
+    ):
+        self.round_id, self.me, self.members, self.server = round_id, me, members, server
+        self.config, self.fallback, self.on_frame = config, fallback, on_frame
+        self.others = [p for p in members if p != me]
+        self.keys = RoundKeys(round_id, me, secret, {p: members[p].kx_public for p in self.others}, self._attach,
+                              dial_back=self._dial_back)  # fmt: skip
+        self.inbox = Inbox()  # guarded by the lock
+        self._cond = threading.Condition()
+        self._links: dict[str, Link] = {}
+        self._queues: dict[str, queue.Queue] = {}
+        self._sent: set[tuple[str, FrameType]] = set()  # (peer, type) of frames that left
+        self._threads: list[threading.Thread] = []
+        self._done = False
+        self._waiting = False
+        self._registered = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def open(self, deadline: float) -> None:
+        """Register with the server and link to every other member. Raises PeerFailed (a dial failed) or
+        RoundFailed("peer_failed") if not all are linked in time (``deadline``, ``time.monotonic()``)."""
+        self.server.register(self.keys)
+        self._registered = True
+        for p in self.others:
+            if p > self.me:  # the smaller id dials: one connection per pair
+                threading.Thread(target=self._dial_one, args=(p, deadline), name="hivetrain-avg-dial",
+                                 daemon=True).start()  # fmt: skip
+        cfg = self.config
+        attempts = 6 if self.fallback is not None else 3  # direct dial, dial-back and libp2p may each time out
+        connect_deadline = min(deadline, time.monotonic() + attempts * cfg.connect_timeout_s + cfg.declare_grace_s)
+        self.wait(lambda: all(p in self._links for p in self.others), self.others, connect_deadline, "connecting",
+                  "peer_failed")  # fmt: skip
+
+    def close(self, graceful: bool) -> None:
+        """End the round: after a commit, FIN every link (the receivers drain and close them); after a failure,
+        close every link at once so that members blocked on us fail now. Idempotent."""
+        if self._registered:
+            self.server.unregister(self.round_id)
+        with self._cond:
+            self._done = True
+            links = list(self._links.values())
+            self._cond.notify_all()
+        for q in self._queues.values():
+            q.put(None)
+        for link in links:
+            if graceful:
+                link.finish()
+            else:
+                link.close()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    # ---- sending ------------------------------------------------------------------------------------------------
+    def send(
+        self, peer_id: str, ftype: FrameType, sub: int, meta: dict, payload: Sequence = (),
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Queue a frame to ``peer_id`` (sent in order by its sender thread); ``on_progress(sent, total)`` is called
+        after each payload chunk. A link that fails meanwhile is reported through ``inbox.errors``."""
+        self._queues[peer_id].put((ftype, sub, meta, list(payload), on_progress))
+
+    def flush(self, deadline: float) -> None:
+        """Stop the senders after what is queued, waiting for them until ``deadline`` (``time.monotonic()``)."""
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            if t.name == "hivetrain-avg-send":
+                t.join(max(0.0, deadline - time.monotonic()))
+
+    def has_sent(self, peer_id: str, ftype: FrameType) -> bool:
+        """Whether a frame of type ``ftype`` has left for ``peer_id`` (handed to the kernel)."""
+        return (peer_id, ftype) in self._sent
+
+    def key(self, peer_id: str) -> bytes:
+        """The pair key of our link to ``peer_id`` (linked members only)."""
+        return self._links[peer_id].key
+
+    def byte_counts(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) over all links since their handshakes."""
+        links = list(self._links.values())
+        return sum(link.bytes_sent for link in links), sum(link.bytes_received for link in links)
+
+    # ---- the inbox ----------------------------------------------------------------------------------------------
+    def deliver(self, update: Callable[[Inbox], None]) -> None:
+        """Apply ``update`` to the inbox under the lock and wake waiters."""
+        with self._cond:
+            update(self.inbox)
+            self._cond.notify_all()
+
+    def post_error(self, peer_id: str, reason: str) -> None:
+        self.deliver(lambda inbox: inbox.errors.setdefault(peer_id, reason))
+
+    def read(self, view: Callable[[Inbox], object]) -> object:
+        """``view(inbox)`` under the lock."""
+        with self._cond:
+            return view(self.inbox)
+
+    def wait(
+        self, ready: Callable[[], bool], watched: Iterable[str] | Callable[[], Iterable[str]], deadline: float,
+        what: str, reason: str = "timeout",
+    ) -> None:  # fmt: skip
+        """Block until ``ready()`` (called under the lock; it may read ``inbox``).
+
+        Raises:
+            PeerFailed: a watched member (``watched``: peer ids, or a function returning them) failed.
+            RoundFailed(reason): ``deadline`` (``time.monotonic()``) came first.
+        """
+        with self._cond:
+            self._waiting = True
+            try:
+                while not ready():
+                    ids = list(watched() if callable(watched) else watched)
+                    failed = [(p, self.inbox.errors[p]) for p in ids if p in self.inbox.errors]
+                    if failed:
+                        raise PeerFailed("peer_failed", f"{what}: {failed[0][0]}: {failed[0][1]}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = ", ".join(p for p in ids if p not in self._links)
+                        raise RoundFailed(reason, f"{what}: deadline reached" + (f" ({missing})" if missing else ""))
+                    self._cond.wait(min(left, 0.5))
+            finally:
+                self._waiting = False
+
+    # ---- links --------------------------------------------------------------------------------------------------
+    def _attach(self, link: Link) -> None:
+        with self._cond:
+            if self._done or link.peer_id in self._links or link.peer_id not in self.others:
+                link.close()
+                return
+            self._links[link.peer_id] = link
+            self._queues[link.peer_id] = queue.Queue()
+            self._cond.notify_all()
+        for target, name in ((self._receiver, "recv"), (self._sender, "send")):
+            t = threading.Thread(target=target, args=(link,), name=f"hivetrain-avg-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _dial_options(self) -> dict:
+        cfg = self.config
+        return dict(connect_timeout_s=cfg.connect_timeout_s, part_timeout_s=cfg.part_timeout_s,
+                    buffer_num_bytes=cfg.socket_buffer_bytes,
+                    join_wait_s=cfg.connect_timeout_s + cfg.declare_grace_s)  # fmt: skip
+
+    def _dial_one(self, peer_id: str, deadline: float) -> None:
+        try:
+            link = self._dial(peer_id, deadline)
+        except ConnectionError as exc:
+            self.post_error(peer_id, str(exc))
+            return
+        if link is not None:  # None: it dialed us back, and the server attached that link
+            self._attach(link)
+
+    def _dial(self, peer_id: str, deadline: float) -> Link | None:
+        """An authenticated link to ``peer_id``: direct TCP; else (or at once if it was unreachable recently) it
+        dials us back, and the link arrives through our server (returns None once attached); else a libp2p stream.
+        Raises ConnectionError (LinkClosed, AuthFailed) if none works."""
+        cfg, m, fallback = self.config, self.members[peer_id], self.fallback
+        if fallback is None or not fallback.prefers_libp2p(peer_id):
+            try:
+                return dial(m.host, m.port, self.keys, peer_id, **self._dial_options())
+            except Unreachable as exc:  # behind NAT or a firewall? it may dial us, or libp2p may reach it
+                if fallback is None:
+                    raise
+                logger.info("%s; asking it over libp2p to dial us back", exc)
+                fallback.note_unreachable(peer_id)
+        wait_s = cfg.connect_timeout_s + cfg.declare_grace_s  # it may learn of the round a little after us
+        # it waits up to its join wait (about wait_s) for the round, then dials within connect_timeout_s
+        if fallback.request_dial_back(peer_id, self.round_id, timeout_s=wait_s + cfg.connect_timeout_s + 1.0):
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: peer_id in self._links or self._done, min(wait_s, deadline - time.monotonic())
+                )
+                if peer_id in self._links:
+                    logger.debug("%s dialed us back", peer_id)
+                    return None
+        logger.info("%s could not dial us back either; trying a libp2p stream", peer_id)
+        return dial(m.host, m.port, self.keys, peer_id,
+                    open_socket=lambda: fallback.open_socket(peer_id, cfg.connect_timeout_s),
+                    **self._dial_options())  # fmt: skip
+
+    def _dial_back(self, peer_id: str) -> bool:
+        """Dial ``peer_id`` directly because it asked (it could not dial us); attach the link. Never over libp2p: the
+        member asking falls back to a libp2p stream itself if this fails."""
+        m = self.members.get(peer_id)
+        if m is None or peer_id == self.me:
+            return False
+        try:
+            link = dial(m.host, m.port, self.keys, peer_id, **self._dial_options())
+        except ConnectionError as exc:
+            logger.info("could not dial %s back: %s", peer_id, exc)
+            return False
+        self._attach(link)
+        return True
+
+    # ---- threads ------------------------------------------------------------------------------------------------
+    def _sender(self, link: Link) -> None:
+        q = self._queues[link.peer_id]
+        heartbeat_s = self.config.part_timeout_s / 4
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=heartbeat_s)
+                except queue.Empty:
+                    if self._waiting and not self._done:  # alive and waiting on someone: say so
+                        link.send_frame(FrameType.HEARTBEAT, 0, {})
+                    continue
+                if item is None:
+                    return
+                ftype, sub, meta, payload, on_progress = item
+                link.send_frame(ftype, sub, meta, payload, on_progress=on_progress)
+                self._sent.add((link.peer_id, ftype))
+        except LinkClosed as exc:
+            if not self._done:
+                self.post_error(link.peer_id, str(exc))
+
+    def _receiver(self, link: Link) -> None:
+        try:
+            while True:
+                ftype, sub, meta, num_bytes = link.recv_header()
+                if ftype != FrameType.HEARTBEAT:
+                    self.on_frame(link, ftype, sub, meta, num_bytes)
+        except StopReading:
+            pass
+        except LinkClosed as exc:
+            if not self._done:
+                self.post_error(link.peer_id, str(exc))
+            link.close()
+            return
+        link.drain(self.config.part_timeout_s)  # nothing more is expected: drop the rest until the peer closes
