@@ -107,7 +107,7 @@ def test_a_failed_round_applies_nothing_and_hands_the_contribution_back_when_oth
     before = s.state_hash()
     events = []
     avg = ScriptedAverager(RoundFailed("not_in_group", "group of a closed before we announced"))
-    out = runner(avg, [rec("a", 5, digest="h5")], events).run(s, before, contribution())
+    out = runner(avg, [rec("a", 5, digest="h5"), rec("b", 5, digest="h5")], events).run(s, before, contribution())
     assert out.policy.action == "resync" and out.state is None and out.result is None
     assert s.state_hash() == before
     assert [e for e, _ in events] == ["round_failed"] and events[0][1]["reason"] == "not_in_group"
