@@ -1,10 +1,14 @@
 """State download between real peers on loopback: parallel chunks from agreeing donors, hash checks, bad donors."""
 
+import asyncio
+import time
+
+import numpy as np
 import pytest
 import torch
 
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
+from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state, fetch_state
 from hivetrain.faults import Fault, FaultInjector
 from hivetrain.peers.loop import LoopThread
 
@@ -72,3 +76,200 @@ def test_donor_dying_mid_download_hands_its_chunks_to_the_others(make_node, loop
     )
     assert fault.fired == 1
     assert got.state_hash() == good.state_hash()
+
+
+# ---- issue 12, finding 3: a joiner routes around bad donors --------------------------------------------------------
+
+CHUNK = 256 * 1024
+
+
+class NaNChunks(StateServer):
+    """Advertises its honest manifest but serves NaN bytes (a modified client)."""
+
+    served_nan = 0
+
+    def _payload(self, snapshot, index):
+        data = super()._payload(snapshot, index)
+        self.served_nan += 1
+        return np.full(len(data) // 4, np.nan, dtype="<f4").tobytes()
+
+
+class Dripper(StateServer):
+    """Serves the honest state, one byte every ``interval_s``."""
+
+    drips = 0
+    interval_s = 3.0
+
+    async def _write_chunk(self, writer, data):
+        for i in range(min(len(data), 20)):  # at most 60 s; the test is over long before
+            writer.write(data[i : i + 1])
+            await writer.drain()
+            self.drips += 1
+            await asyncio.sleep(self.interval_s)
+
+
+class Liar(StateServer):
+    """Serves its own state under whatever hash its meta claims (``_lie_about_hash`` rewrites the claim)."""
+
+    def _find(self, epoch, state_hash):
+        return super()._find(epoch, None)
+
+
+def _lie_about_hash(true_hash):
+    """A fault that makes a donor claim ``true_hash`` for whatever it serves (its manifest matches what it serves)."""
+    faults = FaultInjector()
+    lie = Fault("state.before_serve", "call", callback=lambda ctx: ctx["meta"].update(state_hash=true_hash), times=0)
+    fault = faults.arm(lie)
+    return faults, fault
+
+
+def _swarm(make_node, loop, count):
+    nodes = [make_node(name="n0")]
+    nodes += [make_node(nodes[0].visible_maddrs(), name=f"n{i}") for i in range(1, count)]
+    return nodes
+
+
+def _register(loop, node, server):
+    p2p = loop.run(node.dht.replicate_p2p(), 30)
+    loop.run(server.register(p2p, "run"), 30)
+    return server
+
+
+def _fetch(loop, joiner, donors, expected, timeout_s=30.0, reference=None, **kwargs):
+    p2p = loop.run(joiner.dht.replicate_p2p(), 30)
+    start = time.monotonic()
+    peers = [d.peer_id for d in donors]
+    reference = reference or _state(0, seed=9)
+    result = loop.run(fetch_state(p2p, "run", peers, expected, reference, timeout_s, **kwargs), 120)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("manifest", ["honest", "lying"])
+def test_nan_donor_first_among_three_honest_does_not_stop_the_first_download(make_node, loop, manifest):
+    # the attacker is first in the donor list (the order decide_sync gives and the old code trusted)
+    nodes = _swarm(make_node, loop, 5)
+    attacker, honest, joiner = nodes[0], nodes[1:4], nodes[4]
+    good = _state(3, seed=1)
+    servers = [_register(loop, d, StateServer(lambda: good, chunk_bytes=CHUNK)) for d in honest]
+    if manifest == "honest":
+        bad = _register(loop, attacker, NaNChunks(lambda: good, chunk_bytes=CHUNK))
+    else:  # serves a NaN state under the published hash, with a manifest that matches the NaN chunks
+        nan_state = _state(3, seed=1)
+        nan_state.params["a"].fill_(float("nan"))
+        faults, lie = _lie_about_hash(good.state_hash())
+        bad = _register(loop, attacker, Liar(lambda: nan_state, chunk_bytes=CHUNK, faults=faults))
+    reported = []
+    p2p = loop.run(joiner.dht.replicate_p2p(), 30)
+    got = loop.run(
+        download_state(
+            p2p,
+            "run",
+            [attacker.peer_id] + [d.peer_id for d in honest],
+            {3: good.state_hash()},
+            _state(0, seed=9),
+            30,
+            on_bad_donor=lambda peer, reason: reported.append(peer),
+        ),
+        60,
+    )
+    assert got.state_hash() == good.state_hash()
+    assert sum(s.bytes_served for s in servers) >= good.num_bytes()
+    if manifest == "honest":
+        assert bad.served_nan >= 1 and reported == [attacker.peer_id]
+    else:
+        assert lie.fired >= 1 and bad.bytes_served == 0  # three donors outvote its manifest: never downloaded
+
+
+@pytest.mark.parametrize("lie", ["finite", "nan"])
+def test_a_lying_manifest_is_refused_and_another_donors_is_used(make_node, loop, lie):
+    # two sybils offer one false manifest for the published hash, so it is tried first (2 donors against 1)
+    nodes = _swarm(make_node, loop, 4)
+    sybils, honest, joiner = nodes[:2], nodes[2], nodes[3]
+    good = _state(3, seed=1)
+    fake = good.clone()
+    fake.params["a"][0] = float("nan") if lie == "nan" else fake.params["a"][0] + 1.0  # chunk 0 differs
+    faults, fault = _lie_about_hash(good.state_hash())
+    for sybil in sybils:
+        _register(loop, sybil, Liar(lambda: fake, chunk_bytes=CHUNK, faults=faults))
+    server = _register(loop, honest, StateServer(lambda: good, chunk_bytes=CHUNK))
+    result, _ = _fetch(loop, joiner, sybils + [honest], {3: good.state_hash()})
+    assert fault.fired >= 2
+    assert result.state.state_hash() == good.state_hash()
+    assert result.manifests_refuted == 1 and set(result.bad_donors) == {s.peer_id for s in sybils}
+    if lie == "finite":  # refuted at the end; every chunk both manifests agree on is kept
+        assert server.bytes_served == CHUNK
+    else:  # refuted by the first NaN chunk, before the rest of the lie was downloaded
+        assert "NaN" in next(iter(result.bad_donors.values()))
+
+
+def test_a_dripping_donor_costs_about_one_chunk_not_a_network_timeout(make_node, loop):
+    nodes = _swarm(make_node, loop, 4)
+    donors, joiner = nodes[:3], nodes[3]
+    good = _state(3, seed=1, n=1_000_000)  # 8 MB, 31 chunks
+    _register(loop, donors[0], StateServer(lambda: good, chunk_bytes=CHUNK))
+    _register(loop, donors[1], StateServer(lambda: good, chunk_bytes=CHUNK))
+    honest_result, honest_s = _fetch(loop, joiner, donors[:2], {3: good.state_hash()}, reference=good)
+    dripper = _register(loop, donors[2], Dripper(lambda: good, chunk_bytes=CHUNK))
+    result, drip_s = _fetch(loop, joiner, [donors[2]] + donors[:2], {3: good.state_hash()}, reference=good)
+    assert result.state.state_hash() == good.state_hash() == honest_result.state.state_hash()
+    assert dripper.drips >= 1, "the dripper must have been given a chunk"
+    assert drip_s < 2 * honest_s + 1.0, f"dripper: {drip_s:.2f} s, honest: {honest_s:.2f} s"
+    assert result.bad_donors == {}  # slow is not malicious: dropped or outrun, never reported for a ban
+
+
+def test_a_joiner_with_stale_records_gets_the_previous_epoch(make_node, loop):
+    donor, first, joiner = _swarm(make_node, loop, 3)
+    states = {3: _state(3, seed=1), 4: _state(4, seed=2)}
+    current = [states[3]]
+    _register(loop, donor, StateServer(lambda: current[0], chunk_bytes=CHUNK))
+    result, _ = _fetch(loop, first, [donor], {3: states[3].state_hash()})  # the donor serves epoch 3
+    assert result.state.epoch == 3
+    current[0] = states[4]  # it commits epoch 4; a joiner that read the records before still expects epoch 3
+    result, _ = _fetch(loop, joiner, [donor], {3: states[3].state_hash()})
+    assert result.state.epoch == 3 and result.state.state_hash() == states[3].state_hash()
+
+
+def test_a_download_survives_the_donor_moving_two_epochs_ahead_mid_way(make_node, loop):
+    donor, joiner = _swarm(make_node, loop, 2)
+    states = [_state(e, seed=e) for e in (3, 4, 5)]
+    current = [states[0]]
+    server = _register(loop, donor, StateServer(lambda: current[0], chunk_bytes=CHUNK))
+
+    def advance(ctx):
+        for state in states[1:]:
+            current[0] = state
+            server.observe()
+
+    faults = FaultInjector()
+    fault = faults.arm(Fault("state.mid_download", "call", callback=advance, times=1))
+    result, _ = _fetch(loop, joiner, [donor], {3: states[0].state_hash()}, faults=faults)
+    assert fault.fired == 1 and result.state.state_hash() == states[0].state_hash()
+
+
+def test_snapshots_are_references_and_bounded():
+    states = [_state(e, seed=e, n=1000) for e in range(6)]
+    current = [states[0]]
+    server = StateServer(lambda: current[0], chunk_bytes=4096, keep_epochs=3)
+    for state in states:
+        current[0] = state
+        server.observe()
+    snapshots = server._manifests()
+    assert len(snapshots) == 3 and all(s.state is t for s, t in zip(snapshots, states[3:], strict=True))
+
+
+def test_a_state_modified_in_place_after_hashing_is_not_served(make_node, loop):
+    nodes = _swarm(make_node, loop, 3)
+    good = _state(3, seed=1)
+    mutable = good.clone()
+    mutated = _register(loop, nodes[0], StateServer(lambda: mutable, chunk_bytes=CHUNK))
+    _register(loop, nodes[1], StateServer(lambda: good, chunk_bytes=CHUNK))
+
+    def mutate(ctx):
+        mutable.params["a"].add_(1.0)  # an owner that breaks the no-in-place contract after the manifest went out
+
+    faults = FaultInjector()
+    faults.arm(Fault("state.before_serve", "call", callback=mutate, times=1))
+    mutated.faults = faults
+    result, _ = _fetch(loop, nodes[2], nodes[:2], {3: good.state_hash()})
+    assert result.state.state_hash() == good.state_hash()
+    assert mutated.chunks_refused >= 1 and result.bad_donors == {}
