@@ -1,9 +1,7 @@
 """State download between real peers on loopback: parallel chunks from agreeing donors, hash checks, bad donors."""
 
-import asyncio
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state, fetch_state
 from hivetrain.faults import Fault, FaultInjector
 from hivetrain.peers.loop import LoopThread
+from hivetrain.testing.hostile_donors import Dripper, Liar, NaNChunks, lie_about_hash
 
 
 def _state(epoch, seed, n=300_000):
@@ -83,46 +82,6 @@ def test_donor_dying_mid_download_hands_its_chunks_to_the_others(make_node, loop
 CHUNK = 256 * 1024
 
 
-class NaNChunks(StateServer):
-    """Advertises its honest manifest but serves NaN bytes (a modified client)."""
-
-    served_nan = 0
-
-    def _payload(self, snapshot, index):
-        data = super()._payload(snapshot, index)
-        self.served_nan += 1
-        return np.full(len(data) // 4, np.nan, dtype="<f4").tobytes()
-
-
-class Dripper(StateServer):
-    """Serves the honest state, one byte every ``interval_s``."""
-
-    drips = 0
-    interval_s = 3.0
-
-    async def _write_chunk(self, writer, data):
-        for i in range(min(len(data), 20)):  # at most 60 s; the test is over long before
-            writer.write(data[i : i + 1])
-            await writer.drain()
-            self.drips += 1
-            await asyncio.sleep(self.interval_s)
-
-
-class Liar(StateServer):
-    """Serves its own state under whatever hash its meta claims (``_lie_about_hash`` rewrites the claim)."""
-
-    def _find(self, epoch, state_hash):
-        return super()._find(epoch, None)
-
-
-def _lie_about_hash(true_hash):
-    """A fault that makes a donor claim ``true_hash`` for whatever it serves (its manifest matches what it serves)."""
-    faults = FaultInjector()
-    lie = Fault("state.before_serve", "call", callback=lambda ctx: ctx["meta"].update(state_hash=true_hash), times=0)
-    fault = faults.arm(lie)
-    return faults, fault
-
-
 def _swarm(make_node, loop, count):
     nodes = [make_node(name="n0")]
     nodes += [make_node(nodes[0].visible_maddrs(), name=f"n{i}") for i in range(1, count)]
@@ -156,7 +115,7 @@ def test_nan_donor_first_among_three_honest_does_not_stop_the_first_download(mak
     else:  # serves a NaN state under the published hash, with a manifest that matches the NaN chunks
         nan_state = _state(3, seed=1)
         nan_state.params["a"].fill_(float("nan"))
-        faults, lie = _lie_about_hash(good.state_hash())
+        faults, lie = lie_about_hash(good.state_hash())
         bad = _register(loop, attacker, Liar(lambda: nan_state, chunk_bytes=CHUNK, faults=faults))
     reported = []
     p2p = loop.run(joiner.dht.replicate_p2p(), 30)
@@ -188,7 +147,7 @@ def test_a_lying_manifest_is_refused_and_another_donors_is_used(make_node, loop,
     good = _state(3, seed=1)
     fake = good.clone()
     fake.params["a"][0] = float("nan") if lie == "nan" else fake.params["a"][0] + 1.0  # chunk 0 differs
-    faults, fault = _lie_about_hash(good.state_hash())
+    faults, fault = lie_about_hash(good.state_hash())
     for sybil in sybils:
         _register(loop, sybil, Liar(lambda: fake, chunk_bytes=CHUNK, faults=faults))
     server = _register(loop, honest, StateServer(lambda: good, chunk_bytes=CHUNK))
