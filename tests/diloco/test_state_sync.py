@@ -45,7 +45,7 @@ def test_download_spreads_chunks_over_agreeing_donors_and_verifies_hash(make_nod
     got = loop.run(download_state(p2p, "run", [d.peer_id for d in donors], {3: good.state_hash()}, reference, 10), 60)
     assert got.epoch == 3 and got.state_hash() == good.state_hash()
     assert all(s.bytes_served > 0 for s in servers), "both donors should serve chunks"
-    assert sum(s.bytes_served for s in servers) == good.num_bytes()
+    assert sum(s.bytes_served for s in servers) >= good.num_bytes()  # more if a lagging chunk was re-requested
 
 
 def test_donor_with_unpublished_state_is_refused(make_node, loop):
