@@ -3,7 +3,7 @@
 1. Offers. Every donor is asked for its manifest (``state_wire.Manifest``). A donor whose current state is not the one
    peers published for its epoch may still serve an older published one (donors keep their last few epochs): the
    joiner then asks for that one. The first manifest starts a short grace (``FetchConfig.meta_grace_s``) for the
-   others, so a donor that drips its reply cannot hold everyone up.
+   others (or as long again as the first answer took), so a donor that drips its reply cannot hold everyone up.
 2. Manifests. A manifest is never taken from one donor on trust. The state hash is one sequential sha256 over the
    whole state (``TrainingState.state_hash``), so a list of chunk hashes can only be checked against it with the
    data in hand; what is checked, and when: before use, every bound against our own model (``parse_manifest``: the
@@ -157,23 +157,28 @@ async def _ask(p2p: P2P, protocol: str, donor: str, known: dict[int, str], num_b
 async def _collect(
     p2p: P2P, protocol: str, donors: Sequence[str], known: dict, num_bytes: int, timeout_s: float, grace_s: float
 ) -> list[_Answer]:
-    """Every donor's answer, waiting for all of them, at most ``timeout_s``, and at most ``grace_s`` after the first
-    offer; donors that had not answered by then get a ``problem``."""
+    """Every donor's answer, waiting for all of them, at most ``timeout_s``, and once the first donor has answered
+    (any meta reply), at most ``max(grace_s, the time that first answer took)`` more: honest donors answer at about
+    the same time (they hash the same state), so the others get as long again as the first one needed (at least
+    ``grace_s``) and a donor that drips its reply cannot hold the download up for a whole ``timeout_s``. Donors that
+    had not answered by then get a ``problem``."""
     tasks = {asyncio.ensure_future(_ask(p2p, protocol, d, known, num_bytes, timeout_s)): d for d in donors}
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    started = loop.time()
+    deadline, graced = started + timeout_s, False
     waiting = set(tasks)
     while waiting:
         remaining_s = max(deadline - loop.time(), 0.0)
         done, waiting = await asyncio.wait(waiting, timeout=remaining_s, return_when=asyncio.FIRST_COMPLETED)
         if not done:
             break
-        if any(t.result().offers for t in done):
-            deadline = min(deadline, loop.time() + grace_s)
+        if not graced and any(t.result().current is not None for t in done):
+            now = loop.time()
+            deadline, graced = min(deadline, now + max(grace_s, now - started)), True
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-    late = f"no manifest within {grace_s:.1f} s of the first one (or {timeout_s:.1f} s)"
+    late = f"no manifest within the grace after the first donor's (or {timeout_s:.1f} s)"
     return [t.result() if t.done() and not t.cancelled() else _Answer(d, problem=late) for t, d in tasks.items()]
 
 

@@ -30,8 +30,9 @@ class FetchConfig:
         min_rate_bytes_per_s: a chunk averaging less than this since its request is re-requested elsewhere ...
         rate_grace_s: ... once it has run this long, seconds (a dripping donor is cut off after this).
         header_timeout_s: a chunk's reply header (a few bytes) must arrive within this, seconds.
-        meta_grace_s: once one donor's manifest has arrived, the others get at most this long to answer, seconds
-            (a donor that drips its reply cannot hold the download up for a whole network timeout).
+        meta_grace_s: once one donor has answered, the others get at most this long, or as long again as that
+            first answer took if longer, seconds (a donor that drips its reply cannot hold the download up for a
+            whole network timeout).
         max_copies: a chunk is fetched from at most this many donors at once (>= 1; 1 disables re-requests of
             chunks in flight).
         hedge_margin_s: an idle donor re-requests a chunk in flight only if it would finish it at least this much

@@ -4,11 +4,12 @@ Each is a ``StateServer`` with one step changed, as a hostile peer's modified cl
 
     NaNChunks   advertises its honest manifest but serves NaN bytes (every chunk fails its hash)
     Dripper     serves the honest state one byte every ``interval_s`` (never silent long enough to look dead)
+    SilentMeta  never answers a manifest request (holds the joiner's first step up to its network timeout)
     Liar        serves its own state under the hash that ``lie_about_hash`` makes it claim; its manifest matches
                 what it serves, so only the assembled state (or a NaN chunk) shows the lie
 
-Every one counts what it did (``served_nan``, ``drips``; the ``lie_about_hash`` fault's ``fired``), so a test can
-assert that its attack really ran.
+Every one counts what it did (``served_nan``, ``drips``, ``stalls``; the ``lie_about_hash`` fault's ``fired``), so a
+test can assert that its attack really ran.
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ class Dripper(StateServer):
             await writer.drain()
             self.drips += 1
             await asyncio.sleep(self.interval_s)
+
+
+class SilentMeta(StateServer):
+    """Accepts manifest requests and never answers them (for ``stall_s`` seconds, then closes)."""
+
+    stalls = 0
+    stall_s = 60.0
+
+    async def _reply_meta(self, writer, request):
+        self.stalls += 1
+        await asyncio.sleep(self.stall_s)
+        return False
 
 
 class Liar(StateServer):

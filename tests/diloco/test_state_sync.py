@@ -9,7 +9,7 @@ from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state, fetch_state
 from hivetrain.faults import Fault, FaultInjector
 from hivetrain.peers.loop import LoopThread
-from hivetrain.testing.hostile_donors import Dripper, Liar, NaNChunks, lie_about_hash
+from hivetrain.testing.hostile_donors import Dripper, Liar, NaNChunks, SilentMeta, lie_about_hash
 
 
 def _state(epoch, seed, n=300_000):
@@ -174,6 +174,17 @@ def test_a_dripping_donor_costs_about_one_chunk_not_a_network_timeout(make_node,
     assert dripper.drips >= 1, "the dripper must have been given a chunk"
     assert drip_s < 2 * honest_s + 1.0, f"dripper: {drip_s:.2f} s, honest: {honest_s:.2f} s"
     assert result.bad_donors == {}  # slow is not malicious: dropped or outrun, never reported for a ban
+
+
+def test_a_donor_that_never_answers_the_manifest_request_holds_nobody_up(make_node, loop):
+    nodes = _swarm(make_node, loop, 3)
+    good = _state(3, seed=1)
+    silent = _register(loop, nodes[0], SilentMeta(lambda: good, chunk_bytes=CHUNK))
+    _register(loop, nodes[1], StateServer(lambda: good, chunk_bytes=CHUNK))
+    result, elapsed_s = _fetch(loop, nodes[2], nodes[:2], {3: good.state_hash()}, timeout_s=30.0)
+    assert silent.stalls == 1 and result.state.state_hash() == good.state_hash()
+    assert elapsed_s < 10.0, f"{elapsed_s:.1f} s: waited for the silent donor"  # meta_grace_s = 2 s, not 30 s
+    assert nodes[0].peer_id in result.dropped_donors and not result.bad_donors
 
 
 def test_a_joiner_with_stale_records_gets_the_previous_epoch(make_node, loop):
