@@ -137,6 +137,17 @@ class IncompatibleRun(RuntimeError):
     pass
 
 
+def coordinator_id(node: PeerNode, addresses: list[str]) -> str:
+    """The peer ID of the run's coordinator: the signer of a run config record signed by one of our bootstrap
+    peers (its records then count as evidence of the state at its epoch), or "" if none is published."""
+    try:
+        record = fetch_run_config(node.dht, trusted_ids(tuple(addresses)))
+    except Exception as exc:  # noqa: BLE001 - a bad address was reported at bootstrap; no coordinator then
+        logger.warning("could not read the run config record: %r", exc)
+        return ""
+    return record.coordinator_id if record is not None else ""
+
+
 def check_against_swarm(node: PeerNode, config: RunConfig, fingerprint: str) -> None:
     """Refuse to train a model other than the run's. Raises IncompatibleRun naming the difference."""
     records = [r for r in fetch_records(node.dht, config.run_id) if r.peer_id != node.peer_id]
@@ -264,6 +275,7 @@ def _train(
                 dht_lost_after_s=args.dht_lost_timeout,
                 duty_cycle=args.duty_cycle,
                 pause_file=args.pause_file,
+                coordinator_id=coordinator_id(node, args.addresses),
             ),
             faults=faults,
             on_event=reporter.event,

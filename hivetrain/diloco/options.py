@@ -19,6 +19,8 @@ class TrainerOptions:
         byzantine: fault-harness only: misbehave this way (see ``hivetrain.testing.byzantine``).
         duty_cycle: train at most this fraction of wall time (0 < F <= 1), sleeping between inner steps.
         pause_file: while this file exists the peer pauses its inner steps (stays in the swarm); "" = none.
+        coordinator_id: base58 peer ID of the run's coordinator (the signer of the run config we trust); its records
+            count as evidence of the state at its epoch. "" = none known: coordinator-role records are ignored.
     """
 
     public_name: str = ""
@@ -30,6 +32,7 @@ class TrainerOptions:
     dht_lost_after_s: float = 60.0
     duty_cycle: float = 1.0
     pause_file: str = ""
+    coordinator_id: str = ""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import RoundPolicy, RoundView, decide_after_round
+from hivetrain.diloco.sync_policy import RoundPolicy, RoundView, SyncTrust, decide_after_round
 from hivetrain.faults import FaultInjector
 from hivetrain.peers.records import PeerRecord
 from hivetrain.testing.byzantine import WIRE_MODES, corrupt_round_input
@@ -101,6 +101,7 @@ class RoundRunner:
         emit: trainer event callback(event, **fields).
         stop: set when the trainer stops (ends the retries).
         stale_after_s: records older than this are ignored; dht_lost_after_s: see ``decide_after_round``.
+        trust: returns the evidence rules the trainer holds now (quorum, coordinator, bans), read at every attempt.
     """
 
     def __init__(
@@ -116,10 +117,12 @@ class RoundRunner:
         *,
         stale_after_s: float,
         dht_lost_after_s: float,
+        trust: Callable[[], SyncTrust] = SyncTrust,
     ):
         self.peer_id, self.averager, self.view, self.config = peer_id, averager, view, config
         self.faults, self.byzantine, self.emit, self.stop = faults, byzantine, emit, stop
         self.stale_after_s, self.dht_lost_after_s = stale_after_s, dht_lost_after_s
+        self.trust = trust
         self.exact_average = config.averaging.strategy == "butterfly"
         self.rounds_failed = 0
         self.last_failure = ""
@@ -176,6 +179,7 @@ class RoundRunner:
                 stale_after_s=self.stale_after_s,
                 dht_lost_after_s=self.dht_lost_after_s,
                 exact_average=self.exact_average,
+                trust=self.trust(),
             )
             if policy.action == "apply":
                 assert result is not None

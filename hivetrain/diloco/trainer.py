@@ -13,6 +13,7 @@ momentum stays local. The same bytes per round; drift stays bounded (0.9% of ‖
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import decide_sync, keep_carried, published_hashes
+from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, keep_carried, published_hashes
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
@@ -106,6 +107,8 @@ class DilocoTrainer:
         )
         self.phases = PhaseRunner(InnerOptimizer(model, config.diloco), batches, plan, self.duty, node.peer_id)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
+        # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
+        self.trust = SyncTrust(coordinator_id=options.coordinator_id)
         self.view = SwarmView(
             node,
             loop,
@@ -128,6 +131,7 @@ class DilocoTrainer:
             self._stop,
             stale_after_s=options.record_ttl_s,
             dht_lost_after_s=options.dht_lost_after_s,
+            trust=lambda: self.trust,
         )
         diloco = config.diloco
         self.background = BackgroundRound(
@@ -239,16 +243,16 @@ class DilocoTrainer:
             get_dht_time(),
             stale_after_s=self.options.record_ttl_s,
             exact_average=self._exact_average,
+            trust=self.trust,
         )
+        self._ban(decision.ban, decision.reason)
         if decision.action == "train":
             return True
         logger.info("state download: %s", decision.reason)
 
         def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
             fresh = fetch_records(self.node.dht, self.config.run_id)
-            return published_hashes(
-                r for r in fresh if r.peer_id != self.node.peer_id and r.model_fingerprint == self.fingerprint
-            )
+            return self._published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
 
         try:
             state = self.loop.run(
@@ -415,12 +419,30 @@ class DilocoTrainer:
         it. Returns whether we now hold ``epoch``; if not, our contribution stays pending for the next round."""
         wait_until = time.monotonic() + self.config.averaging.matchmaking_time_s + self.options.record_interval_s
         while not self._stop.is_set() and time.monotonic() < wait_until:
-            records = self.view.refresh()
-            if any(r.epoch >= epoch and r.state_hash for r in records if r.peer_id != self.node.peer_id):
+            if any(e >= epoch for e in self._published_hashes(self.view.refresh())):  # a quorum holds it
                 break
             self._stop.wait(0.2)
         self.sync_state()
         return self.state.epoch == epoch
+
+    def _published_hashes(self, records) -> dict[int, str]:
+        """epoch -> the state hash a quorum of others' live records (or the run's coordinator) backs."""
+        others = [r for r in records if r.peer_id != self.node.peer_id]
+        return published_hashes(
+            others,
+            trust=self.trust,
+            exact_average=self._exact_average,
+            now=get_dht_time(),
+            stale_after_s=self.options.record_ttl_s,
+        )
+
+    def _ban(self, peer_ids: tuple[str, ...], reason: str) -> None:
+        """Ignore these peers' records from now on (claims the run's age rules out)."""
+        new = frozenset(peer_ids) - self.trust.banned
+        if new:
+            logger.warning("ignoring the records of %s from now on: %s", ", ".join(sorted(new)), reason)
+            self.trust = dataclasses.replace(self.trust, banned=self.trust.banned | new)
+            self._emit("peers_banned", peers=sorted(new), reason=reason)
 
     def _discard(self, samples: int, reason: str) -> None:
         if samples <= 0:
