@@ -213,7 +213,10 @@ class _GroupDownload:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        for outcome in outcomes:  # a fault injected at a hook point, or a bug: surface it, never "exhausted"
+            if isinstance(outcome, Exception):
+                raise outcome
         if self.refuted:
             return "refuted"
         return "complete" if len(self.done) == self.manifest.num_chunks else "exhausted"
@@ -221,6 +224,7 @@ class _GroupDownload:
     def _requeue(self, index: int) -> None:
         if index not in self.done and not self.in_flight.get(index) and index not in self.pending:
             self.pending.appendleft(index)
+            self.changed.set()  # an idle donor takes it at once
 
     def _rate(self, donor: str) -> float | None:
         if donor in self.rates:
@@ -392,7 +396,7 @@ async def fetch_state(
     num_bytes = layout_num_bytes(reference)
     read_expected = expected if callable(expected) else (lambda: expected)
     loop = asyncio.get_running_loop()
-    known = read_expected()
+    known = await loop.run_in_executor(None, read_expected)  # the caller's read may block (a DHT get)
     answers = await _collect(p2p, protocol, donors, known, num_bytes, timeout_s, config.meta_grace_s)
     newest_offered = max(
         (a.current["epoch"] for a in answers if a.current and isinstance(a.current.get("epoch"), int)), default=-1
