@@ -20,7 +20,7 @@ idle seconds, the share of computed samples that reached a committed outer step 
 the peers on the same held-out windows right after the step: the loss at equal wall time, up to one epoch's lag,
 whose age is reported). The machine is shared: timings are noisy.
 
-    python scripts/bench/utilization.py                  # 3 arms x 240 s, tiny model, H=200, 2.5 Mbit/s (~15 min)
+    python scripts/bench/utilization.py                  # 3 arms x 240 s, tiny model, H=400, 2.5 Mbit/s (~14 min)
     python scripts/bench/utilization.py --quick --json   # smoke run: 3 arms x 75 s, H=100
 """
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     parser.add_argument("--seconds", type=float, default=None, help="training wall time per arm (default 240)")
-    parser.add_argument("--inner-steps", type=int, default=None, help="H (default 200)")
+    parser.add_argument("--inner-steps", type=int, default=None, help="H (default 400; 100 with --quick)")
     parser.add_argument("--mbps", type=float, default=2.5, help="each peer's link, Mbit/s each way")
     parser.add_argument("--speeds", default="1,0.5,0.25", help="duty cycle of each peer (comma-separated)")
     parser.add_argument("--nat-peer", type=int, default=0, help="index of the peer behind NAT (-1 = none)")
@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="last line: a JSON list, one object per arm")
     args = parser.parse_args(argv)
     args.seconds = args.seconds or (75.0 if args.quick else 240.0)
-    args.inner_steps = args.inner_steps or (100 if args.quick else 200)
+    # H = 400: on an idle machine H = 200 made the fastest peer's phase (12-15 s) shorter than a round (15 s at
+    # 2.5 Mbit/s), a link no volunteer would pick for this model; 400 gives round / phase ~ 0.35 (issue: >= 0.2)
+    args.inner_steps = args.inner_steps or (100 if args.quick else 400)
     arms = [a for a in args.arms.split(",") if a]
     speeds = [float(s) for s in args.speeds.split(",") if s]
     if not arms or any(a not in ARMS for a in arms):
