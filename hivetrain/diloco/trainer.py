@@ -254,6 +254,7 @@ class DilocoTrainer:
             fresh = fetch_records(self.node.dht, self.config.run_id)
             return self._published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
 
+        bad: list[str] = []  # donors that served chunks contradicting their own manifest (appended on the loop)
         try:
             state = self.loop.run(
                 download_state(
@@ -264,14 +265,17 @@ class DilocoTrainer:
                     self.state,
                     self.options.state_timeout_s,
                     self.faults,
+                    on_bad_donor=lambda peer, reason: bad.append(peer),
                 ),
                 timeout_s=self.options.state_timeout_s * 4,
             )
         except (StateDownloadFailed, TimeoutError, ValueError) as exc:
             logger.warning("state download failed: %s", exc)
             self._emit("state_download_failed", reason=str(exc))
+            self._ban(tuple(bad), "served state chunks that contradict its own manifest")
             self._stop.wait(1.0)
             return False
+        self._ban(tuple(bad), "served state chunks that contradict its own manifest")
         self.state = state
         self.background.forget()
         self.stats.state_downloads += 1

@@ -398,7 +398,9 @@ class StageRuntime:
             self.external_phase_end = external
 
     def _end_phase(self) -> None:
-        local = {n: p.detach().to("cpu", torch.float32) for n, p in self.params.items()}
+        # a copy: for CPU fp32 parameters .to() returns the live tensor, which the optimizer would change under the
+        # committed state (its hash and the chunks served to downloaders would then disagree)
+        local = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.params.items()}
         deltas = [self.state.params[n] - local[n] for n in self.state.params]
         if not all(torch.isfinite(d).all() for d in deltas):
             self._abandon_phase("the inner phase diverged (non-finite pseudo-gradient)")
