@@ -13,7 +13,6 @@ momentum stays local. The same bytes per round; drift stays bounded (0.9% of ‖
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +29,7 @@ from hivetrain.data import Corpus, stream_seed
 from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
+from hivetrain.diloco.evidence import Evidence
 from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
@@ -39,7 +39,7 @@ from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, keep_carried, published_hashes
+from hivetrain.diloco.sync_policy import decide_sync, keep_carried
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
@@ -108,7 +108,14 @@ class DilocoTrainer:
         self.phases = PhaseRunner(InnerOptimizer(model, config.diloco), batches, plan, self.duty, node.peer_id)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
-        self.trust = SyncTrust(coordinator_id=options.coordinator_id)
+        self.evidence = Evidence(
+            node.peer_id,
+            options.coordinator_id,
+            exact_average=self._exact_average,
+            stale_after_s=options.record_ttl_s,
+            now=get_dht_time,
+            on_ban=lambda peers, reason: self._emit("peers_banned", peers=peers, reason=reason),
+        )
         self.view = SwarmView(
             node,
             loop,
@@ -131,7 +138,7 @@ class DilocoTrainer:
             self._stop,
             stale_after_s=options.record_ttl_s,
             dht_lost_after_s=options.dht_lost_after_s,
-            trust=lambda: self.trust,
+            trust=lambda: self.evidence.trust,
         )
         diloco = config.diloco
         self.background = BackgroundRound(
@@ -243,16 +250,16 @@ class DilocoTrainer:
             get_dht_time(),
             stale_after_s=self.options.record_ttl_s,
             exact_average=self._exact_average,
-            trust=self.trust,
+            trust=self.evidence.trust,
         )
-        self._ban(decision.ban, decision.reason)
+        self.evidence.ban(decision.ban, decision.reason)
         if decision.action == "train":
             return True
         logger.info("state download: %s", decision.reason)
 
         def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
             fresh = fetch_records(self.node.dht, self.config.run_id)
-            return self._published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
+            return self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
 
         bad: list[str] = []  # donors that served chunks contradicting their own manifest (appended on the loop)
         try:
@@ -272,10 +279,10 @@ class DilocoTrainer:
         except (StateDownloadFailed, TimeoutError, ValueError) as exc:
             logger.warning("state download failed: %s", exc)
             self._emit("state_download_failed", reason=str(exc))
-            self._ban(tuple(bad), "served state chunks that contradict its own manifest")
+            self.evidence.ban(bad, "served state chunks that contradict its own manifest")
             self._stop.wait(1.0)
             return False
-        self._ban(tuple(bad), "served state chunks that contradict its own manifest")
+        self.evidence.ban(bad, "served state chunks that contradict its own manifest")
         self.state = state
         self.background.forget()
         self.stats.state_downloads += 1
@@ -423,30 +430,11 @@ class DilocoTrainer:
         it. Returns whether we now hold ``epoch``; if not, our contribution stays pending for the next round."""
         wait_until = time.monotonic() + self.config.averaging.matchmaking_time_s + self.options.record_interval_s
         while not self._stop.is_set() and time.monotonic() < wait_until:
-            if any(e >= epoch for e in self._published_hashes(self.view.refresh())):  # a quorum holds it
+            if any(e >= epoch for e in self.evidence.published_hashes(self.view.refresh())):  # a quorum holds it
                 break
             self._stop.wait(0.2)
         self.sync_state()
         return self.state.epoch == epoch
-
-    def _published_hashes(self, records) -> dict[int, str]:
-        """epoch -> the state hash a quorum of others' live records (or the run's coordinator) backs."""
-        others = [r for r in records if r.peer_id != self.node.peer_id]
-        return published_hashes(
-            others,
-            trust=self.trust,
-            exact_average=self._exact_average,
-            now=get_dht_time(),
-            stale_after_s=self.options.record_ttl_s,
-        )
-
-    def _ban(self, peer_ids: tuple[str, ...], reason: str) -> None:
-        """Ignore these peers' records from now on (claims the run's age rules out)."""
-        new = frozenset(peer_ids) - self.trust.banned
-        if new:
-            logger.warning("ignoring the records of %s from now on: %s", ", ".join(sorted(new)), reason)
-            self.trust = dataclasses.replace(self.trust, banned=self.trust.banned | new)
-            self._emit("peers_banned", peers=sorted(new), reason=reason)
 
     def _discard(self, samples: int, reason: str) -> None:
         if samples <= 0:

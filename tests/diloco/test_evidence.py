@@ -1,0 +1,36 @@
+"""Evidence: the trust a trainer weighs records with, and its bans."""
+
+from hivetrain.diloco.evidence import Evidence
+from tests.records import peer_record
+
+NOW = 1000.0
+
+
+def evidence(banned_events=None):
+    return Evidence(
+        "me",
+        "",
+        exact_average=True,
+        stale_after_s=30.0,
+        now=lambda: NOW,
+        on_ban=lambda peers, reason: (banned_events if banned_events is not None else []).append((peers, reason)),
+    )
+
+
+def test_an_epoch_is_published_only_with_a_quorum_of_others_and_our_own_record_never_counts():
+    ev = evidence()
+    one = [peer_record("a", 5, NOW, state_hash="h5"), peer_record("me", 5, NOW, state_hash="h5")]
+    assert 5 not in ev.published_hashes(one)  # one other peer is no evidence; ours is not counted
+    two = one + [peer_record("b", 5, NOW, state_hash="h5")]
+    assert ev.published_hashes(two)[5] == "h5"
+
+
+def test_banned_peers_no_longer_count_and_each_ban_is_reported_once():
+    events = []
+    ev = evidence(events)
+    records = [peer_record(p, 5, NOW, state_hash="h5") for p in ("a", "b")]
+    assert ev.published_hashes(records)[5] == "h5"
+    ev.ban(["b", "me"], "served bad chunks")  # we never ban ourselves
+    ev.ban(["b"], "again")
+    assert events == [(["b"], "served bad chunks")] and ev.trust.banned == frozenset({"b"})
+    assert 5 not in ev.published_hashes(records)
