@@ -86,7 +86,7 @@ def train(monkeypatch, tmp_path):
     monkeypatch.setattr(hivetrain.averaging, "GroupAverager", Stub)
     monkeypatch.setattr(hivetrain.peers.loop, "LoopThread", Stub)
     monkeypatch.setattr(trainer_module, "DilocoTrainer", FakeTrainer)
-    node = SimpleNamespace(peer_id="QmPeer", visible_maddrs=lambda: [])
+    node = SimpleNamespace(peer_id="QmPeer", visible_maddrs=lambda: [], guard_run=lambda run_id: None, dht=None)
     path = tmp_path / "peer.json"
 
     def run(outcome: BaseException | None):
