@@ -82,7 +82,7 @@ def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: 
         if r.role == "trainer"
         and r.peer_id != my_peer_id
         and (r.epoch in (epoch - 1, epoch) or r.phase_epoch == epoch)
-        and r.throughput > 0  # a paused peer publishes 0: it will not come, do not wait for it
+        and not r.paused  # it will not come: do not wait for it (a peer whose throughput is not measured yet will)
         and not r.left_reason
         and now - r.updated_at <= stale_after_s
     )

@@ -480,6 +480,7 @@ class DilocoTrainer:
             done_epoch=done_epoch,
             done_samples=done_samples,
             left_reason=self._left_reason,
+            paused=self.duty.paused,
             updated_at=get_dht_time(),
         )
 

@@ -69,6 +69,7 @@ class PeerRecord(BaseModel):
     done_epoch: int = Field(default=0, ge=0, description="epoch (round key) of the last inner phase that ended")
     done_samples: int = Field(default=0, ge=0, description="samples of that phase (0: no phase ended yet)")
     left_reason: str = Field(default="", max_length=200, description="set in the last record of a peer that left")
+    paused: bool = Field(default=False, description="the volunteer paused training (it stays in the swarm)")
     updated_at: float = Field(ge=0.0)
 
 

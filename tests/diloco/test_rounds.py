@@ -102,6 +102,15 @@ def test_expected_peers_are_the_live_trainers_of_our_epoch():
     assert expected_peers([rec("me", 4)], "me", 4, get_dht_time(), 30.0) == frozenset()
 
 
+def test_a_paused_peer_is_not_expected_but_one_whose_throughput_is_not_measured_yet_is():
+    # A peer that just started (first phase, throughput 0 until a few steps are measured) will come: the group must
+    # not close without it (an e2e run with 0.2 s phases lost a third peer that way, then its epoch). A peer whose
+    # volunteer paused it will not.
+    fresh = rec("fresh", 4).model_copy(update={"throughput": 0.0})
+    paused = rec("paused", 4).model_copy(update={"throughput": 0.0, "paused": True})
+    assert expected_peers([fresh, paused], "me", 4, get_dht_time(), 30.0) == frozenset({"fresh"})
+
+
 def test_a_failed_round_applies_nothing_and_hands_the_contribution_back_when_others_moved_on():
     s = state()
     before = s.state_hash()
