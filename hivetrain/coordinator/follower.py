@@ -51,7 +51,9 @@ class FollowerOptions:
     keep_checkpoints: int = 3
     download_timeout_s: float = 30.0
     stale_after_s: float = 30.0
-    quorum: QuorumConfig = QuorumConfig(min_peers=1)
+    # a lone holder may lead (min_peers 1), but only a strict majority: with "at least half" (rule 3 at 0.5) one liar
+    # ahead of one honest trainer would be followed
+    quorum: QuorumConfig = QuorumConfig(min_peers=1, min_fraction=0.51)
     run_started_at: float | None = None
 
     def __post_init__(self) -> None:

@@ -12,11 +12,14 @@ The rule, for a state (E, h), over distinct peers (``voters``; a peer's own stat
 2. **agreement**: they are more than ``min_fraction`` of the voters at epoch E (any hash), so two hashes can never
    both be backed at one epoch unless ``min_fraction < 0.5``, and then the larger group wins, ties broken by the
    hash string so that every peer with the same view picks the same one;
-3. **progress**: the voters at epoch E or later are more than ``min_fraction`` of the population. The population is
+3. **progress**: the voters at epoch E or later are at least ``min_fraction`` of the population. The population is
    every voter at epoch >= 1: voters behind E count against it, which is what stops a minority that claims an epoch
-   far ahead of the rest (2 colluders at E + 5 among 3 honest peers at E: 2 of 5). Voters at epoch 0 hold θ₀, which
-   every peer builds from the run seed; they are joiners, who neither back nor oppose a trained state, so a crowd of
-   joiners cannot keep each other from catching up.
+   far ahead of the rest (2 colluders at E + 5 among 3 honest peers at E: 2 of 5). "At least", not "more than": a
+   peer that died leaves its record behind E for the record TTL (30 s), and with a strict majority the 2 survivors of
+   a 4-peer swarm that lost one could not be followed by the third, which then committed alone and forked the run
+   (chaos kill-one-of-four, 2026-11-25). The price: half of the identities (and at least ``min_peers``) can lead.
+   Voters at epoch 0 hold θ₀, which every peer builds from the run seed; they are joiners, who neither back nor
+   oppose a trained state, so a crowd of joiners cannot keep each other from catching up.
 
 With ``exact=False`` (moshpit or gossip groups: peers of one epoch hold different states by design) rules 1 and 2
 count voters at epoch E whatever their hash; no hash can be checked against others then, and the one published is
@@ -69,9 +72,9 @@ class QuorumConfig:
             peer adopt a state. A run of one trainer with no coordinator then cannot be joined: nothing tells a
             joiner that trainer from a liar; the coordinator follows with 1 (``FollowerOptions``), since a lone
             trainer defines the run's progress anyway, honest or not, and joiners trust the coordinator's record.
-        min_fraction: the holders must be more than this fraction of the voters at the state's epoch, and the
-            voters at that epoch or later more than this fraction of the population (voters at epoch >= 1). 0.5:
-            a strict majority, so a minority cannot outvote the rest, and half cannot either (a tie adopts nothing).
+        min_fraction: the holders must be more than this fraction of the voters at the state's epoch (0.5: a 1-1
+            tie adopts nothing), and the voters at that epoch or later at least this fraction of the population
+            (voters at epoch >= 1), so a minority cannot run ahead of the rest (rule 3 of the module docstring).
         min_epoch_s: the fewest seconds one epoch (an inner phase plus its averaging round) can take, for the
             run-age bound. The fastest runs hivetrain has (tiny models on loopback in the e2e tests) take about 1 s
             per epoch; 0.1 s leaves a 10x margin so no honest run is ever judged implausible, and an epoch of 10^6
@@ -157,7 +160,7 @@ def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = T
         if (
             count >= config.min_peers
             and count > config.min_fraction * len(at)
-            and passed > config.min_fraction * population
+            and passed >= config.min_fraction * population
         ):
             result[epoch] = Backing(epoch, state_hash, holders, len(at), passed, population)
     return result

@@ -464,7 +464,7 @@ class StageServer:
         return self.run.diloco.inner_steps * max(self.swarm.microbatches_per_inner_step, 1)
 
 
-STAGE_QUORUM = QuorumConfig(min_peers=1)
+STAGE_QUORUM = QuorumConfig(min_peers=1, min_fraction=0.51)  # 0.51: a strict majority (rule 3 is "at least")
 """A stage server adopts the state a strict majority of its stage's other servers hold, even a majority of one: a
 stage served by one server must be joinable, and a stage's replicas must reconverge after one missed a commit. A
 liar is outvoted only where it faces two or more honest servers of its stage (the quorum rule of item 1 of issue 12,

@@ -1,5 +1,6 @@
 """Pure decisions: when a peer downloads state, and when it may apply a round of one."""
 
+from hivetrain.coordinator.follower import FollowerOptions
 from hivetrain.diloco.sync_policy import (
     RoundView,
     SyncTrust,
@@ -119,8 +120,9 @@ def test_two_colluders_among_five_can_neither_lead_nor_fork_the_run():
     d = decide_sync("new", 0, "theta0", same_epoch, NOW, 30)
     assert d.action == "download" and set(d.donors) == {"a", "b", "c"}
     assert published_hashes(same_epoch) == {7: "h7"}
-    # half is not a quorum: two honest peers are not moved by two colluders either
-    assert decide_sync("a", 7, "h7", honest[1:2] + ahead[3:], NOW, 30).action == "train"
+    # half of the live peers ahead can lead (at least half, so that a dead peer's lingering record does not stall
+    # the survivors' followers): two colluders ahead of two honest peers are followed; that is the price
+    assert decide_sync("a", 7, "h7", honest[1:2] + ahead[3:], NOW, 30).action == "download"
 
 
 def test_a_two_peer_swarm_trains_and_can_be_joined_but_no_lone_claim_is_followed():
@@ -182,7 +184,7 @@ def test_the_known_coordinators_record_is_evidence_an_impostors_is_not():
 
 
 def test_the_coordinator_follows_a_majority_of_trainers_without_voting_itself():
-    follow = SyncTrust(quorum=QuorumConfig(min_peers=1))
+    follow = SyncTrust(quorum=FollowerOptions().quorum)
     d = decide_sync("coord", 3, "h3", [rec("a", 8, "h8")], NOW, 30, trust=follow, my_vote=False)
     assert d.action == "download" and d.target_epoch == 8
     tied = [rec("a", 8, "h8"), rec("liar", 8, "random")]  # one word against another: neither is a majority

@@ -36,7 +36,8 @@ def test_progress_peers_behind_an_epoch_count_against_it_so_a_minority_cannot_ru
     honest = votes(("a", 7, "h"), ("b", 7, "h"), ("c", 7, "h"))
     colluders = votes(("x", 12, "e"), ("y", 12, "e"))
     assert hashes(honest + colluders) == {7: "h"}  # epoch 12: 2 of 5 live peers; epoch 7: all 5 passed it
-    assert hashes(honest[:2] + colluders) == {7: "h"}  # 2 of 4 is not more than half either
+    # 2 of 4: half the identities can lead (rule 3: at least half, so the survivors of a peer that died are followed)
+    assert hashes(honest[:2] + colluders) == {7: "h", 12: "e"}
 
 
 def test_theta0_holders_neither_back_nor_oppose_a_trained_state():
