@@ -272,3 +272,11 @@ def test_carried_contributions_are_kept_only_as_stale_as_allowed_and_bounded_by_
     assert not ok and "2 epochs stale" in why
     ok, why = keep_carried(3, 3, 2000, 1000)
     assert not ok and "max_samples_per_round" in why
+
+
+def test_the_survivors_of_a_peer_that_died_are_followed_while_its_record_lingers():
+    # chaos kill-one-of-four: peer 1 died at epoch 2 (its record lives until the TTL), peers 0 and 3 went on to 3.
+    # Peer 2, left out of their round, must follow them: with a strict majority (2 of 4) it committed alone and forked.
+    records = [rec("p0", 3, "h3"), rec("p3", 3, "h3"), rec("p1-dead", 2, "h2", age=20.0)]
+    d = decide_sync("p2", 2, "h2", records, NOW, 30)
+    assert d.action == "download" and d.target_epoch == 3 and set(d.donors) == {"p0", "p3"}
