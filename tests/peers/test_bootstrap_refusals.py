@@ -24,9 +24,19 @@ LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmZaPV7t8Ru4TUBX6qryUsdLzF6JuQCx8oH3c9xuuuBkGm"
 
 
+async def _connected_peers(dht, node) -> list[str]:
+    return [str(info.peer_id) for info in await node.protocol.p2p.list_peers()]
+
+
 def test_a_reused_identity_is_named_with_the_fix(make_node, tmp_path):
     boot = make_node()
-    make_node(boot.visible_maddrs(), name="twin")  # tmp_path/twin.key, live
+    twin = make_node(boot.visible_maddrs(), name="twin")  # tmp_path/twin.key, live
+    # hivemind finds a taken identity by dialing its peer ID through the bootstrap's daemon: wait until that daemon
+    # is connected to the twin (on a loaded machine it was not yet, and the copy started unchallenged)
+    deadline = time.monotonic() + 20.0
+    while str(twin.peer_id) not in boot.dht.run_coroutine(_connected_peers, return_future=True).result(10):
+        assert time.monotonic() < deadline, "the twin never connected to the bootstrap peer's daemon"
+        time.sleep(0.2)
     copy = tmp_path / "copied.key"  # the same key, copied to another machine (or path)
     shutil.copy(tmp_path / "twin.key", copy)
     with pytest.raises(BootstrapFailed) as info:
