@@ -9,6 +9,12 @@ All-or-nothing (``averaging.base``): a round either commits bit-identical result
 anywhere. A contribution that did not commit is never silently dropped: "resync" and "carry" hand it back to the
 trainer, which sends it with its next pseudo-gradient if that is computed against the same state, and otherwise
 counts it as discarded (``sync_policy.keep_carried``).
+
+With ``averaging.strategy`` "moshpit" or "gossip" a round averages within small groups only, so peers hold different
+θ. Averaging Δ there would leave those differences in place for ever (θ drift then grows like a random walk: 50% of
+‖θ̄‖ after 40 outer steps in ``scripts/bench/moshpit_drift.py``). Instead each peer applies the outer step with its
+own Δ and the group averages the new θ (Moshpit SGD, Ryabinin et al. 2021, Alg. 1: average the parameters);
+momentum stays local. The same bytes per round; drift stays bounded (0.9% of ‖θ̄‖ after 40 steps in that bench).
 """
 
 from __future__ import annotations

@@ -4,11 +4,8 @@ DiLoCo (Douillard et al. 2023, Algorithm 1): from the shared θ every peer runs 
 sends the pseudo-gradient Δ = θ − θ_local to a sample-weighted average with the peers of its epoch, and applies outer
 Nesterov SGD. Peers that fall behind, or whose state hash disagrees with the swarm's, download state first.
 
-With ``averaging.strategy`` "moshpit" or "gossip" a round averages within small groups only, so peers hold different
-θ. Averaging Δ there would leave those differences in place for ever (θ drift then grows like a random walk: 50% of
-‖θ̄‖ after 40 outer steps in ``scripts/bench/moshpit_drift.py``). Instead each peer applies the outer step with its
-own Δ and the group averages the new θ (Moshpit SGD, Ryabinin et al. 2021, Alg. 1: average the parameters);
-momentum stays local. The same bytes per round; drift stays bounded (0.9% of ‖θ̄‖ after 40 steps in that bench).
+With ``averaging.strategy`` "moshpit" or "gossip" the group averages θ after each peer's own outer step instead
+(``rounds.RoundRunner``, which says why).
 """
 
 from __future__ import annotations
