@@ -257,7 +257,11 @@ class ButterflyRound:
 
         # reduce our slice
         inbox = self.transport.inbox
-        self._wait(lambda: all((sub, p) in inbox.parts for p in others), others, deadline, "waiting for parts")
+        # Watch only the members whose frames we still lack: one that sent us everything and then left (a bad member
+        # excluded by another reducer closes at once) has not failed us (CI, 2026-11-25: an honest member aborted
+        # on the close of an excluded one whose result it already had).
+        lacking_parts = lambda: [p for p in others if (sub, p) not in inbox.parts]  # noqa: E731
+        self._wait(lambda: not lacking_parts(), lacking_parts, deadline, "waiting for parts")
         self._mark("parts")
         start, end = plan.slice_of(self.me)
         mine = flat[start:end]
@@ -305,9 +309,9 @@ class ButterflyRound:
             return found | self._weight_equivocators(metas_so_far)
 
         def awaited() -> list[str]:
-            return [p for p in others if p not in suspects()]
+            return [p for p in others if p not in suspects() and (sub, p) not in inbox.results]
 
-        self._wait(lambda: all((sub, p) in inbox.results for p in awaited()), awaited, deadline, "waiting for results")
+        self._wait(lambda: not awaited(), awaited, deadline, "waiting for results")
         self._mark("results")
         metas, digests, bad = {self.me: own_meta}, [], set(bad_here)
         for p in plan.active:
