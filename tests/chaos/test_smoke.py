@@ -45,9 +45,16 @@ def _check_nat_peer(out, outer_steps: int) -> None:
     the smaller peer id dials (``RoundLinks``): a reachable peer that had to dial a NAT peer asked it to dial back
     (direct TCP); the NAT peer that had to dial the other NAT peer could not be dialed back either and used a libp2p
     stream; a NAT peer that dials a reachable peer just connects out. Nobody else needed libp2p streams."""
+    events = {i: read_events(out / f"peer{i}.jsonl") for i in range(4)}
+    starts = {i: next(e["time"] for e in evs if e["event"] == "start") for i, evs in events.items()}
+    first_phase_end = min(next(e["time"] for e in evs if e["event"] == "inner_phase") for evs in events.values())
+    # A first inner phase is ~1.3 s: a peer that started after another's first phase ended (5 processes importing torch
+    # on 2 CI cores) missed the first group through no fault of the NAT logic; every later group must have all 4.
+    late_start = any(t > first_phase_end for t in starts.values())
     for nat in (1, 2):
-        steps = [e for e in read_events(out / f"peer{nat}.jsonl") if e["event"] == "outer_step"]
-        assert [e["group_size"] for e in steps] == [4] * outer_steps
+        sizes = [e["group_size"] for e in events[nat] if e["event"] == "outer_step"]
+        assert len(sizes) == outer_steps and sizes[1:] == [4] * (outer_steps - 1), (nat, sizes, starts)
+        assert sizes[0] == 4 or (late_start and sizes[0] >= 2), (nat, sizes, starts, first_phase_end)
     logs = {i: (out / f"peer{i}.log").read_text() for i in range(4)}
     ids = {i: re.search(r"DHT node (\w+) up", text).group(1) for i, text in logs.items()}
     for i in range(4):
