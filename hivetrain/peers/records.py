@@ -82,6 +82,9 @@ class RunConfigRecord(BaseModel):
     version: str = Field(max_length=32)
     coordinator_id: str = Field(max_length=128)
     published_at: float
+    run_started_at: float | None = Field(
+        default=None, ge=0.0, description="DHT time of the run's epoch 0 (the run-age bound); None = unknown"
+    )
 
 
 def versions_compatible(local: str, remote: str) -> tuple[bool, str]:
