@@ -85,3 +85,12 @@ def peer_id_of_owner(owner_marker: bytes) -> str:
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
     return PeerID(digest).to_base58()
+
+
+def peer_id_of_public_key(key: bytes) -> str:
+    """The base58 libp2p peer ID of an RSA public key in OpenSSH form (``RSAPublicKey.to_bytes()``).
+
+    Raises:
+        ValueError: ``key`` is not an RSA public key.
+    """
+    return peer_id_of_owner(RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key))
