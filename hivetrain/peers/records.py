@@ -70,6 +70,9 @@ class PeerRecord(BaseModel):
     done_samples: int = Field(default=0, ge=0, description="samples of that phase (0: no phase ended yet)")
     left_reason: str = Field(default="", max_length=200, description="set in the last record of a peer that left")
     paused: bool = Field(default=False, description="the volunteer paused training (it stays in the swarm)")
+    join_token: str = Field(
+        default="", max_length=2048, description="join token of an invite-only run (peers/membership.py); '' = none"
+    )
     updated_at: float = Field(ge=0.0)
 
 
