@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_run_config(args.config, run_overrides(args))
         ncfg = dataclasses.replace(node_config(args, args.initial_peers), run_ids=(config.run_id,))
-        options = CoordinatorOptions(refresh_interval_s=args.refresh_interval)
+        options = CoordinatorOptions(refresh_interval_s=args.refresh_interval, run_clock_path=_run_clock_path(args))
         if args.http_port is not None and not 0 <= args.http_port <= 65535:
             raise ValueError(f"--http-port {args.http_port}: must be 0..65535")
         if args.checkpoint_dir and args.no_state:
@@ -152,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             loop.stop(timeout_s=2)
         if node is not None:
             node.shutdown()
+
+
+def _run_clock_path(args) -> Path | None:
+    """Where the run's start is saved: the checkpoint directory, else next to the identity file, else nowhere."""
+    from hivetrain.coordinator.run_clock import RUN_CLOCK_FILE
+
+    if args.checkpoint_dir:  # created by the checkpoint store before the first publish
+        return Path(args.checkpoint_dir) / RUN_CLOCK_FILE
+    return Path(args.identity_path + ".run.json") if args.identity_path else None
 
 
 def _known_peers_path(args) -> Path | None:

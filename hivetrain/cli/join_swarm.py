@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from hivemind.utils import get_dht_time
 
 from hivetrain import __version__
 from hivetrain.cli.common import (
@@ -137,15 +138,22 @@ class IncompatibleRun(RuntimeError):
     pass
 
 
-def coordinator_id(node: PeerNode, addresses: list[str]) -> str:
-    """The peer ID of the run's coordinator: the signer of a run config record signed by one of our bootstrap
-    peers (its records then count as evidence of the state at its epoch), or "" if none is published."""
+def run_authority(node: PeerNode, addresses: list[str]) -> tuple[str, float | None]:
+    """The run's coordinator and start: the signer of a run config record signed by one of our bootstrap peers (its
+    records then count as evidence of the state at its epoch) and the run start it publishes (the run-age bound),
+    or ("", None) if none is published. A start more than a minute in our future is ignored (logged)."""
     try:
         record = fetch_run_config(node.dht, trusted_ids(tuple(addresses)))
     except Exception as exc:  # noqa: BLE001 - a bad address was reported at bootstrap; no coordinator then
         logger.warning("could not read the run config record: %r", exc)
-        return ""
-    return record.coordinator_id if record is not None else ""
+        return "", None
+    if record is None:
+        return "", None
+    started = record.run_started_at
+    if started is not None and started > get_dht_time() + 60.0:
+        logger.warning("the coordinator's run start is in our future (clock skew?): no run-age bound")
+        started = None
+    return record.coordinator_id, started
 
 
 def check_against_swarm(node: PeerNode, config: RunConfig, fingerprint: str) -> None:
@@ -261,6 +269,7 @@ def _train(
     try:
         averager.start()
         averager.wait_ready(timeout_s=30)
+        authority = run_authority(node, args.addresses)
         trainer = DilocoTrainer(
             node,
             loop,
@@ -275,7 +284,8 @@ def _train(
                 dht_lost_after_s=args.dht_lost_timeout,
                 duty_cycle=args.duty_cycle,
                 pause_file=args.pause_file,
-                coordinator_id=coordinator_id(node, args.addresses),
+                coordinator_id=authority[0],
+                run_started_at=authority[1],
             ),
             faults=faults,
             on_event=reporter.event,

@@ -8,10 +8,12 @@ checkpoints; and (``DashboardServer``) it serves a live dashboard, a JSON API an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hivemind.utils import get_dht_time
@@ -21,13 +23,16 @@ from hivetrain import __version__
 from hivetrain.config import RunConfig
 from hivetrain.coordinator.follower import StateFollower
 from hivetrain.coordinator.observer import SwarmObserver
+from hivetrain.coordinator.run_clock import earliest_start, load_start, save_start, start_for_epoch
 from hivetrain.data import vocab_size_of
 from hivetrain.model import build_config, model_fingerprint
 from hivetrain.peers.node import PeerNode
+from hivetrain.peers.quorum import QuorumConfig
 from hivetrain.peers.records import (
     PeerRecord,
     RunConfigRecord,
     fetch_records,
+    fetch_run_config,
     publish_record,
     publish_run_config,
 )
@@ -41,11 +46,15 @@ class CoordinatorOptions:
     config_ttl_s: the published run config expires after this many seconds unless refreshed.
     refresh_interval_s: how often the config and our record are re-published and the swarm is read, seconds.
     record_ttl_s: our peer record's lifetime, seconds.
+    run_clock_path: where the run's start is saved (``run_clock``); None = keep it only in the DHT.
+    quorum: supplies ``min_epoch_s`` and ``max_clock_skew_s`` of the run-age bound (the trainers' defaults).
     """
 
     config_ttl_s: float = 3600.0
     refresh_interval_s: float = 10.0
     record_ttl_s: float = 30.0
+    run_clock_path: Path | None = None
+    quorum: QuorumConfig = QuorumConfig()
 
     def __post_init__(self) -> None:
         if self.refresh_interval_s >= min(self.config_ttl_s, self.record_ttl_s):
@@ -77,15 +86,18 @@ class Coordinator:
         self._stop = threading.Event()
         self.records: list[PeerRecord] = []
         self.started_at = time.time()
+        self.run_started_at: float | None = None  # DHT time of the run's epoch 0, set by the first publish()
         self._follow_thread = threading.Thread(target=self._follow_loop, name="follower", daemon=True)
 
     def publish(self) -> None:
         """Publish (refresh) the signed run config and our record."""
+        self._update_run_start()
         record = RunConfigRecord(
             run_config=self.config.to_dict(),
             version=__version__,
             coordinator_id=self.node.peer_id,
             published_at=get_dht_time(),
+            run_started_at=self.run_started_at,
         )
         if not publish_run_config(self.node.dht, self.node.owner_marker, record, self.options.config_ttl_s):
             logger.warning("no DHT node accepted the run config")
@@ -107,6 +119,29 @@ class Coordinator:
             updated_at=get_dht_time(),
         )
         publish_record(self.node.dht, self.node.owner_marker, me, self.options.record_ttl_s)
+
+    def _update_run_start(self) -> None:
+        """Resolve the run's start once (saved file, our record still in the DHT, now: the earliest), then move it
+        earlier whenever the state we follow is further ahead than it allows; save and hand it to the follower."""
+        now, quorum, path = get_dht_time(), self.options.quorum, self.options.run_clock_path
+        start = self.run_started_at
+        if start is None:
+            saved = load_start(path, self.config.run_id) if path is not None else None
+            try:
+                ours = fetch_run_config(self.node.dht, {self.node.peer_id})
+            except Exception as exc:  # noqa: BLE001 - the saved value and now remain
+                logger.warning("could not read our earlier run config record: %r", exc)
+                ours = None
+            published = ours.run_started_at if ours is not None else None
+            start = earliest_start([saved, published], now, quorum.max_clock_skew_s)
+        if self.follower is not None:
+            start = start_for_epoch(start, self.follower.current().epoch, now, quorum.min_epoch_s)
+        if start != self.run_started_at:
+            self.run_started_at = start
+            if path is not None:
+                save_start(path, self.config.run_id, start)
+            if self.follower is not None:
+                self.follower.options = dataclasses.replace(self.follower.options, run_started_at=start)
 
     def poll(self) -> list[PeerRecord]:
         """Refresh the view of the swarm (peer records of this run)."""

@@ -28,6 +28,8 @@ class Evidence:
     Args:
         my_peer_id: ours (our own record is never evidence for us).
         coordinator_id: the run's coordinator (signer of the run config we trust); "" = none known.
+        run_started_at: DHT time (seconds) of the run's epoch 0 as that coordinator publishes it (the run-age bound,
+            ``hivetrain.coordinator.run_clock``); None = unknown, no bound.
         exact_average: peers of an epoch hold one state (butterfly); False for moshpit/gossip.
         stale_after_s: records older than this are ignored, seconds.
         now: DHT time, seconds (injectable for tests).
@@ -39,6 +41,7 @@ class Evidence:
         my_peer_id: str,
         coordinator_id: str,
         *,
+        run_started_at: float | None = None,
         exact_average: bool,
         stale_after_s: float,
         now: Callable[[], float],
@@ -46,7 +49,18 @@ class Evidence:
     ):
         self.my_peer_id, self.exact_average, self.stale_after_s = my_peer_id, exact_average, stale_after_s
         self.now, self.on_ban = now, on_ban
-        self.trust = SyncTrust(coordinator_id=coordinator_id)
+        self.trust = SyncTrust(coordinator_id=coordinator_id, run_started_at=run_started_at)
+
+    def anchor(self, epoch: int) -> None:
+        """We adopted a verified (quorum- or coordinator-backed) state at ``epoch``: move the run's start earlier if
+        the bound would not allow it (a stale start from the coordinator must never get honest peers banned)."""
+        started = self.trust.run_started_at
+        if started is None:
+            return
+        earliest = self.now() - epoch * self.trust.quorum.min_epoch_s
+        if earliest < started:
+            logger.info("run start moved %.0f s earlier: the swarm is at epoch %d", started - earliest, epoch)
+            self.trust = dataclasses.replace(self.trust, run_started_at=earliest)
 
     def published_hashes(self, records: Iterable[PeerRecord]) -> dict[int, str]:
         """epoch -> the state hash a quorum of others' live records (or the run's coordinator) backs."""

@@ -21,6 +21,8 @@ class TrainerOptions:
         pause_file: while this file exists the peer pauses its inner steps (stays in the swarm); "" = none.
         coordinator_id: base58 peer ID of the run's coordinator (the signer of the run config we trust); its records
             count as evidence of the state at its epoch. "" = none known: coordinator-role records are ignored.
+        run_started_at: DHT time (unix seconds) of the run's epoch 0 as the coordinator publishes it, for the run-age
+            bound on claimed epochs; None = unknown (no bound).
     """
 
     public_name: str = ""
@@ -33,6 +35,7 @@ class TrainerOptions:
     duty_cycle: float = 1.0
     pause_file: str = ""
     coordinator_id: str = ""
+    run_started_at: float | None = None
 
 
 @dataclass

@@ -108,6 +108,7 @@ class DilocoTrainer:
         self.evidence = Evidence(
             node.peer_id,
             options.coordinator_id,
+            run_started_at=options.run_started_at,
             exact_average=self._exact_average,
             stale_after_s=options.record_ttl_s,
             now=get_dht_time,
@@ -281,6 +282,7 @@ class DilocoTrainer:
             return False
         self.evidence.ban(bad, "served state chunks that contradict its own manifest")
         self.state = state
+        self.evidence.anchor(state.epoch)
         self.background.forget()
         self.stats.state_downloads += 1
         self.stats.state_bytes_downloaded += state.num_bytes()

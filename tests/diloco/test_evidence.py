@@ -34,3 +34,26 @@ def test_banned_peers_no_longer_count_and_each_ban_is_reported_once():
     ev.ban(["b"], "again")
     assert events == [(["b"], "served bad chunks")] and ev.trust.banned == frozenset({"b"})
     assert 5 not in ev.published_hashes(records)
+
+
+def test_a_claim_past_the_run_age_bound_is_ignored_and_a_state_adopted_there_moves_the_start_earlier():
+    from hivetrain.diloco.sync_policy import decide_sync
+
+    ev = Evidence("me", "", run_started_at=NOW - 10.0, exact_average=True, stale_after_s=30.0, now=lambda: NOW)
+    bound = int((10.0 + ev.trust.quorum.max_clock_skew_s) / ev.trust.quorum.min_epoch_s)
+    records = [peer_record(p, 5, NOW, state_hash="h5") for p in ("a", "b")]
+    liar = peer_record("liar", 10**9, NOW, state_hash="forged")
+    decision = decide_sync("me", 5, "h5", [*records, liar], NOW, stale_after_s=30.0, trust=ev.trust)
+    assert decision.action == "train" and decision.ban == ("liar",)
+    assert ev.published_hashes([*records, liar]) == {5: "h5"}
+    # a quorum-backed state past a stale start is adopted (its holders are never banned); the start then moves
+    ev.anchor(bound + 100)
+    assert ev.trust.run_started_at == NOW - (bound + 100) * ev.trust.quorum.min_epoch_s
+    ev.anchor(3)  # never later
+    assert ev.trust.run_started_at == NOW - (bound + 100) * ev.trust.quorum.min_epoch_s
+
+
+def test_without_a_run_start_nothing_is_anchored():
+    ev = evidence()
+    ev.anchor(10**6)
+    assert ev.trust.run_started_at is None
