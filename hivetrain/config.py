@@ -7,6 +7,7 @@ A run is described by a TOML file (see ``configs/*.toml``) with one table per co
     [data]      -> DataConfig
     [diloco]    -> DilocoConfig
     [averaging] -> AveragingConfig
+    [admission] -> AdmissionConfig (who may join; open by default)
 
 Unknown keys are errors. Validation errors are ``ValueError`` (pydantic's ``ValidationError`` subclasses it) and
 name the offending field, e.g. ``diloco.outer_lr``. Command-line overrides use dotted names
@@ -27,6 +28,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from hivetrain.averaging.config import AveragingConfig
+from hivetrain.peers.membership import peer_id_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -120,6 +122,41 @@ class DilocoConfig:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class AdmissionConfig:
+    """Who may take part in the run (``hivetrain.peers.membership``; README "Running a public run safely").
+
+    Args:
+        mode: "open" (default): anyone who knows the address. "allowlist": only the peer IDs in ``allowlist``.
+            "token": those, plus peers holding a join token for their own peer ID signed by ``issuer``
+            (``hivetrain coordinator invite PEER_ID``). Every honest peer drops the DHT records of non-members, never
+            groups with them, refuses their data-plane connections and neither downloads state from nor serves it to
+            them. The issuer (the coordinator) is always a member.
+        allowlist: base58 peer IDs (``hivetrain identity show`` prints a volunteer's), at most 4096.
+        issuer: base58 peer ID whose signed join tokens count; "" = the run's coordinator (the signer of the run
+            config record the joiner trusts; the coordinator itself uses its own identity).
+    """
+
+    mode: Literal["open", "allowlist", "token"] = "open"
+    allowlist: tuple[str, ...] = Field(default=(), max_length=4096)
+    issuer: str = ""
+
+    def __post_init__(self) -> None:
+        for i, peer_id in enumerate(self.allowlist):
+            problem = peer_id_problem(peer_id)
+            if problem:
+                raise ValueError(f"admission.allowlist[{i}]: {problem}")
+        if self.issuer and peer_id_problem(self.issuer):
+            raise ValueError(f"admission.issuer: {peer_id_problem(self.issuer)}")
+        if len(set(self.allowlist)) != len(self.allowlist):
+            raise ValueError("admission.allowlist lists a peer ID twice")
+        if self.mode == "allowlist" and not self.allowlist:
+            raise ValueError(
+                "admission.mode = 'allowlist' with an empty admission.allowlist would admit nobody but the "
+                "coordinator: list the members' peer IDs (`hivetrain identity show` prints one) or use mode 'token'"
+            )
+
+
+@dataclass(frozen=True, config=_STRICT)
 class RunConfig:
     """One training run. Every peer of the run holds the same RunConfig (the coordinator publishes it signed).
 
@@ -135,6 +172,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     diloco: DilocoConfig = DilocoConfig()
     averaging: AveragingConfig = AveragingConfig()
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.run_id):

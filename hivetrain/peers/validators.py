@@ -16,7 +16,12 @@ dictionary's every subkey). What a record must satisfy (``check_record``, a pure
   ``max_clock_skew_s`` ahead of ``now``, its expiration at most the kind's TTL cap (plus the skew) ahead of ``now``,
   and at most that far after its timestamp (a record cannot claim to be older than its lifetime allows);
 - epochs (``epoch``, ``phase_epoch``, ``done_epoch``) at most ``max_epoch``: a hard sanity cap; refusing a plausible
-  but false epoch is the quorum rule's job (``hivetrain.diloco``).
+  but false epoch is the quorum rule's job (``hivetrain.diloco``);
+- membership, for a run that requires it (``RecordGuard(admission=...)``, ``peers/membership.py``): a peer record's
+  signer is a member, judged at the record's own ``updated_at`` (never at ``now``, so the verdict never changes),
+  and a record admitted by a join token expires at most ``max_clock_skew_s`` after the token does. Stage records
+  and matchmaking records are not checked here (their keys do not name the run's policy, and they carry no token):
+  the matchmaker drops non-members' entries itself (``MemberRoster``).
 
 Every rule is monotone in time where a record is alive: a record valid when stored stays valid until it expires, so
 honest nodes never drop each other's dictionaries because time passed. Clocks differ between nodes, though, and
@@ -54,6 +59,7 @@ from pydantic import BaseModel
 
 from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
 from hivetrain.peers.identity import peer_id_of_owner
+from hivetrain.peers.membership import AdmissionPolicy, decide_membership
 from hivetrain.peers.records import RUN_CONFIG_KEY, PeerRecord, RunConfigRecord, peers_key
 from hivetrain.swarm.announce import StageRecord, servers_key
 
@@ -126,7 +132,7 @@ class Verdict:
     """Whether a record is accepted; ``reason`` is for people (logs), ``rule`` names the rule that refused it."""
 
     ok: bool
-    rule: Literal["", "size", "subkey", "schema", "signer", "run", "time", "expiration", "epoch"]
+    rule: Literal["", "size", "subkey", "schema", "signer", "run", "time", "expiration", "epoch", "member"]
     reason: str
 
 
@@ -154,6 +160,7 @@ def check_record(
     expiration_time: float,
     now: float,
     bounds: RecordBounds,
+    admission: AdmissionPolicy | None = None,
 ) -> Verdict:
     """Whether an honest node accepts one hivetrain record (the rules are in the module docstring).
 
@@ -165,6 +172,7 @@ def check_record(
         expiration_time: the record's DHT expiration, seconds of DHT time.
         now: our DHT time, seconds.
         bounds: the caps.
+        admission: the run's admission policy for a peer record (None or open: no membership check).
 
     Returns:
         The verdict; never raises (any malformed input is a refusal).
@@ -210,6 +218,19 @@ def check_record(
     for name in _EPOCH_FIELDS.get(kind, ()):
         if getattr(record, name) > bounds.max_epoch:
             return Verdict(False, "epoch", f"{name} {getattr(record, name)} exceeds the cap {bounds.max_epoch}")
+    if kind == "peer" and admission is not None and admission.closed:
+        return check_member(record, expiration_time, admission, skew)
+    return _ACCEPT
+
+
+def check_member(record: PeerRecord, expiration_time: float, admission: AdmissionPolicy, skew_s: float) -> Verdict:
+    """Whether a peer record's signer is a member (judged at its ``updated_at``) and the record does not outlive
+    its join token by more than ``skew_s`` seconds."""
+    verdict = decide_membership(record.peer_id, record.join_token, admission, now=record.updated_at)
+    if not verdict.ok:
+        return Verdict(False, "member", f"not a member of run {admission.run_id!r}: {verdict.reason}")
+    if verdict.expires_at is not None and expiration_time > verdict.expires_at + skew_s:
+        return Verdict(False, "member", f"record expires {expiration_time - verdict.expires_at:.0f}s after its token")
     return _ACCEPT
 
 
@@ -235,6 +256,8 @@ class RecordGuard(RecordValidatorBase):
         run_ids: runs whose peer and stage record keys are checked.
         clock: DHT time, seconds (default ``hivemind.utils.get_dht_time``); for tests. Must be picklable to be
             passed to ``DHT.add_validators``.
+        admission: admission policies of runs that require membership (their runs are checked too); a policy
+            merged in later replaces an earlier one of the same run.
     """
 
     def __init__(
@@ -242,12 +265,15 @@ class RecordGuard(RecordValidatorBase):
         bounds: RecordBounds = RecordBounds(),
         run_ids: Iterable[str] = (),
         clock: Callable[[], float] | None = None,
+        admission: Iterable[AdmissionPolicy] = (),
     ):
         self.bounds, self._clock = bounds, clock
         self._keys: dict[bytes, tuple[RecordKind, str]] = {key_id(RUN_CONFIG_KEY): ("run_config", "")}
-        for run_id in run_ids:
+        self._policies: dict[str, AdmissionPolicy] = {p.run_id: p for p in admission}
+        for run_id in (*run_ids, *self._policies):
             self._keys.update(run_keys(run_id))
         self.num_refused = 0
+        self._told: set[str] = set()
 
     def kind_of(self, record: DHTRecord) -> tuple[RecordKind, str] | None:
         """What the guard checks ``record`` as: (kind, run id), or None for records it leaves alone."""
@@ -269,13 +295,18 @@ class RecordGuard(RecordValidatorBase):
         except Exception:  # noqa: BLE001 - a subkey that does not deserialize is malformed
             subkey = None
         now = self._clock() if self._clock is not None else get_dht_time()
-        return check_record(kind, run_id, subkey, record.value, record.expiration_time, now, self.bounds)
+        policy = self._policies.get(run_id) if kind == "peer" else None
+        return check_record(kind, run_id, subkey, record.value, record.expiration_time, now, self.bounds, policy)
 
     def validate(self, record: DHTRecord) -> bool:
         verdict = self.check(record)
         if verdict is not None and not verdict.ok:
             self.num_refused += 1
-            logger.debug("refusing a record: %s", verdict.reason)
+            if verdict.rule == "member" and verdict.reason not in self._told and len(self._told) < 1024:
+                self._told.add(verdict.reason)  # once per cause: a non-member republishes every few seconds
+                logger.info("refusing a peer record: %s", verdict.reason)
+            else:
+                logger.debug("refusing a record: %s", verdict.reason)
         return verdict is None or verdict.ok
 
     @property
@@ -286,4 +317,5 @@ class RecordGuard(RecordValidatorBase):
         if not isinstance(other, RecordGuard):
             return False
         self._keys.update(other._keys)
+        self._policies.update(other._policies)
         return True
