@@ -24,6 +24,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from hivetrain.peers.identity import Identity, load_or_create_identity
+from hivetrain.peers.membership import AdmissionPolicy
 from hivetrain.peers.validators import RecordBounds, RecordGuard
 
 logger = logging.getLogger(__name__)
@@ -110,13 +111,15 @@ class PeerNode:
         """Full multiaddrs (with /p2p/ID) others can use as initial peers."""
         return [str(a) for a in self.dht.get_visible_maddrs()]
 
-    def guard_run(self, run_id: str, timeout_s: float = 10.0) -> None:
-        """Have this node check the peer and stage records of ``run_id`` (``RecordGuard``) from now on.
+    def guard_run(self, run_id: str, timeout_s: float = 10.0, admission: AdmissionPolicy | None = None) -> None:
+        """Have this node check the peer and stage records of ``run_id`` (``RecordGuard``) from now on, and, with an
+        ``admission`` policy of that run, refuse the peer records of non-members (``peers/membership.py``).
 
         Raises:
             TimeoutError: the DHT process did not take the guard within ``timeout_s`` seconds.
         """
-        guard = RecordGuard(self.config.record_bounds, run_ids=(run_id,))
+        policies = (admission,) if admission is not None else ()
+        guard = RecordGuard(self.config.record_bounds, run_ids=(run_id,), admission=policies)
         self.dht.run_coroutine(partial(_add_validator, validator=guard), return_future=True).result(timeout=timeout_s)
 
     def clock_offset_s(self, timeout_s: float = 5.0, max_peers: int = 8) -> float | None:
