@@ -1,20 +1,40 @@
 """Misbehaving peers for the fault harness (``join-swarm --byzantine MODE``, hidden from normal help).
 
-Each mode changes what an otherwise normal peer sends: its pseudo-gradient and weight before an averaging round, or
-the state it serves to joiners. Honest peers must never commit a result influenced by these (validation, exclusion,
-robust aggregation) and must never adopt a corrupted state (hash checks).
+Each mode changes what an otherwise normal peer sends: its pseudo-gradient and weight before an averaging round, the
+state it serves to joiners, or the record it publishes. Honest peers must never commit a result influenced by these
+(validation, exclusion, robust aggregation) and must never adopt a corrupted state (hash checks, the quorum rule).
+
+State and record modes (issue 12, findings 1 and 3):
+
+    bad_donor    serves θ with noise added under the genuine (epoch, hash)
+    nan_donor    advertises its honest manifest, serves NaN chunks (``hostile_donors.NaNChunks``)
+    drip_donor   serves its honest state one byte every 3 s (``hostile_donors.Dripper``)
+    epoch_liar   publishes a signed record claiming epoch ``LIE_EPOCH`` with the hash of random weights, and serves
+                 those weights under that claim (a takeover attempt by one valid identity)
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_sync import StateServer
 from hivetrain.faults import Fault, FaultInjector
+from hivetrain.peers.records import PeerRecord
+from hivetrain.testing.hostile_donors import Dripper, NaNChunks
 
-MODES = ("nan", "inf", "sign_flip", "huge_norm", "inflated_weight", "negative_weight", "wrong_shape", "bad_donor")
+MODES = (
+    "nan", "inf", "sign_flip", "huge_norm", "inflated_weight", "negative_weight", "wrong_shape", "bad_donor",
+    "nan_donor", "drip_donor", "epoch_liar",
+)  # fmt: skip
+
+LIE_EPOCH = 100_000
+"""The epoch an ``epoch_liar`` claims: far past any run's age, yet under ``RecordBounds.max_epoch`` (10^6), so its
+record passes every DHT node's guard and reaches every reader: refusing it is the quorum rule's job. (The issue's
+10^9 is refused by the guard before any reader sees it; scenario far-future-record covers that.)"""
 
 
 def check_mode(mode: str) -> str:
@@ -61,6 +81,59 @@ def corrupt_round_input(mode: str, tensors: list[torch.Tensor], weight: float) -
     elif mode == "huge_norm":
         tensors = [t * 1e6 + 1e3 for t in tensors]
     return tensors, weight
+
+
+class _LieState:
+    """The state an ``epoch_liar`` claims and serves: θ replaced by random weights (of the honest θ's shapes and
+    scale), zero momentum, epoch ``LIE_EPOCH``; built once from the first honest state seen."""
+
+    def __init__(self, get_state: Callable[[], TrainingState | None]):
+        self._get_state, self._lock = get_state, threading.Lock()
+        self._built: tuple[TrainingState, str] | None = None
+
+    def get(self) -> tuple[TrainingState, str] | None:
+        """(the lie state, its hash), or None while the peer holds no state yet."""
+        with self._lock:
+            if self._built is None:
+                honest = self._get_state()
+                if honest is None:
+                    return None
+                gen = torch.Generator().manual_seed(12)
+                params = {n: torch.randn(p.shape, generator=gen) * 3.0 for n, p in honest.params.items()}
+                lie = TrainingState(LIE_EPOCH, params, {n: torch.zeros_like(p) for n, p in params.items()})
+                self._built = (lie, lie.state_hash())
+            return self._built
+
+
+def hostile_state_server(
+    mode: str, get_state: Callable[[], TrainingState | None], faults: FaultInjector
+) -> tuple[StateServer, Callable[[Callable[[], PeerRecord]], Callable[[], PeerRecord]]]:
+    """The state server a peer in ``mode`` runs, and a wrapper for its record builder (identity for most modes).
+
+    Returns:
+        (server, wrap_record): ``wrap_record(make_record)`` returns the record builder the peer publishes with; for
+        ``epoch_liar`` it claims ``LIE_EPOCH`` and the random state's hash, which the server serves.
+    """
+    if mode == "epoch_liar":
+        lie = _LieState(get_state)
+
+        def served() -> TrainingState | None:
+            built = lie.get()
+            return None if built is None else built[0]
+
+        def wrap(make_record: Callable[[], PeerRecord]) -> Callable[[], PeerRecord]:
+            def lying() -> PeerRecord:
+                record, built = make_record(), lie.get()
+                if built is None:
+                    return record
+                claim = {"epoch": LIE_EPOCH, "state_hash": built[1], "param_sketch": ""}
+                return record.model_copy(update={**claim, "phase_epoch": LIE_EPOCH, "done_epoch": LIE_EPOCH})
+
+            return lying
+
+        return StateServer(served, faults=faults), wrap
+    server_class = {"nan_donor": NaNChunks, "drip_donor": Dripper}.get(mode, StateServer)
+    return server_class(corrupt_served_state(mode, get_state), faults=faults), lambda make_record: make_record
 
 
 def corrupt_served_state(

@@ -149,3 +149,38 @@ class DataPortFlood:
             for slot in self._slots:
                 self._close(slot, 0.0, by_target=False)
             self._sel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hivetrain.testing.flood HOST PORT --duration-s S [--idle N] [--slowloris N] [--oversized N]``:
+    flood for S seconds, then print the counters as one JSON line (the chaos harness runs it in its own process)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("host")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--duration-s", type=float, required=True)
+    parser.add_argument("--idle", type=int, default=1000)
+    parser.add_argument("--slowloris", type=int, default=100)
+    parser.add_argument("--oversized", type=int, default=0)
+    args = parser.parse_args(argv)
+    flood = DataPortFlood(
+        args.host,
+        args.port,
+        FloodConfig(num_idle=args.idle, num_slowloris=args.slowloris, num_oversized=args.oversized),
+    )
+    flood.start()
+    peak, deadline = 0, time.monotonic() + args.duration_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        peak = max(peak, flood.open_count())
+    flood.stop()
+    print(json.dumps({**flood.stats, "peak_open": peak}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
