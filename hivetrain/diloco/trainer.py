@@ -34,7 +34,7 @@ from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner
 from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
+from hivetrain.diloco.state_sync import StateDownloadFailed, download_state
 from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.diloco.sync_policy import decide_sync, keep_carried
 from hivetrain.faults import NO_FAULTS, FaultInjector
@@ -42,7 +42,7 @@ from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import PeerRecord, fetch_records
-from hivetrain.testing.byzantine import arm_wire_corruption, corrupt_served_state
+from hivetrain.testing.byzantine import arm_wire_corruption, hostile_state_server
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class DilocoTrainer:
         self._emit_lock = threading.Lock()
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         arm_wire_corruption(options.byzantine, faults)
-        self.state_server = StateServer(corrupt_served_state(options.byzantine, lambda: self.state), faults=faults)
+        self.state_server, wrap_record = hostile_state_server(options.byzantine, lambda: self.state, faults)
         self._stop = threading.Event()
         self._left_reason = ""
         self._exact_average = config.averaging.strategy == "butterfly"
@@ -119,7 +119,7 @@ class DilocoTrainer:
             loop,
             config.run_id,
             fingerprint,
-            self._record,
+            wrap_record(self._record),  # the record as is, unless a fault-harness mode lies in it
             record_ttl_s=options.record_ttl_s,
             # read the swarm several times per lost-DHT timeout, whatever the record interval
             record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
