@@ -85,6 +85,8 @@ class DataPlaneServer:
         on_declaration / on_ready: verify and keep a pushed declaration / ready entry (a plain dict); return whether
             it verified. None = refuse that kind.
         limits: the admission limits (``admission.DataPlaneLimits``).
+        admits: whether a peer ID is a member of the run (``peers.membership.MemberRoster.admits``); a HELLO from a
+            round member that is not is refused, with a logged reason. None = an open run.
     """
 
     def __init__(
@@ -98,11 +100,13 @@ class DataPlaneServer:
         on_declaration: Callable[[object], bool] | None = None,
         on_ready: Callable[[object], bool] | None = None,
         limits: DataPlaneLimits | None = None,
+        admits: Callable[[str], bool] | None = None,
     ):
         self.listen_host, self.join_wait_s = listen_host, join_wait_s
         self.connect_timeout_s, self.part_timeout_s = connect_timeout_s, part_timeout_s
         self.buffer_num_bytes = buffer_num_bytes
         self.limits = limits or DataPlaneLimits()
+        self.admits = admits
         self.handshake_timeout_s = self.limits.handshake_timeout_s or connect_timeout_s
         self._handlers = {FrameType.DECLARE: (on_declaration, "decl"), FrameType.READY: (on_ready, "entry")}
         self._first_limits = {FrameType.HELLO: MAX_HANDSHAKE_META_BYTES}
@@ -332,6 +336,10 @@ class DataPlaneServer:
             key = pair_keys[sender] = pair_key(keys.secret, keys.peers[sender], round_id, keys.my_id, sender)
         if not hello_is_genuine(key, round_id, sender, receiver, nonce, proof):
             raise AuthFailed(f"a HELLO claiming to be {sender} without its round key")
+        if self.admits is not None and not self.admits(sender):
+            logger.warning("refusing a data-plane link from %s: not a member of this run (admission)", sender)
+            self._drop(c, "not a member")
+            return
         if self._member_handshakes[(round_id, sender)] >= self.limits.max_handshakes_per_member:
             raise AuthFailed(f"{sender} has {self.limits.max_handshakes_per_member} handshakes in progress")
         self._member_handshakes[(round_id, sender)] += 1

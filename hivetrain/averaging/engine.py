@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -106,6 +106,8 @@ class GroupAverager:
         listen_host: address the data port binds (port chosen by the OS).
         announce_host: address others dial; None = ``listen_host`` if it is specific, else the first address of
             the DHT node's visible multiaddrs.
+        admits: whether a peer ID is a member of the run (``peers.membership.MemberRoster.admits``): non-members'
+            matchmaking records are ignored and their data-plane links refused. None = an open run.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class GroupAverager:
         faults: FaultInjector = NO_FAULTS,
         listen_host: str = "0.0.0.0",
         announce_host: str | None = None,
+        admits: Callable[[str], bool] | None = None,
     ):
         if not prefix:
             raise ValueError("prefix must be a non-empty string")
@@ -130,6 +133,7 @@ class GroupAverager:
             join_wait_s=config.connect_timeout_s + config.declare_grace_s,
             on_declaration=lambda raw: self.matchmaker.offer(raw),
             on_ready=lambda raw: self.matchmaker.offer_entry(raw),
+            admits=admits,
         )
         self.matchmaker = Matchmaker(
             node,
@@ -137,6 +141,7 @@ class GroupAverager:
             poll_interval_s=config.poll_interval_s,
             declare_grace_s=config.declare_grace_s,
             push=Pusher(timeout_s=config.connect_timeout_s),
+            admits=admits,
         )
         ban_s = max(config.ban_time_s, 1.0)
         self.bans = BanList(BanConfig(base_duration_s=ban_s, max_duration_s=max(3600.0, ban_s)))

@@ -37,6 +37,12 @@ ANNOUNCE_DELAY_S = 0.05  # a follower that told its likely leader uses the DHT o
 WITHDRAW_AFTER_S = 1e-3  # a withdrawn entry expires this much later than the entry (a next one comes later), seconds
 
 
+def _named_peers(record: ReadyEntry | GroupDeclaration) -> list[str]:
+    if isinstance(record, ReadyEntry):
+        return [record.peer_id]
+    return [record.leader, *(m.peer_id for m in record.members)]
+
+
 class Matchmaker:
     """Runs ``decide`` on what the DHT and our data port bring: announce, read, push, declare.
 
@@ -56,8 +62,10 @@ class Matchmaker:
     One per GroupAverager; ``match`` from one thread at a time, ``offer``/``offer_entry`` from any thread.
     """
 
-    def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None):
+    def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None, admits=None):
         self.node, self.prefix, self.push = node, prefix, push
+        self.admits = admits  # peer id -> member of the run? (None: open run); non-members' records are dropped
+        self._told: set[str] = set()
         self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
         self._decls: dict[str, list[GroupDeclaration]] = {}  # round key -> verified declarations: ours, pushed, read
         self._entries: dict[str, dict[str, ReadyEntry]] = {}  # round key -> peer id -> latest pushed entry
@@ -148,7 +156,14 @@ class Matchmaker:
 
     # ---- verified records ---------------------------------------------------------------------------------------
     def _verify(self, record: ReadyEntry | GroupDeclaration) -> bool:
-        """Signature check, remembered (records are frozen and hashable; polls see the same ones again)."""
+        """Signature check, remembered (records are frozen and hashable; polls see the same ones again), and, in a
+        run that requires membership, every peer the record names is a member (asked each time: tokens expire)."""
+        outsider = self._outsider(record)
+        if outsider:
+            if outsider not in self._told and len(self._told) < 1024:
+                self._told.add(outsider)
+                logger.info("ignoring matchmaking records naming %s: not a member of this run", outsider)
+            return False
         with self._lock:
             known = self._verified.get(record)
         if known is not None:
@@ -163,6 +178,12 @@ class Matchmaker:
                 del self._verified[next(iter(self._verified))]
         return ok
 
+    def _outsider(self, record: ReadyEntry | GroupDeclaration) -> str:
+        """The first peer ``record`` names that is not a member of the run ("" if none, or the run is open)."""
+        if self.admits is None:
+            return ""
+        return next((p for p in _named_peers(record) if not self.admits(p)), "")
+
     def offer(self, raw: object) -> bool:
         """A declaration pushed to us over the data plane (any thread). Kept if valid and signed; returns that."""
         try:
@@ -170,7 +191,8 @@ class Matchmaker:
         except ValueError:
             return False
         if not self._verify(decl):
-            logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
+            if not self._outsider(decl):
+                logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
             return False
         self._remember(decl)
         return True
@@ -194,7 +216,8 @@ class Matchmaker:
         except ValueError:
             return False
         if not self._verify(entry):
-            logger.warning("dropping a pushed ready entry that does not verify (peer %s)", entry.peer_id)
+            if not self._outsider(entry):
+                logger.warning("dropping a pushed ready entry that does not verify (peer %s)", entry.peer_id)
             return False
         with self._lock:
             by_peer = self._entries.setdefault(entry.round_key, {})
@@ -242,7 +265,8 @@ class Matchmaker:
             if record is None or record.round_key != round_key:
                 continue
             if not self._verify(record):
-                logger.warning("dropping an invalid %s by %s", schema.__name__, getattr(record, id_field))
+                if not self._outsider(record):  # a non-member's records are expected: logged once in _verify
+                    logger.warning("dropping an invalid %s by %s", schema.__name__, getattr(record, id_field))
             elif isinstance(record, ReadyEntry):
                 entries.append(record)
             else:
