@@ -71,9 +71,9 @@ from hivetrain.averaging.reduce import (
 )
 from hivetrain.averaging.robust import NoValidContribution
 from hivetrain.averaging.transport import PeerFailed, RoundTransport
-from hivetrain.averaging.validation import BanList
 from hivetrain.averaging.wire import FrameType, mac
 from hivetrain.faults import FaultInjector
+from hivetrain.peers.bans import BanList
 
 __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
 

@@ -41,8 +41,8 @@ from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
 from hivetrain.averaging.relay import P2PFallback
-from hivetrain.averaging.validation import BanConfig, BanList
 from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.peers.bans import BanConfig, BanList
 
 logger = logging.getLogger(__name__)
 

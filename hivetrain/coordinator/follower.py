@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
-from hivetrain.averaging.validation import BanList
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.dashboard import CheckpointRow
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, published_hashes
+from hivetrain.peers.bans import BanList
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.quorum import QuorumConfig

@@ -6,54 +6,21 @@ dead server costs only the microbatches it held. Here the weight also divides by
 
     weight(server) = throughput / (1 + announced queue length + microbatches this trainer has in flight there)
 
-A server that fails a call (timeout, connection error, malformed or non-finite output) is banned: it gets no
-microbatch until ``now + ban_base_s * 2**(strikes - 1)`` (at most ``ban_max_s``); a success clears its strikes.
+A server that fails a call (timeout, connection error, malformed or non-finite output) is banned on the one ban list
+(``hivetrain.peers.bans``): it gets no microbatch until ``now + ban_base_s * 2**(strikes - 1)`` (at most
+``ban_max_s``); a success clears its strikes.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
+from hivetrain.peers.bans import BanList
 from hivetrain.swarm.announce import StageRecord
 
 DEFAULT_THROUGHPUT = 1.0
 """Throughput assumed for a server that has not measured itself yet (microbatches/s)."""
-
-
-@dataclass
-class BanList:
-    """Bans with exponential backoff. All methods take ``now`` (seconds, any monotonic clock)."""
-
-    base_s: float
-    max_s: float
-    until: dict[str, float] = field(default_factory=dict)
-    strikes: dict[str, int] = field(default_factory=dict)
-    reasons: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.base_s <= 0 or self.max_s < self.base_s:
-            raise ValueError(f"need 0 < base_s <= max_s, got base_s={self.base_s}, max_s={self.max_s}")
-
-    def ban(self, peer_id: str, now: float, reason: str, strikes: int = 1) -> float:
-        """Ban ``peer_id``; ``strikes`` > 1 for worse offences (e.g. non-finite output). Returns the ban's end."""
-        count = self.strikes.get(peer_id, 0) + strikes
-        self.strikes[peer_id] = count
-        duration = min(self.max_s, self.base_s * 2 ** (count - 1))
-        self.until[peer_id] = max(self.until.get(peer_id, now), now + duration)
-        self.reasons[peer_id] = reason
-        return self.until[peer_id]
-
-    def is_banned(self, peer_id: str, now: float) -> bool:
-        return self.until.get(peer_id, -1.0) > now
-
-    def succeeded(self, peer_id: str) -> None:
-        """A call to ``peer_id`` succeeded: clear its strikes (a past ban still runs out at its time)."""
-        self.strikes.pop(peer_id, None)
-
-    def banned(self, now: float) -> set[str]:
-        return {p for p, t in self.until.items() if t > now}
 
 
 def server_weight(record: StageRecord, local_inflight: int = 0) -> float:

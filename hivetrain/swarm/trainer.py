@@ -34,6 +34,7 @@ from hivemind.proto import runtime_pb2
 from transformers import LlamaConfig
 
 from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.peers.bans import BanConfig, BanList
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
 from hivetrain.swarm import wire
@@ -41,7 +42,7 @@ from hivetrain.swarm.announce import StageRecord, fetch_stage_records
 from hivetrain.swarm.client import CallFailed, StageClient
 from hivetrain.swarm.config import SwarmConfig
 from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
-from hivetrain.swarm.routing import BanList, choose_server
+from hivetrain.swarm.routing import choose_server
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class PipelineTrainer:
         self._owns_loop = loop is None
         self.rng = random.Random(seed)
         self.router = router
-        self.bans = BanList(swarm.ban_base_s, swarm.ban_max_s)
+        self.bans = BanList(BanConfig(base_duration_s=swarm.ban_base_s, max_duration_s=swarm.ban_max_s))
         self.ledger = GradientLedger()
         self.stats = TrainerStats()
         self.inflight: Counter[str] = Counter()
@@ -280,7 +281,7 @@ class PipelineTrainer:
             await self._refresh_records(force=True)
 
     def _ban(self, peer_id: str, stage: int, reason: str, strikes: int = 1) -> None:
-        self.bans.ban(peer_id, time.monotonic(), reason, strikes)
+        self.bans.ban(peer_id, time.monotonic(), reason=reason, weight=strikes)
         self.stats.bans[peer_id] += 1
         self.stats.ban_reasons.append(f"stage {stage} {peer_id[:12]}: {reason}")
         self.stats.reroutes += 1
@@ -311,7 +312,7 @@ class PipelineTrainer:
                 self._observe(peer_id, reply)
                 self._suspects.discard(peer_id)
                 if reply.status == "ok":
-                    self.bans.succeeded(peer_id)
+                    self.bans.forgive(peer_id)
                     self.stats.served_by[peer_id] += 1
                     return peer_id, reply, result
                 if reply.status == "busy":

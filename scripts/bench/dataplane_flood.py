@@ -54,8 +54,8 @@ def _member(rank: int, num_floats: int, conn) -> None:
     from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member
     from hivetrain.averaging.base import RoundFailed
     from hivetrain.averaging.dataplane import DataPlaneServer
-    from hivetrain.averaging.validation import BanList
     from hivetrain.faults import NO_FAULTS
+    from hivetrain.peers.bans import BanList
 
     config = AveragingConfig()
     server = DataPlaneServer("127.0.0.1", connect_timeout_s=config.connect_timeout_s,

@@ -17,9 +17,9 @@ from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
 from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.handshake import RoundKeys, dial, send_declaration
-from hivetrain.averaging.validation import BanList
 from hivetrain.averaging.wire import AuthFailed, LinkClosed
 from hivetrain.faults import NO_FAULTS, Fault, FaultInjector
+from hivetrain.peers.bans import BanList
 
 from .conftest import run_threads
 

@@ -19,9 +19,9 @@ from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.admission import DataPlaneLimits
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
 from hivetrain.averaging.handshake import RoundKeys, dial
-from hivetrain.averaging.validation import BanList
 from hivetrain.averaging.wire import HEADER, MAX_DECLARE_META_BYTES, FrameType
 from hivetrain.faults import NO_FAULTS
+from hivetrain.peers.bans import BanList
 from hivetrain.testing.flood import DataPortFlood, FloodConfig
 
 from .conftest import run_threads

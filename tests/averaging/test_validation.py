@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hivetrain.averaging.codecs import CodecConfig, EncodedPart, make_codec
-from hivetrain.averaging.validation import BadContribution, BanConfig, BanList, validate_part, validate_weight
+from hivetrain.averaging.validation import BadContribution, validate_part, validate_weight
+from hivetrain.peers.bans import BanConfig, BanList
 
 
 @pytest.mark.parametrize("w,expected", [(0, 0.0), (5, 5.0), (2.5, 2.5), (100.0, 100.0), (np.float32(3.0), 3.0)])

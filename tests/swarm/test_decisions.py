@@ -8,11 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
+from hivetrain.peers.bans import BanConfig, BanList
 from hivetrain.swarm import wire
 from hivetrain.swarm.announce import StageRecord
 from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
 from hivetrain.swarm.rebalance import choose_stage, decide_move, stage_throughputs
-from hivetrain.swarm.routing import BanList, choose_server
+from hivetrain.swarm.routing import choose_server
 
 NOW = 1_000.0
 
@@ -37,7 +38,7 @@ def rec(peer: str, stage: int, throughput: float, queue_len: int = 0, status="se
 
 def test_choose_server_is_proportional_to_throughput_over_queue():
     records = [rec("fast", 1, 30.0), rec("slow", 1, 10.0), rec("queued", 1, 30.0, queue_len=2), rec("other", 0, 99.0)]
-    bans, rng = BanList(1.0, 10.0), random.Random(0)
+    bans, rng = BanList(BanConfig(base_duration_s=1.0, max_duration_s=10.0)), random.Random(0)
     picks = Counter(choose_server(records, 1, NOW, bans, rng)[0].peer_id for _ in range(20_000))
     # weights 30, 10, 30/3 = 10 -> 0.6, 0.2, 0.2; the stage-0 server is never a candidate
     assert set(picks) == {"fast", "slow", "queued"}
@@ -48,8 +49,8 @@ def test_choose_server_is_proportional_to_throughput_over_queue():
 
 def test_choose_server_counts_this_trainers_inflight_work_and_skips_busy_excluded_and_banned():
     records = [rec("a", 0, 10.0), rec("b", 0, 10.0), rec("c", 0, 10.0, status="syncing"), rec("d", 0, 10.0)]
-    bans, rng = BanList(1.0, 10.0), random.Random(1)
-    bans.ban("d", NOW, "timeout")
+    bans, rng = BanList(BanConfig(base_duration_s=1.0, max_duration_s=10.0)), random.Random(1)
+    bans.ban("d", NOW, reason="timeout")
     picks = Counter(choose_server(records, 0, NOW, bans, rng, inflight={"a": 3})[0].peer_id for _ in range(4000))
     assert set(picks) == {"a", "b"} and picks["b"] / 4000 == pytest.approx(0.8, abs=0.03)  # 10/4 vs 10
     chosen, _ = choose_server(records, 0, NOW, bans, rng, exclude={"a"})
@@ -60,17 +61,21 @@ def test_choose_server_counts_this_trainers_inflight_work_and_skips_busy_exclude
 
 
 def test_bans_back_off_exponentially_and_success_clears_strikes():
-    bans = BanList(base_s=2.0, max_s=10.0)
-    assert bans.ban("p", NOW, "x") == NOW + 2.0
+    bans = BanList(BanConfig(base_duration_s=2.0, max_duration_s=10.0))
+    assert bans.ban("p", NOW, reason="x").until == NOW + 2.0
     assert bans.is_banned("p", NOW + 1.9) and not bans.is_banned("p", NOW + 2.1)
-    assert bans.ban("p", NOW + 3, "x") == NOW + 3 + 4.0
-    assert bans.ban("p", NOW + 10, "x") == NOW + 10 + 8.0
-    assert bans.ban("p", NOW + 20, "x") == NOW + 20 + 10.0  # capped
-    bans.succeeded("p")
-    assert bans.ban("p", NOW + 40, "x") == NOW + 42.0
-    assert bans.ban("q", NOW, "nan", strikes=3) == NOW + 8.0  # worse offences start longer
+    assert bans.ban("p", NOW + 3, reason="x").until == NOW + 3 + 4.0
+    assert bans.ban("p", NOW + 10, reason="x").until == NOW + 10 + 8.0
+    assert bans.ban("p", NOW + 20, reason="x").until == NOW + 20 + 10.0  # capped
+    bans.forgive("p")
+    assert bans.is_banned("p", NOW + 25)  # forgiving clears strikes, not the ban in force
+    assert bans.ban("p", NOW + 40, reason="x").until == NOW + 42.0
+    assert bans.ban("q", NOW, reason="nan", weight=3).until == NOW + 8.0  # worse offences start longer
+    assert bans.banned(NOW + 1) == {"p", "q"}
     with pytest.raises(ValueError):
-        BanList(base_s=5.0, max_s=1.0)
+        BanConfig(base_duration_s=5.0, max_duration_s=1.0)
+    with pytest.raises(ValueError):
+        bans.ban("p", NOW, weight=0)
 
 
 # ---- rebalancing ---------------------------------------------------------------------------------------------------
