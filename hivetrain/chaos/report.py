@@ -12,6 +12,16 @@ Invariants (every one must hold for ``passed``):
     no_torn_checkpoint     every checkpoint on disk verifies (``CheckpointStore.list``)
     rss_growth_bounded     RSS growth per peer (first committed step -> max) <= scenario.max_rss_growth_mb
     faults_fired           every fault of the scenario fired
+    no_unverified_state    every state an honest peer downloaded is one an honest peer committed in a round (same
+                           epoch and hash), and no honest peer nor the coordinator reached an epoch past the run's end
+
+Invariants a scenario asks for (present only then):
+    every_peer_kept_committing  (``every_peer_commits``) every honest survivor committed every epoch from its first
+                           commit to the end, and downloaded no state after its first commit
+    joiners_synced_in_time (``max_join_download_s``) every honest joiner held the swarm's state that soon after start
+    dht_clean              (a ``forge_record`` fault) every probe of the DHT after the forgery answered, the last one
+                           at the end of the run, and none found a peer record past the run's end or expiring
+                           further ahead than the record TTL cap
 """
 
 from __future__ import annotations
@@ -23,6 +33,9 @@ from dataclasses import dataclass, field
 from hivetrain.chaos.scenario import Scenario
 
 MIB = 2**20
+RECORD_EXPIRY_CAP_S = 660.0
+"""How far ahead of the probe's clock an honest node may hold a peer record's expiration: ``RecordBounds``'
+max_record_ttl_s (600 s) plus max_clock_skew_s (60 s)."""
 
 
 @dataclass
@@ -179,6 +192,84 @@ def peers_left(peers: list[PeerRun]) -> list[dict]:
     return sorted(left, key=lambda d: (d["at_s"] is None, d["at_s"] or 0.0))
 
 
+def unverified_states(peers: list[PeerRun], target: int, coordinator_epochs: list[int] = ()) -> list[str]:
+    """What breaks ``no_unverified_state``, one line each (empty: none).
+
+    A download is verified when an honest peer committed that (epoch, state hash) in a round (its ``outer_step``
+    event). Epochs past ``target`` (the run's outer steps) are a lie taken as true, whoever reached them.
+    """
+    committed = {
+        (int(e["epoch"]), e.get("state_hash"))
+        for p in peers
+        if p.honest
+        for e in p.events
+        if e["event"] == "outer_step"
+    }
+    problems = []
+    for p in peers:
+        if not p.honest:
+            continue
+        for e in p.events:
+            if e["event"] == "state_downloaded" and (int(e["epoch"]), e.get("state_hash")) not in committed:
+                problems.append(
+                    f"{p.name} downloaded epoch {e['epoch']} ({str(e.get('state_hash'))[:12]}), which no honest "
+                    "peer committed"
+                )
+        epoch = last_epoch(p)
+        if epoch is not None and epoch > target:
+            problems.append(f"{p.name} reached epoch {epoch}, past the run's {target} outer steps")
+    problems += [
+        f"the coordinator downloaded epoch {e}, past the run's {target}" for e in coordinator_epochs if e > target
+    ]
+    return problems
+
+
+def missed_commits(peers: list[PeerRun], target: int) -> dict[str, str]:
+    """Honest survivors that did not commit every epoch from their first commit to ``target``: name -> what they
+    missed (epochs without a commit, state downloads after the first commit)."""
+    missed = {}
+    for p in peers:
+        if not (p.honest and p.survived):
+            continue
+        commits = [int(e["epoch"]) for e in p.events if e["event"] == "outer_step"]
+        if not commits:
+            missed[p.name] = "committed no epoch"
+            continue
+        first_t = next(e["t_s"] for e in p.events if e["event"] == "outer_step")
+        gaps = sorted(set(range(min(commits), target + 1)) - set(commits))
+        late = [int(e["epoch"]) for e in p.events if e["event"] == "state_downloaded" and e["t_s"] > first_t]
+        if gaps or late:
+            missed[p.name] = f"epochs without a commit {gaps}" + (f", downloaded state at {late}" if late else "")
+    return missed
+
+
+def join_sync_times(peers: list[PeerRun], num_initial: int) -> dict[str, float | None]:
+    """Seconds from an honest joiner's start event to its first state download (0 if it committed without one);
+    None if it did neither. Joiners are the peers of ``join`` faults (index >= ``num_initial``)."""
+    times: dict[str, float | None] = {}
+    for p in peers:
+        if not p.honest or p.index is None or p.index < num_initial:
+            continue
+        start = next((e["t_s"] for e in p.events if e["event"] == "start"), None)
+        synced = next((e for e in p.events if e["event"] in ("state_downloaded", "outer_step")), None)
+        if start is None or synced is None:
+            times[p.name] = None
+        else:
+            times[p.name] = round(synced["t_s"] - start, 2) if synced["event"] == "state_downloaded" else 0.0
+    return times
+
+
+def dht_leftovers(probe: dict, target: int) -> list[dict]:
+    """The records a DHT probe found that no honest node may hold: a peer record past the run's ``target`` epoch or
+    expiring more than ``RECORD_EXPIRY_CAP_S`` after the probe read it. ``probe["records"]``: dicts with peer_id,
+    epoch and expires_in_s (seconds from the probe's read)."""
+    return [
+        r
+        for r in probe.get("records", [])
+        if r.get("epoch", 0) > target or r.get("expires_in_s", 0) > RECORD_EXPIRY_CAP_S
+    ]
+
+
 def build_report(
     scenario: Scenario,
     peers: list[PeerRun],
@@ -188,6 +279,8 @@ def build_report(
     timed_out: bool,
     leftover_pids: list[int],
     checkpoints: list[dict],
+    coordinator_epochs: list[int] = (),
+    dht_probes: list[dict] = (),
 ) -> dict:
     """The content of ``report.json``.
 
@@ -196,6 +289,9 @@ def build_report(
             ended_at_s; recovery_s and samples_lost are added here.
         leftover_pids: launched processes (or their p2pd) still alive after cleanup.
         checkpoints: {"path", "status", "reason"} for every checkpoint found.
+        coordinator_epochs: the epochs the coordinator downloaded (from its log).
+        dht_probes: DHT probes run after a forged record: dicts with at_s, final (the end-of-run probe), ok (it
+            answered), error, and records (peer_id, epoch, expires_in_s).
     """
     target = scenario.run_config().diloco.outer_steps
     commits = commit_times(peers)
@@ -240,6 +336,24 @@ def build_report(
         "rss_growth_bounded": all(v <= scenario.max_rss_growth_mb for v in rss.values()),
         "faults_fired": all(f.get("fired_at_s") is not None for f in faults),
     }
+    unverified = unverified_states(peers, target, list(coordinator_epochs))
+    invariants["no_unverified_state"] = not unverified
+    missed = missed_commits(peers, target)
+    if scenario.every_peer_commits:
+        invariants["every_peer_kept_committing"] = bool(survivors) and not missed
+    sync_times = join_sync_times(peers, scenario.peers)
+    if scenario.max_join_download_s is not None:
+        bound = scenario.max_join_download_s
+        invariants["joiners_synced_in_time"] = bool(sync_times) and all(
+            t is not None and t <= bound for t in sync_times.values()
+        )
+    probes = [{**probe, "leftovers": dht_leftovers(probe, target)} for probe in dht_probes]
+    if any(f.kind == "forge_record" for f in scenario.faults):
+        invariants["dht_clean"] = (
+            any(p.get("final") and p.get("ok") for p in probes)
+            and all(p.get("ok") for p in probes)
+            and not any(p["leftovers"] for p in probes)
+        )
     recoveries = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
     return {
         "scenario": scenario.name,
@@ -268,6 +382,10 @@ def build_report(
             "state_downloads": sum(1 for p in peers for e in p.events if e["event"] == "state_downloaded"),
         },
         "hash_disagreements": disagreements,
+        "unverified_states": unverified,
+        "missed_commits": missed,
+        "join_sync_s": sync_times,
+        "dht_probes": probes,
         "peers": [
             {
                 "name": p.name,
@@ -315,9 +433,16 @@ def format_summary(report: dict) -> str:
         f"  rounds failed / state downloads  {fig['rounds_failed']} / {fig['state_downloads']}",
         f"  wall time                 {fig['wall_s']} s",
         f"  RSS growth per peer (MiB) {', '.join(f'{k} {v}' for k, v in fig['rss_growth_mib'].items())}",
-        "",
-        "faults:",
     ]
+    if report.get("join_sync_s"):
+        lines.append(
+            f"  joiners' state sync (s)   {', '.join(f'{k} {_fmt(v)}' for k, v in report['join_sync_s'].items())}"
+        )
+    for probe in report.get("dht_probes", []):
+        found = len(probe.get("records", []))
+        what = f"{found} records, {len(probe['leftovers'])} out of bounds" if probe.get("ok") else probe.get("error")
+        lines.append(f"  DHT probe at {_fmt(probe.get('at_s'))} s{' (end)' if probe.get('final') else ''}: {what}")
+    lines += ["", "faults:"]
     for f in report["faults"]:
         lines.append(
             f"  {f['label']:<28} fired {_fmt(f.get('fired_at_s')):>8} s  recovery {_fmt(f.get('recovery_s')):>7} s"
@@ -331,6 +456,10 @@ def format_summary(report: dict) -> str:
                 f" epoch {_fmt(p['epoch'])}"
                 f": {p['reason']}"
             )
+    for line in report.get("unverified_states", []):
+        lines.append(f"unverified state: {line}")
+    for name, what in report.get("missed_commits", {}).items():
+        lines.append(f"missed commits: {name}: {what}")
     if report["diverged_peers"]:
         lines.append(f"diverged peers: {', '.join(report['diverged_peers'])}")
     if report["leftover_pids"]:

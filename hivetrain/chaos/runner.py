@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +35,10 @@ from hivetrain.testing.summary import exit_reason, read_peer_summary
 logger = logging.getLogger(__name__)
 
 RSS_INTERVAL_S = 2.0
+PROBE_TIMEOUT_S = 60.0
 _NORMAL_EXITS = (0, 2, 3, 4, 130)
+_DATA_PORT = re.compile(r"averager \S+ listening on ([0-9.]+):(\d+)")
+_COORDINATOR_DOWNLOAD = re.compile(r"downloaded epoch (\d+)")
 
 
 @dataclass
@@ -80,6 +86,7 @@ class ChaosRunner:
         self.peer_address: str | None = None
         self.swarm: LocalSwarm | None = None
         self.adversaries: list = []  # Popen of adversary processes (own process groups)
+        self.probes: list[dict] = []  # DHT probes after a forged record: {at_s, final, out (path), popen}
         self.p2pds: dict[int, float] = {}
         self.orphans: list[dict] = []  # {peer, exit_code, pids} of processes a peer left behind when it exited
         self._next_index = scenario.peers
@@ -102,7 +109,10 @@ class ChaosRunner:
         try:
             self._setup(config_path)
             timed_out = not self._loop()
+            if any(f["kind"] == "forge_record" and f["fired_at_s"] is not None for f in self.faults):
+                self._probe_dht(final=True)  # while the coordinator's DHT node is still up
         finally:
+            dht_probes = self._probe_results()
             leftover = self._teardown()
         # a peer that exited on its own (not crashed on purpose) must not have left its p2pd/DHT processes behind
         leftover += [pid for o in self.orphans if o["exit_code"] in _NORMAL_EXITS for pid in o["pids"]]
@@ -117,6 +127,8 @@ class ChaosRunner:
             timed_out=timed_out,
             leftover_pids=leftover,
             checkpoints=checkpoints,
+            coordinator_epochs=self._coordinator_epochs(),
+            dht_probes=dht_probes,
         )
         report["orphans_after_crash"] = self.orphans
         (self.out_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -379,6 +391,10 @@ class ChaosRunner:
             self.timers.append(_Timer(self.now() + fault.heal_after_s, self._heal))
         elif kind == "adversary":
             self._attack(index, fault, target, reason)
+        elif kind == "forge_record":
+            self._forge(index, fault, reason)
+        elif kind == "flood":
+            self._flood(index, fault, target, reason)
         elif kind == "churn":
             plan = churn_plan(fault, self.now(), self.scenario.seed)
             self._fired(index, f"{len(plan)} churn events over {fault.duration_s:g}s ({reason})")
@@ -405,6 +421,95 @@ class ChaosRunner:
             self.faults[index]["detail"] += "; " + adversary.summarize(out_path)
 
         self.timers.append(_Timer(self.now() + fault.duration_s + 5.0, done))
+
+    def _tool(self, module: str, args: list[str], out_path: Path) -> subprocess.Popen:
+        """Start ``python -m module args`` in its own process group (killed at teardown); stdout to ``out_path``."""
+        with open(out_path, "ab") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                stdout=out, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        self.adversaries.append(popen)
+        return popen
+
+    def _forge(self, index: int, fault, reason: str) -> None:
+        assert self.swarm is not None and self.swarm.address is not None
+        out = self.out_dir / f"forge{index}.json"
+        args = [self.swarm.address, self.config.run_id, "--epoch", str(fault.epoch)]
+        popen = self._tool(
+            "hivetrain.testing.dht_forger", ["forge", *args, "--expires-in-s", str(fault.expires_in_s)], out
+        )
+        self._fired(
+            index,
+            f"an attacker stores a record of epoch {fault.epoch} expiring in {fault.expires_in_s:g}s ({reason})",
+        )
+        self.faults[index]["ended_at_s"] = round(self.now() + fault.probe_after_s, 2)
+
+        def done() -> None:  # the attacker has stored its record and left by now (or is still trying: noted)
+            left = popen.poll() is not None and out.exists()
+            self.faults[index]["detail"] += "; forger: " + (out.read_text().strip()[-300:] if left else "still running")
+            self._probe_dht(final=False)
+
+        self.timers.append(_Timer(self.now() + fault.probe_after_s, done))
+
+    def _probe_dht(self, final: bool) -> None:
+        """Read the run's peer records from the honest DHT nodes without a guard (``testing/dht_forger.py probe``);
+        the end-of-run probe waits for its answer, the others are read at the end."""
+        assert self.swarm is not None and self.swarm.address is not None
+        n = len(self.probes)
+        out = self.out_dir / f"dht_probe{n}.json"
+        popen = self._tool("hivetrain.testing.dht_forger", ["probe", self.swarm.address, self.config.run_id], out)
+        self.probes.append({"at_s": round(self.now(), 2), "final": final, "out": out, "popen": popen})
+        self.log(f"[{self.now():6.1f}s] probing the DHT for forged records{' (end of run)' if final else ''}")
+        if final:
+            try:
+                popen.wait(timeout=PROBE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _probe_results(self) -> list[dict]:
+        results = []
+        for probe in self.probes:
+            popen, out = probe["popen"], probe["out"]
+            try:
+                popen.wait(timeout=max(1.0, PROBE_TIMEOUT_S - (self.now() - probe["at_s"])))
+            except subprocess.TimeoutExpired:
+                pass
+            lines = out.read_text().splitlines() if out.exists() else []
+            try:
+                answer = json.loads(lines[-1]) if lines else {"ok": False, "error": "no answer"}
+            except json.JSONDecodeError:
+                answer = {"ok": False, "error": "unreadable answer"}
+            results.append({"at_s": probe["at_s"], "final": probe["final"], **answer})
+        return results
+
+    def _flood(self, index: int, fault, target: _Peer, reason: str) -> None:
+        log = target.proc.log_path.read_text(errors="replace") if target.proc.log_path.exists() else ""
+        match = _DATA_PORT.search(log)
+        if match is None:
+            self.faults[index]["detail"] = f"flood not started: {target.run.name} logged no data port"
+            return
+        host, port = match.group(1), match.group(2)
+        out = self.out_dir / f"flood{index}.json"
+        counts = ["--idle", str(fault.idle), "--slowloris", str(fault.slowloris), "--oversized", str(fault.oversized)]
+        self._tool("hivetrain.testing.flood", [host, port, "--duration-s", str(fault.duration_s), *counts], out)
+        self._fired(
+            index,
+            f"{fault.idle} idle + {fault.slowloris} slowloris + {fault.oversized} oversized connections to "
+            f"{target.run.name}'s data port {port} for {fault.duration_s:g}s ({reason})",
+        )
+        self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
+
+        def done() -> None:
+            self.faults[index]["detail"] += "; flood: " + (out.read_text().strip() if out.exists() else "no counters")
+
+        self.timers.append(_Timer(self.now() + fault.duration_s + 3.0, done))
+
+    def _coordinator_epochs(self) -> list[int]:
+        """The epochs the coordinator downloaded (its log, restarts included)."""
+        path = self.out_dir / "coordinator.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return [int(m.group(1)) for m in _COORDINATOR_DOWNLOAD.finditer(text)]
 
     def _take_index(self) -> int:
         index = self._next_index

@@ -56,6 +56,7 @@ HOOK_POINTS = tuple(sorted(set(re.findall(r"^ {4}([a-z_]+\.[a-z_]+) ", _faults._
 LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency", "unreachable")
 TRIGGERED_KINDS = (
     "kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn", "adversary",
+    "forge_record", "flood",
 )  # fmt: skip
 KINDS = TRIGGERED_KINDS + LAUNCH_TIME_KINDS
 
@@ -248,6 +249,36 @@ class AdversaryFault(_Fault):
         return self.duration_s
 
 
+class ForgeRecordFault(_Fault):
+    """An attacker with its own identity and a DHT node without the record guard (``testing/dht_forger.py``) stores
+    one signed peer record claiming ``epoch``, with a made-up state hash and an expiration ``expires_in_s`` from now,
+    under the run's peers key, then leaves. ``probe_after_s`` later, and again at the end of the run, a guard-less
+    probe reads the key from the honest nodes: nothing out of bounds may be left (report invariant ``dht_clean``)."""
+
+    kind: Literal["forge_record"]
+    epoch: int = Field(default=10**9, ge=0)
+    expires_in_s: float = Field(default=1e9, gt=0.0)
+    probe_after_s: float = Field(default=15.0, gt=0.0, le=600.0)
+
+    def busy_s(self) -> float:
+        return self.probe_after_s
+
+
+class FloodFault(_Fault):
+    """``idle`` idle, ``slowloris`` slowloris and ``oversized`` oversized-header connections to a peer's averaging
+    data port for ``duration_s`` (``testing/flood.py``, in its own process), re-opened whenever the peer closes them."""
+
+    kind: Literal["flood"]
+    peer: int = Field(ge=0)
+    duration_s: float = Field(gt=0.0, le=3600.0)
+    idle: int = Field(default=1000, ge=0, le=5000)
+    slowloris: int = Field(default=100, ge=0, le=5000)
+    oversized: int = Field(default=0, ge=0, le=5000)
+
+    def busy_s(self) -> float:
+        return self.duration_s
+
+
 Fault = Annotated[
     KillFault
     | PauseFault
@@ -261,7 +292,9 @@ Fault = Annotated[
     | ByzantineFault
     | UnreachableFault
     | LatencyFault
-    | AdversaryFault,
+    | AdversaryFault
+    | ForgeRecordFault
+    | FloodFault,
     Field(discriminator="kind"),
 ]
 
@@ -279,6 +312,10 @@ class Scenario(BaseModel):
         network: "loopback" (127.0.0.1) or "netns" (each process in its own network namespace on a bridge; needed
             by bandwidth and partition faults; root only).
         max_rss_growth_mb: the RSS growth allowed per peer from its first committed step to its last sample, MiB.
+        every_peer_commits: require that every honest survivor commits every epoch from its first commit to the
+            end, with no state download after it (report invariant ``every_peer_kept_committing``).
+        max_join_download_s: require that every honest peer started by a ``join`` fault holds the swarm's state
+            within this many seconds of its start event (report invariant ``joiners_synced_in_time``).
         run: the run config (``hivetrain.config.RunConfig`` fields); ``diloco.outer_steps`` must be >= 1.
         faults: what to break and when.
     """
@@ -292,6 +329,8 @@ class Scenario(BaseModel):
     threads_per_peer: int = Field(default=1, ge=1, le=64)
     network: Literal["loopback", "netns"] = "loopback"
     max_rss_growth_mb: float = Field(default=256.0, gt=0.0)
+    every_peer_commits: bool = False
+    max_join_download_s: float | None = Field(default=None, gt=0.0)
     run: dict[str, Any] = Field(default_factory=dict)
     faults: tuple[Fault, ...] = ()
 
@@ -317,12 +356,14 @@ class Scenario(BaseModel):
                         f"{where}.{field} = {index}: peer index out of range; the scenario has peers 0..{num_total - 1}"
                         f" ({self.peers} at start + {num_total - self.peers} joining)"
                     )
-            if fault.kind in ("latency", "adversary") and self.network != "loopback":
+            if fault.kind in ("latency", "adversary", "forge_record", "flood") and self.network != "loopback":
                 raise ValueError(f'{where}: needs network = "loopback" (it runs in the host namespace)')
             if fault.kind in ("bandwidth", "partition") and self.network != "netns":
                 raise ValueError(f'{where}: needs network = "netns" (network namespaces with tc)')
             if fault.kind == "partition" and len(set(fault.side)) >= self.peers:
                 raise ValueError(f"{where}.side: leave at least one initial peer on the coordinator's side")
+        if self.max_join_download_s is not None and not any(f.kind == "join" for f in self.faults):
+            raise ValueError("max_join_download_s bounds the joiners' state download: add a join fault")
         if sum(f.kind == "latency" for f in self.faults) > 1:
             raise ValueError("at most one latency fault (it sits in front of the coordinator)")
         return self

@@ -149,3 +149,113 @@ def test_peers_that_left_are_named_with_when_and_why():
     ]
     text = format_summary(report)
     assert "peers that left:" in text and "peer1      exit    4 at   14.3 s, epoch 1: lost the DHT" in text
+
+
+ATTACK = parse_scenario(
+    {
+        "name": "t2",
+        "description": "attacks of issue 12",
+        "peers": 2,
+        "max_duration_s": 100,
+        "every_peer_commits": True,
+        "max_join_download_s": 10,
+        "run": {"diloco": {"inner_steps": 10, "outer_steps": 3}},
+        "faults": [{"kind": "join", "at_s": 12}, {"kind": "forge_record", "at_s": 5, "probe_after_s": 10}],
+    }
+)
+
+
+def joiner(download_at_s=16.0, h="h1"):
+    events = [ev("start", 13.0, 0, eval_loss=5.0), ev("state_downloaded", download_at_s, 1, h=h)]
+    events += [ev("inner_phase", 18.0, 1, samples=80), ev("outer_step", 20.0, 2), ev("outer_step", 30.0, 3)]
+    return PeerRun(
+        name="peer2",
+        index=2,
+        exit_code=0,
+        exited_at_s=31.0,
+        events=events,
+        summary={"epoch": 3, "state_hashes": {"1": h, "2": "h2", "3": "h3"}, "final_eval_loss": 3.0},
+    )
+
+
+def probes(final_records=(), mid_ok=True):
+    mid = {"at_s": 20.0, "final": False, "ok": mid_ok, "records": [{"peer_id": "Qm0", "epoch": 2, "expires_in_s": 29}]}
+    end = {"at_s": 40.0, "final": True, "ok": True, "records": list(final_records)}
+    return [mid if mid_ok else {"at_s": 20.0, "final": False, "ok": False, "error": "TimeoutError"}, end]
+
+
+def attack_report(peers, **kw):
+    args = dict(wall_s=35.0, timed_out=False, leftover_pids=[], checkpoints=[], dht_probes=probes())
+    args.update(kw)
+    faults = [
+        {"index": 0, "kind": "join", "label": "j", "fired_at_s": 12.0, "ended_at_s": None},
+        {"index": 1, "kind": "forge_record", "label": "f", "fired_at_s": 5.0, "ended_at_s": 15.0},
+    ]
+    return build_report(ATTACK, peers, faults, **args)
+
+
+def test_attack_invariants_hold_on_a_clean_run():
+    report = attack_report([honest_peer("peer0", 0), honest_peer("peer1", 1), joiner()])
+    assert report["passed"], report["invariants"]
+    assert {"no_unverified_state", "every_peer_kept_committing", "joiners_synced_in_time", "dht_clean"} <= set(
+        report["invariants"]
+    )
+    assert report["join_sync_s"] == {"peer2": 3.0}
+    text = format_summary(report)
+    assert "joiners' state sync (s)   peer2 3.0" in text and "DHT probe at 40.000 s (end): 0 records" in text
+
+
+def test_attack_invariants_are_absent_when_not_asked_for():
+    report = report_of([honest_peer("peer0", 0), honest_peer("peer1", 1)])
+    assert "no_unverified_state" in report["invariants"]  # always checked
+    assert not {"every_peer_kept_committing", "joiners_synced_in_time", "dht_clean"} & set(report["invariants"])
+
+
+def test_adopting_a_state_no_honest_peer_committed_breaks_no_unverified_state():
+    lied = joiner(h="random-weights")
+    report = attack_report([honest_peer("peer0", 0), honest_peer("peer1", 1), lied])
+    assert report["invariants"]["no_unverified_state"] is False
+    assert report["unverified_states"] == ["peer2 downloaded epoch 1 (random-weigh), which no honest peer committed"]
+    far = honest_peer("peer1", 1)
+    far.events.append(ev("state_downloaded", 31.0, 100_000, h="lie"))
+    report = attack_report([honest_peer("peer0", 0), far, joiner()], coordinator_epochs=[1, 2, 100_000])
+    assert len(report["unverified_states"]) == 3  # the download, the epoch reached, the coordinator's download
+    assert "the coordinator downloaded epoch 100000" in report["unverified_states"][2]
+
+
+def test_a_lie_the_byzantine_peer_itself_committed_does_not_verify_a_download():
+    liar = honest_peer("peer1", 1)
+    liar.byzantine = "epoch_liar"
+    liar.events.append(ev("outer_step", 30.5, 1, h="random-weights"))
+    report = attack_report([honest_peer("peer0", 0), liar, joiner(h="random-weights")])
+    assert report["invariants"]["no_unverified_state"] is False
+
+
+def test_a_peer_that_missed_an_epoch_or_resynced_breaks_every_peer_kept_committing():
+    stalled = honest_peer("peer1", 1)
+    stalled.events = [e for e in stalled.events if not (e["event"] == "outer_step" and e["epoch"] == 2)]
+    stalled.events.append(ev("state_downloaded", 21.0, 2))
+    report = attack_report([honest_peer("peer0", 0), stalled, joiner()])
+    assert report["invariants"]["every_peer_kept_committing"] is False
+    assert report["missed_commits"] == {"peer1": "epochs without a commit [2], downloaded state at [2]"}
+    assert report["invariants"]["no_unverified_state"]  # it downloaded what peer0 committed
+
+
+def test_a_slow_or_never_synced_joiner_breaks_joiners_synced_in_time():
+    report = attack_report([honest_peer("peer0", 0), honest_peer("peer1", 1), joiner(download_at_s=24.0)])
+    assert report["invariants"]["joiners_synced_in_time"] is False and report["join_sync_s"] == {"peer2": 11.0}
+    never = joiner()
+    never.events = never.events[:1]
+    report = attack_report([honest_peer("peer0", 0), honest_peer("peer1", 1), never])
+    assert report["invariants"]["joiners_synced_in_time"] is False and report["join_sync_s"] == {"peer2": None}
+
+
+def test_a_forged_record_left_in_the_dht_or_an_unanswered_probe_breaks_dht_clean():
+    peers = [honest_peer("peer0", 0), honest_peer("peer1", 1), joiner()]
+    forged = {"peer_id": "QmBad", "epoch": 10**9, "expires_in_s": 1e9}
+    report = attack_report(peers, dht_probes=probes(final_records=[forged]))
+    assert report["invariants"]["dht_clean"] is False and report["dht_probes"][1]["leftovers"] == [forged]
+    long_lived = {"peer_id": "QmBad", "epoch": 1, "expires_in_s": 5000.0}  # a plausible epoch, a far expiration
+    assert attack_report(peers, dht_probes=probes(final_records=[long_lived]))["invariants"]["dht_clean"] is False
+    assert attack_report(peers, dht_probes=probes(mid_ok=False))["invariants"]["dht_clean"] is False
+    assert attack_report(peers, dht_probes=probes()[:1])["invariants"]["dht_clean"] is False  # no end-of-run probe

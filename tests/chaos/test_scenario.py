@@ -114,3 +114,30 @@ def test_adversary_and_latency_need_loopback():
         scenario_with({"kind": "adversary", "peer": 0, "at_s": 1, "duration_s": 5}, network="netns")
     s = scenario_with({"kind": "adversary", "peer": 0, "at_s": 1, "duration_s": 5})
     assert s.faults[0].busy_s() == 5
+
+
+def test_attack_faults_and_requirements_of_issue_12():
+    s = scenario_with(
+        {"kind": "forge_record", "on_event": "outer_step", "on_epoch": 2},
+        {"kind": "flood", "peer": 0, "at_s": 5, "duration_s": 30},
+        {"kind": "join", "at_s": 10},
+        every_peer_commits=True,
+        max_join_download_s=15,
+    )
+    forge, flood = s.faults[0], s.faults[1]
+    assert (forge.epoch, forge.expires_in_s, forge.busy_s()) == (10**9, 1e9, 15.0)
+    assert (flood.idle, flood.slowloris, flood.oversized, flood.busy_s()) == (1000, 100, 0, 30)
+    assert s.every_peer_commits and s.max_join_download_s == 15
+    with pytest.raises(ValueError, match="max_join_download_s bounds the joiners' state download: add a join fault"):
+        scenario_with(max_join_download_s=15)
+    with pytest.raises(ValueError, match=r"faults\[0\] \(flood\)\.peer = 3: peer index out of range"):
+        scenario_with({"kind": "flood", "peer": 3, "at_s": 5, "duration_s": 30})
+    with pytest.raises(ValueError, match=r"faults\[0\] \(flood\): fires or lasts until 120s"):
+        scenario_with({"kind": "flood", "peer": 0, "at_s": 20, "duration_s": 100})
+    for fault in ({"kind": "flood", "peer": 0, "at_s": 5, "duration_s": 30}, {"kind": "forge_record", "at_s": 5}):
+        with pytest.raises(ValueError, match='needs network = "loopback"'):
+            scenario_with(fault, network="netns")
+    with pytest.raises(ValueError, match=r"faults\[0\]\.mode: Input should be .*epoch_liar.*got .epoch_lier."):
+        scenario_with({"kind": "byzantine", "peer": 0, "mode": "epoch_lier"})
+    liar = scenario_with({"kind": "byzantine", "peer": 0, "mode": "epoch_liar"})
+    assert liar.faults[0].mode == "epoch_liar"
