@@ -365,6 +365,7 @@ async def fetch_state(
     config: FetchConfig | None = None,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
+    admits: Callable[[str], bool] | None = None,
 ) -> FetchResult:
     """Download the newest state whose hash peers published, routing around donors that lie, fail or crawl.
 
@@ -380,6 +381,8 @@ async def fetch_state(
         config: per-chunk deadlines; ``FetchConfig()`` by default.
         clock: monotonic seconds (injected in tests).
         rng: breaks ties between manifests offered by as many donors, and orders donors.
+        admits: whether a donor is a member of the run (``peers.membership.MemberRoster.admits``); non-members are
+            never asked (listed in ``dropped_donors``). None = an open run.
 
     Returns:
         FetchResult with the verified state and a report per donor. The whole call is bounded by the caller (each
@@ -393,6 +396,12 @@ async def fetch_state(
     rng = rng or random.Random()
     protocol = f"{run_id}.state"
     donors = list(dict.fromkeys(donors))
+    outsiders = [d for d in donors if admits is not None and not admits(d)]
+    if outsiders:
+        logger.info("not asking %d state donor(s) that are not members of the run: %s", len(outsiders), outsiders[:3])
+        donors = [d for d in donors if d not in outsiders]
+    if not donors:
+        raise StateDownloadFailed(f"none of the {len(outsiders)} donor(s) is a member of the run")
     num_bytes = layout_num_bytes(reference)
     read_expected = expected if callable(expected) else (lambda: expected)
     loop = asyncio.get_running_loop()
@@ -412,6 +421,8 @@ async def fetch_state(
                 except ProtocolError as exc:
                     answer.problem, answer.lied = str(exc), True
     result = FetchResult()
+    for outsider in outsiders:
+        result.drop(outsider, "not a member of the run")
     for answer in answers:
         if answer.lied:
             result.bad(answer.donor, f"offered a manifest out of bounds: {answer.problem}")
@@ -466,11 +477,12 @@ async def download_state(
     *,
     config: FetchConfig | None = None,
     on_bad_donor: Callable[[str, str], None] | None = None,
+    admits: Callable[[str], bool] | None = None,
 ) -> TrainingState:
     """``fetch_state`` returning only the state; ``on_bad_donor(peer_id, reason)`` is called for every donor that
     lied (on success and on failure) so the caller can ban it. Same arguments and errors as ``fetch_state``."""
     try:
-        result = await fetch_state(p2p, run_id, donors, expected, reference, timeout_s, faults, config)
+        result = await fetch_state(p2p, run_id, donors, expected, reference, timeout_s, faults, config, admits=admits)
     except StateDownloadFailed as exc:
         for donor, reason in exc.bad_donors.items():
             if on_bad_donor is not None:

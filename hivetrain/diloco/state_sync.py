@@ -91,6 +91,10 @@ class StateServer:
             ``keep_epochs - 1`` of this donor's outer steps ago can still download it.
         idle_timeout_s: a stream with no complete request for this long is closed, seconds.
 
+    Attributes:
+        admits: set for an invite-only run (``peers.membership.MemberRoster.admits``): a stream from a peer that is
+            not a member gets ``{"error": "not a member of this run ..."}`` and is closed (``requests_refused``).
+
     Raises:
         ValueError: chunk_bytes or keep_epochs out of range.
     """
@@ -115,6 +119,8 @@ class StateServer:
         self._recent: list[_Snapshot] = []  # oldest first; one per epoch; at most keep_epochs
         self._lock = threading.Lock()  # guards _recent; held only briefly (the event loop takes it)
         self._hash_lock = threading.Lock()  # one thread hashes snapshots at a time
+        self.admits: Callable[[str], bool] | None = None  # set for an invite-only run: serve members only
+        self.requests_refused = 0  # streams from peers that are not members of the run
         self.bytes_served = 0
         self.chunks_refused = 0  # chunks whose bytes changed since they were hashed (state modified in place)
 
@@ -223,8 +229,14 @@ class StateServer:
         self.bytes_served += len(data)
         return True
 
-    async def _handle(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            requester = str(getattr(info, "peer_id", ""))  # StreamInfo: the peer the libp2p daemon authenticated
+            if self.admits is not None and not self.admits(requester):
+                self.requests_refused += 1
+                logger.info("refusing a state request from %s: not a member of this run", requester)
+                await send_control(writer, {"error": "not a member of this run (it admits only invited peers)"})
+                return
             while True:
                 try:
                     request = await recv_control(reader, self.idle_timeout_s)
