@@ -23,6 +23,7 @@ class TrainerOptions:
             count as evidence of the state at its epoch. "" = none known: coordinator-role records are ignored.
         run_started_at: DHT time (unix seconds) of the run's epoch 0 as the coordinator publishes it, for the run-age
             bound on claimed epochs; None = unknown (no bound).
+        join_token: our join token for an invite-only run (``peers.membership``), carried in our record; "" = none.
     """
 
     public_name: str = ""
@@ -35,6 +36,7 @@ class TrainerOptions:
     duty_cycle: float = 1.0
     pause_file: str = ""
     coordinator_id: str = ""
+    join_token: str = ""
     run_started_at: float | None = None
 
 

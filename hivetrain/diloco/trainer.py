@@ -40,6 +40,7 @@ from hivetrain.diloco.sync_policy import decide_sync, keep_carried
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
+from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import PeerRecord, fetch_records
 from hivetrain.testing.byzantine import arm_wire_corruption, hostile_state_server
@@ -69,6 +70,7 @@ class DilocoTrainer:
         faults: FaultInjector = NO_FAULTS,
         on_event: Callable[[dict], None] | None = None,
         duty: DutyCycle | None = None,
+        membership: MemberRoster | None = None,
     ):
         self.node, self.loop, self.config, self.model = node, loop, config, model
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
@@ -125,6 +127,10 @@ class DilocoTrainer:
             record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
             next_interval_s=lambda: self.phases.refresh_hint_s(),
         )
+        self.admits = membership.admits if membership is not None else None  # None: an open run
+        if membership is not None:  # invite-only: members are learned from the (guarded) records we read
+            membership.follow(lambda: self.view.records)
+            self.state_server.admits = membership.admits
         self.rounds = RoundRunner(
             node.peer_id,
             averager,
@@ -271,6 +277,7 @@ class DilocoTrainer:
                     self.options.state_timeout_s,
                     self.faults,
                     on_bad_donor=lambda peer, reason: bad.append(peer),
+                    admits=self.admits,
                 ),
                 timeout_s=self.options.state_timeout_s * 4,
             )
@@ -480,6 +487,7 @@ class DilocoTrainer:
             done_samples=done_samples,
             left_reason=self._left_reason,
             paused=self.duty.paused,
+            join_token=self.options.join_token,
             updated_at=get_dht_time(),
         )
 
