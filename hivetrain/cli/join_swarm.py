@@ -3,7 +3,10 @@
 Sharing the machine: ``--duty-cycle F`` trains at most F of wall time; SIGUSR1 (``kill -USR1 PID``) pauses and
 resumes inner steps, as does ``--pause-file PATH`` (paused while the file exists); a paused peer stays in the swarm.
 
-Exit codes: 0 finished, 2 bad input or no reachable initial peer, 3 incompatible with the run, 4 failed,
+Invite-only runs (``[admission]`` in the run config): pass ``--join-token TOKEN`` (or ``@FILE``) from the run's
+operator and keep ``--identity-path``; a peer that is not a member exits at once saying why and what to do.
+
+Exit codes: 0 finished, 2 bad input or no reachable initial peer, 3 incompatible with the run or not admitted, 4 failed,
 130 interrupted (SIGINT/SIGTERM: leaves within a few seconds, p2pd included).
 On every exit the ``--summary-file`` is written with ``exit_code`` and ``exit_reason`` ("finished", "interrupted", or
 what ended the peer), and a peer that trained publishes a last record with ``left_reason`` for the coordinator.
@@ -45,6 +48,7 @@ from hivetrain.config import RunConfig, load_run_config
 from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.faults import FaultInjector, parse_fault_spec
+from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, run_policy
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
 from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
@@ -83,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a working DHT (e.g. p2pd died) before the peer gives up and exits",
     )
     parser.add_argument("--public-name", default="", help="name shown on the contributors' board (<= 64 chars)")
+    parser.add_argument(
+        "--join-token",
+        default="",
+        metavar="TOKEN|@FILE",
+        help="join token of an invite-only run (from `hivetrain coordinator invite YOUR_PEER_ID`), or @FILE holding "
+        "it; valid only with the --identity-path it was made for",
+    )
     share = parser.add_argument_group("sharing this machine (see README: Sharing your machine)")
     share.add_argument(
         "--duty-cycle",
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return ending.leave(fail(str(exc), EXIT_BAD_INPUT), str(exc))
     except (ValueError, FileNotFoundError) as exc:
         return ending.leave(fail(str(exc), EXIT_BAD_INPUT), str(exc))
-    except IncompatibleRun as exc:
+    except (IncompatibleRun, NotAdmitted) as exc:
         return ending.leave(fail(str(exc), EXIT_INCOMPATIBLE), str(exc))
     except Interrupted:
         logger.info("interrupted, leaving the swarm")
@@ -237,7 +248,13 @@ def _train(
     from hivetrain.peers.loop import LoopThread
 
     config = resolve_config(args, node)
-    node.guard_run(config.run_id)  # from now on our DHT node refuses out-of-bounds records of this run
+    authority = run_authority(node, args.addresses)
+    token, roster = join_admission(args, node, config, authority[0])  # raises NotAdmitted before any work
+    # from now on our DHT node refuses out-of-bounds records of this run (and, if invite-only, non-members' records)
+    if roster is None:
+        node.guard_run(config.run_id)
+    else:
+        node.guard_run(config.run_id, admission=roster.policy)
     corpus = load_corpus(config.data)
     model_config = build_config(config.model, vocab_size=corpus.vocab_size, max_seq_len=config.data.seq_len)
     model = build_model(model_config, seed=config.seed)
@@ -263,13 +280,13 @@ def _train(
         faults=faults,
         listen_host=listen_host,
         announce_host=announce_host,
+        admits=roster.admits if roster is not None else None,
     )
     trainer = None
     code, reason = EXIT_FAILED, "training did not start"
     try:
         averager.start()
         averager.wait_ready(timeout_s=30)
-        authority = run_authority(node, args.addresses)
         trainer = DilocoTrainer(
             node,
             loop,
@@ -286,10 +303,12 @@ def _train(
                 pause_file=args.pause_file,
                 coordinator_id=authority[0],
                 run_started_at=authority[1],
+                join_token=token,
             ),
             faults=faults,
             on_event=reporter.event,
             duty=duty,  # the SIGUSR1 handler toggles this same object
+            membership=roster,
         )
         ending.trainer = trainer
         trainer.run()
@@ -301,6 +320,8 @@ def _train(
     except DhtLost as exc:
         logger.error("%s; leaving", exc)
         code, reason = EXIT_FAILED, str(exc)
+        if roster is not None and not roster.check(node.peer_id).ok:  # our token expired: peers drop our record
+            reason = f"{reason}; {roster.check(node.peer_id).reason}: ask the run's operator for a new join token"
     except Exception as exc:  # noqa: BLE001 - any failure of training ends this peer, saying why
         logger.exception("training failed")
         code, reason = EXIT_FAILED, f"training failed: {type(exc).__name__}: {exc}"
@@ -312,6 +333,39 @@ def _train(
         loop.stop(timeout_s=2)
         reporter.close()
     return ending.leave(code, reason)
+
+
+def read_join_token(text: str) -> str:
+    """The token given to --join-token: the text itself, or the contents of FILE for ``@FILE``.
+
+    Raises:
+        ValueError: ``@FILE`` does not exist or cannot be read.
+    """
+    if not text.startswith("@"):
+        return text.strip()
+    try:
+        return Path(text[1:]).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--join-token {text}: cannot read {text[1:]} ({exc.strerror})") from None
+
+
+def join_admission(args, node: PeerNode, config: RunConfig, coordinator: str) -> tuple[str, MemberRoster | None]:
+    """Our join token and, for an invite-only run, the roster of members (None for an open run).
+
+    Raises:
+        NotAdmitted: this peer is not a member (the message says why and what to do).
+        ValueError: an unreadable --join-token @FILE, or a token run without a known issuer.
+    """
+    token = read_join_token(args.join_token)
+    adm = config.admission
+    if adm.mode == "open":
+        return token, None
+    policy = run_policy(config.run_id, adm.mode, adm.allowlist, adm.issuer, coordinator)
+    hint = f"--identity-path {args.identity_path}" if args.identity_path else ""
+    admission = admit_self(policy, node.peer_id, token, time.time(), identity_hint=hint)
+    if admission.expires_at is not None:
+        logger.info("run %r is invite-only; our join token admits us %s", config.run_id, admission.reason)
+    return token, MemberRoster(policy)
 
 
 def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:

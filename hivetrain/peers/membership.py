@@ -43,12 +43,15 @@ __all__ = [
     "AdmissionPolicy",
     "JoinToken",
     "MemberRoster",
+    "NotAdmitted",
     "TokenError",
+    "admit_self",
     "decide_membership",
     "make_token",
     "parse_token",
     "peer_id_problem",
     "refusal_message",
+    "run_policy",
 ]
 
 Mode = Literal["open", "allowlist", "token"]
@@ -376,3 +379,32 @@ class MemberRoster:
     def admits(self, peer_id: str) -> bool:
         """Whether ``peer_id`` is a member now (``check(peer_id).ok``)."""
         return self.check(peer_id).ok
+
+
+class NotAdmitted(RuntimeError):
+    """This peer is not a member of the run it tries to join; the message says why and what to do."""
+
+
+def run_policy(run_id: str, mode: Mode, allowlist: Iterable[str], issuer: str, coordinator_id: str) -> AdmissionPolicy:
+    """The admission policy of a run from its ``[admission]`` table: the issuer is ``issuer`` if set, else the run's
+    coordinator (``coordinator_id``: the signer of the run config we trust, or the coordinator itself; "" = unknown).
+
+    Raises:
+        ValueError: "token" mode with neither an issuer nor a known coordinator (the message says what to do).
+    """
+    return AdmissionPolicy(run_id, mode, frozenset(allowlist), issuer or coordinator_id)
+
+
+def admit_self(policy: AdmissionPolicy, peer_id: str, token: str, now: float, identity_hint: str = "") -> Admission:
+    """Check, before joining, that our own peer ID (with ``token``) is a member.
+
+    Returns:
+        The admission (``expires_at`` says until when a token admits us).
+
+    Raises:
+        NotAdmitted: we are not a member; the message names the cause and the fix (``refusal_message``).
+    """
+    admission = decide_membership(peer_id, token, policy, now)
+    if not admission.ok:
+        raise NotAdmitted(refusal_message(admission, policy.run_id, peer_id, identity_hint))
+    return admission
