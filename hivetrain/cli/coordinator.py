@@ -1,4 +1,8 @@
-"""``hivetrain coordinator --config run.toml``: host the run's bootstrap peer, state copy, checkpoints and dashboard."""
+"""``hivetrain coordinator --config run.toml``: host the run's bootstrap peer, state copy, checkpoints and dashboard.
+
+``hivetrain coordinator invite PEER_ID --config run.toml``: sign a join token for an invite-only run
+(``hivetrain.cli.invite``).
+"""
 
 from __future__ import annotations
 
@@ -78,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "invite":
+        from hivetrain.cli.invite import main as invite
+
+        return invite(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     install_signal_handlers()
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_reaper()
         node = _start_with_known_peers(ncfg, args)
+        _guard_admission(node, config)
         fingerprint = run_fingerprint(config)
         follower, observer, loop = None, None, None
         from hivetrain.coordinator.dashboard import RunInfo, summarize_config
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         public = [a for a in addresses if "/127.0.0.1/" not in a] or addresses
         print(
             f"coordinator of run {config.run_id!r} (model {config.model}) is up. Volunteers join with:\n\n"
-            f"    join-swarm {public[0]}\n",
+            f"    join-swarm {public[0]}{_admission_hint(config)}\n",
             flush=True,
         )
 
@@ -161,6 +170,38 @@ def _run_clock_path(args) -> Path | None:
     if args.checkpoint_dir:  # created by the checkpoint store before the first publish
         return Path(args.checkpoint_dir) / RUN_CLOCK_FILE
     return Path(args.identity_path + ".run.json") if args.identity_path else None
+
+
+def _guard_admission(node, config) -> None:
+    """In an invite-only run, have our DHT node refuse non-members' peer records (we are the token issuer unless
+    ``admission.issuer`` names another peer)."""
+    from hivetrain.peers.membership import run_policy
+
+    adm = config.admission
+    if adm.mode == "open":
+        return
+    if adm.issuer and adm.issuer != node.peer_id:
+        logger.warning(
+            "admission.issuer is %s, not this coordinator (%s): tokens from `hivetrain coordinator invite` with this "
+            "identity will not count",
+            adm.issuer,
+            node.peer_id,
+        )
+    policy = run_policy(config.run_id, adm.mode, adm.allowlist, adm.issuer, node.peer_id)
+    node.guard_run(config.run_id, admission=policy)
+    logger.info("run %r admits only %s", config.run_id, "invited peers" if adm.mode == "token" else "its allowlist")
+
+
+def _admission_hint(config) -> str:
+    if config.admission.mode == "token":
+        return (
+            " --identity-path ID_FILE --join-token TOKEN\n\n(invite-only: a volunteer prints its peer ID with "
+            "`hivetrain identity show --identity-path ID_FILE`; you sign its token with `hivetrain coordinator invite "
+            "PEER_ID --config ...`)"
+        )
+    if config.admission.mode == "allowlist":
+        return " --identity-path ID_FILE\n\n(allowlist only: list each volunteer's peer ID in [admission] allowlist)"
+    return ""
 
 
 def _known_peers_path(args) -> Path | None:
