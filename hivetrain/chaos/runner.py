@@ -29,6 +29,7 @@ from hivetrain.chaos.plot import plot_run
 from hivetrain.chaos.report import PeerRun, build_report, format_summary
 from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, UNREACHABLE_HOST, Scenario
 from hivetrain.chaos.schedule import ChurnStep, Observed, churn_decision, churn_plan, due_faults
+from hivetrain.testing.byzantine import CHUNK_BYTES_ENV
 from hivetrain.testing.launcher import LocalSwarm, PeerProcess
 from hivetrain.testing.summary import exit_reason, read_peer_summary
 
@@ -141,7 +142,8 @@ class ChaosRunner:
 
     def _setup(self, config_path: Path) -> None:
         scenario = self.scenario
-        self.swarm = LocalSwarm(self.out_dir, config_path, threads_per_peer=scenario.threads_per_peer)
+        env = {CHUNK_BYTES_ENV: str(scenario.state_chunk_bytes)} if scenario.state_chunk_bytes else {}
+        self.swarm = LocalSwarm(self.out_dir, config_path, threads_per_peer=scenario.threads_per_peer, extra_env=env)
         prefix, host = (), "127.0.0.1"
         if scenario.network == "netns":
             self.topology = NetnsTopology()
@@ -445,9 +447,12 @@ class ChaosRunner:
         )
         self.faults[index]["ended_at_s"] = round(self.now() + fault.probe_after_s, 2)
 
-        def done() -> None:  # the attacker has stored its record and left by now (or is still trying: noted)
-            left = popen.poll() is not None and out.exists()
-            self.faults[index]["detail"] += "; forger: " + (out.read_text().strip()[-300:] if left else "still running")
+        def done() -> None:  # the attacker has stored its record and left by now (if not, the probe waits)
+            if popen.poll() is None and self.now() < self.faults[index]["fired_at_s"] + PROBE_TIMEOUT_S:
+                self.timers.append(_Timer(self.now() + 1.0, done))
+                return
+            answer = out.read_text().strip()[-300:] if out.exists() else ""
+            self.faults[index]["detail"] += "; forger: " + (answer or "no answer")
             self._probe_dht(final=False)
 
         self.timers.append(_Timer(self.now() + fault.probe_after_s, done))
@@ -500,10 +505,16 @@ class ChaosRunner:
         )
         self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
 
-        def done() -> None:
-            self.faults[index]["detail"] += "; flood: " + (out.read_text().strip() if out.exists() else "no counters")
+        ends_at_s = self.now() + fault.duration_s
 
-        self.timers.append(_Timer(self.now() + fault.duration_s + 3.0, done))
+        def done() -> None:  # the flood prints its counters once it has closed its connections
+            counters = out.read_text().strip() if out.exists() else ""
+            if not counters and self.now() < ends_at_s + PROBE_TIMEOUT_S:
+                self.timers.append(_Timer(self.now() + 1.0, done))
+                return
+            self.faults[index]["detail"] += "; flood: " + (counters or "no counters")
+
+        self.timers.append(_Timer(ends_at_s + 1.0, done))
 
     def _coordinator_epochs(self) -> list[int]:
         """The epochs the coordinator downloaded (its log, restarts included)."""

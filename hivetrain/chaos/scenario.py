@@ -316,6 +316,8 @@ class Scenario(BaseModel):
             end, with no state download after it (report invariant ``every_peer_kept_committing``).
         max_join_download_s: require that every honest peer started by a ``join`` fault holds the swarm's state
             within this many seconds of its start event (report invariant ``joiners_synced_in_time``).
+        state_chunk_bytes: the state chunk size every peer serves (default: the peers' own); small enough that the
+            state spans several chunks, so a joiner asks every donor (``testing.byzantine.CHUNK_BYTES_ENV``).
         run: the run config (``hivetrain.config.RunConfig`` fields); ``diloco.outer_steps`` must be >= 1.
         faults: what to break and when.
     """
@@ -331,6 +333,7 @@ class Scenario(BaseModel):
     max_rss_growth_mb: float = Field(default=256.0, gt=0.0)
     every_peer_commits: bool = False
     max_join_download_s: float | None = Field(default=None, gt=0.0)
+    state_chunk_bytes: int | None = Field(default=None, ge=64 * 1024, le=64 * 2**20, multiple_of=4)
     run: dict[str, Any] = Field(default_factory=dict)
     faults: tuple[Fault, ...] = ()
 

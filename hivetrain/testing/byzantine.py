@@ -15,6 +15,7 @@ State and record modes (issue 12, findings 1 and 3):
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -30,6 +31,10 @@ MODES = (
     "nan", "inf", "sign_flip", "huge_norm", "inflated_weight", "negative_weight", "wrong_shape", "bad_donor",
     "nan_donor", "drip_donor", "epoch_liar",
 )  # fmt: skip
+
+CHUNK_BYTES_ENV = "HIVETRAIN_TEST_STATE_CHUNK_BYTES"
+"""Fault harness only: the state chunk size every peer of a chaos scenario serves (``Scenario.state_chunk_bytes``),
+so that a small model's state spans several chunks and a joiner asks every donor, hostile ones included."""
 
 LIE_EPOCH = 100_000
 """The epoch an ``epoch_liar`` claims: far past any run's age, yet under ``RecordBounds.max_epoch`` (10^6), so its
@@ -109,11 +114,15 @@ def hostile_state_server(
     mode: str, get_state: Callable[[], TrainingState | None], faults: FaultInjector
 ) -> tuple[StateServer, Callable[[Callable[[], PeerRecord]], Callable[[], PeerRecord]]]:
     """The state server a peer in ``mode`` runs, and a wrapper for its record builder (identity for most modes).
+    Its chunk size is ``$HIVETRAIN_TEST_STATE_CHUNK_BYTES`` when set (chaos scenarios), else the default.
 
     Returns:
         (server, wrap_record): ``wrap_record(make_record)`` returns the record builder the peer publishes with; for
         ``epoch_liar`` it claims ``LIE_EPOCH`` and the random state's hash, which the server serves.
     """
+    kwargs = {"faults": faults}
+    if os.environ.get(CHUNK_BYTES_ENV):
+        kwargs["chunk_bytes"] = int(os.environ[CHUNK_BYTES_ENV])
     if mode == "epoch_liar":
         lie = _LieState(get_state)
 
@@ -131,9 +140,9 @@ def hostile_state_server(
 
             return lying
 
-        return StateServer(served, faults=faults), wrap
+        return StateServer(served, **kwargs), wrap
     server_class = {"nan_donor": NaNChunks, "drip_donor": Dripper}.get(mode, StateServer)
-    return server_class(corrupt_served_state(mode, get_state), faults=faults), lambda make_record: make_record
+    return server_class(corrupt_served_state(mode, get_state), **kwargs), lambda make_record: make_record
 
 
 def corrupt_served_state(
