@@ -106,7 +106,8 @@ def test_bundled_scenarios_are_valid_and_cover_the_acceptance_list():
     kinds = {f.kind for s in scenarios.values() for f in s.faults}
     assert {"kill", "pause", "kill_coordinator", "join", "partition", "bandwidth", "churn", "byzantine"} <= kinds
     modes = {f.mode for s in scenarios.values() for f in s.faults if f.kind == "byzantine"}
-    assert {"nan", "sign_flip"} <= modes
+    assert {"nan", "sign_flip", "epoch_liar", "nan_donor", "drip_donor"} <= modes
+    assert {"forge_record", "flood"} <= kinds  # issue 12's attacks
 
 
 def test_adversary_and_latency_need_loopback():

@@ -13,7 +13,10 @@ from hivetrain.chaos.runner import run_scenario
 from hivetrain.chaos.scenario import bundled_scenarios, load_scenario
 from hivetrain.testing.summary import read_events
 
-SMOKE = ("kill-one-of-four", "pause-mid-round", "pause-mid-allreduce", "nan-peer", "nat-peer")
+SMOKE = (
+    "kill-one-of-four", "pause-mid-round", "pause-mid-allreduce", "nan-peer", "nat-peer", "far-future-record",
+    "dataplane-flood",
+)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -36,6 +39,11 @@ def test_smoke_scenario_passes(name, tmp_path):
         assert report["faults"][0]["recovery_s"] is not None and report["faults"][0]["recovery_s"] < 60
     if name == "nat-peer":
         _check_nat_peer(tmp_path, scenario.run_config().diloco.outer_steps)
+    if name == "far-future-record":  # the forged record was refused, and read back from the DHT: nothing left
+        assert '"stored": false' in report["faults"][0]["detail"]
+        assert report["invariants"]["dht_clean"] and len(report["dht_probes"]) == 2
+    if name == "dataplane-flood":  # the flood ran, and peer0 committed every epoch through it
+        assert '"opened"' in report["faults"][0]["detail"] and report["invariants"]["every_peer_kept_committing"]
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
 
