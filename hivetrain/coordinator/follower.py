@@ -53,7 +53,8 @@ class FollowerOptions:
     stale_after_s: float = 30.0
     # a lone holder may lead (min_peers 1), but only a strict majority: with "at least half" (rule 3 at 0.5) one liar
     # ahead of one honest trainer would be followed
-    quorum: QuorumConfig = QuorumConfig(min_peers=1, min_fraction=0.51)
+    # and peers still at epoch 0 count against a lone holder: at a run's start a lone liar is otherwise "1 of 1"
+    quorum: QuorumConfig = QuorumConfig(min_peers=1, min_fraction=0.51, count_untrained=True)
     run_started_at: float | None = None
 
     def __post_init__(self) -> None:

@@ -101,9 +101,15 @@ def _weigh(
     ban: tuple[str, ...] = ()
     suspects = implausible(claims, bound)
     if suspects:
+        # a claim past the bound is spared only where at least 2 distinct peers hold that state: a quorum that takes
+        # a lone holder (the coordinator's follower) must not let the bound wave a lone liar through
         backed = backed_states(votes, trust.quorum, exact_average)
         ban = tuple(
-            p for p in suspects if not any(p in b.holders for e, b in backed.items() if bound is not None and e > bound)
+            p
+            for p in suspects
+            if not any(
+                p in b.holders and len(b.holders) >= 2 for e, b in backed.items() if bound is not None and e > bound
+            )
         )
         if ban:
             notes.append(f"epoch past the run-age bound {bound} claimed by {', '.join(p[:12] for p in ban)}: banned")

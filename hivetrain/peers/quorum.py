@@ -19,7 +19,9 @@ The rule, for a state (E, h), over distinct peers (``voters``; a peer's own stat
    a 4-peer swarm that lost one could not be followed by the third, which then committed alone and forked the run
    (chaos kill-one-of-four, 2026-11-25). The price: half of the identities (and at least ``min_peers``) can lead.
    Voters at epoch 0 hold θ₀, which every peer builds from the run seed; they are joiners, who neither back nor
-   oppose a trained state, so a crowd of joiners cannot keep each other from catching up.
+   oppose a trained state, so a crowd of joiners cannot keep each other from catching up. With ``count_untrained``
+   (the coordinator's follower, which takes a lone holder) they do count: at a run's start every honest peer is at
+   epoch 0, and a lone liar would otherwise be "1 of 1" (chaos lying-epoch-takeover, 2026-11-25).
 
 With ``exact=False`` (moshpit or gossip groups: peers of one epoch hold different states by design) rules 1 and 2
 count voters at epoch E whatever their hash; no hash can be checked against others then, and the one published is
@@ -80,6 +82,8 @@ class QuorumConfig:
             per epoch; 0.1 s leaves a 10x margin so no honest run is ever judged implausible, and an epoch of 10^6
             still needs a run 28 h old.
         max_clock_skew_s: slack added to the run's age for clocks that differ, seconds (the DHT record guard's).
+        count_untrained: voters at epoch 0 count in the population of rule 3 too. Set it where ``min_peers`` is 1:
+            a lone trained claim among live peers that still hold θ₀ is then a minority, not "1 of 1".
 
     Raises:
         ValueError: ``min_peers < 1``, ``min_fraction`` outside [0, 1), ``min_epoch_s <= 0`` or a negative skew.
@@ -89,6 +93,7 @@ class QuorumConfig:
     min_fraction: float = 0.5
     min_epoch_s: float = 0.1
     max_clock_skew_s: float = 60.0
+    count_untrained: bool = False
 
     def __post_init__(self) -> None:
         if self.min_peers < 1:
@@ -148,7 +153,7 @@ def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = T
     result: dict[int, Backing] = {}
     for epoch in sorted({v.epoch for v in voters}):
         at = [v for v in voters if v.epoch == epoch]
-        population = trained if epoch >= 1 else len(voters)
+        population = trained if epoch >= 1 and not config.count_untrained else len(voters)
         passed = sum(1 for v in voters if v.epoch >= epoch)
         if exact:
             counts = Counter(v.state_hash for v in at)

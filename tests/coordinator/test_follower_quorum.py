@@ -63,3 +63,17 @@ def test_the_coordinator_bans_an_epoch_the_runs_age_rules_out_and_follows_the_ho
     assert follower.step([rec("a", 4), rec("b", 4), rec("liar", 10**6)]).startswith("downloaded epoch 4")
     assert loop.downloads == [("a", "b")]
     assert [b.peer_id for b in follower.bans.active(NOW)] == ["liar"]
+
+
+def test_at_a_runs_start_the_coordinator_follows_no_lone_liar_among_trainers_still_at_epoch_0():
+    # chaos lying-epoch-takeover: before the honest peers' first commit the liar was the only trained record, "1 of 1"
+    follower, loop = make({"a": 0, "b": 0, "c": 0, "liar": 500})
+    records = [rec("a", 0), rec("b", 0), rec("c", 0), rec("liar", 500)]
+    assert follower.step(records) == "in sync" and loop.downloads == []
+    # far past the run-age bound it is banned too, though the follower's quorum takes a lone holder
+    follower, loop = make({"a": 0, "b": 0, "liar": 100_000}, run_started_at=NOW - 30.0)
+    assert follower.step([rec("a", 0), rec("b", 0), rec("liar", 100_000)]) == "in sync" and loop.downloads == []
+    assert [b.peer_id for b in follower.bans.active(NOW)] == ["liar"]
+    # alone, a trainer is still followed (a one-trainer run stays joinable through the coordinator)
+    follower, loop = make({"a": 3}, run_started_at=NOW - 30.0)
+    assert follower.step([rec("a", 3)]).startswith("downloaded epoch 3")

@@ -45,6 +45,15 @@ def test_theta0_holders_neither_back_nor_oppose_a_trained_state():
     assert hashes(crowd) == {0: "t0", 7: "h"}
 
 
+def test_with_count_untrained_theta0_holders_outvote_a_lone_trained_claim():
+    lone = QuorumConfig(min_peers=1, min_fraction=0.51)
+    start = votes(("liar", 500, "x"), ("a", 0, "t0"), ("b", 0, "t0"))
+    assert 500 in backed_states(start, lone)  # "1 of 1" trained: why the follower counts θ₀ holders
+    counting = QuorumConfig(min_peers=1, min_fraction=0.51, count_untrained=True)
+    assert 500 not in backed_states(start, counting)
+    assert 4 in backed_states(votes(("a", 4, "h")), counting)  # alone it is still followed
+
+
 def test_moshpit_counts_peers_at_an_epoch_whatever_their_hash():
     peers = votes(("a", 4, "h-a"), ("b", 4, "h-b"), ("c", 3, "h-c"))
     assert hashes(peers) == {}
