@@ -48,7 +48,7 @@ from hivetrain.config import RunConfig, load_run_config
 from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.faults import FaultInjector, parse_fault_spec
-from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, run_policy
+from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, decide_membership, run_policy
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
 from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
@@ -362,6 +362,10 @@ def join_admission(args, node: PeerNode, config: RunConfig, coordinator: str) ->
         return token, None
     policy = run_policy(config.run_id, adm.mode, adm.allowlist, adm.issuer, coordinator)
     hint = f"--identity-path {args.identity_path}" if args.identity_path else ""
+    if args.byzantine == "uninvited":  # chaos harness only: a hostile peer that trains despite its refusal
+        refusal = decide_membership(node.peer_id, token, policy, time.time())
+        logger.warning("byzantine uninvited: ignoring our admission (%s) and joining anyway", refusal.reason)
+        return token, None  # no roster: we group with, connect to and serve anyone, as a modified client would
     admission = admit_self(policy, node.peer_id, token, time.time(), identity_hint=hint)
     if admission.expires_at is not None:
         logger.info("run %r is invite-only; our join token admits us %s", config.run_id, admission.reason)
