@@ -266,8 +266,26 @@ def clock_skew_problem(offset_s: float | None, bounds: RecordBounds) -> str | No
 
 
 async def _add_validator(_dht, node, validator) -> None:
-    """Runs in the DHT process: chain ``validator`` with the node's others (a ``RecordGuard`` merges into ours)."""
+    """Runs in the DHT process: chain ``validator`` with the node's others (a ``RecordGuard`` merges into ours), and
+    drop the records this node already holds (stored or cached) that it refuses: hivemind checks a record only when
+    it is stored or fetched, so a non-member's record taken before the run's policy was known would otherwise be read
+    from local storage until it expires (chaos scenario uninvited-peer: a joiner's view counted the non-member)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.dht.validation import DHTRecord
+
     node.protocol.record_validator.extend([validator])
+    serializer = node.protocol.serializer
+    for storage in (node.protocol.storage, node.protocol.cache):
+        for key, (value, expiration) in list(storage.items()):
+            key_bytes = DHTID.to_bytes(key)
+            if not isinstance(value, DictionaryDHTValue):
+                if not validator.validate(DHTRecord(key_bytes, node.protocol.IS_REGULAR_VALUE, value, expiration)):
+                    del storage[key]
+                continue
+            for subkey, (item, item_expiration) in list(value.items()):
+                if not validator.validate(DHTRecord(key_bytes, serializer.dumps(subkey), item, item_expiration)):
+                    del value[subkey]
 
 
 async def _probe_clock(_dht, node, max_peers: int, timeout_s: float) -> list[float]:
