@@ -22,6 +22,15 @@ Invariants a scenario asks for (present only then):
     dht_clean              (a ``forge_record`` fault) every probe of the DHT after the forgery answered, the last one
                            at the end of the run, and none found a peer record past the run's end or expiring
                            further ahead than the record TTL cap
+
+Invariants of an invite-only run with an ``uninvited`` byzantine peer (present only then; ``uninvited_problems``):
+    uninvited_peer_tried   every uninvited peer really attacked: it ran at least one inner phase and tried a round
+                           (else the other three prove nothing)
+    uninvited_never_grouped  no uninvited peer committed a round in a group of 2 or more, and no honest peer's
+                           round excluded one (it was never in an honest peer's group)
+    uninvited_record_unseen  no honest peer ever saw more trainers than the members launched by then (the uninvited
+                           peer's record never reached an honest peer's view)
+    uninvited_served_no_state  no node opened a state stream to an uninvited peer (nobody asked it for state)
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ class PeerRun:
         rss: (t_s, bytes) samples of the peer and its p2pd together.
         reason: why it exited, as the runner read it (``testing.summary.exit_reason``: its summary's
             ``exit_reason``, else its log's last ERROR line, else "exit code N"); "" while alive.
+        peer_id: its base58 peer ID when the runner made its identity (invite-only runs), else "".
+        state_requests_from: for an ``uninvited`` peer, who opened a state stream to it (names, or peer IDs).
     """
 
     name: str
@@ -66,6 +77,8 @@ class PeerRun:
     summary: dict | None = None
     rss: list[tuple[float, int]] = field(default_factory=list)
     reason: str = ""
+    peer_id: str = ""
+    state_requests_from: list[str] = field(default_factory=list)
 
     @property
     def honest(self) -> bool:
@@ -270,6 +283,57 @@ def dht_leftovers(probe: dict, target: int) -> list[dict]:
     ]
 
 
+def uninvited_problems(peers: list[PeerRun]) -> dict[str, list[str]]:
+    """What breaks each ``uninvited_*`` invariant, one line per finding (empty lists: it holds).
+
+    The uninvited peers' IDs come from the runner (``PeerRun.peer_id``), else from their events. A member's view
+    counts every trainer record it holds, its own included, so it may see at most the members (peers that are not
+    ``uninvited``) launched before the event.
+    """
+    uninvited = [p for p in peers if p.byzantine == "uninvited"]
+    ids = {p.peer_id or next((e["peer"] for e in p.events if e.get("peer")), ""): p.name for p in uninvited}
+    ids.pop("", None)
+    found: dict[str, list[str]] = {
+        "uninvited_peer_tried": [],
+        "uninvited_never_grouped": [],
+        "uninvited_record_unseen": [],
+        "uninvited_served_no_state": [],
+    }
+    if not uninvited:
+        found["uninvited_peer_tried"].append("no uninvited peer was launched")
+    for p in uninvited:
+        kinds = {e["event"] for e in p.events}
+        if "inner_phase" not in kinds or not kinds & {"outer_step", "round_failed", "contribution_carried"}:
+            found["uninvited_peer_tried"].append(f"{p.name} ran no inner phase or tried no round ({p.reason})")
+        for e in p.events:
+            if e["event"] == "outer_step" and int(e.get("group_size") or 0) >= 2:
+                found["uninvited_never_grouped"].append(
+                    f"{p.name} committed epoch {e['epoch']} in a group of {e['group_size']}"
+                )
+        if p.state_requests_from:
+            found["uninvited_served_no_state"].append(
+                f"{p.name} got state streams from {', '.join(sorted(set(p.state_requests_from)))}"
+            )
+    members = sorted(p.started_at_s for p in peers if p.byzantine != "uninvited")
+    for p in peers:
+        if not p.honest:
+            continue
+        worst = None
+        for e in p.events:
+            if e["event"] == "outer_step":
+                for peer_id in set(e.get("excluded") or ()) & set(ids):
+                    found["uninvited_never_grouped"].append(
+                        f"{p.name}'s round of epoch {e['epoch']} had the uninvited {ids[peer_id]} in its group "
+                        "(excluded it)"
+                    )
+            launched = sum(1 for t in members if t <= e["t_s"])
+            if int(e.get("peers_seen") or 0) > launched and worst is None:
+                worst = f"{p.name} saw {e['peers_seen']} trainers at {e['t_s']:.1f} s, with {launched} members launched"
+        if worst:
+            found["uninvited_record_unseen"].append(worst)
+    return found
+
+
 def build_report(
     scenario: Scenario,
     peers: list[PeerRun],
@@ -354,6 +418,9 @@ def build_report(
             and all(p.get("ok") for p in probes)
             and not any(p["leftovers"] for p in probes)
         )
+    asked = any(getattr(f, "mode", "") == "uninvited" for f in scenario.faults)
+    uninvited = uninvited_problems(peers) if asked else {}
+    invariants.update({name: not problems for name, problems in uninvited.items()})
     recoveries = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
     return {
         "scenario": scenario.name,
@@ -386,6 +453,14 @@ def build_report(
         "missed_commits": missed,
         "join_sync_s": sync_times,
         "dht_probes": probes,
+        "uninvited": uninvited,
+        "uninvited_state_downloads": [
+            f"{p.name} downloaded epoch {e['epoch']} ({e.get('reason', '')})"
+            for p in peers
+            if p.byzantine == "uninvited"
+            for e in p.events
+            if e["event"] == "state_downloaded"
+        ],
         "peers": [
             {
                 "name": p.name,
@@ -460,6 +535,10 @@ def format_summary(report: dict) -> str:
         lines.append(f"unverified state: {line}")
     for name, what in report.get("missed_commits", {}).items():
         lines.append(f"missed commits: {name}: {what}")
+    for line in report.get("uninvited_state_downloads", []):
+        lines.append(f"uninvited peer got the run's state (no invariant: the coordinator serves anyone): {line}")
+    for name, problems in report.get("uninvited", {}).items():
+        lines += [f"{name}: {line}" for line in problems]
     if report["diverged_peers"]:
         lines.append(f"diverged peers: {', '.join(report['diverged_peers'])}")
     if report["leftover_pids"]:

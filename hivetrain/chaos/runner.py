@@ -29,13 +29,16 @@ from hivetrain.chaos.plot import plot_run
 from hivetrain.chaos.report import PeerRun, build_report, format_summary
 from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, UNREACHABLE_HOST, Scenario
 from hivetrain.chaos.schedule import ChurnStep, Observed, churn_decision, churn_plan, due_faults
-from hivetrain.testing.byzantine import CHUNK_BYTES_ENV
+from hivetrain.peers.identity import Identity, load_or_create_identity
+from hivetrain.peers.membership import make_token
+from hivetrain.testing.byzantine import CHUNK_BYTES_ENV, SERVED_MARKER
 from hivetrain.testing.launcher import LocalSwarm, PeerProcess
 from hivetrain.testing.summary import exit_reason, read_peer_summary
 
 logger = logging.getLogger(__name__)
 
 RSS_INTERVAL_S = 2.0
+TOKEN_MARGIN_S = 3600.0  # join tokens expire this long after the scenario's max_duration_s
 PROBE_TIMEOUT_S = 60.0
 _NORMAL_EXITS = (0, 2, 3, 4, 130)
 _DATA_PORT = re.compile(r"averager \S+ listening on ([0-9.]+):(\d+)")
@@ -94,6 +97,7 @@ class ChaosRunner:
         self._num_churn = 0
         self._last_rss = 0.0
         self._last_epoch = 0
+        self.issuer: Identity | None = None  # the coordinator's identity, when the run is invite-only
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -118,6 +122,7 @@ class ChaosRunner:
         # a peer that exited on its own (not crashed on purpose) must not have left its p2pd/DHT processes behind
         leftover += [pid for o in self.orphans if o["exit_code"] in _NORMAL_EXITS for pid in o["pids"]]
         wall_s = time.time() - self.t0
+        self._read_state_requests()
         checkpoints = process.check_checkpoints(self.out_dir)
         runs = [p.run for p in self.peers]
         report = build_report(
@@ -152,6 +157,8 @@ class ChaosRunner:
             prefix, host = self.coordinator_member.exec_prefix, self.coordinator_member.ip
         address = self.swarm.start_coordinator(timeout_s=90, prefix=prefix, host=host)
         self.log(f"[{self.now():6.1f}s] coordinator up at {address}")
+        if scenario.invite_only:  # the coordinator created its identity file before it published its address
+            self.issuer = load_or_create_identity(self.out_dir / "coordinator.key")
         for i, fault in enumerate(scenario.faults):
             if fault.kind == "latency":
                 port = int(address.split("/tcp/")[1].split("/")[0])
@@ -234,6 +241,10 @@ class ChaosRunner:
             name = f"churn{self._num_churn}"
         else:
             name = f"peer{index}"
+        peer_id = ""
+        if self.issuer is not None:
+            peer_id, token_args = self._invite(name, invited=byzantine != "uninvited")
+            args += token_args
         member = self.topology.add_member() if self.topology is not None else None
         proc = self.swarm.add_peer(
             args,
@@ -242,7 +253,8 @@ class ChaosRunner:
             host=member.ip if member else "127.0.0.1",
             address=self.peer_address,
         )
-        peer = _Peer(proc=proc, run=PeerRun(name=name, index=index, byzantine=byzantine, started_at_s=self.now()))
+        run = PeerRun(name=name, index=index, byzantine=byzantine, started_at_s=self.now(), peer_id=peer_id)
+        peer = _Peer(proc=proc, run=run)
         peer.member, peer.hooks = member, hooks
         self.peers.append(peer)
         if index is not None:
@@ -254,6 +266,40 @@ class ChaosRunner:
                 self._fired(i, f"{name} launched announcing the undialable data address {UNREACHABLE_HOST}")
         self.log(f"[{self.now():6.1f}s] started {name}" + (f" ({' '.join(args)})" if args else ""))
         return peer
+
+    def _invite(self, name: str, invited: bool) -> tuple[str, list[str]]:
+        """Create the identity of peer ``name`` (the file join-swarm's ``--identity-path`` reads) and, if
+        ``invited``, a join token for it signed by the coordinator's identity (``name.token``). Returns (its peer
+        ID, the join-swarm arguments: ``--join-token @FILE``, or none for an uninvited peer)."""
+        assert self.issuer is not None
+        identity = load_or_create_identity(self.out_dir / f"{name}.key")
+        if not invited:
+            return identity.peer_id, []
+        now = time.time()
+        token = make_token(
+            self.issuer.private_key,
+            self.config.run_id,
+            identity.peer_id,
+            issued_at=now,
+            expires_at=now + self.scenario.max_duration_s + TOKEN_MARGIN_S,
+        )
+        path = self.out_dir / f"{name}.token"
+        path.write_text(token + "\n")
+        return identity.peer_id, ["--join-token", f"@{path}"]
+
+    def _read_state_requests(self) -> None:
+        """Record, for every ``uninvited`` peer, who opened a state stream to it (from its log's ``SERVED_MARKER``
+        lines), named as the runner knows them (peerN, coordinator), else by peer ID."""
+        names = {p.run.peer_id: p.run.name for p in self.peers if p.run.peer_id}
+        if self.issuer is not None:
+            names[self.issuer.peer_id] = "coordinator"
+        for peer in self.peers:
+            if peer.run.byzantine != "uninvited" or not peer.proc.log_path.exists():
+                continue
+            for line in peer.proc.log_path.read_text(errors="replace").splitlines():
+                if SERVED_MARKER in line:
+                    requester = line.split(SERVED_MARKER, 1)[1].strip()
+                    peer.run.state_requests_from.append(names.get(requester, requester or "?"))
 
     def _poll_peers(self) -> None:
         for peer in self.peers:

@@ -27,6 +27,11 @@ started, or ``delay_s`` after the first metrics event matching ``on_event``/``on
 faults (``hook``, ``byzantine``, ``latency``, ``unreachable``) are armed when their peer (or the swarm) starts and
 take no trigger.
 
+Invite-only runs: with ``[run.admission] mode = "token"`` the harness signs a join token with the coordinator's
+identity for every peer it launches (``--join-token``), except a ``byzantine`` peer in mode ``uninvited``, which
+joins without one and ignores its refusal. The harness is the only token issuer: ``run.admission.issuer`` stays
+empty, and mode ``"allowlist"`` is refused (the peers' IDs are not known when the run config is written).
+
 Every error is a ``ValueError`` naming the field (``faults[2].peer: ...``); unknown keys are errors.
 """
 
@@ -365,6 +370,23 @@ class Scenario(BaseModel):
                 raise ValueError(f'{where}: needs network = "netns" (network namespaces with tc)')
             if fault.kind == "partition" and len(set(fault.side)) >= self.peers:
                 raise ValueError(f"{where}.side: leave at least one initial peer on the coordinator's side")
+        adm = config.admission
+        if adm.mode == "allowlist":
+            raise ValueError(
+                'run.admission.mode = "allowlist" is not supported by the harness (it cannot know the peers\' IDs '
+                'when it writes the run config): use mode = "token"; the harness invites every honest peer'
+            )
+        if adm.issuer:
+            raise ValueError(
+                "run.admission.issuer: leave it empty; the harness signs every join token with the coordinator's "
+                "identity, so the coordinator is the issuer"
+            )
+        for i, fault in enumerate(self.faults):
+            if fault.kind == "byzantine" and fault.mode == "uninvited" and adm.mode != "token":
+                raise ValueError(
+                    f'faults[{i}] (byzantine uninvited): needs an invite-only run: set [run.admission] mode = "token"'
+                    " (in an open run every peer is a member, so there is nothing to refuse)"
+                )
         if self.max_join_download_s is not None and not any(f.kind == "join" for f in self.faults):
             raise ValueError("max_join_download_s bounds the joiners' state download: add a join fault")
         if sum(f.kind == "latency" for f in self.faults) > 1:
@@ -378,6 +400,12 @@ class Scenario(BaseModel):
 
     def run_config(self) -> RunConfig:
         return RunConfig.from_dict(self.run)
+
+    @property
+    def invite_only(self) -> bool:
+        """Whether the run admits only invited peers (``run.admission.mode = "token"``): the harness then gives each
+        launched peer a join token, except ``uninvited`` byzantine peers."""
+        return self.run_config().admission.mode == "token"
 
 
 def _describe(exc: ValidationError) -> str:

@@ -11,10 +11,18 @@ State and record modes (issue 12, findings 1 and 3):
     drip_donor   serves its honest state one byte every 3 s (``hostile_donors.Dripper``)
     epoch_liar   publishes a signed record claiming epoch ``LIE_EPOCH`` with the hash of random weights, and serves
                  those weights under that claim (a takeover attempt by one valid identity)
+
+Admission mode (issue 12 item 6):
+
+    uninvited    a valid identity without a join token in an invite-only run that ignores its own refusal
+                 (``join-swarm`` skips its exit): it trains, publishes its record without a token, tries to group
+                 with anyone and serves its state to anyone (``AnyoneServer``), logging every state stream it gets
+                 (``SERVED_MARKER``) so the harness can tell whether an honest node ever asked it for state
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -29,8 +37,13 @@ from hivetrain.testing.hostile_donors import Dripper, NaNChunks
 
 MODES = (
     "nan", "inf", "sign_flip", "huge_norm", "inflated_weight", "negative_weight", "wrong_shape", "bad_donor",
-    "nan_donor", "drip_donor", "epoch_liar",
+    "nan_donor", "drip_donor", "epoch_liar", "uninvited",
 )  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+SERVED_MARKER = "byzantine uninvited: state stream from"
+"""What an ``uninvited`` peer logs, followed by the requester's peer ID, for every state stream opened to it."""
 
 CHUNK_BYTES_ENV = "HIVETRAIN_TEST_STATE_CHUNK_BYTES"
 """Fault harness only: the state chunk size every peer of a chaos scenario serves (``Scenario.state_chunk_bytes``),
@@ -110,6 +123,15 @@ class _LieState:
             return self._built
 
 
+class AnyoneServer(StateServer):
+    """A state server that answers anyone (its ``admits`` is ignored) and logs each requester (``SERVED_MARKER``)."""
+
+    async def _handle(self, info, reader, writer) -> None:
+        logger.warning("%s %s", SERVED_MARKER, getattr(info, "peer_id", ""))
+        self.admits = None  # a modified client serves whoever asks
+        await super()._handle(info, reader, writer)
+
+
 def hostile_state_server(
     mode: str, get_state: Callable[[], TrainingState | None], faults: FaultInjector
 ) -> tuple[StateServer, Callable[[Callable[[], PeerRecord]], Callable[[], PeerRecord]]]:
@@ -141,7 +163,7 @@ def hostile_state_server(
             return lying
 
         return StateServer(served, **kwargs), wrap
-    server_class = {"nan_donor": NaNChunks, "drip_donor": Dripper}.get(mode, StateServer)
+    server_class = {"nan_donor": NaNChunks, "drip_donor": Dripper, "uninvited": AnyoneServer}.get(mode, StateServer)
     return server_class(corrupt_served_state(mode, get_state), **kwargs), lambda make_record: make_record
 
 

@@ -259,3 +259,68 @@ def test_a_forged_record_left_in_the_dht_or_an_unanswered_probe_breaks_dht_clean
     assert attack_report(peers, dht_probes=probes(final_records=[long_lived]))["invariants"]["dht_clean"] is False
     assert attack_report(peers, dht_probes=probes(mid_ok=False))["invariants"]["dht_clean"] is False
     assert attack_report(peers, dht_probes=probes()[:1])["invariants"]["dht_clean"] is False  # no end-of-run probe
+
+
+UNINVITED = parse_scenario(
+    {
+        "name": "u",
+        "description": "uninvited",
+        "peers": 3,
+        "max_duration_s": 100,
+        "run": {"diloco": {"inner_steps": 10, "outer_steps": 3}, "admission": {"mode": "token"}},
+        "faults": [{"kind": "byzantine", "peer": 2, "mode": "uninvited"}],
+    }
+)
+OUTSIDER = "QmOutsider"
+
+
+def uninvited_peer(*extra, requests=()):
+    events = [ev("start", 1.0, 0, peer=OUTSIDER), ev("inner_phase", 8.0, 0, samples=80, peer=OUTSIDER)]
+    events += [ev("round_failed", 9.0, 0, peer=OUTSIDER), *extra]
+    run = PeerRun(name="peer2", index=2, byzantine="uninvited", peer_id=OUTSIDER, events=events)
+    run.state_requests_from = list(requests)
+    return run
+
+
+def uninvited_report(peers):
+    faults = [{"index": 0, "kind": "byzantine", "label": "u", "fired_at_s": 0.5, "ended_at_s": None}]
+    return build_report(UNINVITED, peers, faults, wall_s=35.0, timed_out=False, leftover_pids=[], checkpoints=[])
+
+
+def members(seen=2, excluded=()):
+    peers = [honest_peer("peer0", 0), honest_peer("peer1", 1)]
+    for p in peers:
+        for e in p.events:
+            e["peers_seen"] = seen
+            if e["event"] == "outer_step":
+                e["excluded"] = list(excluded)
+    return peers
+
+
+NAMES = ("uninvited_peer_tried", "uninvited_never_grouped", "uninvited_record_unseen", "uninvited_served_no_state")
+
+
+def test_uninvited_invariants_hold_when_the_outsider_is_kept_out():
+    report = uninvited_report([*members(), uninvited_peer()])
+    assert report["passed"], report["invariants"]
+    assert set(NAMES) <= set(report["invariants"])
+    assert not set(NAMES) & set(report_of([honest_peer("peer0", 0)])["invariants"])  # asked for only then
+
+
+def test_each_uninvited_invariant_fails_on_the_run_it_names():
+    def failed(peers):
+        report = uninvited_report(peers)
+        assert "uninvited" in format_summary(report)
+        return {name for name in NAMES if not report["invariants"][name]}
+
+    # a group of 2 with the outsider, seen from its side and from a member's (which excluded it)
+    assert failed([*members(), uninvited_peer(ev("outer_step", 10.0, 1, group_size=2))]) == {NAMES[1]}
+    assert failed([*members(excluded=[OUTSIDER]), uninvited_peer()]) == {NAMES[1]}
+    # a member counted 3 trainers with 2 members launched: the outsider's record reached its view
+    assert failed([*members(seen=3), uninvited_peer()]) == {NAMES[2]}
+    # a member (or the coordinator) opened a state stream to it
+    assert failed([*members(), uninvited_peer(requests=["peer1", "coordinator"])]) == {NAMES[3]}
+    # the outsider never attacked (e.g. it exited at its refusal): nothing above would mean anything
+    quiet = PeerRun(name="peer2", index=2, byzantine="uninvited", exit_code=3, events=[ev("start", 1.0, 0)])
+    assert failed([*members(), quiet]) == {NAMES[0]}
+    assert failed(members()) == {NAMES[0]}  # never launched

@@ -142,3 +142,23 @@ def test_attack_faults_and_requirements_of_issue_12():
         scenario_with({"kind": "byzantine", "peer": 0, "mode": "epoch_lier"})
     liar = scenario_with({"kind": "byzantine", "peer": 0, "mode": "epoch_liar"})
     assert liar.faults[0].mode == "epoch_liar"
+
+
+def test_invite_only_runs_and_the_uninvited_mode():
+    token_run = {"diloco": {"inner_steps": 5, "outer_steps": 4}, "admission": {"mode": "token"}}
+    s = parse_scenario({**BASE, "run": token_run, "faults": [{"kind": "byzantine", "peer": 0, "mode": "uninvited"}]})
+    assert s.invite_only and s.faults[0].mode == "uninvited"
+    assert not scenario_with().invite_only
+    with pytest.raises(ValueError, match=r"faults\[0\] \(byzantine uninvited\): needs an invite-only run: set "):
+        scenario_with({"kind": "byzantine", "peer": 0, "mode": "uninvited"})
+    peer_id = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    issuer = {**token_run, "admission": {"mode": "token", "issuer": peer_id}}
+    with pytest.raises(ValueError, match="run.admission.issuer: leave it empty; the harness signs every join token"):
+        parse_scenario({**BASE, "run": issuer})
+    listed = {
+        **token_run,
+        "admission": {"mode": "allowlist", "allowlist": ["QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]},
+    }
+    with pytest.raises(ValueError, match='run.admission.mode = "allowlist" is not supported by the harness'):
+        parse_scenario({**BASE, "run": listed})
+    assert load_scenario(bundled_scenarios()["uninvited-peer"]).invite_only
