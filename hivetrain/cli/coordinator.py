@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_reaper()
         node = _start_with_known_peers(ncfg, args)
-        _guard_admission(node, config)
+        policy = _guard_admission(node, config)
         fingerprint = run_fingerprint(config)
         follower, observer, loop = None, None, None
         from hivetrain.coordinator.dashboard import RunInfo, summarize_config
@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             config.data.seq_len,
         )
         coordinator = Coordinator(node, config, fingerprint, options, follower=follower, observer=observer)
+        if policy is not None and follower is not None:  # serve the verified state to members only
+            from hivetrain.peers.membership import MemberRoster
+
+            roster = MemberRoster(policy)
+            roster.follow(lambda: coordinator.records)
+            follower.server.admits = roster.admits
         coordinator.publish()
         if args.http_port is not None:
             from hivetrain.coordinator.dashboard import DashboardServer
@@ -172,14 +178,14 @@ def _run_clock_path(args) -> Path | None:
     return Path(args.identity_path + ".run.json") if args.identity_path else None
 
 
-def _guard_admission(node, config) -> None:
+def _guard_admission(node, config):
     """In an invite-only run, have our DHT node refuse non-members' peer records (we are the token issuer unless
-    ``admission.issuer`` names another peer)."""
+    ``admission.issuer`` names another peer). Returns the run's admission policy, or None for an open run."""
     from hivetrain.peers.membership import run_policy
 
     adm = config.admission
     if adm.mode == "open":
-        return
+        return None
     if adm.issuer and adm.issuer != node.peer_id:
         logger.warning(
             "admission.issuer is %s, not this coordinator (%s): tokens from `hivetrain coordinator invite` with this "
@@ -190,6 +196,7 @@ def _guard_admission(node, config) -> None:
     policy = run_policy(config.run_id, adm.mode, adm.allowlist, adm.issuer, node.peer_id)
     node.guard_run(config.run_id, admission=policy)
     logger.info("run %r admits only %s", config.run_id, "invited peers" if adm.mode == "token" else "its allowlist")
+    return policy
 
 
 def _admission_hint(config) -> str:

@@ -297,7 +297,13 @@ def members(seen=2, excluded=()):
     return peers
 
 
-NAMES = ("uninvited_peer_tried", "uninvited_never_grouped", "uninvited_record_unseen", "uninvited_served_no_state")
+NAMES = (
+    "uninvited_peer_tried",
+    "uninvited_never_grouped",
+    "uninvited_record_unseen",
+    "uninvited_served_no_state",
+    "uninvited_got_no_state",
+)
 
 
 def test_uninvited_invariants_hold_when_the_outsider_is_kept_out():
@@ -320,6 +326,8 @@ def test_each_uninvited_invariant_fails_on_the_run_it_names():
     assert failed([*members(seen=3), uninvited_peer()]) == {NAMES[2]}
     # a member (or the coordinator) opened a state stream to it
     assert failed([*members(), uninvited_peer(requests=["peer1", "coordinator"])]) == {NAMES[3]}
+    # someone (the coordinator, before 2026-11-25) served it the run's state
+    assert failed([*members(), uninvited_peer(ev("state_downloaded", 9.0, 4))]) == {NAMES[4]}
     # the outsider never attacked (e.g. it exited at its refusal): nothing above would mean anything
     quiet = PeerRun(name="peer2", index=2, byzantine="uninvited", exit_code=3, events=[ev("start", 1.0, 0)])
     assert failed([*members(), quiet]) == {NAMES[0]}
