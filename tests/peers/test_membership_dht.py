@@ -7,27 +7,11 @@ import subprocess
 import sys
 import time
 
-import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
-
 from hivetrain.peers.identity import load_or_create_identity
 from hivetrain.peers.membership import AdmissionPolicy, make_token
 from hivetrain.peers.records import fetch_records, peers_key, publish_record
+from tests.peers.guardless import guardless_node
 from tests.records import peer_record
-
-
-def _plain_node(tmp_path, initial_peers):
-    """A hivemind node without hivetrain's guard, as a non-member would run it, and its identity."""
-    identity = load_or_create_identity(tmp_path / "outsider.key")
-    dht = hivemind.DHT(
-        initial_peers=initial_peers,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        identity_path=str(identity.path),
-        record_validators=[RSASignatureValidator(identity.private_key)],
-        startup_timeout=30,
-        start=True,
-    )
-    return dht, identity
 
 
 def test_a_non_members_record_is_dropped_by_every_honest_node(make_node, tmp_path):
@@ -43,7 +27,7 @@ def test_a_non_members_record_is_dropped_by_every_honest_node(make_node, tmp_pat
     invited = peer_record(member.peer_id, join_token=token, updated_at=now)
     assert publish_record(member.dht, member.owner_marker, invited, 30)
 
-    outsider, identity = _plain_node(tmp_path, coordinator.visible_maddrs())
+    outsider, identity = guardless_node(tmp_path / "outsider.key", coordinator.visible_maddrs())
     try:
         for join_token in ("", token):  # no token, then the member's token (stolen: it names another peer ID)
             record = peer_record(identity.peer_id, updated_at=time.time(), join_token=join_token)

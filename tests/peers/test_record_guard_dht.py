@@ -3,11 +3,8 @@ owner's later sane record is."""
 
 import time
 
-import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
-
-from hivetrain.peers.identity import load_or_create_identity
 from hivetrain.peers.records import PeerRecord, fetch_records, peers_key, publish_record
+from tests.peers.guardless import guardless_node
 
 
 def _record(peer_id: str, epoch: int) -> PeerRecord:
@@ -23,20 +20,6 @@ def _record(peer_id: str, epoch: int) -> PeerRecord:
     )
 
 
-def _attacker(tmp_path, initial_peers):
-    """A plain hivemind node (signature validator only), as an attacker would run it, and its identity."""
-    identity = load_or_create_identity(tmp_path / "mallory.key")
-    dht = hivemind.DHT(
-        initial_peers=initial_peers,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        identity_path=str(identity.path),
-        record_validators=[RSASignatureValidator(identity.private_key)],
-        startup_timeout=30,
-        start=True,
-    )
-    return dht, identity
-
-
 def test_a_hostile_record_is_dropped_by_every_honest_node(make_node, tmp_path):
     a = make_node()
     b = make_node(a.visible_maddrs())
@@ -44,7 +27,8 @@ def test_a_hostile_record_is_dropped_by_every_honest_node(make_node, tmp_path):
         node.guard_run("r")
         assert publish_record(node.dht, node.owner_marker, _record(node.peer_id, 5), 30)
 
-    attacker, mallory = _attacker(tmp_path, a.visible_maddrs())  # stores the issue-12 freeze record
+    # the attacker stores the issue-12 freeze record
+    attacker, mallory = guardless_node(tmp_path / "mallory.key", a.visible_maddrs())
     hostile = _record(mallory.peer_id, 10**9).model_dump(mode="json")
     try:
         # stored on its own node only; a and b refuse it (the attacker's store reports its local copy)
