@@ -155,15 +155,17 @@ class Matchmaker:
         return decl
 
     # ---- verified records ---------------------------------------------------------------------------------------
+    def _admitted(self, record: ReadyEntry | GroupDeclaration) -> bool:
+        """In a run that requires membership, whether every peer ``record`` names is a member (asked each time:
+        tokens expire). A non-member's records are expected there: logged once per peer, not as invalid."""
+        outsider = "" if self.admits is None else next((p for p in _named_peers(record) if not self.admits(p)), "")
+        if outsider and outsider not in self._told and len(self._told) < 1024:
+            self._told.add(outsider)
+            logger.info("ignoring matchmaking records naming %s: not a member of this run", outsider)
+        return not outsider
+
     def _verify(self, record: ReadyEntry | GroupDeclaration) -> bool:
-        """Signature check, remembered (records are frozen and hashable; polls see the same ones again), and, in a
-        run that requires membership, every peer the record names is a member (asked each time: tokens expire)."""
-        outsider = self._outsider(record)
-        if outsider:
-            if outsider not in self._told and len(self._told) < 1024:
-                self._told.add(outsider)
-                logger.info("ignoring matchmaking records naming %s: not a member of this run", outsider)
-            return False
+        """Signature check, remembered (records are frozen and hashable; polls see the same ones again)."""
         with self._lock:
             known = self._verified.get(record)
         if known is not None:
@@ -178,21 +180,16 @@ class Matchmaker:
                 del self._verified[next(iter(self._verified))]
         return ok
 
-    def _outsider(self, record: ReadyEntry | GroupDeclaration) -> str:
-        """The first peer ``record`` names that is not a member of the run ("" if none, or the run is open)."""
-        if self.admits is None:
-            return ""
-        return next((p for p in _named_peers(record) if not self.admits(p)), "")
-
     def offer(self, raw: object) -> bool:
         """A declaration pushed to us over the data plane (any thread). Kept if valid and signed; returns that."""
         try:
             decl = GroupDeclaration.model_validate(raw)
         except ValueError:
             return False
+        if not self._admitted(decl):
+            return False
         if not self._verify(decl):
-            if not self._outsider(decl):
-                logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
+            logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
             return False
         self._remember(decl)
         return True
@@ -215,9 +212,10 @@ class Matchmaker:
             entry = ReadyEntry.model_validate(raw)
         except ValueError:
             return False
+        if not self._admitted(entry):
+            return False
         if not self._verify(entry):
-            if not self._outsider(entry):
-                logger.warning("dropping a pushed ready entry that does not verify (peer %s)", entry.peer_id)
+            logger.warning("dropping a pushed ready entry that does not verify (peer %s)", entry.peer_id)
             return False
         with self._lock:
             by_peer = self._entries.setdefault(entry.round_key, {})
@@ -264,9 +262,10 @@ class Matchmaker:
             record = parse_signed(subkey, getattr(item, "value", None), schema, id_field) if schema else None
             if record is None or record.round_key != round_key:
                 continue
+            if not self._admitted(record):
+                continue
             if not self._verify(record):
-                if not self._outsider(record):  # a non-member's records are expected: logged once in _verify
-                    logger.warning("dropping an invalid %s by %s", schema.__name__, getattr(record, id_field))
+                logger.warning("dropping an invalid %s by %s", schema.__name__, getattr(record, id_field))
             elif isinstance(record, ReadyEntry):
                 entries.append(record)
             else:

@@ -320,8 +320,9 @@ def _train(
     except DhtLost as exc:
         logger.error("%s; leaving", exc)
         code, reason = EXIT_FAILED, str(exc)
-        if roster is not None and not roster.check(node.peer_id).ok:  # our token expired: peers drop our record
-            reason = f"{reason}; {roster.check(node.peer_id).reason}: ask the run's operator for a new join token"
+        ours = roster.check(node.peer_id) if roster is not None else None
+        if ours is not None and not ours.ok:  # our token expired: peers drop our record
+            reason = f"{reason}; {ours.reason}: ask the run's operator for a new join token"
     except Exception as exc:  # noqa: BLE001 - any failure of training ends this peer, saying why
         logger.exception("training failed")
         code, reason = EXIT_FAILED, f"training failed: {type(exc).__name__}: {exc}"

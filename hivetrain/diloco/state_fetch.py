@@ -400,7 +400,7 @@ async def fetch_state(
     if outsiders:
         logger.info("not asking %d state donor(s) that are not members of the run: %s", len(outsiders), outsiders[:3])
         donors = [d for d in donors if d not in outsiders]
-    if not donors:
+    if outsiders and not donors:
         raise StateDownloadFailed(f"none of the {len(outsiders)} donor(s) is a member of the run")
     num_bytes = layout_num_bytes(reference)
     read_expected = expected if callable(expected) else (lambda: expected)
