@@ -6,7 +6,7 @@ import time
 
 from hivetrain.peers.membership import AdmissionPolicy, make_token
 from hivetrain.peers.records import fetch_records, peers_key, publish_record
-from tests.peers.test_membership_dht import _plain_node
+from tests.peers.guardless import guardless_node
 from tests.records import peer_record
 
 
@@ -21,7 +21,7 @@ def test_guard_run_drops_the_non_member_records_the_node_already_holds(make_node
         joiner.dht, joiner.owner_marker, peer_record(joiner.peer_id, join_token=token, updated_at=now), 60
     )
 
-    outsider, identity = _plain_node(tmp_path, joiner.visible_maddrs())
+    outsider, identity = guardless_node(tmp_path / "outsider.key", joiner.visible_maddrs())
     try:
         record = peer_record(identity.peer_id, updated_at=time.time())
         outsider.store(peers_key("r"), record.model_dump(mode="json"), time.time() + 60, subkey=identity.owner_marker)
