@@ -4,7 +4,6 @@ peer is not a member of the run, while a member of the same round gets in."""
 
 from __future__ import annotations
 
-import os
 import time
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ from hivetrain.averaging.handshake import RoundKeys, dial
 from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.wire import LinkClosed
 from hivetrain.peers.identity import peer_id_of_public_key
+from tests.records import ready_entry
 
 PREFIX = "r.f.avg"
 TIMEOUTS = dict(connect_timeout_s=1.0, part_timeout_s=1.0, buffer_num_bytes=0)
@@ -29,19 +29,7 @@ def _peer():
 
 
 def _entry(peer) -> ReadyEntry:
-    now = time.time()
-    entry = ReadyEntry(
-        peer_id=peer.peer_id,
-        round_key="e1",
-        session=os.urandom(16),
-        host="127.0.0.1",
-        port=4000,
-        kx_public=os.urandom(32),
-        announced_at=now,
-        deadline=now + 5,
-        public_key=peer.key.get_public_key().to_bytes(),
-    )
-    return sign_entry(PREFIX, entry, peer.key)
+    return sign_entry(PREFIX, ready_entry(peer.key, peer.peer_id, time.time(), round_key="e1"), peer.key)
 
 
 def _declaration(*members) -> GroupDeclaration:

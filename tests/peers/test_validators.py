@@ -2,7 +2,6 @@
 hivemind's signature validator as a DHT node chains it, and the issue-12 freeze replayed on a real storage."""
 
 import dataclasses
-import os
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from hivetrain.peers.identity import peer_id_of_owner
 from hivetrain.peers.records import RUN_CONFIG_KEY, RunConfigRecord, peers_key
 from hivetrain.peers.validators import RecordBounds, RecordGuard, check_record, key_id
 from hivetrain.swarm.announce import StageRecord
-from tests.records import peer_record
+from tests.records import peer_record, ready_entry
 
 NOW = 1_800_000_000.0
 BOUNDS = RecordBounds()
@@ -56,18 +55,7 @@ def _check(kind, value: dict, subkey: bytes, expiration: float = NOW + 30, run_i
 
 
 def _entry(signer: Signer, **fields) -> ReadyEntry:
-    values = dict(
-        peer_id=signer.peer_id,
-        round_key="7",
-        session=os.urandom(16),
-        host="127.0.0.1",
-        port=4000,
-        kx_public=os.urandom(32),
-        announced_at=NOW,
-        deadline=NOW + 5,
-        public_key=signer.key.get_public_key().to_bytes(),
-    )
-    return ReadyEntry(**{**values, **fields})
+    return ready_entry(signer.key, signer.peer_id, **{"announced_at": NOW, **fields})
 
 
 def test_a_good_record_of_each_kind_is_accepted(alice):
