@@ -124,11 +124,11 @@ class _LieState:
 
 
 class AnyoneServer(StateServer):
-    """A state server that answers anyone (its ``admits`` is ignored) and logs each requester (``SERVED_MARKER``)."""
+    """A state server that answers anyone (its peer has no roster, so ``admits`` stays None) and logs each requester
+    (``SERVED_MARKER``)."""
 
     async def _handle(self, info, reader, writer) -> None:
         logger.warning("%s %s", SERVED_MARKER, getattr(info, "peer_id", ""))
-        self.admits = None  # a modified client serves whoever asks
         await super()._handle(info, reader, writer)
 
 
