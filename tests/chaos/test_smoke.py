@@ -52,7 +52,8 @@ def _check_nat_peer(out, outer_steps: int) -> None:
     """Nobody can dial peer1's or peer2's data port, yet both were in every group of 4. Of each pair the member with
     the smaller peer id dials (``RoundLinks``): a reachable peer that had to dial a NAT peer asked it to dial back
     (direct TCP); the NAT peer that had to dial the other NAT peer could not be dialed back either and used a libp2p
-    stream; a NAT peer that dials a reachable peer just connects out. Nobody else needed libp2p streams."""
+    stream (as does a reachable peer whose dial-back misses its window); a NAT peer that dials out is never streamed
+    to."""
     events = {i: read_events(out / f"peer{i}.jsonl") for i in range(4)}
     steps = {i: [e for e in evs if e["event"] == "outer_step"] for i, evs in events.items()}
     starts = {i: next(e["time"] for e in evs if e["event"] == "start") for i, evs in events.items()}
