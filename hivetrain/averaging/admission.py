@@ -1,6 +1,7 @@
 """Who may hold a connection to our data port, and for how long: the limits that keep strangers from jamming it.
 
-Anyone can open TCP connections to a data port. Until a connection's first frame is complete it is a *stranger*:
+Anyone can open TCP connections to a data port; on Linux those that send nothing are never accepted (the server's
+TCP_DEFER_ACCEPT), the rest count here. Until a connection's first frame is complete it is a *stranger*:
 it has proved nothing. Strangers share a small pool, limited per source address and in total, with a total deadline
 (from accept, never extended by a byte that arrives) and a budget for the bytes they may make us buffer. A member of a
 registered round proves itself in that first frame (its HELLO carries a MAC with the pair key; see ``dataplane``) and

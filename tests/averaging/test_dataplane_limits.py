@@ -40,11 +40,38 @@ def _wait_until(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
-def _connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+def _connect(port: int, source: str = "127.0.0.1", first: bytes = b"") -> socket.socket:
+    """A connection from ``source`` that sends ``first`` (a stranger that sends nothing is never accepted)."""
     sock = socket.socket()
     sock.bind((source, 0))
     sock.connect(("127.0.0.1", port))
+    if first:
+        sock.sendall(first)
     return sock
+
+
+def test_connections_that_send_nothing_are_never_accepted_and_members_get_in_beside_them(servers) -> None:
+    """1000 idle connections (the issue's flood) never reach the server (TCP_DEFER_ACCEPT: the kernel hands over a
+    connection once its first bytes arrive), so they take no stranger slot and cost no accept; a member's
+    handshake completes beside them; one that then sends a byte is accepted as a stranger."""
+    server = servers(limits=DataPlaneLimits(max_strangers=16, max_strangers_per_source=4, handshake_timeout_s=30.0))
+    ours, theirs = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+    attached = []
+    server.register(RoundKeys("round-i", "A", ours, {"B": _public(theirs)}, attached.append))
+    idle = [_connect(server.port) for _ in range(1000)]
+    try:
+        time.sleep(0.5)
+        assert len(server.pool) == 0 and server.rejected == 0, (len(server.pool), server.refused)
+        real = RoundKeys("round-i", "B", theirs, {"A": _public(ours)}, lambda link: None)
+        dial("127.0.0.1", server.port, real, "A", **TIMEOUTS, join_wait_s=2.0).close()
+        assert _wait_until(lambda: len(attached) == 1, 3.0)
+        idle[0].sendall(b"H")
+        assert _wait_until(lambda: len(server.pool) == 1, 3.0)
+    finally:
+        for sock in idle:
+            sock.close()
+        for link in attached:
+            link.close()
 
 
 def _declare_header(meta_num_bytes: int) -> bytes:
@@ -53,8 +80,8 @@ def _declare_header(meta_num_bytes: int) -> bytes:
 
 def test_each_source_holds_at_most_its_cap_and_a_flood_from_one_address_leaves_another_alone(servers) -> None:
     server = servers(limits=DataPlaneLimits(max_strangers=16, max_strangers_per_source=4, handshake_timeout_s=30.0))
-    honest = _connect(server.port, "127.0.0.1")
-    flood = [_connect(server.port, "127.0.0.2") for _ in range(10)]
+    honest = _connect(server.port, "127.0.0.1", b"H")  # the first byte of a header: accepted, then it waits
+    flood = [_connect(server.port, "127.0.0.2", b"H") for _ in range(10)]
     try:
         assert _wait_until(lambda: server.refused["evicted"] == 6, 5.0), server.refused
         assert server.pool.count("127.0.0.2") == 4 and server.pool.count("127.0.0.1") == 1
