@@ -30,11 +30,15 @@ Honest contributions ("--inputs"):
     real       pseudo-gradients of the ``tiny`` Llama (~0.46M parameters) on tinyshakespeare: from one θ0 (after
                ``--warm-steps`` shared AdamW steps), 8 peers run 20 inner steps each on their own data stream,
                x_h = θ0 - θ_h; all weights 160 samples (20 steps x 8 windows).
+    real_uneven as real, but the peers ran 5, 10, 20, 40, 80, 20, 10, 60 inner steps (a 16x speed spread, as the
+               "swarm" schedule gives), weights 8 samples per step.
 
 Aggregators: "mean" (``robust.weighted_mean``), "cclip_tau1" (the old default: ``centered_clip`` with the fixed
 tau = 1.0, 5 iterations), "robust" (``bucketing.robust_aggregate`` with ``AveragingConfig``'s defaults, or the
---tau-factor/--bucket-size/--duplicate-ratio given) and three ablations of it: "no_reject" (reject_factor 0: plain
-CenteredClip with the data-driven radius), "buckets_2" (bucket_size 2) and "no_discount" (duplicate_ratio 0).
+--tau-factor/--bucket-size/--duplicate-ratio/--shift-threshold given) and five ablations of it: "no_reject"
+(reject_factor 0: plain CenteredClip with the data-driven radius), "buckets_2" (bucket_size 2), "no_discount"
+(duplicate_ratio 0), "no_sizes" (size_exponent 0: contributions compared as sent, not scaled by their weight) and
+"no_shift" (shift_threshold 0: no shift test).
 
 Goal (issue 12): "robust" below the mean for every attack of the goal, at most 0.2 for f <= 2, and within 0.005 of the
 mean (relative error <= 0.005) with f = 0. Exit status 0 either way; the verdict is printed.
@@ -79,8 +83,12 @@ def synthetic_inputs(seed: int, num_elements: int, uneven: bool) -> tuple[list[t
     return xs, weights
 
 
-def real_inputs(seed: int, warm_steps: int) -> tuple[list[torch.Tensor], list[float]]:
-    """K tiny-model pseudo-gradients (fp32, flat) from one θ0, 20 AdamW steps each on its own data stream."""
+UNEVEN_STEPS = (5, 10, 20, 40, 80, 20, 10, 60)
+
+
+def real_inputs(seed: int, warm_steps: int, uneven: bool = False) -> tuple[list[torch.Tensor], list[float]]:
+    """K tiny-model pseudo-gradients (fp32, flat) from one θ0, 20 AdamW steps each (``UNEVEN_STEPS`` if ``uneven``)
+    on its own data stream."""
     import numpy as np
 
     from hivetrain.config import DilocoConfig
@@ -101,11 +109,12 @@ def real_inputs(seed: int, warm_steps: int) -> tuple[list[torch.Tensor], list[fl
     InnerOptimizer(model, cfg).run(batches(10_000), 0, warm_steps)
     theta0 = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
     xs = []
+    steps = UNEVEN_STEPS if uneven else (inner_steps,) * K
     for h in range(K):
         torch.nn.utils.vector_to_parameters(theta0.clone(), model.parameters())  # it makes views
-        InnerOptimizer(model, cfg).run(batches(h), warm_steps, inner_steps)
+        InnerOptimizer(model, cfg).run(batches(h), warm_steps, steps[h])
         xs.append(theta0 - torch.cat([p.detach().flatten() for p in model.parameters()]))
-    return xs, [float(inner_steps * batch_size)] * K
+    return xs, [float(n * batch_size) for n in steps]
 
 
 def attack(name: str, honest: list[torch.Tensor], own: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
@@ -131,7 +140,12 @@ def attack(name: str, honest: list[torch.Tensor], own: list[torch.Tensor], seed:
 
 def aggregators(cfg: AveragingConfig) -> dict[str, Callable]:
     """name -> fn(parts, weights, seed) -> fp32 (m,)."""
-    common = dict(tau_factor=cfg.clip_tau_factor, num_iters=cfg.clip_iters)
+    common = dict(
+        tau_factor=cfg.clip_tau_factor,
+        num_iters=cfg.clip_iters,
+        shift_threshold=cfg.shift_threshold,
+        size_exponent=cfg.size_exponent,
+    )
     return {
         "mean": lambda p, w, s: weighted_mean(p, w),
         "cclip_tau1": lambda p, w, s: centered_clip(p, w, 1.0, 5).value,
@@ -146,6 +160,22 @@ def aggregators(cfg: AveragingConfig) -> dict[str, Callable]:
         ).value,
         "no_discount": lambda p, w, s: robust_aggregate(
             p, w, seed=s, bucket_size=cfg.bucket_size, duplicate_ratio=0.0, **common
+        ).value,
+        "no_sizes": lambda p, w, s: robust_aggregate(
+            p,
+            w,
+            seed=s,
+            bucket_size=cfg.bucket_size,
+            duplicate_ratio=cfg.duplicate_ratio,
+            **common | {"size_exponent": 0.0},
+        ).value,
+        "no_shift": lambda p, w, s: robust_aggregate(
+            p,
+            w,
+            seed=s,
+            bucket_size=cfg.bucket_size,
+            duplicate_ratio=cfg.duplicate_ratio,
+            **common | {"shift_threshold": 0.0},
         ).value,
     }
 
@@ -182,6 +212,7 @@ def run(args: argparse.Namespace) -> dict:
         clip_tau_factor=args.tau_factor,
         bucket_size=args.bucket_size,
         duplicate_ratio=args.duplicate_ratio,
+        shift_threshold=args.shift_threshold,
     )
     fns = aggregators(cfg)
     rows = []
@@ -192,8 +223,8 @@ def run(args: argparse.Namespace) -> dict:
             per_seed = torch.load(cache)
         else:
             per_seed = [
-                real_inputs(s, args.warm_steps)
-                if kind == "real"
+                real_inputs(s, args.warm_steps, uneven=kind == "real_uneven")
+                if kind.startswith("real")
                 else synthetic_inputs(s, args.num_elements, uneven=kind == "uneven")
                 for s in range(args.seeds)
             ]
@@ -216,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
             "clip_tau_factor": cfg.clip_tau_factor,
             "clip_iters": cfg.clip_iters,
             "duplicate_ratio": cfg.duplicate_ratio,
+            "shift_threshold": cfg.shift_threshold,
         },
         "k": K,
         "seeds": args.seeds,
@@ -244,7 +276,11 @@ def verdict(rows: list[dict]) -> dict[str, list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--inputs", default="synthetic,uneven,real", help="comma list of synthetic, uneven, real")
+    parser.add_argument(
+        "--inputs",
+        default="synthetic,uneven,real,real_uneven",
+        help="comma list of synthetic, uneven, real, real_uneven",
+    )
     parser.add_argument("--seeds", type=int, default=5, help="seeds per case")
     parser.add_argument("--num-elements", type=int, default=1 << 17, help="synthetic vector length, elements")
     parser.add_argument("--warm-steps", type=int, default=50, help="real: shared AdamW steps before θ0")
@@ -252,6 +288,7 @@ def main() -> int:
     parser.add_argument("--tau-factor", type=float, default=defaults.clip_tau_factor, help="clip_tau_factor")
     parser.add_argument("--bucket-size", type=int, default=defaults.bucket_size, help="bucket_size (1 = none)")
     parser.add_argument("--duplicate-ratio", type=float, default=defaults.duplicate_ratio, help="0 = off")
+    parser.add_argument("--shift-threshold", type=float, default=defaults.shift_threshold, help="0 = off")
     parser.add_argument("--cache", default="", help="folder to keep the generated inputs in ('' = none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -262,10 +299,10 @@ def main() -> int:
         return 0
     names = list(aggregators(AveragingConfig()).keys())
     print(f"relative error ||agg - honest_mean|| / ||honest_mean||, mean (max) over {args.seeds} seeds, k = {K}")
-    print(f"{'inputs':9} {'attack':10} f " + " ".join(f"{n:>17}" for n in names))
+    print(f"{'inputs':11} {'attack':10} f " + " ".join(f"{n:>17}" for n in names))
     for r in result["rows"]:
         cells = " ".join(f"{r[n]['mean']:8.4f} ({r[n]['max']:6.3f})" for n in names)
-        print(f"{r['inputs']:9} {r['attack']:10} {r['f']} {cells}")
+        print(f"{r['inputs']:11} {r['attack']:10} {r['f']} {cells}")
     for kind, fails in result["verdict"].items():
         print(f"{kind}: goal {'MET' if not fails else 'NOT met: ' + '; '.join(fails)}")
     return 0

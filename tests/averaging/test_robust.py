@@ -12,8 +12,10 @@ from hivetrain.averaging.bucketing import (
     aggregation_seed,
     bucket_permutation,
     colluding_groups,
+    estimate_size_exponent,
     robust_aggregate,
     robust_options,
+    shifted_contributions,
 )
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.robust import (
@@ -252,7 +254,7 @@ def test_robust_aggregate_rejects_a_far_attacker_exactly() -> None:
     for attacker in (torch.full((N,), 1e6), -honest[0], -100.0 * honest[1]):
         parts = honest[:2] + [attacker] + honest[2:]
         res = robust_aggregate(parts, weights[:2] + [3.0] + weights[2:], seed=0)
-        assert res.rejected == (2,) and res.clipped == ()
+        assert (res.rejected, res.shifted) in (((2,), ()), ((), (2,))) and res.clipped == ()  # a constant: shifted
         assert _rel_err(res.value, weighted_mean(honest, weights)) < 1e-6
 
 
@@ -265,12 +267,76 @@ def test_robust_aggregate_counts_colluding_copies_once() -> None:
     ipm = -0.1 * stacked.mean(0)
     for attack, f in ((alie, 2), (alie, 3), (ipm, 2)):
         parts, weights = honest[:3] + [attack] * f + honest[3:], [2.0] * (6 + f)
-        res = robust_aggregate(parts, weights, seed=0)
+        res = robust_aggregate(parts, weights, seed=0, shift_threshold=0.0)  # the discount alone
         assert res.colluding == (tuple(range(3, 3 + f)),) and res.rejected == ()
         expected = weighted_mean(parts, [2.0] * 3 + [2.0 / f] * f + [2.0] * 3)
         torch.testing.assert_close(res.value, expected, rtol=0, atol=1e-5)
         honest_mean = weighted_mean(honest, [2.0] * 6)  # error 1/7 of the attack, not f / (6 + f) as in the mean
         torch.testing.assert_close(res.value - honest_mean, (attack - honest_mean) / 7, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("f", [1, 2, 3])
+@pytest.mark.parametrize("noisy", [False, True])
+def test_shift_test_removes_alie_attackers_that_distance_cannot(f: int, noisy: bool) -> None:
+    """ALIE (mu - sigma of the honest contributions, Baruch et al. 2019), alone or with noise of an honest peer's size
+    added (so no two attackers are copies), sits at the honest RMS distance, inside the radius; the shift test gives
+    it weight 0, so the result is the honest weighted mean (the plain mean is off by f / (7 + f) of its distance)."""
+    honest, weights = _uneven(7, seed=5)
+    stacked = torch.stack(honest)
+    gen = torch.Generator().manual_seed(9)
+    noise = float((stacked - stacked.mean(0)).norm(dim=1).mean()) / math.sqrt(N) if noisy else 0.0
+    attackers = [stacked.mean(0) - stacked.std(0) + noise * torch.randn(N, generator=gen) for _ in range(f)]
+    parts, all_weights = attackers + honest, [max(weights)] * f + weights
+    res = robust_aggregate(parts, all_weights, seed=0)
+    assert res.shifted == tuple(range(f)) and res.rejected == ()
+    honest_mean = weighted_mean(honest, weights)
+    assert _rel_err(res.value, honest_mean) < 1e-6
+    assert _rel_err(weighted_mean(parts, all_weights), honest_mean) > 0.05
+    off = robust_aggregate(parts, all_weights, seed=0, shift_threshold=0.0)
+    assert off.shifted == () and _rel_err(off.value, honest_mean) > 0.02  # the test is what removes them
+
+
+def test_shift_test_keeps_honest_peers_and_needs_an_honest_majority() -> None:
+    """No honest contribution fails, whatever the spread of their sizes; a part where half or more would fail
+    (its premise broken) has none removed; tiny parts use the chance level 6 / sqrt(n), not the threshold."""
+    xs, _ = _uneven(8)
+    scaled = [c * x for c, x in zip((0.25, 0.5, 1.0, 1.0, 2.0, 4.0, 1.5, 0.75), _honest(8, spread=1.0), strict=True)]
+    for parts in (xs, scaled):
+        assert shifted_contributions(parts, 0.2) == []
+    shifted_up = [x + 1.0 for x in xs[:4]] + xs[4:]  # 4 of 8 one-sided: no honest majority to compare with
+    assert shifted_contributions(shifted_up, 0.2) == []
+    assert shifted_contributions([x + 1.0 for x in xs[:3]] + xs[3:], 0.2) == [0, 1, 2]
+    small = [x[:16] for x in xs]  # n = 16: 6 / 4 > 1, nothing can fail by chance
+    assert shifted_contributions([small[0] + 0.5] + small[1:], 0.2) == []
+    assert shifted_contributions(xs, 0.0) == [] and shifted_contributions(xs[:2], 0.2) == []
+
+
+def test_size_exponent_is_estimated_from_the_majority_and_clamped() -> None:
+    weights = [40.0, 80.0, 160.0, 320.0, 640.0, 160.0, 80.0, 480.0]
+    norms = [w**0.56 for w in weights]
+    assert abs(estimate_size_exponent(norms, weights) - 0.56) < 1e-9
+    assert abs(estimate_size_exponent(norms[:6] + [1e9, 1e-9], weights) - 0.56) < 0.1  # two liars of 8
+    liars = [1e-3] * 3  # three of 8 claim the biggest weights with tiny vectors (inner-product manipulation)
+    assert abs(estimate_size_exponent(norms[:5] + liars, weights[:5] + [640.0] * 3) - 0.56) < 0.15
+    assert estimate_size_exponent([1.0] * 8, weights) == 0.0  # sizes that do not grow with weight
+    assert estimate_size_exponent([w**3 for w in weights], weights) == 1.0  # clamped
+    assert estimate_size_exponent(norms, [100.0] * 8) == 0.0  # equal weights: no pair qualifies
+
+
+def test_honest_peers_of_uneven_steps_are_neither_rejected_nor_clipped() -> None:
+    """Peers that ran 5-80 inner steps (weights in proportion): signal grows with the steps, noise with their square
+    root. Step 0 compares them at one size, so the result is exactly the weighted mean; compared as sent
+    (size_exponent 0), the biggest honest contributions are rejected."""
+    gen = torch.Generator().manual_seed(4)
+    steps = [5, 10, 20, 40, 80, 20, 10, 60]
+    signal = 0.05 * torch.randn(N, generator=gen)  # norms grow as steps^0.55, as measured on pseudo-gradients
+    xs = [n * signal + math.sqrt(n) * torch.randn(N, generator=gen) for n in steps]
+    weights = [8.0 * n for n in steps]
+    res = robust_aggregate(xs, weights, seed=0)
+    assert res.rejected == () and res.clipped == () and res.shifted == () and 0.3 < res.size_exponent < 1.0
+    assert _rel_err(res.value, weighted_mean(xs, weights)) < 1e-5
+    as_sent = robust_aggregate(xs, weights, seed=0, size_exponent=0.0)
+    assert as_sent.rejected and _rel_err(as_sent.value, weighted_mean(xs, weights)) > 0.05
 
 
 def test_robust_aggregate_attacker_inside_the_radius_moves_it_at_most_tau_share() -> None:
@@ -328,6 +394,8 @@ def test_robust_aggregate_drops_non_finite_contributions(bad: float) -> None:
         (dict(seed=-1), "seed must be in"),
         (dict(seed=1 << 64), "seed must be in"),
         (dict(num_iters=0), "num_iters must be an int >= 1"),
+        (dict(shift_threshold=1.5), r"shift_threshold must be in \[0, 1\]"),
+        (dict(size_exponent=-0.5), r"size_exponent must be in \[0, 1\] or None"),
     ],
 )
 def test_robust_aggregate_rejects_bad_arguments(kwargs: dict, match: str) -> None:
