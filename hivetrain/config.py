@@ -45,23 +45,30 @@ class DataConfig:
     """Training data and batching.
 
     Args:
-        paths: text files, directories (searched recursively) or globs; empty = this machine's Python standard
-            library sources (real text every machine has).
+        paths: text files, .jsonl/.json/.parquet/.arrow record files, directories (searched recursively for text
+            files and .jsonl/.parquet/.arrow) or globs; empty = this machine's Python standard library sources
+            (real text every machine has). Read as streams: a corpus may be far bigger than memory.
+        text_field: the field of a record (in .jsonl/.json/.parquet/.arrow files) that holds its text.
         tokenizer: path of a local ``transformers`` tokenizer directory; empty = bytes (vocabulary 256).
         seq_len: tokens per training window.
         batch_size: windows per inner step (samples per inner step).
         num_eval_windows: held-out windows every peer evaluates on (the same windows on every peer).
-        eval_fraction: fraction of the corpus (at its end) held out for evaluation.
-        max_corpus_bytes: read at most this many bytes of text (0 = no limit).
+        eval_fraction: fraction of the corpus's documents held out for evaluation, chosen by a hash of their content
+            (the same documents on every peer; ``hivetrain.data.stream``).
+        max_corpus_bytes: use at most about this many bytes of files, the first in sorted order (0 = no limit;
+            memory does not depend on it).
+        shuffle_windows: windows in each peer's shuffle buffer (memory: this x (seq_len + 1) tokens).
     """
 
     paths: tuple[str, ...] = ()
+    text_field: str = Field(default="text", min_length=1, max_length=256)
     tokenizer: str = ""
     seq_len: int = Field(default=128, ge=8, le=65536)
     batch_size: int = Field(default=8, ge=1, le=4096)
     num_eval_windows: int = Field(default=32, ge=1, le=100_000)
     eval_fraction: float = Field(default=0.02, gt=0.0, lt=0.5)
-    max_corpus_bytes: int = Field(default=32 * 2**20, ge=0)
+    max_corpus_bytes: int = Field(default=0, ge=0)
+    shuffle_windows: int = Field(default=512, ge=1, le=1_000_000)
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -91,13 +98,29 @@ class DilocoConfig:
             2024). "steps": every peer runs exactly ``inner_steps`` inner steps (the paper's fixed H; slow peers
             arrive late).
         target_samples_per_epoch: the swarm's samples per epoch for ``schedule = "swarm"``; 0 = ``inner_steps *
-            data.batch_size`` times the number of live trainers at the epoch (equal peers then run H steps each).
+            data.batch_size * grad_accum_steps`` times the number of live trainers at the epoch (equal peers then run
+            H steps each).
         overlap: "off" = the peer waits for its epoch's round before the next inner phase. "delayed" = the next inner
             phase starts at once from the newest shared θ while the round runs in the background (the averaged
             update lands one epoch late). "eager" = the same, but the next phase starts from θ advanced by an
             estimate of the average in flight: the previous average with our own share replaced by our new
             pseudo-gradient (Kale et al. 2025, "Eager updates for overlapped communication and computation in
             DiLoCo"). The shared state stays bit-identical across peers in every mode.
+        precision: the compute precision of the inner steps' forward and backward passes (``diloco/inner.py``).
+            "auto" (default): bf16 autocast on CUDA GPUs with native bf16 (compute capability 8.0+), fp16 autocast
+            with a gradient scaler on older CUDA GPUs, fp32 on CPUs and other devices (so CPU peers compute exactly
+            as without autocast). "fp32": no autocast anywhere. "bf16": bf16 autocast on every peer, CPUs included
+            (torch autocasts there too; slow on CPUs without bf16 instructions). "fp16": fp16 autocast with a
+            gradient scaler (steps with Inf/NaN gradients are skipped and counted); a peer without a CUDA GPU
+            refuses to start with a ValueError rather than silently train in another precision. Parameters, AdamW
+            state, θ, the outer momentum and the pseudo-gradient stay fp32 in every mode, so peers of one run may
+            use different precisions (mixed GPU/CPU swarms: keep "auto") and still hold bit-identical state. Why:
+            bf16 autocast roughly halves activation memory and runs on a GPU's tensor cores.
+        grad_accum_steps: microbatches per inner step (gradient accumulation). Each inner step averages the
+            gradients of ``grad_accum_steps`` microbatches of ``data.batch_size`` windows, so an inner step
+            trains on ``data.batch_size * grad_accum_steps`` samples (the weight a peer claims counts them all)
+            while activations are held for one microbatch. Default 1 (no accumulation). Why: a large batch that
+            does not fit in device memory.
     """
 
     inner_steps: int = Field(default=50, ge=1, le=1_000_000)
@@ -114,6 +137,12 @@ class DilocoConfig:
     schedule: Literal["steps", "swarm"] = "swarm"
     target_samples_per_epoch: int = Field(default=0, ge=0)
     overlap: Literal["off", "delayed", "eager"] = "off"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    grad_accum_steps: int = Field(default=1, ge=1, le=4096)
+
+    def samples_per_inner_step(self, batch_size: int) -> int:
+        """Samples (windows) one inner step trains on: ``batch_size`` (``data.batch_size``) * ``grad_accum_steps``."""
+        return batch_size * self.grad_accum_steps
 
     def schedule_length(self) -> int:
         """Inner steps over which the cosine schedule decays (at least the warmup)."""
@@ -162,12 +191,16 @@ class RunConfig:
 
     Args:
         run_id: names the run in the DHT; letters, digits, '-', '_' and '.'.
-        model: a model preset (tiny ~0.5M, small ~5M, base ~150M parameters), see ``hivetrain.model``.
+        model: a model preset (tiny ~0.5M, small ~5M, base ~150M parameters), or a path (it holds a '/' or ends in
+            '.json': write ``./dir`` for a relative directory): a ``transformers`` config.json or a directory
+            holding one (any causal LM architecture, fresh weights from ``seed``), or a pretrained directory with
+            ``*.safetensors`` weights, which are θ₀ (continued pretraining). Every peer needs the files on its disk
+            (``join-swarm --model-path`` if elsewhere); see ``hivetrain.model``.
         seed: seeds the initial parameters (identical on every peer) and each peer's data stream.
     """
 
     run_id: str = "hivetrain"
-    model: Literal["tiny", "small", "base"] = "tiny"
+    model: str = Field(default="tiny", min_length=1, max_length=1024)
     seed: int = Field(default=0, ge=0)
     data: DataConfig = DataConfig()
     diloco: DilocoConfig = DilocoConfig()
@@ -177,10 +210,17 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.run_id):
             raise ValueError(f"run_id {self.run_id!r}: use 1-64 letters, digits, '-', '_' or '.'")
-        if self.averaging.max_samples_per_round < self.diloco.inner_steps * self.data.batch_size:
+        # the same rule as hivetrain.model.is_model_path (kept here so that loading a config imports no torch)
+        if self.model not in MODEL_PRESETS and not ("/" in self.model or self.model.endswith(".json")):
             raise ValueError(
-                "averaging.max_samples_per_round must be at least diloco.inner_steps * data.batch_size "
-                f"({self.diloco.inner_steps * self.data.batch_size}), the weight an honest peer claims"
+                f"model {self.model!r}: not a preset {list(MODEL_PRESETS)} nor a path (a config.json, or a directory "
+                f"holding one: write ./{self.model} for a relative directory)"
+            )
+        honest_weight = self.diloco.inner_steps * self.diloco.samples_per_inner_step(self.data.batch_size)
+        if self.averaging.max_samples_per_round < honest_weight:
+            raise ValueError(
+                "averaging.max_samples_per_round must be at least diloco.inner_steps * data.batch_size * "
+                f"diloco.grad_accum_steps ({honest_weight}), the weight an honest peer claims"
             )
         if self.diloco.overlap != "off" and self.averaging.strategy != "butterfly":
             raise ValueError(

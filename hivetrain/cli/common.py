@@ -131,7 +131,9 @@ def add_run_override_arguments(parser: argparse.ArgumentParser) -> None:
         help="text files, directories or globs (default: this machine's Python stdlib sources)",
     )
     group.add_argument("--seq-len", type=int, default=None, help="tokens per training window")
-    group.add_argument("--batch-size", type=int, default=None, help="windows (samples) per inner step")
+    group.add_argument(
+        "--batch-size", type=int, default=None, help="windows per microbatch (diloco.grad_accum_steps per inner step)"
+    )
 
 
 def run_overrides(args: argparse.Namespace) -> dict:

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         [PeerFiles.of(p, stopped=p.name in stopped) for p in swarm.peers],
         config.diloco.inner_steps,
         wall_s=time.time() - started,
-        batch_size=config.data.batch_size,
+        batch_size=config.diloco.samples_per_inner_step(config.data.batch_size),
         started_at=started,
         exact_average=config.averaging.strategy == "butterfly",
     )

@@ -95,7 +95,7 @@ class DilocoTrainer:
         plan = PhasePlan(
             schedule=config.diloco.schedule,
             inner_steps=config.diloco.inner_steps,
-            batch_size=config.data.batch_size,
+            batch_size=config.diloco.samples_per_inner_step(config.data.batch_size),
             target_samples_per_epoch=config.diloco.target_samples_per_epoch,
             max_samples_per_peer=config.averaging.max_samples_per_round,
             stale_after_s=options.record_ttl_s,
