@@ -341,6 +341,7 @@ class DilocoTrainer:
             wall_s=phase.wall_s,
             round_key=phase_epoch,
             tokens_per_s=result.num_tokens / max(phase.compute_s, 1e-9),
+            skipped_steps=result.num_skipped_steps,  # fp16: steps the gradient scaler skipped
         )
         fresh = Contribution(pseudo_gradient(start, self.model), result.num_samples, phase_epoch)
         if self._pending is not None:
