@@ -1,6 +1,17 @@
-"""Model presets built from ``transformers`` configs, and the model fingerprint peers compare.
+"""The run's model: a preset, a ``transformers`` config.json or a pretrained directory; and its fingerprint.
 
-Presets are small Llama decoders (``LlamaForCausalLM``) with a byte vocabulary (256) by default:
+``RunConfig.model`` names one of three sources (``resolve_model_source``):
+
+- a preset (below): a small Llama decoder, fresh weights from the run seed;
+- a ``config.json`` (or a directory holding one and no weights) of any ``AutoModelForCausalLM`` architecture
+  (Llama, Qwen2, GPT-NeoX, ...): fresh weights from the run seed;
+- a pretrained directory (``config.json`` plus ``*.safetensors`` weights): the weights are θ₀ (continued
+  pretraining), and their sha256 is part of the fingerprint, so peers holding other weights are refused.
+
+Nothing is downloaded and no remote code runs: every file must be on the peer's disk (``join-swarm --model-path``
+points at it when it lies elsewhere than the run config says).
+
+Presets are Llama decoders (``LlamaForCausalLM``) with a byte vocabulary (256) by default:
 
 =======  ===========  =====================================================
 preset   parameters   meant for
@@ -17,11 +28,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+
+if TYPE_CHECKING:
+    from hivetrain.config import RunConfig
 
 # Architecture of each preset; vocab_size and max_position_embeddings are filled in by build_config.
+PRESETS = ("tiny", "small", "base")
 _PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=344),
     "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, intermediate_size=688),
@@ -64,7 +82,11 @@ def build_model(config: LlamaConfig, seed: int) -> PreTrainedModel:
     fork_devices: list[int] = []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        except ValueError:  # an architecture without SDPA attention: its default (eager) attention
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model
 
 
@@ -80,6 +102,253 @@ def model_fingerprint(config: LlamaConfig, model: torch.nn.Module) -> str:
 
 
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "torch_dtype", "dtype", "_name_or_path", "_attn_implementation"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run's model: a preset, a config.json or a pretrained directory.
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a run's model comes from (see the module docstring).
+
+    Attributes:
+        kind: "preset", "config" (fresh weights from a config.json) or "pretrained" (θ₀ = the saved weights).
+        name: the preset name, or the resolved path (a directory, or a config.json for kind "config").
+        weight_files: the ``*.safetensors`` files of a pretrained directory, sorted; empty otherwise.
+    """
+
+    kind: Literal["preset", "config", "pretrained"]
+    name: str
+    weight_files: tuple[Path, ...] = ()
+
+    @property
+    def config_path(self) -> Path | None:
+        """The config.json to read (None for a preset)."""
+        if self.kind == "preset":
+            return None
+        path = Path(self.name)
+        return path if path.is_file() else path / CONFIG_FILE
+
+
+def is_model_path(spec: str) -> bool:
+    """Whether ``RunConfig.model`` names a path rather than a preset: it holds a '/' or ends in '.json'."""
+    return "/" in spec or spec.endswith(".json")
+
+
+def public_model_name(spec: str) -> str:
+    """What the dashboard shows for ``RunConfig.model``: a preset's name, or a path's last directory name (the
+    coordinator's local paths are nobody's business)."""
+    if not is_model_path(spec):
+        return spec
+    path = Path(spec)
+    return (path.parent.name if path.suffix == ".json" else path.name) or "custom"
+
+
+def resolve_model_source(spec: str, path_override: str | Path | None = None) -> ModelSource:
+    """Resolve ``RunConfig.model`` (or the peer's ``--model-path``, which replaces a path in it) to a ModelSource.
+
+    Args:
+        spec: a preset name ("tiny", "small", "base"), a config.json, or a directory holding a config.json and
+            optionally ``*.safetensors`` weights.
+        path_override: where this machine keeps the run's model files when they are not at ``spec``; ignored for
+            presets.
+
+    Raises:
+        ValueError: ``spec`` is neither a preset nor a path, or the directory holds ``.bin``/``.pt`` weights only
+            (pickles are never loaded; convert them to safetensors).
+        FileNotFoundError: the path, or the directory's config.json, does not exist.
+    """
+    if spec in _PRESETS and not path_override:
+        return ModelSource("preset", spec)
+    if spec in _PRESETS:
+        raise ValueError(f"--model-path is for runs whose model is a path; this run uses the preset {spec!r}")
+    if not is_model_path(spec):
+        raise ValueError(f"model {spec!r} is neither a preset {list(PRESETS)} nor a path (write ./{spec} for a dir)")
+    path = Path(path_override or spec).expanduser()
+    if not path.exists():
+        hint = "" if path_override else " (on a peer that keeps the model files elsewhere, pass --model-path DIR)"
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist{hint}")
+    if path.is_file():
+        return ModelSource("config", str(path.resolve()))
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} holds no {CONFIG_FILE}")
+    weights = tuple(sorted(path.glob("*.safetensors")))
+    if not weights and (any(path.glob("*.bin")) or any(path.glob("*.pt"))):
+        raise ValueError(
+            f"model directory {str(path)!r} holds pickled weights (.bin/.pt) only, which hivetrain never loads; "
+            "save them as safetensors (model.save_pretrained(DIR, safe_serialization=True))"
+        )
+    return ModelSource("pretrained" if weights else "config", str(path.resolve()), weights)
+
+
+def load_model_config(source: ModelSource, vocab_size: int, max_seq_len: int) -> PretrainedConfig:
+    """The ``transformers`` config of ``source`` for a tokenizer of ``vocab_size`` ids and ``max_seq_len`` windows.
+
+    A preset's config is built for exactly that vocabulary and length (as it always was). A config.json keeps its
+    own ``vocab_size`` and positions, which must cover the tokenizer and the windows.
+
+    Raises:
+        ValueError: the config's ``vocab_size`` is smaller than the tokenizer's, its positions are fewer than
+            ``max_seq_len``, or it is not a causal LM config ``transformers`` knows (no remote code is run).
+    """
+    if source.kind == "preset":
+        return build_config(source.name, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    path = source.config_path
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"{path}: not a transformers model config ({exc})") from None
+    model_vocab = getattr(config, "vocab_size", None)
+    if not isinstance(model_vocab, int) or model_vocab < vocab_size:
+        raise ValueError(
+            f"{path}: vocab_size {model_vocab} does not cover the tokenizer's {vocab_size} ids; raise vocab_size "
+            "in the config, or use the tokenizer the model was made for (data.tokenizer)"
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < max_seq_len:
+        raise ValueError(
+            f"{path}: max_position_embeddings {positions} is shorter than data.seq_len {max_seq_len}; lower "
+            "data.seq_len or raise the config's positions"
+        )
+    return config
+
+
+def weights_sha256(files: tuple[Path, ...] | list[Path]) -> str:
+    """sha256 (hex) of the tensors in safetensors ``files``: every tensor's name, dtype, shape and bytes, by name.
+
+    Independent of how the weights are sharded across files and of file metadata; reads one tensor at a time.
+
+    Raises:
+        ValueError: a tensor name appears in two files, or a file is not valid safetensors.
+    """
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name in where:
+                        raise ValueError(f"tensor {name!r} is in both {where[name]} and {path}")
+                    where[name] = path
+        except (OSError, RuntimeError) as exc:  # safetensors raises its own errors as subclasses of these or Exception
+            raise ValueError(f"{path}: not a valid safetensors file ({exc})") from None
+    digest = hashlib.sha256()
+    handles: dict[Path, object] = {}
+    try:
+        for name in sorted(where):
+            path = where[name]
+            if path not in handles:
+                handles[path] = safe_open(str(path), framework="pt")
+            tensor = handles[path].get_tensor(name)  # type: ignore[attr-defined]
+            digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    finally:
+        handles.clear()
+    return digest.hexdigest()
+
+
+class RunModel(NamedTuple):
+    """What every peer of a run builds: the ``transformers`` config, the model (θ₀, fp32, CPU or meta), and the
+    fingerprint peers compare (``model_fingerprint``, extended with the initial weights' sha256 when pretrained)."""
+
+    config: PretrainedConfig
+    model: PreTrainedModel
+    fingerprint: str
+
+
+def build_run_model(
+    run_config: RunConfig,
+    vocab_size: int,
+    *,
+    model_path: str | Path | None = None,
+    meta: bool = False,
+) -> RunModel:
+    """Build the run's model θ₀ and fingerprint: the one function every call site (peer, coordinator, export,
+    SWARM stage) uses, so they agree.
+
+    Args:
+        run_config: its ``model`` (preset or path), ``seed`` (fresh weights) and ``data.seq_len`` are used.
+        vocab_size: ids the run's tokenizer produces (256 for bytes); a preset is built for exactly this many, a
+            config.json must cover it.
+        model_path: this machine's copy of the run's model files when they are not at ``run_config.model``.
+        meta: build on the meta device (shapes only, no memory, no weights loaded); the fingerprint is the same.
+
+    Returns:
+        RunModel(config, model, fingerprint): fp32 parameters on the CPU (or meta), in train mode as from_config.
+
+    Raises:
+        ValueError / FileNotFoundError: see ``resolve_model_source`` and ``load_model_config``; a pretrained
+            directory whose weights miss or misfit some of the model's parameters.
+    """
+    source = resolve_model_source(run_config.model, model_path)
+    config = load_model_config(source, vocab_size, run_config.data.seq_len)
+    if meta:
+        model = _meta_model(config)
+    elif source.kind == "pretrained":
+        model = _load_pretrained(source, config, run_config.seed)
+    else:
+        model = build_model(config, seed=run_config.seed)
+    return RunModel(config, model, source_fingerprint(source, config, model))
+
+
+def source_fingerprint(source: ModelSource, config: PretrainedConfig, model: torch.nn.Module) -> str:
+    """``model_fingerprint`` (architecture and shapes), and for a pretrained source the sha256 of its weights too.
+
+    A preset's or config.json's fingerprint is ``model_fingerprint(config, model)`` unchanged; a pretrained start's is
+    sha256 over that and ``weights_sha256(source.weight_files)``, so peers whose θ₀ differs never average together.
+    """
+    fingerprint = model_fingerprint(config, model)
+    if source.kind == "pretrained":
+        blob = json.dumps({"arch": fingerprint, "weights_sha256": weights_sha256(source.weight_files)})
+        fingerprint = hashlib.sha256(blob.encode()).hexdigest()
+    return fingerprint
+
+
+def _load_pretrained(source: ModelSource, config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    fork_devices: list[int] = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)  # nothing should be left to chance, but if it is, every peer draws the same
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.name,
+            config=config,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            dtype=torch.float32,
+            output_loading_info=True,
+        )
+    missing = list(info.get("missing_keys") or []) + [str(k) for k in info.get("mismatched_keys") or []]
+    if missing:
+        raise ValueError(
+            f"{source.name}: the weights do not cover the model (missing or misfit: {missing[:3]}); θ₀ of a "
+            "pretrained start must come entirely from its safetensors files"
+        )
+    model.train()
+    return model
+
+
+def describe_run_model(
+    run_config: RunConfig, vocab_size: int, model_path: str | Path | None = None
+) -> tuple[PretrainedConfig, int]:
+    """(config, trainable scalars) of the run's model, from the meta device: no memory, no weights read.
+
+    Raises: as ``build_run_model``.
+    """
+    source = resolve_model_source(run_config.model, model_path)
+    config = load_model_config(source, vocab_size, run_config.data.seq_len)
+    return config, count_parameters(_meta_model(config))
+
+
+def _meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:  # no SDPA for this architecture
+            return AutoModelForCausalLM.from_config(config)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -80,9 +80,9 @@ def train(monkeypatch, tmp_path):
     monkeypatch.setattr(join_swarm, "resolve_config", lambda args, node: config)
     monkeypatch.setattr(join_swarm, "check_against_swarm", lambda *a: None)
     monkeypatch.setattr(hivetrain.data, "load_corpus", lambda data: SimpleNamespace(vocab_size=16))
-    monkeypatch.setattr(hivetrain.model, "build_config", lambda *a, **k: None)
-    monkeypatch.setattr(hivetrain.model, "build_model", lambda *a, **k: torch.nn.Linear(4, 2))
-    monkeypatch.setattr(hivetrain.model, "model_fingerprint", lambda *a: "f" * 64)
+    shape = SimpleNamespace(hidden_size=4, num_hidden_layers=1, vocab_size=16)  # the memory preflight reads these
+    monkeypatch.setattr(hivetrain.model, "describe_run_model", lambda *a, **k: (shape, 10))
+    monkeypatch.setattr(hivetrain.model, "build_run_model", lambda *a, **k: (None, torch.nn.Linear(4, 2), "f" * 64))
     monkeypatch.setattr(hivetrain.averaging, "GroupAverager", Stub)
     monkeypatch.setattr(hivetrain.peers.loop, "LoopThread", Stub)
     monkeypatch.setattr(trainer_module, "DilocoTrainer", FakeTrainer)

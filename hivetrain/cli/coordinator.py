@@ -27,6 +27,7 @@ from hivetrain.cli.common import (
 )
 from hivetrain.config import load_run_config
 from hivetrain.coordinator.coordinator import Coordinator, CoordinatorOptions, run_fingerprint
+from hivetrain.model import public_model_name
 from hivetrain.peers.node import BootstrapFailed, start_node
 from hivetrain.peers.reaper import start_reaper
 
@@ -115,7 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             follower = _make_follower(args, config, node, loop, fingerprint)
         num_parameters = sum(t.numel() for t in follower.reference.params.values()) if follower else 0
         observer = SwarmObserver(
-            RunInfo(config.run_id, config.model, num_parameters, summarize_config(config.to_dict()), time.time()),
+            RunInfo(
+                config.run_id,
+                public_model_name(config.model),
+                num_parameters,
+                summarize_config({**config.to_dict(), "model": public_model_name(config.model)}),
+                time.time(),
+            ),
             config.data.seq_len,
         )
         coordinator = Coordinator(node, config, fingerprint, options, follower=follower, observer=observer)
@@ -243,9 +250,9 @@ def _make_follower(args, config, node, loop, fingerprint):
     from hivetrain.coordinator.follower import FollowerOptions, StateFollower
     from hivetrain.data import vocab_size_of
     from hivetrain.diloco.state import TrainingState
-    from hivetrain.model import build_config, build_model
+    from hivetrain.model import build_run_model
 
-    model = build_model(build_config(config.model, vocab_size_of(config.data), config.data.seq_len), seed=config.seed)
+    model = build_run_model(config, vocab_size_of(config.data)).model
     initial = TrainingState.from_model(model)
     del model
     store = CheckpointStore(Path(args.checkpoint_dir), keep_last=args.keep_checkpoints) if args.checkpoint_dir else None

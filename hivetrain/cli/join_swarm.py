@@ -78,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="where inner steps run (auto = cuda if available)",
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        metavar="PATH",
+        help="this machine's copy of the run's model files (config.json or model directory) when they are not at "
+        "the path the run config names; verified against the run by the model fingerprint (weights' sha256)",
+    )
+    parser.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="train even if the memory preflight estimates that the model does not fit on the device",
+    )
     parser.add_argument("--metrics-file", default=None, help="append JSON-lines metrics here")
     parser.add_argument("--summary-file", default=None, help="write a JSON summary here when the peer stops")
     parser.add_argument(
@@ -176,7 +188,8 @@ def check_against_swarm(node: PeerNode, config: RunConfig, fingerprint: str) -> 
         if not ok:
             raise IncompatibleRun(
                 f"refusing to join run {config.run_id!r}: {reason}. "
-                f"This peer's model: preset {config.model!r}, fingerprint {fingerprint[:12]}."
+                f"This peer's model: {config.model!r}, fingerprint {fingerprint[:12]} (a pretrained start needs "
+                "the same weights: sha256 of the tensors)."
             )
 
 
@@ -244,8 +257,9 @@ def _train(
     from hivetrain.averaging import GroupAverager
     from hivetrain.data import load_corpus
     from hivetrain.diloco.trainer import DhtLost, DilocoTrainer, TrainerOptions
-    from hivetrain.model import build_config, build_model, model_fingerprint
+    from hivetrain.model import build_run_model, describe_run_model
     from hivetrain.peers.loop import LoopThread
+    from hivetrain.preflight import run_preflight
 
     config = resolve_config(args, node)
     authority = run_authority(node, args.addresses)
@@ -256,9 +270,12 @@ def _train(
     else:
         node.guard_run(config.run_id, admission=roster.policy)
     corpus = load_corpus(config.data)
-    model_config = build_config(config.model, vocab_size=corpus.vocab_size, max_seq_len=config.data.seq_len)
-    model = build_model(model_config, seed=config.seed)
-    fingerprint = model_fingerprint(model_config, model)
+    model_config, num_parameters = describe_run_model(config, corpus.vocab_size, args.model_path)  # meta: no memory
+    if args.skip_memory_check:
+        logger.info("memory preflight skipped (--skip-memory-check)")
+    else:
+        logger.info("%s", run_preflight(config, model_config, num_parameters, device).reason)
+    _, model, fingerprint = build_run_model(config, corpus.vocab_size, model_path=args.model_path)
     check_against_swarm(node, config, fingerprint)
     model.to(device)
     logger.info(

@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "chaos": ("hivetrain.cli.chaos:main", "run fault-injection scenarios against a local swarm (chaos run/list)"),
     "identity": ("hivetrain.cli.identity:main", "print this peer's ID (to be invited to an invite-only run)"),
     "export": ("hivetrain.coordinator.export:run_export", "write a checkpoint as a transformers model directory"),
+    "generate": ("hivetrain.cli.generate:main", "continue a prompt with an exported model directory"),
 }
 
 

@@ -15,9 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from hivemind.utils import get_dht_time
-from transformers import AutoModelForCausalLM
 
 from hivetrain import __version__
 from hivetrain.config import RunConfig
@@ -25,7 +23,7 @@ from hivetrain.coordinator.follower import StateFollower
 from hivetrain.coordinator.observer import SwarmObserver
 from hivetrain.coordinator.run_clock import earliest_start, load_start, save_start, start_for_epoch
 from hivetrain.data import vocab_size_of
-from hivetrain.model import build_config, model_fingerprint
+from hivetrain.model import build_run_model
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.quorum import QuorumConfig
 from hivetrain.peers.records import (
@@ -62,11 +60,9 @@ class CoordinatorOptions:
 
 
 def run_fingerprint(config: RunConfig) -> str:
-    """The model fingerprint of a run, computed without allocating parameters (meta device)."""
-    model_config = build_config(config.model, vocab_size=vocab_size_of(config.data), max_seq_len=config.data.seq_len)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    return model_fingerprint(model_config, model)
+    """The model fingerprint of a run, computed without allocating parameters (meta device); a pretrained start's
+    weights are read once to hash them (``hivetrain.model.build_run_model``)."""
+    return build_run_model(config, vocab_size_of(config.data), meta=True).fingerprint
 
 
 class Coordinator:

@@ -1,12 +1,14 @@
 """Export a checkpoint's θ as a standard ``transformers`` model directory (``hivetrain export CKPT --out DIR``).
 
 The directory holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (θ only, fp32; the outer
-momentum stays behind) and a ``README.md`` saying how to tokenize: hivetrain's default tokenizer is raw UTF-8 bytes
-(token id = byte value, vocabulary 256), so no tokenizer files are needed::
+momentum stays behind), the run's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) and a ``README.md``,
+so that ``pipeline("text-generation", model=DIR)`` works with no glue code::
 
-    model = AutoModelForCausalLM.from_pretrained(DIR)
-    ids = torch.tensor([list("def main".encode())])
-    text = bytes(model.generate(ids, max_new_tokens=64)[0].tolist()).decode("utf-8", errors="replace")
+    from transformers import pipeline
+    print(pipeline("text-generation", model=DIR)("def main", max_new_tokens=64)[0]["generated_text"])
+
+The tokenizer is the run's ``data.tokenizer`` directory (``--tokenizer`` if it lies elsewhere here), or, for a byte
+run, a 256-id tokenizer that maps id i to byte i both ways (``byte_tokenizer``): the same ids hivetrain trained on.
 
 A checkpoint is verified (sha256, safetensors, state hash; see ``checkpoint.py``) before anything is exported, and
 the directory appears atomically (written under a temporary name, then renamed).
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hivetrain.coordinator.checkpoint import (
     MANIFEST_FILE,
@@ -34,7 +36,15 @@ from hivetrain.coordinator.checkpoint import (
     load_checkpoint,
 )
 from hivetrain.diloco.state import TrainingState
-from hivetrain.model import build_config, build_model, model_fingerprint
+from hivetrain.model import (
+    PRESETS,
+    ModelSource,
+    build_config,
+    build_model,
+    load_model_config,
+    resolve_model_source,
+    source_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +54,27 @@ _EMBEDDING = "model.embed_tokens.weight"
 
 def export_transformers(
     source: Path | str | TrainingState,
-    model: str | LlamaConfig | None,
+    model: str | PretrainedConfig | None,
     out_dir: Path | str,
     *,
     max_seq_len: int | None = None,
     overwrite: bool = False,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Write θ of a checkpoint (or of a TrainingState) as a ``transformers`` model directory.
 
     Args:
         source: a checkpoint directory (``epoch-N``), a checkpoint store root (its newest valid checkpoint is
             used), or a TrainingState.
-        model: a preset name ("tiny", "small", "base"), a ready ``LlamaConfig``, or None = the preset in the
-            checkpoint's run config.
+        model: a preset name ("tiny", "small", "base"), a model path as in ``RunConfig.model`` (this machine's copy
+            of the run's config.json or model directory), a ready ``transformers`` config, or None = the run
+            config's ``model``.
         out_dir: the directory to create.
-        max_seq_len: positions in the exported config (tokens); None = the run config's ``data.seq_len``, else
-            1024. Ignored when ``model`` is a LlamaConfig. The vocabulary size is read from the embedding.
+        max_seq_len: positions in a preset's exported config (tokens); None = the run config's ``data.seq_len``,
+            else 1024. A config.json keeps its own. The vocabulary size of a preset is read from the embedding.
         overwrite: replace ``out_dir`` if it exists.
+        tokenizer: a local ``transformers`` tokenizer directory to write into ``out_dir``; None = the run config's
+            ``data.tokenizer``, and if that is empty (or there is no run config) the byte tokenizer.
 
     Returns:
         ``out_dir``.
@@ -68,8 +82,10 @@ def export_transformers(
     Raises:
         FileNotFoundError: ``source`` does not exist or holds no valid checkpoint.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-        ValueError: the model cannot be determined, θ does not fit it, or the checkpoint's model fingerprint
-            differs from the rebuilt model's (wrong preset or sequence length).
+        ValueError: the model cannot be determined, θ does not fit it, the checkpoint's model fingerprint
+            differs from the rebuilt model's (wrong preset, sequence length or model files), or the tokenizer has
+            more ids than the model's vocabulary.
+        FileNotFoundError: also when the run's tokenizer directory or model files are not on this machine.
         CheckpointInvalid: ``source`` is a checkpoint directory that fails verification.
     """
     out_dir = Path(out_dir)
@@ -80,16 +96,22 @@ def export_transformers(
     if isinstance(source, TrainingState):
         state = source
     else:
-        state, manifest = _load_source(Path(source))
+        state, manifest = _load_source(Path(source), model)
         run_config = manifest.get("run_config") or {}
     vocab_size = state.params[_EMBEDDING].shape[0] if _EMBEDDING in state.params else None
-    config = _resolve_config(model, vocab_size, run_config, max_seq_len)
+    config, source = _resolve_config(model, vocab_size, run_config, max_seq_len)
     hf_model = _model_with_params(config, state)
     expected = manifest.get("model_fingerprint")
-    if expected and model_fingerprint(config, hf_model) != expected:
+    if expected and source is not None and source_fingerprint(source, config, hf_model) != expected:
         raise ValueError(
-            "the rebuilt model's fingerprint differs from the checkpoint's; pass the preset and --max-seq-len "
-            "the run used"
+            "the rebuilt model's fingerprint differs from the checkpoint's; pass the model (--model: preset or "
+            "this machine's copy of the run's model files) and --max-seq-len the run used"
+        )
+    hf_tokenizer = _tokenizer(tokenizer, run_config)
+    if len(hf_tokenizer) > hf_model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(hf_tokenizer)} ids but the model's vocabulary is {hf_model.config.vocab_size}; "
+            "pass the tokenizer the run trained with (--tokenizer)"
         )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +119,8 @@ def export_transformers(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf_model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "README.md").write_text(_readme(config, state, manifest))
+        hf_tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(_readme(config, state, manifest, hf_tokenizer))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -107,8 +130,11 @@ def export_transformers(
     return out_dir
 
 
-def _load_source(path: Path) -> tuple[TrainingState, dict[str, Any]]:
-    """(state, manifest) of a checkpoint directory or of the newest valid checkpoint under a store root."""
+def _load_source(path: Path, model: str | PretrainedConfig | None) -> tuple[TrainingState, dict[str, Any]]:
+    """(state, manifest) of a checkpoint directory or of the newest valid checkpoint under a store root.
+
+    The tensors are checked against the run config's model, or ``model`` when it is a path (this machine's copy of
+    the run's model files)."""
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
     is_checkpoint = (path / MANIFEST_FILE).exists() or (path / STATE_FILE).exists()
@@ -124,7 +150,8 @@ def _load_source(path: Path) -> tuple[TrainingState, dict[str, Any]]:
         raise CheckpointInvalid("torn", f"{candidate / MANIFEST_FILE}: {exc}") from None
     run_config = run_config if isinstance(run_config, dict) else {}
     # A reference model built from the run config gives the names and shapes the loaded tensors must have.
-    config = _resolve_config(run_config.get("model"), _header_vocab_size(candidate / STATE_FILE), run_config, None)
+    reference_model = model if isinstance(model, str) and model not in PRESETS else None
+    config, _ = _resolve_config(reference_model, _header_vocab_size(candidate / STATE_FILE), run_config, None)
     reference = TrainingState.from_model(build_model(config, seed=0))
     if is_checkpoint:
         return load_checkpoint(path, reference)
@@ -144,19 +171,72 @@ def _header_vocab_size(state_path: Path) -> int | None:
 
 
 def _resolve_config(
-    model: str | LlamaConfig | None, vocab_size: int | None, run_config: dict[str, Any], max_seq_len: int | None
-) -> LlamaConfig:
-    if isinstance(model, LlamaConfig):
-        return model
-    preset = model or run_config.get("model")
-    if not preset:
-        raise ValueError("no model preset given and none in the checkpoint's run config")
+    model: str | PretrainedConfig | None,
+    vocab_size: int | None,
+    run_config: dict[str, Any],
+    max_seq_len: int | None,
+) -> tuple[PretrainedConfig, ModelSource | None]:
+    """(config, source) of the exported model; source None for a ready config (no fingerprint to check then)."""
+    if isinstance(model, PretrainedConfig):
+        return model, None
+    spec = str(model or run_config.get("model") or "")
+    if not spec:
+        raise ValueError("no model given and none in the checkpoint's run config")
     data = run_config.get("data") if isinstance(run_config.get("data"), dict) else {}
-    seq_len = max_seq_len or data.get("seq_len") or DEFAULT_MAX_SEQ_LEN
-    return build_config(str(preset), vocab_size=int(vocab_size or 256), max_seq_len=int(seq_len))
+    seq_len = int(max_seq_len or data.get("seq_len") or DEFAULT_MAX_SEQ_LEN)
+    if spec in PRESETS:
+        return build_config(spec, vocab_size=int(vocab_size or 256), max_seq_len=seq_len), ModelSource("preset", spec)
+    source = resolve_model_source(spec)  # FileNotFoundError names the path: pass --model with this machine's copy
+    return load_model_config(source, 1, seq_len), source
 
 
-def _model_with_params(config: LlamaConfig, state: TrainingState) -> PreTrainedModel:
+def _tokenizer(path: str | Path | None, run_config: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """The tokenizer to export: ``path``, else the run's ``data.tokenizer``, else the byte tokenizer."""
+    data = run_config.get("data") if isinstance(run_config.get("data"), dict) else {}
+    path = path or data.get("tokenizer") or ""
+    if not path:
+        return byte_tokenizer()
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"tokenizer directory {str(path)!r} (the run's data.tokenizer) is not on this machine; pass --tokenizer DIR"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A ``transformers`` fast tokenizer of hivetrain's byte tokens: id i is byte i (vocabulary 256), both ways.
+
+    ``encode(text)`` gives ``list(text.encode("utf-8"))``; ``decode(ids)`` gives
+    ``bytes(ids).decode("utf-8", errors="replace")`` (a stray byte becomes one U+FFFD, its neighbours stay intact).
+    Built from ``tokenizers``' byte-level pre-tokenizer and decoder (each byte is one printable stand-in symbol)
+    over a BPE model with no merges; the ByteFallback alternative replaces a whole run of bytes with U+FFFD as soon
+    as one of them is not valid UTF-8, which would garble generated text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={symbols[i]: i for i in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the symbols ``tokenizers``' ByteLevel pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _model_with_params(config: PretrainedConfig, state: TrainingState) -> PreTrainedModel:
     model = build_model(config, seed=0)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     got = {n: tuple(t.shape) for n, t in state.params.items()}
@@ -169,33 +249,35 @@ def _model_with_params(config: LlamaConfig, state: TrainingState) -> PreTrainedM
     return model
 
 
-def _readme(config: LlamaConfig, state: TrainingState, manifest: dict[str, Any]) -> str:
+def _readme(
+    config: PretrainedConfig, state: TrainingState, manifest: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+) -> str:
     run = manifest.get("run_config") or {}
-    byte_level = not (run.get("data") or {}).get("tokenizer") and config.vocab_size == 256
-    tokenizer = (
-        "Byte-level: token id = UTF-8 byte value, vocabulary 256, no special tokens. Encode with\n"
-        '`list(text.encode("utf-8"))`, decode with `bytes(ids).decode("utf-8", errors="replace")`.'
+    tokenizer_path = (run.get("data") or {}).get("tokenizer") or ""
+    byte_level = len(tokenizer) == 256 and not tokenizer_path
+    about_tokenizer = (
+        "Byte-level (the tokenizer files here): token id = UTF-8 byte value, vocabulary 256, no special tokens;\n"
+        '`list(text.encode("utf-8"))` gives the same ids, `bytes(ids).decode("utf-8", errors="replace")` the text.'
         if byte_level
-        else f"Vocabulary {config.vocab_size}: use the tokenizer the run was trained with ({run.get('data', {})})."
+        else f"The run's tokenizer ({tokenizer_path or 'given to export'}), {len(tokenizer)} ids, is in this directory."
     )
     return (
         f"# hivetrain export: run `{run.get('run_id', 'unknown')}`, epoch {state.epoch}\n\n"
-        f"Llama decoder ({sum(t.numel() for t in state.params.values()):,} parameters, fp32), trained with\n"
-        "DiLoCo by hivetrain volunteers. Only θ is exported (no optimizer or outer momentum).\n\n"
+        f"{config.model_type} causal LM ({sum(t.numel() for t in state.params.values()):,} parameters, fp32), "
+        "trained with\nDiLoCo by hivetrain volunteers. Only θ is exported (no optimizer or outer momentum).\n\n"
         "## Tokenizer\n\n"
-        f"{tokenizer}\n\n"
-        "## Load\n\n"
+        f"{about_tokenizer}\n\n"
+        "## Generate\n\n"
         "```python\n"
-        "import torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        'model = AutoModelForCausalLM.from_pretrained("THIS_DIRECTORY")\n'
-        'ids = torch.tensor([list("def main".encode())])\n'
-        'print(bytes(model.generate(ids, max_new_tokens=64, do_sample=False)[0].tolist()).decode("utf-8", "replace"))\n'
+        "from transformers import pipeline\n"
+        'generate = pipeline("text-generation", model="THIS_DIRECTORY")\n'
+        'print(generate("def main", max_new_tokens=64, do_sample=False)[0]["generated_text"])\n'
         "```\n\n"
+        "or `hivetrain generate THIS_DIRECTORY --prompt 'def main'`.\n\n"
         "## Provenance\n\n"
         f"- state hash (θ + momentum): `{state.state_hash()}`\n"
         f"- model fingerprint: `{manifest.get('model_fingerprint') or 'n/a'}`\n"
-        f"- max sequence length: {config.max_position_embeddings} tokens\n"
+        f"- max sequence length: {getattr(config, 'max_position_embeddings', 'n/a')} tokens\n"
     )
 
 
@@ -207,9 +289,22 @@ def run_export(args_list: list[str]) -> int:
     )
     parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (epoch-N) or a checkpoint store root")
     parser.add_argument("--out", type=Path, required=True, help="output directory to create")
-    parser.add_argument("--preset", choices=("tiny", "small", "base"), help="model preset; default: the run config's")
+    parser.add_argument("--preset", choices=PRESETS, help="model preset; default: the run config's model")
     parser.add_argument(
-        "--max-seq-len", type=int, help="positions in the exported config, tokens; default: the run's data.seq_len"
+        "--model",
+        metavar="PATH",
+        help="this machine's copy of the run's model files (config.json or model directory) when they are not at "
+        "the path the run config names",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer directory to write into --out; default: the run's data.tokenizer, or bytes if it has none",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="positions in a preset's exported config, tokens; default: the run's data.seq_len",
     )
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     try:
@@ -219,9 +314,17 @@ def run_export(args_list: list[str]) -> int:
     if args.max_seq_len is not None and args.max_seq_len <= 0:
         print("hivetrain export: --max-seq-len must be a positive number of tokens", file=sys.stderr)
         return 2
+    if args.preset and args.model:
+        print("hivetrain export: give --preset or --model, not both", file=sys.stderr)
+        return 2
     try:
         out = export_transformers(
-            args.checkpoint, args.preset, args.out, max_seq_len=args.max_seq_len, overwrite=args.force
+            args.checkpoint,
+            args.preset or args.model,
+            args.out,
+            max_seq_len=args.max_seq_len,
+            overwrite=args.force,
+            tokenizer=args.tokenizer,
         )
     except (OSError, ValueError, CheckpointInvalid) as exc:
         print(f"hivetrain export: {exc}", file=sys.stderr)

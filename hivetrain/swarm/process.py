@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from pydantic import TypeAdapter
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 
 from hivetrain.cli.common import (
     EXIT_BAD_INPUT,
@@ -34,7 +34,7 @@ from hivetrain.cli.common import (
 from hivetrain.config import RunConfig, to_plain
 from hivetrain.data import vocab_size_of
 from hivetrain.faults import FaultInjector, parse_fault_spec
-from hivetrain.model import build_config, model_fingerprint
+from hivetrain.model import build_run_model, resolve_model_source
 from hivetrain.peers.node import PeerNode
 from hivetrain.swarm.config import SwarmConfig
 
@@ -55,11 +55,18 @@ def read_process_config(path: Path) -> tuple[RunConfig, SwarmConfig]:
 
 def describe_model(run: RunConfig) -> tuple[LlamaConfig, str]:
     """The uncut model's config and fingerprint (shapes only: built on the meta device, no memory)."""
-    config = build_config(run.model, vocab_size=vocab_size_of(run.data), max_seq_len=run.data.seq_len)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if resolve_model_source(run.model).kind == "pretrained":
+        raise ValueError(
+            f"model {run.model!r}: SWARM pipeline stages start from fresh weights only; give a config.json (or a "
+            "directory without weights) or train the pretrained model with join-swarm (DiLoCo)"
+        )
+    config, _, fingerprint = build_run_model(run, vocab_size_of(run.data), meta=True)
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(
+            f"model {run.model!r} is a {config.model_type} model; SWARM pipeline stages cut Llama models only"
+        )
     config._attn_implementation = "sdpa"
-    return config, model_fingerprint(config, model)
+    return config, fingerprint
 
 
 def group_averager_factory(run: RunConfig, faults: FaultInjector, listen_host: str, timeout_s: float = 30.0):

@@ -1,0 +1,260 @@
+"""Memory preflight: will the run's model train on this device? Decided before anything is allocated.
+
+``estimate_memory`` is a pure function of the model's size and shape and the batch; ``check_memory`` compares the
+estimate with free memory and returns a decision and a reason; ``run_preflight`` reads the device's free memory
+(``torch.cuda.mem_get_info`` on CUDA, the kernel's "available" memory on CPU) and raises ``InsufficientMemory``
+naming the options. ``join-swarm`` calls it before it builds the model.
+
+What is counted (N trainable parameters, fp32 unless said):
+
+- on the training device: parameters 4N, gradients 4N, AdamW's two moments 8N; under bf16/fp16 autocast, the
+  half-precision copies of the weights autocast caches 2N; and the activations autograd keeps for one microbatch;
+- in host memory (θ and the outer state always stay fp32 on the CPU): θ 4N, the outer momentum 4N and the
+  pseudo-gradient being averaged 4N.
+
+On a CPU peer both lists share the same memory. Activations follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", Sec. 4.1) with the attention scores left out, because PyTorch's SDPA
+(flash / memory-efficient kernels, CPU included) does not keep them: per layer ``b·s·(10·h + 2·i)`` elements (h
+hidden size, i MLP width, b microbatch windows, s tokens per window), plus the logits ``b·s·V`` held in the compute
+precision, once more in fp32 for the loss and once for their gradient. A documented approximation (within tens of
+percent for Llama-like decoders), so ``check_memory`` keeps a margin (default 15%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+GIB = 2**30
+DEFAULT_MARGIN = 1.15
+
+
+class InsufficientMemory(ValueError):
+    """The device (or host) cannot hold the run's model at the configured batch; the message names the options."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes the run needs. Attributes are bytes; ``device_type`` is "cuda" or "cpu"."""
+
+    num_parameters: int
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    autocast_weights_bytes: int
+    activations_bytes: int
+    outer_state_bytes: int
+    device_type: str
+    microbatch: int
+    seq_len: int
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes on the training device (on a CPU peer: host memory) for inner steps."""
+        return (
+            self.parameters_bytes
+            + self.gradients_bytes
+            + self.optimizer_bytes
+            + self.autocast_weights_bytes
+            + self.activations_bytes
+        )
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory: θ, outer momentum and pseudo-gradient, plus the device's share on a CPU peer."""
+        return self.outer_state_bytes + (self.device_bytes if self.device_type == "cpu" else 0)
+
+    def breakdown(self) -> str:
+        """One line: each part in GiB."""
+        parts = [
+            ("parameters", self.parameters_bytes),
+            ("gradients", self.gradients_bytes),
+            ("AdamW state", self.optimizer_bytes),
+            ("autocast weight copies", self.autocast_weights_bytes),
+            (f"activations at {self.microbatch} x {self.seq_len} tokens", self.activations_bytes),
+            ("θ + outer momentum + pseudo-gradient (host)", self.outer_state_bytes),
+        ]
+        return ", ".join(f"{name} {size / GIB:.2f}" for name, size in parts if size) + " GiB"
+
+
+def estimate_memory(
+    num_parameters: int,
+    model_config: Any,
+    *,
+    microbatch: int,
+    seq_len: int,
+    device_type: str,
+    half_precision: bool,
+) -> MemoryEstimate:
+    """Bytes to train a model of ``num_parameters`` on ``microbatch`` windows of ``seq_len`` tokens (module docstring).
+
+    Args:
+        num_parameters: trainable scalars N.
+        model_config: a ``transformers`` config; ``hidden_size``, ``num_hidden_layers``, ``intermediate_size``
+            (default 4 x hidden) and ``vocab_size`` are read.
+        microbatch: windows per forward/backward pass (``data.batch_size``; gradient accumulation does not add).
+        seq_len: tokens per window.
+        device_type: "cuda" or "cpu" (any other device is treated like "cuda": memory of its own).
+        half_precision: inner steps under bf16/fp16 autocast (activations 2 bytes, weight copies 2N).
+
+    Raises:
+        ValueError: a non-positive size, or a config without ``hidden_size``/``num_hidden_layers``/``vocab_size``.
+    """
+    if num_parameters <= 0 or microbatch <= 0 or seq_len <= 0:
+        raise ValueError(
+            f"num_parameters ({num_parameters}), microbatch ({microbatch}), seq_len ({seq_len}) must be > 0"
+        )
+    try:
+        hidden = int(model_config.hidden_size)
+        layers = int(model_config.num_hidden_layers)
+        vocab = int(model_config.vocab_size)
+    except (AttributeError, TypeError) as exc:
+        raise ValueError(f"cannot estimate activations: the model config lacks {exc}") from None
+    mlp = int(getattr(model_config, "intermediate_size", None) or 4 * hidden)
+    act_bytes = 2 if half_precision else 4
+    tokens = microbatch * seq_len
+    activations = layers * tokens * (10 * hidden + 2 * mlp) * act_bytes + tokens * vocab * (act_bytes + 4 + 4)
+    return MemoryEstimate(
+        num_parameters=num_parameters,
+        parameters_bytes=4 * num_parameters,
+        gradients_bytes=4 * num_parameters,
+        optimizer_bytes=8 * num_parameters,
+        autocast_weights_bytes=2 * num_parameters if half_precision else 0,
+        activations_bytes=activations,
+        outer_state_bytes=12 * num_parameters,
+        device_type="cpu" if device_type == "cpu" else "cuda",
+        microbatch=microbatch,
+        seq_len=seq_len,
+    )
+
+
+@dataclass(frozen=True)
+class PreflightDecision:
+    """ok: whether the run fits; reason: for people (the log and the refusal message)."""
+
+    ok: bool
+    reason: str
+
+
+def check_memory(
+    estimate: MemoryEstimate,
+    free_device_bytes: int,
+    free_host_bytes: int,
+    *,
+    margin: float = DEFAULT_MARGIN,
+    grad_accum_steps: int = 1,
+) -> PreflightDecision:
+    """Whether ``estimate`` x ``margin`` fits in the free memory given (bytes; on a CPU peer only the host counts).
+
+    Args:
+        grad_accum_steps: the run's ``diloco.grad_accum_steps``, quoted in the advice.
+    """
+    if margin < 1.0:
+        raise ValueError(f"margin {margin} must be >= 1")
+    short = []
+    if estimate.device_type == "cuda" and estimate.device_bytes * margin > free_device_bytes:
+        short.append(
+            f"{estimate.device_bytes * margin / GIB:.2f} GiB of GPU memory, {free_device_bytes / GIB:.2f} free"
+        )
+    if estimate.host_bytes * margin > free_host_bytes:
+        short.append(
+            f"{estimate.host_bytes * margin / GIB:.2f} GiB of host memory, {free_host_bytes / GIB:.2f} available"
+        )
+    head = f"{estimate.num_parameters / 1e6:.1f}M parameters ({estimate.breakdown()}; margin {margin:.2f}x)"
+    if not short:
+        return PreflightDecision(True, f"memory preflight ok: {head}")
+    advice = [
+        f"a smaller microbatch: lower data.batch_size (now {estimate.microbatch}; activations are "
+        f"{estimate.activations_bytes / GIB:.2f} GiB and scale with it) and raise diloco.grad_accum_steps (now "
+        f"{grad_accum_steps}) to keep the samples per inner step",
+        "a smaller model (run config `model`)",
+    ]
+    if estimate.device_type == "cuda":
+        advice.append("θ, the outer momentum and the pseudo-gradient already live in CPU memory (offloaded)")
+        advice.append("or --device cpu")
+    advice.append("or --skip-memory-check if you know the estimate is too high")
+    return PreflightDecision(
+        False,
+        f"not enough memory to train: needs {' and '.join(short)} for {head}. Options: " + "; ".join(advice),
+    )
+
+
+def free_memory(device: torch.device) -> tuple[int, int]:
+    """(free bytes on ``device``, available host bytes). On CPU both are the host's available memory."""
+    host = _available_host_bytes()
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free), host
+    return host, host
+
+
+def _available_host_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil is a dependency; /proc/meminfo on Linux otherwise
+        for line in open("/proc/meminfo").read().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        raise
+
+
+def uses_half_precision(precision: str, device: torch.device) -> bool:
+    """Whether inner steps autocast to bf16/fp16 for ``diloco.precision`` on ``device`` ("auto": on CUDA only)."""
+    if precision == "auto":
+        return device.type == "cuda"
+    return precision in ("bf16", "fp16")
+
+
+def run_preflight(
+    run_config: Any,
+    model_config: Any,
+    num_parameters: int,
+    device: torch.device,
+    *,
+    free: tuple[int, int] | None = None,
+    margin: float = DEFAULT_MARGIN,
+) -> PreflightDecision:
+    """Estimate, read free memory (unless ``free`` = (device bytes, host bytes) is given) and decide.
+
+    Args:
+        run_config: a RunConfig; ``data.batch_size``, ``data.seq_len``, ``diloco.precision`` and
+            ``diloco.grad_accum_steps`` are read.
+
+    Returns:
+        The decision when it fits.
+
+    Raises:
+        InsufficientMemory: it does not fit; the message names the sizes and the options.
+    """
+    diloco = run_config.diloco
+    estimate = estimate_memory(
+        num_parameters,
+        model_config,
+        microbatch=run_config.data.batch_size,
+        seq_len=run_config.data.seq_len,
+        device_type=device.type,
+        half_precision=uses_half_precision(getattr(diloco, "precision", "fp32"), device),
+    )
+    free_device, free_host = free if free is not None else free_memory(device)
+    decision = check_memory(
+        estimate, free_device, free_host, margin=margin, grad_accum_steps=getattr(diloco, "grad_accum_steps", 1)
+    )
+    if not decision.ok:
+        raise InsufficientMemory(decision.reason)
+    return decision
+
+
+__all__ = [
+    "InsufficientMemory",
+    "MemoryEstimate",
+    "PreflightDecision",
+    "check_memory",
+    "estimate_memory",
+    "free_memory",
+    "run_preflight",
+    "uses_half_precision",
+]
