@@ -239,7 +239,7 @@ def robust_options(config) -> dict:
         num_iters=config.clip_iters,
         duplicate_ratio=config.duplicate_ratio,
         shift_threshold=config.shift_threshold,
-        size_exponent=config.size_exponent,
+        size_exponent=None if config.size_exponent == "auto" else config.size_exponent,
     )
 
 

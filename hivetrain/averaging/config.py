@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -60,13 +60,14 @@ class AveragingConfig:
         duplicate_ratio: contributions closer to each other than this fraction of the median pairwise distance
             form one colluding group that weighs as much as one member (ALIE/IPM attackers send one vector); 0 = off.
         shift_threshold: contributions on one side of most others in more than this fraction of coordinates, beyond
-            the honest ones' imbalance (paired sign test, ``bucketing`` step 2b), get weight 0; catches "a little is
+            the honest ones' imbalance (paired sign test, ``bucketing`` step 1b), get weight 0; catches "a little is
             enough" attackers that distance cannot; 0 = off. 0.2: honest real pseudo-gradients scored at most 0.07,
             ALIE 0.38 or more (dev/LOG.md, 2026-11-25).
         size_exponent: robust aggregation compares contributions as x_i (w_mean / w_i)^p (``bucketing`` step 0),
-            so honest peers that ran more inner steps are not taken for outliers; None (default) = p estimated from
-            the contributions (a repeated median; 0.56 measured for pseudo-gradients), 0 = compare as sent. With 0,
-            a 16x spread of inner steps cost 0.45 relative error with no attacker (dev/LOG.md, 2026-11-25).
+            so honest peers that ran more inner steps are not taken for outliers. "auto" (default): p estimated from
+            the contributions (a repeated median; 0.56 measured for pseudo-gradients); a number in [0, 1] fixes p
+            (0 = compare as sent). With 0, a 16x spread of inner steps cost 0.45 relative error with no attacker
+            (dev/LOG.md, 2026-11-25).
         ban_time_s: a peer caught sending bad data is left out of our rounds for this long, seconds.
         max_subrounds: how many times a round restarts its all-reduce without members caught sending bad data.
         moshpit_rounds: averaging rounds per outer step for "moshpit" and "gossip".
@@ -97,7 +98,7 @@ class AveragingConfig:
     bucket_size: int = Field(default=1, ge=1, le=64)
     duplicate_ratio: float = Field(default=0.1, ge=0.0, lt=1.0)
     shift_threshold: float = Field(default=0.2, ge=0.0, le=1.0)
-    size_exponent: float | None = Field(default=None, ge=0.0, le=1.0)
+    size_exponent: Literal["auto"] | Annotated[float, Field(ge=0.0, le=1.0)] = "auto"
     ban_time_s: float = Field(default=300.0, ge=0.0)
     max_subrounds: int = Field(default=2, ge=1, le=8)
     moshpit_rounds: int = Field(default=2, ge=1, le=32)

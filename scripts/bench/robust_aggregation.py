@@ -144,7 +144,7 @@ def aggregators(cfg: AveragingConfig) -> dict[str, Callable]:
         tau_factor=cfg.clip_tau_factor,
         num_iters=cfg.clip_iters,
         shift_threshold=cfg.shift_threshold,
-        size_exponent=cfg.size_exponent,
+        size_exponent=None if cfg.size_exponent == "auto" else cfg.size_exponent,
     )
     return {
         "mean": lambda p, w, s: weighted_mean(p, w),

@@ -417,3 +417,18 @@ def test_bucketing_helpers_reject_bad_arguments_and_config_maps_to_options() -> 
     assert robust_options(AveragingConfig(clip_tau=0.5, bucket_size=2))["tau"] == 0.5
     with pytest.raises(ValueError):
         AveragingConfig(clip_tau=-1.0)
+
+
+def test_robust_settings_survive_a_toml_round_trip_of_the_run_config() -> None:
+    """The run config is written as TOML (chaos harness, coordinator): every robust-aggregation default must be a
+    TOML value ("auto", not None), and a fixed size exponent must come back as written."""
+    import tomli_w
+    import tomllib
+
+    from hivetrain.config import RunConfig
+
+    for averaging in (AveragingConfig(aggregation="centered_clip"), AveragingConfig(size_exponent=0.25)):
+        config = RunConfig(averaging=averaging)
+        again = RunConfig.from_dict(tomllib.loads(tomli_w.dumps(config.to_dict())))
+        assert again.averaging == averaging
+        assert robust_options(again.averaging)["size_exponent"] == (None if averaging.size_exponent == "auto" else 0.25)
