@@ -43,7 +43,7 @@ def test_toml_file_with_unknown_table_is_rejected(tmp_path):
 
 
 def test_missing_data_path_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="matches no readable text file"):
+    with pytest.raises(FileNotFoundError, match="matches no readable text or record file"):
         resolve_files([str(tmp_path / "nope.txt")])
 
 
