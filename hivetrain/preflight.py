@@ -67,7 +67,7 @@ class MemoryEstimate:
         return self.outer_state_bytes + (self.device_bytes if self.device_type == "cpu" else 0)
 
     def breakdown(self) -> str:
-        """One line: each part in GiB."""
+        """One line: each part in GiB (MiB for a model whose parts are all under 1 GiB)."""
         parts = [
             ("parameters", self.parameters_bytes),
             ("gradients", self.gradients_bytes),
@@ -76,7 +76,8 @@ class MemoryEstimate:
             (f"activations at {self.microbatch} x {self.seq_len} tokens", self.activations_bytes),
             ("θ + outer momentum + pseudo-gradient (host)", self.outer_state_bytes),
         ]
-        return ", ".join(f"{name} {size / GIB:.2f}" for name, size in parts if size) + " GiB"
+        unit, scale = ("GiB", GIB) if max(size for _, size in parts) >= GIB else ("MiB", 2**20)
+        return ", ".join(f"{name} {size / scale:.2f}" for name, size in parts if size) + f" {unit}"
 
 
 def estimate_memory(

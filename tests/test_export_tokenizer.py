@@ -106,3 +106,33 @@ def test_byte_run_of_another_architecture_exports_for_pipeline_and_generate(
     assert generate_main([str(out), "--prompt", prompt, "--max-new-tokens", "6", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == text + "\n"
     assert generate_main([str(tmp_path / "nothing"), "--prompt", "x"]) == 1
+
+
+def test_pretrained_run_exports_from_a_copy_of_its_model_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    GPTNeoXConfig(
+        vocab_size=256,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "cfg")
+    fresh = build_run_model(RunConfig(model=str(tmp_path / "cfg"), data=DataConfig(seq_len=SEQ_LEN)), 256).model
+    fresh.save_pretrained(tmp_path / "pre", safe_serialization=True)
+    run = RunConfig(run_id="pre", model=str(tmp_path / "pre"), data=DataConfig(seq_len=SEQ_LEN))
+    ckpt = save_checkpoint(tmp_path, run, 256)
+    (tmp_path / "pre").rename(tmp_path / "moved")  # the exporting machine keeps the files elsewhere
+
+    assert run_export([str(ckpt), "--out", str(tmp_path / "x")]) == 1  # the run's path is gone: says so
+    assert "does not exist" in capsys.readouterr().err
+    assert run_export([str(ckpt), "--out", str(tmp_path / "out"), "--model", str(tmp_path / "moved")]) == 0
+    text = pipeline("text-generation", model=str(tmp_path / "out"))("ab", max_new_tokens=3)[0]["generated_text"]
+    assert text.startswith("ab")
+
+    with torch.no_grad():  # same shapes, other weights: refused
+        next(fresh.parameters()).add_(1.0)
+    fresh.save_pretrained(tmp_path / "other", safe_serialization=True)
+    assert run_export([str(ckpt), "--out", str(tmp_path / "y"), "--model", str(tmp_path / "other")]) == 1
+    assert "fingerprint differs" in capsys.readouterr().err
