@@ -105,16 +105,17 @@ def check_argv(argv: list[str], options: dict[str, dict]) -> dict[str, list[str]
 # --- stubs --------------------------------------------------------------------------------------------------------
 
 SRUN_STUB = r"""#!/usr/bin/env bash
-# srun for tests: records its argv, runs the command once per node (SLURM_PROCID = 0..N-1), forwards SIGTERM to the
-# tasks as srun does, and exits with their highest status.
-printf '%s\0' "$@" > "$STUB_OUT/srun-argv"
+# srun for tests: records its argv (call N in srun-argv-N), runs the command once per node (SLURM_PROCID = 0..N-1)
+# and exits with the tasks' highest status.
+calls=("$STUB_OUT"/srun-argv-*)
+[[ -e "${calls[0]}" ]] || calls=()
+printf '%s\0' "$@" > "$STUB_OUT/srun-argv-${#calls[@]}"
 while [[ "$1" == --* ]]; do shift; done
 pids=()
 for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
   SLURM_PROCID=$i SLURM_NODEID=$i "$@" &
   pids+=("$!")
 done
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
 status=0
 for pid in "${pids[@]}"; do
   while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
@@ -141,6 +142,7 @@ exit "${STUB_EXIT:-0}"
 """
 
 SCONTROL_STUB = '#!/usr/bin/env bash\nprintf \'%s\\0\' "$@" > "$STUB_OUT/scontrol-argv"\n'
+SCANCEL_STUB = '#!/usr/bin/env bash\nprintf \'%s\\0\' "$@" > "$STUB_OUT/scancel-argv"\n'
 HOSTNAME_STUB = '#!/usr/bin/env bash\nif [[ "${1:-}" == -I ]]; then echo "198.51.100.7 10.1.2.3 "; else echo node; fi\n'
 
 
@@ -158,6 +160,7 @@ def slurm(tmp_path):
         ("srun", SRUN_STUB),
         ("join-swarm", JOIN_SWARM_STUB),
         ("scontrol", SCONTROL_STUB),
+        ("scancel", SCANCEL_STUB),
         ("hostname", HOSTNAME_STUB),
     ]:
         (stubs / name).write_text(text)
@@ -225,7 +228,7 @@ def test_sbatch_runs_one_peer_per_node_with_its_own_identity(slurm):
     result = slurm.run(ADDR, ADDR2, "--duty-cycle", "0.5")
     assert result.returncode == 0, result.stderr
     state = slurm.home / ".hivetrain" / "slurm-hivetrain"  # the default HIVETRAIN_STATE_DIR
-    assert read_argv(slurm.out / "srun-argv") == [
+    assert read_argv(slurm.out / "srun-argv-0") == [
         "--export=ALL",
         "--kill-on-bad-exit=0",
         "--cpus-per-task=8",
@@ -271,19 +274,37 @@ def test_sbatch_public_nodes_announce_their_address_and_invited_peers_pass_their
         assert check_argv(argv, options)["--announce-maddrs"] == ["/ip4/198.51.100.7/tcp/4100"]
 
 
-def test_sbatch_time_limit_makes_peers_leave_once_then_requeues(slurm):
+@pytest.mark.parametrize(
+    "sig, requeue, message",
+    [(signal.SIGUSR1, True, "time limit near"), (signal.SIGUSR2, False, "asked to leave")],
+)
+def test_sbatch_signal_makes_each_join_swarm_leave_once(slurm, sig, requeue, message):
     proc = slurm.popen(ADDR, STUB_WAIT="1")
     try:
         slurm.wait_ready()
-        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends the batch shell
+        proc.send_signal(sig)  # USR1: --signal=B:USR1@180 before the time limit; USR2: scancel --batch --signal=USR2
         _, stderr = proc.communicate(timeout=15)
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr
     for i in range(2):  # exactly one SIGTERM: a second one makes join-swarm exit without leaving
         assert (slurm.out / f"term-{i}").read_text() == "term\n"
-    assert read_argv(slurm.out / "scontrol-argv") == ["requeue", "4242"]
-    assert "time limit near" in stderr
+    # a second step on every node signals join-swarm's own PID (what the peer's wrapper recorded before exec)
+    assert read_argv(slurm.out / "srun-argv-1") == [
+        "--overlap",
+        "--export=ALL",
+        "--kill-on-bad-exit=0",
+        "--cpus-per-task=8",
+        "bash",
+        "-c",
+        "hivetrain_leave",
+    ]
+    assert not (slurm.out / "scancel-argv").exists()
+    if requeue:
+        assert read_argv(slurm.out / "scontrol-argv") == ["requeue", "4242"]
+    else:
+        assert not (slurm.out / "scontrol-argv").exists()
+    assert message in stderr
 
 
 def test_sbatch_cancel_leaves_signalling_the_peers_to_slurm(slurm):
@@ -300,7 +321,7 @@ def test_sbatch_cancel_leaves_signalling_the_peers_to_slurm(slurm):
     finally:
         proc.kill()
     assert proc.returncode == exit_codes()["EXIT_INTERRUPTED"], stderr
-    assert not (slurm.out / "scontrol-argv").exists()
+    assert not (slurm.out / "scontrol-argv").exists() and not (slurm.out / "scancel-argv").exists()
 
 
 def test_sbatch_exits_with_the_peers_status_without_requeueing(slurm):
@@ -315,6 +336,7 @@ def test_sbatch_exits_with_the_peers_status_without_requeueing(slurm):
         ((), {}, "give the run's address"),
         (("--public-name", "x"), {}, "give the run's address"),
         ((ADDR,), {"HIVETRAIN_NETWORK": "lan"}, "HIVETRAIN_NETWORK=lan"),
+        ((ADDR,), {"HIVETRAIN_NETWORK": "public", "HIVETRAIN_PORT": "0"}, "HIVETRAIN_PORT=0"),  # announced: not 0
         ((ADDR,), {"HIVETRAIN_JOIN_SWARM": "/nonexistent/join-swarm"}, "/nonexistent/join-swarm not found"),
     ],
 )
@@ -322,7 +344,7 @@ def test_sbatch_refuses_bad_settings_before_starting_peers(slurm, args, env, mes
     result = slurm.run(*args, **env)
     assert result.returncode == exit_codes()["EXIT_BAD_INPUT"]
     assert message in result.stderr
-    assert not (slurm.out / "srun-argv").exists()
+    assert not list(slurm.out.glob("srun-argv-*"))
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------------------------
