@@ -141,7 +141,7 @@ def test_memory_estimate_counts_the_documented_parts() -> None:
     assert (est.parameters_bytes, est.gradients_bytes, est.optimizer_bytes) == (4 * n, 4 * n, 8 * n)
     assert est.autocast_weights_bytes == 2 * n and est.outer_state_bytes == 12 * n
     tokens = 8 * 1024
-    expected = 12 * tokens * (10 * 1024 + 2 * 2816) * 2 + tokens * 256 * (2 + 8)
+    expected = 12 * tokens * (10 * 1024 * 4 + 4 * 2816 * 2) + tokens * 256 * (2 + 8)
     assert est.activations_bytes == expected
     assert est.host_bytes == 12 * n  # θ, momentum and pseudo-gradient stay on the CPU
     cpu = estimate_memory(n, config, microbatch=8, seq_len=1024, device_type="cpu", half_precision=False)
