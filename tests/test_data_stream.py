@@ -142,3 +142,11 @@ def test_directories_walk_records_but_not_json_configs_and_the_cap_cuts_text_onl
     room = 15_000 - 10_000 - (tmp_path / "a.jsonl").stat().st_size
     assert [(s.path.name, s.limit_bytes) for s in shards] == [("a.jsonl", 0), ("b.txt", 0), ("c.txt", room)]
     assert sum(len(d) for _, d in iter_documents(shards[2])) == shards[2].limit_bytes
+
+
+def test_join_swarm_keeps_the_cursor_next_to_a_persistent_identity_only(tmp_path):
+    from hivetrain.cli.join_swarm import data_cursor_path
+
+    key = tmp_path / "peer.key"
+    assert data_cursor_path(str(key), "run-a") == tmp_path / "peer.key.run-a.data-cursor.json"
+    assert data_cursor_path(None, "run-a") is None  # a new identity each start: a new stream, nothing to resume

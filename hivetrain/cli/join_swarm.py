@@ -269,7 +269,7 @@ def _train(
         node.guard_run(config.run_id)
     else:
         node.guard_run(config.run_id, admission=roster.policy)
-    corpus = load_corpus(config.data)
+    corpus = load_corpus(config.data, cursor_path=data_cursor_path(args.identity_path, config.run_id))
     model_config, num_parameters = describe_run_model(config, corpus.vocab_size, args.model_path)  # meta: no memory
     if args.skip_memory_check:
         logger.info("memory preflight skipped (--skip-memory-check)")
@@ -351,6 +351,15 @@ def _train(
         loop.stop(timeout_s=2)
         reporter.close()
     return ending.leave(code, reason)
+
+
+def data_cursor_path(identity_path: str | None, run_id: str) -> Path | None:
+    """Where our training stream keeps its position across restarts: next to our identity key (a peer without a
+    persistent identity has a new peer ID, so a new stream, on every start: no cursor)."""
+    if not identity_path:
+        return None
+    key = Path(identity_path).expanduser()
+    return key.with_name(f"{key.name}.{run_id}.data-cursor.json")
 
 
 def read_join_token(text: str) -> str:
