@@ -23,7 +23,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -169,9 +169,18 @@ class InnerOptimizer:
         # kept across phases like the AdamW state, so the loss scale is calibrated once per peer
         self.scaler = torch.amp.GradScaler(device.type) if self.precision.use_grad_scaler else None
         self.num_skipped_steps = 0  # fp16: steps the scaler skipped since this optimizer was made
+        # a multi-rank node (node_ranks): callback(finite) -> whether every rank's microbatch loss is finite, so all
+        # ranks raise together; None for a single-process peer
+        self.agree_finite: Callable[[bool], bool] | None = None
         logger.info(
             "inner steps in %s on %s, %d microbatch(es) per step", self.precision.name, device, config.grad_accum_steps
         )
+
+    def _grad_sync(self, last_microbatch: bool) -> contextlib.AbstractContextManager:
+        """DDP (a multi-rank node): all-reduce the gradients on a step's last microbatch only (``no_sync`` before:
+        they accumulate locally, the sum is the same). A no-op for a plain model."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return no_sync() if no_sync is not None and not last_microbatch else contextlib.nullcontext()
 
     def run(
         self, batches: Iterator[torch.Tensor], first_step: int, num_steps: int, on_step=None, should_end=None
@@ -209,14 +218,18 @@ class InnerOptimizer:
                 group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            for _ in range(accum):
+            for j in range(accum):
                 batch = next(batches).to(device, non_blocking=True)
-                with self.precision.autocast():
-                    loss = lm_loss(self.model, batch)  # fp32 scalar: lm_loss takes the cross-entropy in fp32
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"inner step {first_step + i}: loss is {loss.item()}")
-                scaled = loss / accum if accum > 1 else loss  # the mean over microbatches of equal size
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                with self._grad_sync(j + 1 == accum):
+                    with self.precision.autocast():
+                        loss = lm_loss(self.model, batch)  # fp32 scalar: lm_loss takes the cross-entropy in fp32
+                    finite = bool(torch.isfinite(loss))
+                    if self.agree_finite is not None:
+                        finite = self.agree_finite(finite)  # a node's ranks raise together, before the backward
+                    if not finite:
+                        raise FloatingPointError(f"inner step {first_step + i}: loss is {loss.item()}")
+                    scaled = loss / accum if accum > 1 else loss  # the mean over microbatches of equal size
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 step_loss += loss.item()
                 samples += batch.shape[0]
                 tokens += batch.shape[0] * (batch.shape[1] - 1)

@@ -28,6 +28,7 @@ from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.evidence import Evidence
 from hivetrain.diloco.inner import InnerOptimizer
+from hivetrain.diloco.node_ranks import NodeInner, NodeRanks, current_node
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
@@ -71,6 +72,7 @@ class DilocoTrainer:
         on_event: Callable[[dict], None] | None = None,
         duty: DutyCycle | None = None,
         membership: MemberRoster | None = None,
+        node_ranks: NodeRanks | None = None,
     ):
         self.node, self.loop, self.config, self.model = node, loop, config, model
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
@@ -92,19 +94,22 @@ class DilocoTrainer:
         self._left_reason = ""
         self._exact_average = config.averaging.strategy == "butterfly"
         self._overlap = config.diloco.overlap if self._exact_average else "off"
+        # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks
+        self.node_ranks = node_ranks if node_ranks is not None else current_node()
+        num_ranks = self.node_ranks.world_size if self.node_ranks is not None else 1
         plan = PhasePlan(
             schedule=config.diloco.schedule,
             inner_steps=config.diloco.inner_steps,
-            batch_size=config.diloco.samples_per_inner_step(config.data.batch_size),
+            batch_size=config.diloco.samples_per_inner_step(config.data.batch_size) * num_ranks,
             target_samples_per_epoch=config.diloco.target_samples_per_epoch,
             max_samples_per_peer=config.averaging.max_samples_per_round,
             stale_after_s=options.record_ttl_s,
             max_extrapolation_s=3 * options.record_interval_s,
         )
-        batches = corpus.train_batches(
-            config.data.seq_len, config.data.batch_size, stream_seed(config.seed, node.peer_id)
-        )
-        self.phases = PhaseRunner(InnerOptimizer(model, config.diloco), batches, plan, self.duty, node.peer_id)
+        stream = node.peer_id if self.node_ranks is None else self.node_ranks.stream_name(node.peer_id)
+        batches = corpus.train_batches(config.data.seq_len, config.data.batch_size, stream_seed(config.seed, stream))
+        inner = InnerOptimizer(model, config.diloco) if self.node_ranks is None else self._node_inner(model)
+        self.phases = PhaseRunner(inner, batches, plan, self.duty, node.peer_id)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
         self.evidence = Evidence(
@@ -149,6 +154,13 @@ class DilocoTrainer:
             self.rounds, self._overlap, diloco.outer_lr, diloco.outer_momentum, self._committed_in_background
         )
         self._note_state()
+
+    def _node_inner(self, model: torch.nn.Module) -> NodeInner:
+        """Rank 0 of a multi-rank node: hand the run to the other ranks, wrap the model in DDP (all ranks at once)."""
+        ranks = self.node_ranks
+        assert ranks is not None
+        ranks.hello({"config": self.config.to_dict(), "peer_id": self.node.peer_id, "fingerprint": self.fingerprint})
+        return NodeInner(ranks.inner_optimizer(ranks.wrap(model), self.config.diloco), ranks, model)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @property

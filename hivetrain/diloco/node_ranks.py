@@ -1,0 +1,472 @@
+"""A multi-GPU (or multi-process) node as ONE DiLoCo peer: ``torchrun --nproc-per-node N -m hivetrain.cli.join_swarm``.
+
+The N local ranks train data-parallel with PyTorch's own ``DistributedDataParallel`` (its gradient all-reduce is the
+only collective on the gradients: after every inner step all ranks hold the same parameters and AdamW state). Rank 0
+alone is the swarm peer: it runs the whole ``DilocoTrainer`` (DHT node, records, state downloads, averaging rounds,
+evaluation) and claims the node's sample count, N times its own (every rank trains on as many windows per inner step).
+The other ranks ("followers", ``follow``) only run inner steps; each reads its own data stream
+(``stream_seed(run_seed, f"{peer_id}/rank{r}")``, rank 0 included).
+
+Protocol (rank 0 sends, followers obey; control messages travel on a gloo group ``control``, so they are CPU int64
+tensors whatever the backend of the default group, which carries the model: gloo on CPU, NCCL with CUDA):
+
+1. ``HELLO``: rank 0 broadcasts the run config, the peer id and the model fingerprint as JSON (bytes; nothing is
+   unpickled). Each follower builds the corpus and the model (from the run's seed or this machine's model files) and
+   every rank reports whether it is ready (``all_gather`` of one int); rank 0 raises ``NodeRanksFailed`` naming the
+   ranks that are not (their own log says why: a missing file, another fingerprint). All ranks then wrap the model in
+   DDP (which broadcasts rank 0's parameters and buffers).
+2. ``PHASE(first_step, max_steps)``: rank 0 broadcasts the phase's start point θ (every parameter, from rank 0's model:
+   after an outer step or a state download this is how the new θ reaches the ranks), then all ranks run
+   ``InnerOptimizer.run``. After every inner step rank 0 broadcasts its decision (``CONTINUE``, ``END`` or ``ABORT``):
+   the swarm's schedule ends a phase dynamically (``PhaseRunner.should_end``), so only rank 0 can decide, and the
+   followers run exactly as many inner steps. A non-finite loss on any rank is agreed on before the backward pass
+   (``all_finite``: one all-reduce per microbatch), so all ranks raise ``FloatingPointError`` together and rank 0's
+   trainer discards the phase as a single-process peer does; the AdamW state stays finite on every rank.
+3. ``STOP``: rank 0 leaves (finished, interrupted, failed between phases): followers return 0.
+
+What happens if a rank dies or hangs:
+- Rank 0 stops mid-phase between inner steps (Ctrl+C, a lost DHT, the trainer stopping): it broadcasts ``ABORT`` (the
+  phase is discarded), later ``STOP``.
+- Rank 0 fails inside an inner step (an exception between two collectives, e.g. out of memory): the followers are
+  blocked in a collective that will never complete, so rank 0 marks the node broken, sends nothing more and tears
+  down its process groups; the followers fail with gloo's "connection closed" at once (NCCL: after the timeout) and
+  exit non-zero.
+- A follower dies: rank 0's next collective fails (gloo at once, NCCL after the timeout), the exception ends rank 0's
+  training ("training failed", summary written, last record published) and torchrun stops the node.
+- Every collective is bounded by ``HIVETRAIN_NODE_TIMEOUT_S`` (default 1800 s): followers wait for the next command
+  while rank 0 averages, downloads state or evaluates, so it must exceed the longest of those.
+
+Followers ignore SIGINT (Ctrl+C reaches every process of the terminal: rank 0 leaves the swarm and sends ``STOP``);
+SIGTERM ends them (torchrun's way of stopping a node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
+
+logger = logging.getLogger(__name__)
+
+CMD_HELLO, CMD_PHASE, CMD_STOP = 1, 2, 3  # commands (rank 0 -> followers, between phases)
+STEP_CONTINUE, STEP_END, STEP_ABORT = 0, 1, 2  # decisions (rank 0 -> followers, after every inner step)
+DEFAULT_TIMEOUT_S = 1800.0
+_CURRENT: NodeRanks | None = None  # this process is rank 0 of a node (set by ``main``; read by DilocoTrainer)
+
+
+class NodeRanksFailed(RuntimeError):
+    """The node's ranks cannot train together (a rank could not build the model, or a collective failed)."""
+
+
+class PhaseAborted(Exception):
+    """Follower side: rank 0 abandoned the phase (its steps are discarded)."""
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    """The torchrun environment of this process: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv | None:
+        """None unless ``WORLD_SIZE`` > 1. Raises ValueError if the variables are not integers in range."""
+        env = os.environ if environ is None else environ
+        try:
+            world_size = int(env.get("WORLD_SIZE", "1"))
+            if world_size <= 1:
+                return None
+            rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"]))
+        except (KeyError, ValueError) as exc:
+            raise ValueError(
+                f"torch.distributed environment: bad or missing RANK/LOCAL_RANK ({exc}); start with torchrun"
+            ) from None
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} is outside 0..WORLD_SIZE-1={world_size - 1}")
+        return cls(rank, world_size, local_rank)
+
+
+def current_node() -> NodeRanks | None:
+    """The node this process is rank 0 of (its trainer trains for the whole node), or None for a single process."""
+    return _CURRENT
+
+
+def dispatch_needed() -> bool:
+    """Whether ``join-swarm`` was started by torchrun with several ranks and the node is not set up yet."""
+    return _CURRENT is None and int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
+
+
+@dataclass
+class NodeRanks:
+    """One rank's end of the node protocol (module docstring). Thread-unsafe: call from the training thread only.
+
+    Args:
+        rank, world_size: this process's rank and the number of ranks (``NodeEnv``).
+        control: the gloo process group the control messages travel on (``dist.new_group(backend="gloo")``).
+        device: where this rank's model lives (``cuda:LOCAL_RANK`` or cpu).
+    """
+
+    rank: int
+    world_size: int
+    control: object
+    device: torch.device
+    broken: bool = False  # rank 0: a collective is left half done; send nothing more
+    _hello_sent: bool = field(default=False, repr=False)
+
+    # ---- messages ---------------------------------------------------------------------------------------------
+    def _bcast(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(t, 0, group=self.control)
+        return t.tolist()
+
+    def send_command(self, code: int, a: int = 0, b: int = 0) -> None:
+        assert self.rank == 0
+        self._bcast([code, a, b])
+
+    def recv_command(self) -> tuple[int, int, int]:
+        """Follower: block (at most the process-group timeout) until rank 0's next command (code, a, b)."""
+        code, a, b = self._bcast([0, 0, 0])
+        return code, a, b
+
+    def _bcast_bytes(self, data: bytes) -> bytes:
+        (size,) = self._bcast([len(data)])
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+        if size:
+            dist.broadcast(buf, 0, group=self.control)
+        return bytes(buf.numpy().tobytes())
+
+    def hello(self, payload: dict) -> None:
+        """Rank 0: send the run to the followers and wait until every rank built its model.
+
+        Raises:
+            NodeRanksFailed: a follower could not (the ranks are named; their logs say why).
+        """
+        self.send_command(CMD_HELLO)
+        self._hello_sent = True
+        self._bcast_bytes(json.dumps(payload).encode())
+        not_ready = self.gather_ready(True)
+        if not_ready:
+            self.broken = True  # the followers have returned: nothing more to send them
+            raise NodeRanksFailed(f"node rank(s) {not_ready} could not build the run's model (see their log)")
+
+    def recv_hello(self) -> dict:
+        """Follower, after ``recv_command`` returned ``CMD_HELLO``: the payload rank 0 sent."""
+        return json.loads(self._bcast_bytes(b"").decode())
+
+    def gather_ready(self, ready: bool) -> list[int]:
+        """Every rank says whether it is ready; returns the ranks that are not (the same list on every rank)."""
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(flags, torch.tensor([int(ready)], dtype=torch.int64), group=self.control)
+        return [r for r, f in enumerate(flags) if not int(f.item())]
+
+    def broadcast_params(self, model: torch.nn.Module) -> None:
+        """Rank 0's parameters (the phase's start point θ) into every rank's model, in place (default group)."""
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.broadcast(p.data, 0)
+
+    def send_decision(self, code: int) -> None:
+        assert self.rank == 0
+        self._bcast([code])
+
+    def recv_decision(self) -> int:
+        return self._bcast([STEP_CONTINUE])[0]
+
+    def all_finite(self, finite: bool) -> bool:
+        """Whether a microbatch's loss is finite on every rank (``InnerOptimizer.agree_finite``)."""
+        t = torch.tensor([int(finite)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return bool(t.item())
+
+    # ---- model --------------------------------------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+        """``model`` (already on ``self.device``) in DDP; a collective: every rank calls it once, after HELLO."""
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    def inner_optimizer(self, ddp: torch.nn.Module, config) -> InnerOptimizer:
+        """An ``InnerOptimizer`` over the DDP model that agrees on non-finite losses with the other ranks."""
+        inner = InnerOptimizer(ddp, config)
+        inner.agree_finite = self.all_finite
+        return inner
+
+    def stream_name(self, peer_id: str) -> str:
+        """The name this rank's training stream is seeded with (``hivetrain.data.stream_seed``)."""
+        return f"{peer_id}/rank{self.rank}"
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Rank 0: tell the followers to exit (unless the node is broken); errors are logged, not raised."""
+        if self.rank != 0 or self.broken:
+            return
+        try:
+            self.send_command(CMD_STOP)
+        except Exception as exc:  # noqa: BLE001 - a follower already gone: nothing left to tell
+            logger.warning("could not tell the node's other ranks to stop: %s", exc)
+
+
+class NodeInner:
+    """Rank 0's inner optimizer for the whole node: ``PhaseRunner`` calls it like an ``InnerOptimizer``.
+
+    ``run`` starts the followers' phase (``PHASE``, then θ), runs the inner steps through DDP, broadcasts the
+    schedule's decision after every step (``should_end`` sees the node's samples: N times rank 0's) and returns the
+    node's result (samples and tokens times N). Any other attribute is the wrapped optimizer's.
+
+    Args:
+        inner: an ``InnerOptimizer`` over the DDP-wrapped model (``NodeRanks.inner_optimizer``).
+        ranks: rank 0's end of the protocol.
+        model: the unwrapped model (the trainer loads θ into it before each phase).
+    """
+
+    def __init__(self, inner: InnerOptimizer, ranks: NodeRanks, model: torch.nn.Module):
+        self.inner, self.ranks, self.model = inner, ranks, model
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def run(
+        self,
+        batches: Iterator[torch.Tensor],
+        first_step: int,
+        num_steps: int,
+        on_step: Callable[[int, float], None] | None = None,
+        should_end: Callable[[int, int], bool] | None = None,
+    ) -> InnerPhaseResult:
+        """As ``InnerOptimizer.run``, for the node. Raises what it raises, and ``NodeRanksFailed`` if the node is
+        broken (an earlier phase failed inside an inner step)."""
+        ranks, n = self.ranks, self.ranks.world_size
+        if ranks.broken:
+            raise NodeRanksFailed("the node's ranks are out of step after a failed inner step; restart the node")
+        ranks.send_command(CMD_PHASE, first_step, num_steps)
+        ranks.broadcast_params(self.model)
+        pending = False  # a step is done and the followers wait for its decision
+
+        def step_done(i: int, loss: float) -> None:
+            nonlocal pending
+            pending = True
+            if on_step is not None:
+                on_step(i, loss)
+
+        def decide(num_steps_done: int, num_samples: int) -> bool:
+            nonlocal pending
+            end = should_end(num_steps_done, num_samples * n) if should_end is not None else False
+            ranks.send_decision(STEP_END if end else STEP_CONTINUE)
+            pending = False
+            return end
+
+        try:
+            result = self.inner.run(batches, first_step, num_steps, step_done, decide)
+        except FloatingPointError:
+            if pending:
+                ranks.send_decision(STEP_ABORT)
+            raise  # else every rank raised it together (all_finite)
+        except BaseException:
+            if pending:
+                ranks.send_decision(STEP_ABORT)
+            else:
+                ranks.broken = True
+            raise
+        return replace(result, num_samples=result.num_samples * n, num_tokens=result.num_tokens * n)
+
+
+@dataclass
+class FollowerStats:
+    """What a follower did: (first_step, inner steps run) per phase, and phases that were aborted or diverged."""
+
+    phases: list[tuple[int, int]] = field(default_factory=list)
+    aborted: int = 0
+    diverged: int = 0
+
+
+def follow(
+    ranks: NodeRanks,
+    inner: InnerOptimizer,
+    batches: Iterator[torch.Tensor],
+    model: torch.nn.Module,
+    on_phase: Callable[[torch.nn.Module], None] | None = None,
+) -> FollowerStats:
+    """Follower loop after the handshake: run each phase rank 0 starts until ``STOP``.
+
+    Args:
+        ranks: this follower's end of the protocol.
+        inner: an ``InnerOptimizer`` over the DDP-wrapped model (``NodeRanks.inner_optimizer``).
+        batches: this rank's (B, T+1) int64 windows.
+        model: the unwrapped model (receives θ at each phase start).
+        on_phase: optional callback(model) right after θ arrived (tests).
+
+    Raises:
+        RuntimeError: a collective failed or timed out (rank 0 died or hung; the process should exit non-zero).
+        NodeRanksFailed: an unknown command (ranks of different hivetrain versions).
+    """
+    stats = FollowerStats()
+    while True:
+        code, first_step, max_steps = ranks.recv_command()
+        if code == CMD_STOP:
+            return stats
+        if code != CMD_PHASE:
+            raise NodeRanksFailed(f"unexpected node command {code} (are all ranks the same hivetrain version?)")
+        ranks.broadcast_params(model)
+        if on_phase is not None:
+            on_phase(model)
+
+        def should_end(num_steps: int, num_samples: int) -> bool:
+            decision = ranks.recv_decision()
+            if decision == STEP_ABORT:
+                raise PhaseAborted()
+            return decision == STEP_END
+
+        try:
+            result = inner.run(batches, first_step, max_steps, None, should_end)
+        except PhaseAborted:
+            stats.aborted += 1
+            continue
+        except FloatingPointError as exc:
+            logger.warning("inner phase diverged on the node (all ranks discard it): %s", exc)
+            stats.diverged += 1
+            continue
+        stats.phases.append((first_step, result.num_steps))
+
+
+# ---- processes --------------------------------------------------------------------------------------------------
+def timeout_s_from_env() -> float:
+    """``HIVETRAIN_NODE_TIMEOUT_S`` (seconds, > 0), default 1800. Raises ValueError if it is not a positive number."""
+    raw = os.environ.get("HIVETRAIN_NODE_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"HIVETRAIN_NODE_TIMEOUT_S={raw!r}: give a positive number of seconds")
+    return value
+
+
+def init_node(env: NodeEnv, use_cuda: bool, timeout_s: float) -> NodeRanks:
+    """Join the node's process groups (torchrun's ``MASTER_ADDR``/``MASTER_PORT``): NCCL on ``cuda:LOCAL_RANK`` when
+    ``use_cuda``, else gloo; control messages on a gloo group. Every collective times out after ``timeout_s``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return NodeRanks(env.rank, env.world_size, control, device)
+
+
+def close_node(ranks: NodeRanks | None) -> None:
+    """Tear down the process groups (a no-op if none)."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``join-swarm`` under torchrun with WORLD_SIZE > 1: rank 0 runs ``join_swarm.main`` for the node, the other
+    ranks ``run_follower``. Returns the process's exit code."""
+    global _CURRENT
+    from hivetrain.cli import join_swarm
+    from hivetrain.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail, setup_logging
+
+    args = join_swarm.build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        env = NodeEnv.from_environ()
+        assert env is not None, "main() runs only under torchrun with WORLD_SIZE > 1"
+        timeout_s = timeout_s_from_env()
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
+        use_cuda = args.device != "cpu" and torch.cuda.is_available()
+        if use_cuda and env.local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} CUDA device(s): "
+                "use --nproc-per-node at most the number of GPUs"
+            )
+    except ValueError as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    ranks = init_node(env, use_cuda, timeout_s)
+    logger.info("node rank %d of %d on %s", env.rank, env.world_size, ranks.device)
+    try:
+        if env.rank == 0:
+            _CURRENT = ranks
+            try:
+                return join_swarm.main(argv)
+            finally:
+                ranks.stop()
+                _CURRENT = None
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the node leaves
+        try:
+            return run_follower(args, ranks)
+        except Exception as exc:  # noqa: BLE001 - any failure ends this rank, saying why
+            logger.exception("node rank %d failed", env.rank)
+            return fail(f"node rank {env.rank}: {type(exc).__name__}: {exc}", EXIT_FAILED)
+    finally:
+        close_node(ranks)
+
+
+def run_follower(args: argparse.Namespace, ranks: NodeRanks) -> int:
+    """A follower rank: wait for rank 0's HELLO, build the corpus and the model, then ``follow`` until STOP.
+
+    Returns 0 when rank 0 says STOP (also before HELLO: rank 0 failed to start). Raises on a failed collective.
+    """
+    from hivetrain.cli.join_swarm import data_cursor_path
+    from hivetrain.config import RunConfig
+    from hivetrain.data import load_corpus, stream_seed
+    from hivetrain.model import build_run_model
+
+    code, _, _ = ranks.recv_command()
+    if code == CMD_STOP:
+        return 0
+    if code != CMD_HELLO:
+        raise NodeRanksFailed(f"expected HELLO from rank 0, got command {code}")
+    hello = ranks.recv_hello()
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        config = RunConfig.from_dict(hello["config"])
+        cursor = data_cursor_path(args.identity_path, config.run_id)  # rank 0's; ours is beside it
+        corpus = load_corpus(config.data, cursor_path=cursor.with_suffix(f".rank{ranks.rank}.json") if cursor else None)
+        _, model, fingerprint = build_run_model(config, corpus.vocab_size, model_path=args.model_path)
+        if fingerprint != hello["fingerprint"]:
+            raise ValueError(
+                f"this rank's model fingerprint {fingerprint[:12]} differs from rank 0's {hello['fingerprint'][:12]}"
+            )
+        model.to(ranks.device)
+        ok = True
+    except Exception:  # noqa: BLE001 - reported to rank 0 through the ready flags, and logged here
+        logger.exception("node rank %d could not build the run's model", ranks.rank)
+        ok = False
+    if ranks.gather_ready(ok):
+        return 1 if not ok else 0  # rank 0 gives up on the node
+    ddp = ranks.wrap(model)
+    inner = ranks.inner_optimizer(ddp, config.diloco)
+    batches = corpus.train_batches(
+        config.data.seq_len, config.data.batch_size, stream_seed(config.seed, ranks.stream_name(hello["peer_id"]))
+    )
+    stats = follow(ranks, inner, batches, model)
+    logger.info(
+        "node rank %d: %d phases, %d inner steps, %d aborted, %d diverged",
+        ranks.rank,
+        len(stats.phases),
+        sum(s for _, s in stats.phases),
+        stats.aborted,
+        stats.diverged,
+    )
+    return 0
