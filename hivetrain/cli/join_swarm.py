@@ -202,6 +202,12 @@ def pick_device(name: str) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # ---- torchrun --nproc-per-node N: N local ranks make one peer (hivetrain.diloco.node_ranks runs them) ----
+    from hivetrain.diloco import node_ranks
+
+    if node_ranks.dispatch_needed():
+        return node_ranks.main(argv)
+    # ---------------------------------------------------------------------------------------------------------
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     install_signal_handlers()
