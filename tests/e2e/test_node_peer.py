@@ -1,0 +1,31 @@
+"""A 2-rank gloo node (torchrun, ``diloco/node_ranks.py``) and a single-process peer in one local swarm."""
+
+import json
+import socket
+import sys
+
+from hivetrain.testing.summary import read_events
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_two_rank_node_and_a_single_peer_end_bit_identical(local_swarm):
+    swarm = local_swarm(**{"diloco.outer_steps": 2})
+    single = swarm.add_peer(name="single")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--no-python"]
+    node = swarm.add_peer(name="node", prefix=torchrun)
+    assert swarm.wait_peers(timeout_s=120), "peers did not finish in time"
+    assert single.popen.returncode == 0 and node.popen.returncode == 0, node.log_path.read_text()[-3000:]
+    a, b = (json.loads(p.summary_path.read_text()) for p in (single, node))
+    assert a["epoch"] == b["epoch"] == 2
+    assert a["state_hashes"] == b["state_hashes"]  # bit-identical shared state at every epoch
+    phases = [e for e in read_events(node.metrics_path) if e["event"] == "inner_phase"]
+    assert phases and all(e["samples"] == e["steps"] * 4 * 2 for e in phases)  # batch 4 x 2 ranks
+    log = node.log_path.read_text()
+    steps = sum(e["steps"] for e in phases)
+    assert f"node rank 1: {len(phases)} phases, {steps} inner steps" in log  # rank 1 followed every step
