@@ -14,7 +14,8 @@ def _free_port() -> int:
 
 
 def test_a_two_rank_node_and_a_single_peer_end_bit_identical(local_swarm):
-    swarm = local_swarm(**{"diloco.outer_steps": 2})
+    # min_group_size 2: no solo outer step while the node (torchrun, two imports) is still starting
+    swarm = local_swarm(**{"diloco.outer_steps": 2, "averaging.min_group_size": 2})
     single = swarm.add_peer(name="single")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
     torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--no-python"]
