@@ -2,13 +2,17 @@
 
 Rank 0 drives the protocol with a made-up schedule (the decisions a swarm's ``PhaseRunner.should_end`` would take) and
 a made-up outer step between phases; rank 1 runs ``follow``. Checked: the handshake (and its refusal), the same number
-of inner steps on both ranks, the θ rank 0 broadcasts reaching rank 1, an aborted phase, agreement on a non-finite loss,
+of inner steps on both ranks, the θ rank 0 broadcasts reaching rank 1, an aborted phase, a SIGINT in the middle of an
+inner step held until the step's end (then the phase is aborted), agreement on a non-finite loss,
 and end parameters bit-identical across ranks and equal (allclose in fp32: DDP divides each rank's gradient by the
 world size before summing, a different rounding than the mean over one big batch) to one process training on the union
 of both ranks' batches.
 """
 
+import datetime
 import itertools
+import os
+import signal
 import socket
 
 import torch
@@ -31,6 +35,7 @@ from hivetrain.model import build_config, build_model
 T, B = 16, 2  # tokens per window, windows per microbatch and rank
 PHASES = [(0, 3), (10, 2)]  # (first inner step, inner steps rank 0's schedule allows)
 ABORTED = (20, 2)  # a phase rank 0 abandons after this many inner steps (the trainer stopping)
+SIGNALLED = (30, 2)  # a phase during whose 2nd inner step rank 0 gets SIGINT: held until the step's end
 CONFIG = DilocoConfig(inner_lr=3e-3, warmup_steps=2, grad_clip=1.0, precision="fp32", grad_accum_steps=2)
 
 
@@ -60,9 +65,12 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks on a small shared CPU: more threads only contend
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    timeout = datetime.timedelta(seconds=60)  # a protocol bug fails the test instead of hanging it
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
+    )
     try:
-        ranks = NodeRanks(rank, world_size, dist.new_group(backend="gloo"), torch.device("cpu"))
+        ranks = NodeRanks(rank, world_size, dist.new_group(backend="gloo", timeout=timeout), torch.device("cpu"))
         model = tiny_model(seed=rank)  # different on rank 1 until DDP broadcasts rank 0's
         out: dict = {}
         if rank == 0:
@@ -105,6 +113,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 node_inner.run(batches, ABORTED[0], MAX_PHASE_STEPS, stop_at, lambda steps, samples: False)
             except PhaseInterrupted:
                 out["aborted"] = True
+            signal.signal(signal.SIGINT, _raise_interrupt)  # as join-swarm's handler: raise in the main thread
+            try:
+                node_inner.run(_signal_at_draw(batches, 2), SIGNALLED[0], MAX_PHASE_STEPS, None, lambda s, n: False)
+            except _Interrupt:
+                out["interrupted"] = True
             ranks.stop()
         else:
             thetas = []
@@ -114,6 +127,22 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.save(out, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupt()
+
+
+def _signal_at_draw(batches, k: int):
+    """``batches``, sending this process SIGINT when microbatch ``k`` is drawn (in the middle of an inner step)."""
+    for i, batch in enumerate(batches):
+        if i == k:
+            os.kill(os.getpid(), signal.SIGINT)
+        yield batch
 
 
 def _free_port() -> int:
@@ -135,6 +164,7 @@ def single_process_reference() -> torch.Tensor:
                 outer_step(model)
             inner.run(union, first_step, num_steps)
         inner.run(union, ABORTED[0], ABORTED[1])  # an aborted phase's steps ran (the trainer discards its result)
+        inner.run(union, SIGNALLED[0], SIGNALLED[1])  # the signal waited for the end of the step it came in
         return flat(model)
     finally:
         torch.set_num_threads(threads)
@@ -152,9 +182,9 @@ def test_two_gloo_ranks_train_as_one_peer(tmp_path):
     assert [(f, s) for f, s, _ in r0["steps"]] == [tuple(p) for p in r1["phases"]] == PHASES
     assert [n for _, _, n in r0["steps"]] == [s * 2 * 2 * B for _, s in PHASES]
     assert r0["seen_samples"] == [i * 2 * 2 * B for _, s in PHASES for i in range(1, s + 1)]
-    assert r1["aborted"] == 1 and r0["aborted"]
+    assert r1["aborted"] == 2 and r0["aborted"] and r0["interrupted"]
     # θ broadcast at every phase start, including the one after rank 0's outer step
-    assert len(r1["theta"]) == 3
+    assert len(r1["theta"]) == 4
     for sent, received in zip(r0["theta"], r1["theta"][:2], strict=True):
         assert torch.equal(sent, received)
     assert not torch.equal(r0["theta"][0], r0["theta"][1])
