@@ -23,6 +23,9 @@ tensors whatever the backend of the default group, which carries the model: gloo
    (``all_finite``: one all-reduce per microbatch), so all ranks raise ``FloatingPointError`` together and rank 0's
    trainer discards the phase as a single-process peer does; the AdamW state stays finite on every rank.
 3. ``STOP``: rank 0 leaves (finished, interrupted, failed between phases): followers return 0.
+4. ``KEEPALIVE`` / ``STEP_WAIT``: while the followers wait for a command (rank 0 averaging, downloading state,
+   evaluating) or a decision (rank 0 paused by its duty cycle, ``--pause-file`` or SIGUSR1), a thread of rank 0 sends
+   one every ``KEEPALIVE_INTERVAL_S`` (10 s), so a wait of any length is not a timeout.
 
 What happens if a rank dies or hangs:
 - Rank 0 stops mid-phase (Ctrl+C, SIGTERM, a lost DHT, the trainer stopping): it broadcasts ``ABORT`` at the end of
@@ -35,8 +38,8 @@ What happens if a rank dies or hangs:
   exit non-zero.
 - A follower dies: rank 0's next collective fails (gloo at once, NCCL after the timeout), the exception ends rank 0's
   training ("training failed", summary written, last record published) and torchrun stops the node.
-- Every collective is bounded by ``HIVETRAIN_NODE_TIMEOUT_S`` (default 1800 s): followers wait for the next command
-  while rank 0 averages, downloads state or evaluates, so it must exceed the longest of those.
+- Every collective is bounded by ``HIVETRAIN_NODE_TIMEOUT_S`` (default 1800 s): a rank 0 that hangs without dying
+  (its keepalive thread stopped too) ends the followers after that long; an inner step must take less.
 
 Followers ignore SIGINT (Ctrl+C reaches every process of the terminal: rank 0 leaves the swarm and sends ``STOP``);
 SIGTERM ends them (torchrun's way of stopping a node).
@@ -62,9 +65,10 @@ from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
 
 logger = logging.getLogger(__name__)
 
-CMD_HELLO, CMD_PHASE, CMD_STOP = 1, 2, 3  # commands (rank 0 -> followers, between phases)
-STEP_CONTINUE, STEP_END, STEP_ABORT = 0, 1, 2  # decisions (rank 0 -> followers, after every inner step)
+CMD_HELLO, CMD_PHASE, CMD_STOP, CMD_KEEPALIVE = 1, 2, 3, 4  # commands (rank 0 -> followers, between phases)
+STEP_CONTINUE, STEP_END, STEP_ABORT, STEP_WAIT = 0, 1, 2, 3  # decisions (rank 0 -> followers, after every inner step)
 DEFAULT_TIMEOUT_S = 1800.0
+KEEPALIVE_INTERVAL_S = 10.0
 _CURRENT: NodeRanks | None = None  # this process is rank 0 of a node (set by ``main``; read by DilocoTrainer)
 
 
@@ -127,7 +131,11 @@ class NodeRanks:
     control: object
     device: torch.device
     broken: bool = False  # rank 0: a collective is left half done; send nothing more
-    _hello_sent: bool = field(default=False, repr=False)
+    # rank 0: what the followers block on now ("command", "decision"; "" = a collective with us): the keepalive
+    # thread fills that wait with CMD_KEEPALIVE / STEP_WAIT; every control message is sent under the lock
+    _followers_wait: str = field(default="command", repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _keepalive: tuple[threading.Thread, threading.Event] | None = field(default=None, repr=False)
 
     # ---- messages ---------------------------------------------------------------------------------------------
     def _bcast(self, values: list[int]) -> list[int]:
@@ -140,9 +148,57 @@ class NodeRanks:
         self._bcast([code, a, b])
 
     def recv_command(self) -> tuple[int, int, int]:
-        """Follower: block (at most the process-group timeout) until rank 0's next command (code, a, b)."""
-        code, a, b = self._bcast([0, 0, 0])
-        return code, a, b
+        """Follower: block until rank 0's next command (code, a, b), skipping keepalives. Raises RuntimeError if
+        nothing came for the process-group timeout (rank 0 hung) or rank 0's connection closed (it died)."""
+        while True:
+            code, a, b = self._bcast([0, 0, 0])
+            if code != CMD_KEEPALIVE:
+                return code, a, b
+
+    @contextlib.contextmanager
+    def _sending(self, then: str) -> Iterator[None]:
+        """Rank 0: a sequence of control messages, under the lock; afterwards the followers wait for ``then``
+        ("command", "decision" or "": nothing the keepalive may send; also after an exception)."""
+        with self._lock:
+            self._followers_wait = ""
+            yield
+            self._followers_wait = then
+
+    def followers_wait_for(self, what: str) -> None:
+        """Rank 0: the followers now block on ``what`` ("command" or "decision"): keepalives may fill the wait."""
+        with self._lock:
+            self._followers_wait = what
+
+    def start_keepalive(self, interval_s: float = KEEPALIVE_INTERVAL_S) -> None:
+        """Rank 0: every ``interval_s`` seconds, while the followers wait for a command or a decision (rank 0
+        averaging, downloading state, paused), send them a keepalive, so that only a hung or dead rank 0 runs into
+        their process-group timeout. Stops at the first failed send (a follower is gone)."""
+        assert self.rank == 0 and self._keepalive is None
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(interval_s):
+                with self._lock:
+                    wait = "" if self.broken else self._followers_wait
+                    try:
+                        if wait == "command":
+                            self._bcast([CMD_KEEPALIVE, 0, 0])
+                        elif wait == "decision":
+                            self._bcast([STEP_WAIT])
+                    except Exception as exc:  # noqa: BLE001 - the main thread meets the same failure and reports it
+                        logger.warning("node keepalive failed, no more keepalives: %s", exc)
+                        return
+
+        thread = threading.Thread(target=beat, name="node-keepalive", daemon=True)
+        thread.start()
+        self._keepalive = (thread, done)
+
+    def stop_keepalive(self, timeout_s: float = 5.0) -> None:
+        if self._keepalive is not None:
+            thread, done = self._keepalive
+            done.set()
+            thread.join(timeout_s)
+            self._keepalive = None
 
     def _bcast_bytes(self, data: bytes) -> bytes:
         (size,) = self._bcast([len(data)])
@@ -160,10 +216,10 @@ class NodeRanks:
         Raises:
             NodeRanksFailed: a follower could not (the ranks are named; their logs say why).
         """
-        self.send_command(CMD_HELLO)
-        self._hello_sent = True
-        self._bcast_bytes(json.dumps(payload).encode())
-        not_ready = self.gather_ready(True)
+        with self._sending("command"):
+            self.send_command(CMD_HELLO)
+            self._bcast_bytes(json.dumps(payload).encode())
+            not_ready = self.gather_ready(True)
         if not_ready:
             self.broken = True  # the followers have returned: nothing more to send them
             raise NodeRanksFailed(f"node rank(s) {not_ready} could not build the run's model (see their log)")
@@ -189,7 +245,11 @@ class NodeRanks:
         self._bcast([code])
 
     def recv_decision(self) -> int:
-        return self._bcast([STEP_CONTINUE])[0]
+        """Follower: rank 0's decision after an inner step (``STEP_*``), skipping keepalives (rank 0 paused)."""
+        while True:
+            decision = self._bcast([STEP_CONTINUE])[0]
+            if decision != STEP_WAIT:
+                return decision
 
     def all_finite(self, finite: bool) -> bool:
         """Whether a microbatch's loss is finite on every rank (``InnerOptimizer.agree_finite``)."""
@@ -219,7 +279,8 @@ class NodeRanks:
         if self.rank != 0 or self.broken:
             return
         try:
-            self.send_command(CMD_STOP)
+            with self._sending(""):
+                self.send_command(CMD_STOP)
         except Exception as exc:  # noqa: BLE001 - a follower already gone: nothing left to tell
             logger.warning("could not tell the node's other ranks to stop: %s", exc)
 
@@ -260,13 +321,15 @@ class NodeInner:
 
     def _run(self, held: _HeldSignals, batches, first_step, num_steps, on_step, should_end) -> InnerPhaseResult:
         ranks, n = self.ranks, self.ranks.world_size
-        ranks.send_command(CMD_PHASE, first_step, num_steps)
-        ranks.broadcast_params(self.model)
+        with ranks._sending(""):  # from here on the followers are in the phase's collectives with us
+            ranks.send_command(CMD_PHASE, first_step, num_steps)
+            ranks.broadcast_params(self.model)
         pending = False  # a step is done and the followers wait for its decision
 
         def step_done(i: int, loss: float) -> None:
             nonlocal pending
             pending = True
+            ranks.followers_wait_for("decision")
             held.deliver()  # a SIGINT/SIGTERM that came during the step raises here (join-swarm: Interrupted)
             if on_step is not None:
                 on_step(i, loss)
@@ -274,22 +337,30 @@ class NodeInner:
         def decide(num_steps_done: int, num_samples: int) -> bool:
             nonlocal pending
             end = should_end(num_steps_done, num_samples * n) if should_end is not None else False
-            ranks.send_decision(STEP_END if end else STEP_CONTINUE)
+            with ranks._sending("command" if end else ""):
+                ranks.send_decision(STEP_END if end else STEP_CONTINUE)
             pending = False
             return end
+
+        def abort() -> None:
+            with ranks._sending("command"):
+                ranks.send_decision(STEP_ABORT)
 
         try:
             result = self.inner.run(batches, first_step, num_steps, step_done, decide)
         except FloatingPointError:
             if pending:
-                ranks.send_decision(STEP_ABORT)
-            raise  # else every rank raised it together (all_finite)
+                abort()
+            else:  # every rank raised it together (all_finite)
+                ranks.followers_wait_for("command")
+            raise
         except BaseException:
             if pending:
-                ranks.send_decision(STEP_ABORT)
+                abort()
             else:
                 ranks.broken = True
             raise
+        ranks.followers_wait_for("command")  # the phase ended on every rank (END, or out of steps)
         return replace(result, num_samples=result.num_samples * n, num_tokens=result.num_tokens * n)
 
 
@@ -457,9 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if env.rank == 0:
             _CURRENT = ranks
+            ranks.start_keepalive()
             try:
                 return join_swarm.main(argv)
             finally:
+                ranks.stop_keepalive()
                 ranks.stop()
                 _CURRENT = None
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the node leaves

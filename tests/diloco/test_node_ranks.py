@@ -3,7 +3,8 @@
 Rank 0 drives the protocol with a made-up schedule (the decisions a swarm's ``PhaseRunner.should_end`` would take) and
 a made-up outer step between phases; rank 1 runs ``follow``. Checked: the handshake (and its refusal), the same number
 of inner steps on both ranks, the θ rank 0 broadcasts reaching rank 1, an aborted phase, a SIGINT in the middle of an
-inner step held until the step's end (then the phase is aborted), agreement on a non-finite loss,
+inner step held until the step's end (then the phase is aborted), waits of rank 0 longer than the control timeout
+bridged by keepalives (in a step: a pause; between phases: a round), agreement on a non-finite loss,
 and end parameters bit-identical across ranks and equal (allclose in fp32: DDP divides each rank's gradient by the
 world size before summing, a different rounding than the mean over one big batch) to one process training on the union
 of both ranks' batches.
@@ -14,6 +15,7 @@ import itertools
 import os
 import signal
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ T, B = 16, 2  # tokens per window, windows per microbatch and rank
 PHASES = [(0, 3), (10, 2)]  # (first inner step, inner steps rank 0's schedule allows)
 ABORTED = (20, 2)  # a phase rank 0 abandons after this many inner steps (the trainer stopping)
 SIGNALLED = (30, 2)  # a phase during whose 2nd inner step rank 0 gets SIGINT: held until the step's end
+CONTROL_TIMEOUT_S, PAUSE_S = 3.0, 4.0  # rank 0 pauses in a phase's first step and between phases
 CONFIG = DilocoConfig(inner_lr=3e-3, warmup_steps=2, grad_clip=1.0, precision="fp32", grad_accum_steps=2)
 
 
@@ -70,7 +73,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
     )
     try:
-        ranks = NodeRanks(rank, world_size, dist.new_group(backend="gloo", timeout=timeout), torch.device("cpu"))
+        # control messages time out after CONTROL_TIMEOUT_S: rank 0's waits of PAUSE_S pass only through keepalives
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+        ranks = NodeRanks(rank, world_size, control, torch.device("cpu"))
+        if rank == 0:
+            ranks.start_keepalive(interval_s=0.2)
         model = tiny_model(seed=rank)  # different on rank 1 until DDP broadcasts rank 0's
         out: dict = {}
         if rank == 0:
@@ -95,6 +102,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             out["seen_samples"], out["theta"], out["steps"] = [], [], []
             for k, (first_step, num_steps) in enumerate(PHASES):
                 if k:
+                    time.sleep(PAUSE_S)  # averaging, a state download: the followers wait for a command
                     outer_step(model)
                 out["theta"].append(flat(model))
 
@@ -102,7 +110,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                     out["seen_samples"].append(samples)
                     return steps >= num_steps
 
-                result = node_inner.run(batches, first_step, MAX_PHASE_STEPS, None, should_end)
+                def pause_once(i: int, loss: float, k=k) -> None:  # a paused volunteer: they wait for a decision
+                    if k == 0 and i == 0:
+                        time.sleep(PAUSE_S)
+
+                result = node_inner.run(batches, first_step, MAX_PHASE_STEPS, pause_once, should_end)
                 out["steps"].append((first_step, result.num_steps, result.num_samples))
 
             def stop_at(i: int, loss: float) -> None:
@@ -118,6 +130,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 node_inner.run(_signal_at_draw(batches, 2), SIGNALLED[0], MAX_PHASE_STEPS, None, lambda s, n: False)
             except _Interrupt:
                 out["interrupted"] = True
+            ranks.stop_keepalive()
             ranks.stop()
         else:
             thetas = []
