@@ -112,13 +112,15 @@ def current_node() -> NodeRanks | None:
 
 
 def dispatch_needed() -> bool:
-    """Whether ``join-swarm`` was started by torchrun with several ranks and the node is not set up yet."""
-    return _CURRENT is None and int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
+    """Whether ``join-swarm`` was started by torchrun with several ranks and the node is not set up yet (a
+    ``WORLD_SIZE`` that is not an integer also dispatches: ``main`` then exits saying what is wrong with it)."""
+    return _CURRENT is None and os.environ.get("WORLD_SIZE", "").strip() not in ("", "0", "1")
 
 
 @dataclass
 class NodeRanks:
-    """One rank's end of the node protocol (module docstring). Thread-unsafe: call from the training thread only.
+    """One rank's end of the node protocol (module docstring). Call it from the training thread; rank 0's keepalive
+    thread (``start_keepalive``) is the only other sender, serialized with it by a lock.
 
     Args:
         rank, world_size: this process's rank and the number of ranks (``NodeEnv``).

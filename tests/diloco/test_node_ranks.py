@@ -29,6 +29,7 @@ from hivetrain.diloco.node_ranks import (
     NodeInner,
     NodeRanks,
     NodeRanksFailed,
+    dispatch_needed,
     follow,
 )
 from hivetrain.diloco.phase import MAX_PHASE_STEPS, PhaseInterrupted
@@ -38,7 +39,7 @@ T, B = 16, 2  # tokens per window, windows per microbatch and rank
 PHASES = [(0, 3), (10, 2)]  # (first inner step, inner steps rank 0's schedule allows)
 ABORTED = (20, 2)  # a phase rank 0 abandons after this many inner steps (the trainer stopping)
 SIGNALLED = (30, 2)  # a phase during whose 2nd inner step rank 0 gets SIGINT: held until the step's end
-CONTROL_TIMEOUT_S, PAUSE_S = 3.0, 4.0  # rank 0 pauses in a phase's first step and between phases
+CONTROL_TIMEOUT_S, PAUSE_S = 2.5, 3.0  # rank 0 pauses in a phase's first step and between phases
 CONFIG = DilocoConfig(inner_lr=3e-3, warmup_steps=2, grad_clip=1.0, precision="fp32", grad_accum_steps=2)
 
 
@@ -206,7 +207,13 @@ def test_two_gloo_ranks_train_as_one_peer(tmp_path):
     torch.testing.assert_close(r0["params"], single_process_reference(), rtol=1e-4, atol=1e-5)
 
 
-def test_node_env_from_environ():
+def test_node_env_from_environ(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not dispatch_needed()  # a plain join-swarm process
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not dispatch_needed()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert dispatch_needed()
     assert NodeEnv.from_environ({}) is None
     assert NodeEnv.from_environ({"WORLD_SIZE": "1", "RANK": "0"}) is None
     assert NodeEnv.from_environ({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}) == NodeEnv(3, 4, 1)
