@@ -51,12 +51,22 @@ class PhaseRunner:
         plan: the schedule settings.
         duty: paces the steps (fraction 1 and no pause = no sleep).
         peer_id: ours (the schedule ignores our own record: our progress is exact).
+        samples_per_step: samples one inner step adds to our progress; None = ``plan.batch_size``. A multi-rank
+            node (``node_ranks``) counts all of its ranks' samples here while its swarm plan keeps the run's batch
+            size, so that every peer computes the same epoch target.
     """
 
     def __init__(
-        self, inner: InnerOptimizer, batches: Iterator[torch.Tensor], plan: PhasePlan, duty: DutyCycle, peer_id: str
+        self,
+        inner: InnerOptimizer,
+        batches: Iterator[torch.Tensor],
+        plan: PhasePlan,
+        duty: DutyCycle,
+        peer_id: str,
+        samples_per_step: int | None = None,
     ):
         self.inner, self.batches, self.plan, self.duty, self.peer_id = inner, batches, plan, duty, peer_id
+        self.samples_per_step = samples_per_step or plan.batch_size
         self._progress = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start)
         self._done = (0, 0)  # (epoch of our last ended phase, its samples)
         self._running = False
@@ -80,7 +90,7 @@ class PhaseRunner:
         if self.duty.paused:
             return 0.0
         _, samples, started = self._progress
-        if not self._running or samples < MIN_MEASURED_STEPS * self.plan.batch_size:
+        if not self._running or samples < MIN_MEASURED_STEPS * self.samples_per_step:
             return self.last_rate
         return samples / max(time.monotonic() - started, 1e-9)
 
@@ -125,7 +135,7 @@ class PhaseRunner:
                 raise PhaseInterrupted()
             now = time.monotonic()
             step_s, last = now - last, now
-            self._progress = (phase_epoch, self._progress[1] + self.plan.batch_size, started)
+            self._progress = (phase_epoch, self._progress[1] + self.samples_per_step, started)
             on_step(i, loss)
             slept += self.duty.after_step(step_s, stop)  # sleeps (duty cycle) or blocks (paused)
             last = time.monotonic()

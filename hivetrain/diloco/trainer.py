@@ -94,13 +94,16 @@ class DilocoTrainer:
         self._left_reason = ""
         self._exact_average = config.averaging.strategy == "butterfly"
         self._overlap = config.diloco.overlap if self._exact_average else "off"
-        # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks
+        # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks. To the swarm's
+        # schedule it is one peer N times as fast (the epoch target counts the run's batch per peer, the same on every
+        # peer); with fixed H ("steps") it runs H inner steps of N batches.
         self.node_ranks = node_ranks if node_ranks is not None else current_node()
-        num_ranks = self.node_ranks.world_size if self.node_ranks is not None else 1
+        per_peer = config.diloco.samples_per_inner_step(config.data.batch_size)
+        per_step = per_peer * (self.node_ranks.world_size if self.node_ranks is not None else 1)
         plan = PhasePlan(
             schedule=config.diloco.schedule,
             inner_steps=config.diloco.inner_steps,
-            batch_size=config.diloco.samples_per_inner_step(config.data.batch_size) * num_ranks,
+            batch_size=per_peer if config.diloco.schedule == "swarm" else per_step,
             target_samples_per_epoch=config.diloco.target_samples_per_epoch,
             max_samples_per_peer=config.averaging.max_samples_per_round,
             stale_after_s=options.record_ttl_s,
@@ -109,7 +112,7 @@ class DilocoTrainer:
         stream = node.peer_id if self.node_ranks is None else self.node_ranks.stream_name(node.peer_id)
         batches = corpus.train_batches(config.data.seq_len, config.data.batch_size, stream_seed(config.seed, stream))
         inner = InnerOptimizer(model, config.diloco) if self.node_ranks is None else self._node_inner(model)
-        self.phases = PhaseRunner(inner, batches, plan, self.duty, node.peer_id)
+        self.phases = PhaseRunner(inner, batches, plan, self.duty, node.peer_id, samples_per_step=per_step)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
         self.evidence = Evidence(
@@ -157,8 +160,16 @@ class DilocoTrainer:
 
     def _node_inner(self, model: torch.nn.Module) -> NodeInner:
         """Rank 0 of a multi-rank node: hand the run to the other ranks, wrap the model in DDP (all ranks at once)."""
-        ranks = self.node_ranks
+        ranks, diloco = self.node_ranks, self.config.diloco
         assert ranks is not None
+        per_step = diloco.samples_per_inner_step(self.config.data.batch_size) * ranks.world_size
+        bound = self.config.averaging.max_samples_per_round
+        if diloco.schedule == "steps" and diloco.inner_steps * per_step > bound:
+            raise ValueError(
+                f"a {ranks.world_size}-rank node runs {diloco.inner_steps} inner steps of {per_step} samples, more "
+                f"than averaging.max_samples_per_round ({bound}) allows one peer: use fewer ranks, or a run with "
+                'diloco.schedule = "swarm" or a larger bound'
+            )
         ranks.hello({"config": self.config.to_dict(), "peer_id": self.node.peer_id, "fingerprint": self.fingerprint})
         return NodeInner(ranks.inner_optimizer(ranks.wrap(model), self.config.diloco), ranks, model)
 

@@ -15,6 +15,7 @@ import itertools
 import os
 import signal
 import socket
+import threading
 import time
 
 import torch
@@ -22,7 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hivetrain.config import DilocoConfig
-from hivetrain.diloco.inner import InnerOptimizer
+from hivetrain.diloco.duty import DutyCycle
+from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
 from hivetrain.diloco.node_ranks import (
     CMD_HELLO,
     NodeEnv,
@@ -32,7 +34,8 @@ from hivetrain.diloco.node_ranks import (
     dispatch_needed,
     follow,
 )
-from hivetrain.diloco.phase import MAX_PHASE_STEPS, PhaseInterrupted
+from hivetrain.diloco.phase import MAX_PHASE_STEPS, PhaseInterrupted, PhaseRunner
+from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.model import build_config, build_model
 
 T, B = 16, 2  # tokens per window, windows per microbatch and rank
@@ -224,3 +227,24 @@ def test_node_env_from_environ(monkeypatch):
             assert "RANK" in str(exc)
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+class _NodeLikeInner:
+    """Stands in for ``NodeInner`` of a 2-rank node: every inner step is 2 ranks x B samples."""
+
+    def run(self, batches, first_step, num_steps, on_step, should_end):
+        for i in range(num_steps):
+            on_step(i, 1.0)
+            if should_end(i + 1, (i + 1) * 2 * B):
+                break
+        return InnerPhaseResult(i + 1, (i + 1) * 2 * B, (i + 1) * 2 * B * T, 1.0, 0.01)
+
+
+def test_a_node_counts_its_ranks_samples_against_the_swarms_target():
+    # "swarm": the epoch target counts the run's batch per peer (H x B x peers: the same on every peer), a node's
+    # progress all of its ranks' samples, so a 2-rank node alone reaches the target in H/2 inner steps
+    plan = PhasePlan(schedule="swarm", inner_steps=4, batch_size=B)
+    runner = PhaseRunner(_NodeLikeInner(), iter(()), plan, DutyCycle(1.0), "me", samples_per_step=2 * B)
+    runner.begin(0)
+    phase = runner.run(lambda: [], threading.Event(), lambda i, loss: None)
+    assert phase.inner.num_steps == 2 and runner.progress == (0, 4 * B) and runner.done == (0, 4 * B)
