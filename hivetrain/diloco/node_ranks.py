@@ -47,9 +47,7 @@ SIGTERM ends them (torchrun's way of stopping a node).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import json
 import logging
 import os
@@ -69,7 +67,7 @@ CMD_HELLO, CMD_PHASE, CMD_STOP, CMD_KEEPALIVE = 1, 2, 3, 4  # commands (rank 0 -
 STEP_CONTINUE, STEP_END, STEP_ABORT, STEP_WAIT = 0, 1, 2, 3  # decisions (rank 0 -> followers, after every inner step)
 DEFAULT_TIMEOUT_S = 1800.0
 KEEPALIVE_INTERVAL_S = 10.0
-_CURRENT: NodeRanks | None = None  # this process is rank 0 of a node (set by ``main``; read by DilocoTrainer)
+_CURRENT: NodeRanks | None = None  # this process is rank 0 of a node (``acting_as_rank0``; read by DilocoTrainer)
 
 
 class NodeRanksFailed(RuntimeError):
@@ -80,35 +78,21 @@ class PhaseAborted(Exception):
     """Follower side: rank 0 abandoned the phase (its steps are discarded)."""
 
 
-@dataclass(frozen=True)
-class NodeEnv:
-    """The torchrun environment of this process: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv | None:
-        """None unless ``WORLD_SIZE`` > 1. Raises ValueError if the variables are not integers in range."""
-        env = os.environ if environ is None else environ
-        try:
-            world_size = int(env.get("WORLD_SIZE", "1"))
-            if world_size <= 1:
-                return None
-            rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"]))
-        except (KeyError, ValueError) as exc:
-            raise ValueError(
-                f"torch.distributed environment: bad or missing RANK/LOCAL_RANK ({exc}); start with torchrun"
-            ) from None
-        if not 0 <= rank < world_size:
-            raise ValueError(f"RANK={rank} is outside 0..WORLD_SIZE-1={world_size - 1}")
-        return cls(rank, world_size, local_rank)
-
-
 def current_node() -> NodeRanks | None:
     """The node this process is rank 0 of (its trainer trains for the whole node), or None for a single process."""
     return _CURRENT
+
+
+@contextlib.contextmanager
+def acting_as_rank0(ranks: NodeRanks) -> Iterator[None]:
+    """Within the block this process is rank 0 of ``ranks``' node: ``current_node()`` returns it (``DilocoTrainer``
+    then trains for the node) and ``dispatch_needed()`` is False (``join_swarm.main`` runs as the swarm peer)."""
+    global _CURRENT
+    _CURRENT = ranks
+    try:
+        yield
+    finally:
+        _CURRENT = None
 
 
 def dispatch_needed() -> bool:
@@ -123,7 +107,7 @@ class NodeRanks:
     thread (``start_keepalive``) is the only other sender, serialized with it by a lock.
 
     Args:
-        rank, world_size: this process's rank and the number of ranks (``NodeEnv``).
+        rank, world_size: this process's rank and the number of ranks (``node_launch.NodeEnv``).
         control: the gloo process group the control messages travel on (``dist.new_group(backend="gloo")``).
         device: where this rank's model lives (``cuda:LOCAL_RANK`` or cpu).
     """
@@ -467,132 +451,8 @@ def follow(
         stats.phases.append((first_step, result.num_steps))
 
 
-# ---- processes --------------------------------------------------------------------------------------------------
-def timeout_s_from_env() -> float:
-    """``HIVETRAIN_NODE_TIMEOUT_S`` (seconds, > 0), default 1800. Raises ValueError if it is not a positive number."""
-    raw = os.environ.get("HIVETRAIN_NODE_TIMEOUT_S", "")
-    try:
-        value = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"HIVETRAIN_NODE_TIMEOUT_S={raw!r}: give a positive number of seconds")
-    return value
-
-
-def init_node(env: NodeEnv, use_cuda: bool, timeout_s: float) -> NodeRanks:
-    """Join the node's process groups (torchrun's ``MASTER_ADDR``/``MASTER_PORT``): NCCL on ``cuda:LOCAL_RANK`` when
-    ``use_cuda``, else gloo; control messages on a gloo group. Every collective times out after ``timeout_s``."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if use_cuda:
-        torch.cuda.set_device(env.local_rank)
-        device = torch.device("cuda", env.local_rank)
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout)
-    return NodeRanks(env.rank, env.world_size, control, device)
-
-
-def close_node(ranks: NodeRanks | None) -> None:
-    """Tear down the process groups (a no-op if none)."""
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``join-swarm`` under torchrun with WORLD_SIZE > 1: rank 0 runs ``join_swarm.main`` for the node, the other
-    ranks ``run_follower``. Returns the process's exit code."""
-    global _CURRENT
-    from hivetrain.cli import join_swarm
-    from hivetrain.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail, setup_logging
+    """``join-swarm`` under torchrun with WORLD_SIZE > 1 (``hivetrain.diloco.node_launch.run_node``)."""
+    from hivetrain.diloco.node_launch import run_node
 
-    args = join_swarm.build_parser().parse_args(argv)
-    setup_logging(args.verbose)
-    try:
-        env = NodeEnv.from_environ()
-        assert env is not None, "main() runs only under torchrun with WORLD_SIZE > 1"
-        timeout_s = timeout_s_from_env()
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
-        use_cuda = args.device != "cpu" and torch.cuda.is_available()
-        if use_cuda and env.local_rank >= torch.cuda.device_count():
-            raise ValueError(
-                f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} CUDA device(s): "
-                "use --nproc-per-node at most the number of GPUs"
-            )
-    except ValueError as exc:
-        return fail(str(exc), EXIT_BAD_INPUT)
-    ranks = init_node(env, use_cuda, timeout_s)
-    logger.info("node rank %d of %d on %s", env.rank, env.world_size, ranks.device)
-    try:
-        if env.rank == 0:
-            _CURRENT = ranks
-            ranks.start_keepalive()
-            try:
-                return join_swarm.main(argv)
-            finally:
-                ranks.stop_keepalive()
-                ranks.stop()
-                _CURRENT = None
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the node leaves
-        try:
-            return run_follower(args, ranks)
-        except Exception as exc:  # noqa: BLE001 - any failure ends this rank, saying why
-            logger.exception("node rank %d failed", env.rank)
-            return fail(f"node rank {env.rank}: {type(exc).__name__}: {exc}", EXIT_FAILED)
-    finally:
-        close_node(ranks)
-
-
-def run_follower(args: argparse.Namespace, ranks: NodeRanks) -> int:
-    """A follower rank: wait for rank 0's HELLO, build the corpus and the model, then ``follow`` until STOP.
-
-    Returns 0 when rank 0 says STOP (also before HELLO: rank 0 failed to start). Raises on a failed collective.
-    """
-    from hivetrain.cli.join_swarm import data_cursor_path
-    from hivetrain.config import RunConfig
-    from hivetrain.data import load_corpus, stream_seed
-    from hivetrain.model import build_run_model
-
-    code, _, _ = ranks.recv_command()
-    if code == CMD_STOP:
-        return 0
-    if code != CMD_HELLO:
-        raise NodeRanksFailed(f"expected HELLO from rank 0, got command {code}")
-    hello = ranks.recv_hello()
-    try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        config = RunConfig.from_dict(hello["config"])
-        cursor = data_cursor_path(args.identity_path, config.run_id)  # rank 0's; ours is beside it
-        corpus = load_corpus(config.data, cursor_path=cursor.with_suffix(f".rank{ranks.rank}.json") if cursor else None)
-        _, model, fingerprint = build_run_model(config, corpus.vocab_size, model_path=args.model_path)
-        if fingerprint != hello["fingerprint"]:
-            raise ValueError(
-                f"this rank's model fingerprint {fingerprint[:12]} differs from rank 0's {hello['fingerprint'][:12]}"
-            )
-        model.to(ranks.device)
-        ok = True
-    except Exception:  # noqa: BLE001 - reported to rank 0 through the ready flags, and logged here
-        logger.exception("node rank %d could not build the run's model", ranks.rank)
-        ok = False
-    if ranks.gather_ready(ok):
-        return 1 if not ok else 0  # rank 0 gives up on the node
-    ddp = ranks.wrap(model)
-    inner = ranks.inner_optimizer(ddp, config.diloco)
-    batches = corpus.train_batches(
-        config.data.seq_len, config.data.batch_size, stream_seed(config.seed, ranks.stream_name(hello["peer_id"]))
-    )
-    stats = follow(ranks, inner, batches, model)
-    logger.info(
-        "node rank %d: %d phases, %d inner steps, %d aborted, %d diverged",
-        ranks.rank,
-        len(stats.phases),
-        sum(s for _, s in stats.phases),
-        stats.aborted,
-        stats.diverged,
-    )
-    return 0
+    return run_node(argv)

@@ -25,9 +25,9 @@ import torch.multiprocessing as mp
 from hivetrain.config import DilocoConfig
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
+from hivetrain.diloco.node_launch import NodeEnv
 from hivetrain.diloco.node_ranks import (
     CMD_HELLO,
-    NodeEnv,
     NodeInner,
     NodeRanks,
     NodeRanksFailed,
