@@ -79,7 +79,7 @@ def train(monkeypatch, tmp_path):
     config = load_run_config(None, {})
     monkeypatch.setattr(join_swarm, "resolve_config", lambda args, node: config)
     monkeypatch.setattr(join_swarm, "check_against_swarm", lambda *a: None)
-    monkeypatch.setattr(hivetrain.data, "load_corpus", lambda data: SimpleNamespace(vocab_size=16))
+    monkeypatch.setattr(hivetrain.data, "load_corpus", lambda data, **kw: SimpleNamespace(vocab_size=16))
     shape = SimpleNamespace(hidden_size=4, num_hidden_layers=1, vocab_size=16)  # the memory preflight reads these
     monkeypatch.setattr(hivetrain.model, "describe_run_model", lambda *a, **k: (shape, 10))
     monkeypatch.setattr(hivetrain.model, "build_run_model", lambda *a, **k: (None, torch.nn.Linear(4, 2), "f" * 64))

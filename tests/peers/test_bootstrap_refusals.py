@@ -80,7 +80,12 @@ def identity(tmp_path_factory):
 @pytest.mark.parametrize(
     "error, cause, says, not_says",
     [
-        ("P2PDaemonError: Identity from `/x/me.key` is already taken by another peer", "identity_in_use", "own", "nc"),
+        (
+            "P2PDaemonError: Identity from `/x/me.key` is already taken by another peer",
+            "identity_in_use",
+            "own",
+            "nc -vz",
+        ),
         (
             "local time must be within 3 seconds  of others(local: 1000.50000, peer: 1060.50000)",
             "clock_skew",
