@@ -62,7 +62,7 @@ def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path):
 def test_late_joiner_downloads_state_and_contributes_to_the_next_outer_step(local_swarm):
     # long enough that the first two are still training when the late joiner is up (groups close as soon as every
     # expected peer is ready, so short epochs no longer wait out the matchmaking window)
-    swarm = local_swarm(**{"diloco.outer_steps": 8, "diloco.inner_steps": 600})
+    swarm = local_swarm(**{"diloco.outer_steps": 6, "diloco.inner_steps": 600})
     first = [swarm.add_peer() for _ in range(2)]
     wait_for_event(first[0], lambda e: e["event"] == "outer_step" and e["epoch"] >= 1, timeout_s=120)
     late = swarm.add_peer(name="late")
