@@ -99,9 +99,9 @@ class Corpus:
     cursor_path: Path | None = None
     _eval_cache: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def documents(self, held_out: bool, shards: list[Shard] | None = None) -> Iterator[np.ndarray]:
-        """Tokens of the held-out (or the training) documents of ``shards`` (default: all, sorted order)."""
-        for shard in self.shards if shards is None else shards:
+    def documents(self, held_out: bool) -> Iterator[np.ndarray]:
+        """Tokens of the held-out (or the training) documents, all shards in sorted order."""
+        for shard in self.shards:
             for _, doc in iter_documents(shard, self.text_field):
                 if doc and is_held_out(doc, self.eval_fraction) == held_out:
                     yield self.tokenizer.encode(doc)
@@ -148,19 +148,13 @@ class Corpus:
             produced, whole_pass = 0, cursor.position == 0 and cursor.document == 0
             while cursor.position < len(order):
                 shard = self.shards[int(order[cursor.position])]
-                carry = separator[:0]  # windows never span shards: a stream resumed at a shard's start is exact
-                for index, doc in iter_documents(shard, self.text_field, start=cursor.document):
-                    cursor.document = index + 1
-                    if not doc or is_held_out(doc, self.eval_fraction):
-                        continue
-                    data = np.concatenate([carry, self.tokenizer.encode(doc), separator])
-                    num = len(data) // window
-                    for i in range(num):
-                        yield data[i * window : (i + 1) * window]
-                    produced += num
-                    carry = data[num * window :].copy()
+                # windows never span shards (``pack`` starts each shard afresh): a stream resumed at a shard's start
+                # is exact
+                for w in pack(self._training_tokens(shard, cursor), separator, window):
+                    produced += 1
+                    yield w
                     if self.cursor_path is not None and clock() - last_save >= CURSOR_SAVE_INTERVAL_S:
-                        self._save_cursor(stream_seed, cursor)
+                        self._save_cursor(stream_seed, cursor)  # past the document being packed: near, not exact
                         last_save = clock()
                 cursor.position, cursor.document = cursor.position + 1, 0
                 self._save_cursor(stream_seed, cursor)
@@ -170,6 +164,13 @@ class Corpus:
                     "or lower data.seq_len"
                 )
             cursor = StreamCursor(cursor.pass_index + 1, 0, 0)
+
+    def _training_tokens(self, shard: Shard, cursor: StreamCursor) -> Iterator[np.ndarray]:
+        """Tokens of ``shard``'s training documents from ``cursor.document`` on, moving the cursor past each one."""
+        for index, doc in iter_documents(shard, self.text_field, start=cursor.document):
+            cursor.document = index + 1
+            if doc and not is_held_out(doc, self.eval_fraction):
+                yield self.tokenizer.encode(doc)
 
     def train_batches(self, seq_len: int, batch_size: int, stream_seed: int) -> Iterator[torch.Tensor]:
         """Endless (batch_size, seq_len + 1) int64 batches of one peer's training windows, shuffled through a buffer
