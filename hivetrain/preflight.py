@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from hivetrain.diloco.inner import resolve_precision
+
 GIB = 2**30
 DEFAULT_MARGIN = 1.15
 
@@ -209,13 +211,6 @@ def _available_host_bytes() -> int:
         raise
 
 
-def uses_half_precision(precision: str, device: torch.device) -> bool:
-    """Whether inner steps autocast to bf16/fp16 for ``diloco.precision`` on ``device`` ("auto": on CUDA only)."""
-    if precision == "auto":
-        return device.type == "cuda"
-    return precision in ("bf16", "fp16")
-
-
 def run_preflight(
     run_config: Any,
     model_config: Any,
@@ -236,15 +231,18 @@ def run_preflight(
 
     Raises:
         InsufficientMemory: it does not fit; the message names the sizes and the options.
+        ValueError: ``diloco.precision`` cannot run on ``device`` (``inner.resolve_precision``'s message).
     """
     diloco = run_config.diloco
+    # the precision inner steps will use (the inner optimizer's own rule; native bf16 or not, both are half precision)
+    precision = resolve_precision(getattr(diloco, "precision", "fp32"), device.type, native_bf16=True)
     estimate = estimate_memory(
         num_parameters,
         model_config,
         microbatch=run_config.data.batch_size,
         seq_len=run_config.data.seq_len,
         device_type=device.type,
-        half_precision=uses_half_precision(getattr(diloco, "precision", "fp32"), device),
+        half_precision=precision.autocast_dtype is not None,
     )
     free_device, free_host = free if free is not None else free_memory(device)
     decision = check_memory(
@@ -263,5 +261,4 @@ __all__ = [
     "estimate_memory",
     "free_memory",
     "run_preflight",
-    "uses_half_precision",
 ]
