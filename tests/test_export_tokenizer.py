@@ -78,17 +78,16 @@ def test_byte_tokenizer_maps_ids_to_bytes_both_ways() -> None:
     assert tok.decode(stray) == bytes(stray).decode("utf-8", errors="replace") == "h\ufffdi\ufffd"
 
 
+def _save_neox_config(directory: Path, num_layers: int) -> None:
+    """A tiny GPT-NeoX ``config.json`` over byte tokens (vocabulary 256) in ``directory``."""
+    GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64).save_pretrained(directory)  # fmt: skip
+
+
 def test_byte_run_of_another_architecture_exports_for_pipeline_and_generate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    GPTNeoXConfig(
-        vocab_size=256,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    ).save_pretrained(tmp_path / "neox")
+    _save_neox_config(tmp_path / "neox", num_layers=2)
     run = RunConfig(run_id="neox", model=str(tmp_path / "neox"), data=DataConfig(seq_len=SEQ_LEN))
     out = tmp_path / "export"
     assert run_export([str(save_checkpoint(tmp_path, run, 256)), "--out", str(out)]) == 0
@@ -111,14 +110,7 @@ def test_byte_run_of_another_architecture_exports_for_pipeline_and_generate(
 def test_pretrained_run_exports_from_a_copy_of_its_model_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    GPTNeoXConfig(
-        vocab_size=256,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    ).save_pretrained(tmp_path / "cfg")
+    _save_neox_config(tmp_path / "cfg", num_layers=1)
     fresh = build_run_model(RunConfig(model=str(tmp_path / "cfg"), data=DataConfig(seq_len=SEQ_LEN)), 256).model
     fresh.save_pretrained(tmp_path / "pre", safe_serialization=True)
     run = RunConfig(run_id="pre", model=str(tmp_path / "pre"), data=DataConfig(seq_len=SEQ_LEN))
