@@ -42,6 +42,9 @@ from hivetrain.peers.loop import LoopThread
 logger = logging.getLogger(__name__)
 
 CHUNK_NUM_BYTES = 1 << 16  # bytes moved per read between a stream and its socket
+# after our side ends, how long a bridge keeps the stream open for the peer to read our last frames and end too; a round
+# that failed (our links closed at once) reaches a relayed peer this much later, a failure it would see anyway
+FIN_GRACE_S = 2.0
 MAX_DIAL_BACK_REQUEST_BYTES = 256
 DIAL_BACK_OK, DIAL_BACK_FAILED = b"ok", b"no"
 
@@ -222,17 +225,28 @@ class P2PFallback:
         loop = asyncio.get_running_loop()
         sock.setblocking(False)
 
+        remote_ended = asyncio.Event()
+
         async def to_stream() -> None:
             while data := await loop.sock_recv(sock, CHUNK_NUM_BYTES):
                 writer.write(data)
                 await writer.drain()
+            # Our side is done (a graceful FIN after a commit). p2pd ends the whole stream on EOF, both directions: the
+            # peer's next write (a heartbeat while it waits for our vote) then fails, its daemon resets the stream and
+            # drops what it had not read yet, our vote included. So the EOF waits until the peer ends too (it does once
+            # it has read our last frames and committed), at most FIN_GRACE_S; the TCP counterpart is ``Link.drain``.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(remote_ended.wait(), FIN_GRACE_S)
             if writer.can_write_eof():
                 writer.write_eof()
 
         async def to_socket() -> None:
-            while data := await reader.read(CHUNK_NUM_BYTES):
-                await loop.sock_sendall(sock, data)
-            sock.shutdown(socket.SHUT_WR)
+            try:
+                while data := await reader.read(CHUNK_NUM_BYTES):
+                    await loop.sock_sendall(sock, data)
+                sock.shutdown(socket.SHUT_WR)
+            finally:
+                remote_ended.set()
 
         try:
             results = await asyncio.gather(to_stream(), to_socket(), return_exceptions=True)
