@@ -250,9 +250,10 @@ def missed_commits(peers: list[PeerRun], target: int) -> dict[str, str]:
             continue
         first_t = next(e["t_s"] for e in p.events if e["event"] == "outer_step")
         gaps = sorted(set(range(min(commits), target + 1)) - set(commits))
-        late = [int(e["epoch"]) for e in p.events if e["event"] == "state_downloaded" and e["t_s"] > first_t]
+        late = [e for e in p.events if e["event"] == "state_downloaded" and e["t_s"] > first_t]
         if gaps or late:
-            missed[p.name] = f"epochs without a commit {gaps}" + (f", downloaded state at {late}" if late else "")
+            why = "; ".join(f"{int(e['epoch'])} at {e['t_s']:.1f}s ({e.get('reason', '?')})" for e in late)
+            missed[p.name] = f"epochs without a commit {gaps}" + (f", downloaded state at epoch {why}" if late else "")
     return missed
 
 

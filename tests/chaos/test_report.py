@@ -234,10 +234,12 @@ def test_a_lie_the_byzantine_peer_itself_committed_does_not_verify_a_download():
 def test_a_peer_that_missed_an_epoch_or_resynced_breaks_every_peer_kept_committing():
     stalled = honest_peer("peer1", 1)
     stalled.events = [e for e in stalled.events if not (e["event"] == "outer_step" and e["epoch"] == 2)]
-    stalled.events.append(ev("state_downloaded", 21.0, 2))
+    stalled.events.append(ev("state_downloaded", 21.0, 2, reason="behind: 2 peers hold epoch 2"))
     report = attack_report([honest_peer("peer0", 0), stalled, joiner()])
     assert report["invariants"]["every_peer_kept_committing"] is False
-    assert report["missed_commits"] == {"peer1": "epochs without a commit [2], downloaded state at [2]"}
+    assert report["missed_commits"] == {
+        "peer1": "epochs without a commit [2], downloaded state at epoch 2 at 21.0s (behind: 2 peers hold epoch 2)"
+    }
     assert report["invariants"]["no_unverified_state"]  # it downloaded what peer0 committed
 
 
