@@ -10,6 +10,7 @@ Hook points used by hivetrain (keep this list in sync with the code):
     averaging.mid_transfer     a member has sent some of its parts
     averaging.after_reduce     a reducer has reduced its part, before sending results back
     averaging.before_commit    a member holds the full result, before voting to commit
+    averaging.vote             a member is about to send its vote to member ``to`` (a raise drops that vote)
     state.before_serve         a state donor is about to stream its state
     state.mid_download         a joiner has received part of a state download
     diloco.before_outer_step   a peer is about to average its pseudo-gradient

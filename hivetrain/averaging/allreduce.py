@@ -25,9 +25,11 @@ makes the member close all its links and raise RoundFailed, so the others, block
 merely waiting on a slow third peer sends heartbeats (``transport``). Inputs are never modified.
 
 The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, a link broke,
-or the deadline came) aborts while the others, who got every vote, commit. Members then hold different states. DiLoCo
-closes this gap: peers publish their state hash per epoch and a peer whose hash disagrees with the majority downloads
-the state.
+or the deadline came) fails while the others, who got every vote, commit. Such a failure carries the result we voted
+for (``RoundFailed.voted``); DiLoCo applies it once a member's record shows the epoch it committed with the state
+hash that result gives (``diloco.sync_policy.committed_without_us``), so the gap costs a few seconds instead of a
+fork. Failing that, peers publish their state hash per epoch and a peer whose hash disagrees with the majority
+downloads the state.
 
 Layout: this file holds the round logic (scatter, reduce, gather, subrounds, commit); by composition it uses a
 ``transport.RoundTransport`` (links, threads, send queues, inbox, its lock, waiting on members) and a
@@ -39,6 +41,8 @@ Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``ro
     averaging.mid_transfer   once per subround, when the first part is half sent (from a sender thread)
     averaging.after_reduce   after reducing our slice, before sending it; also ``reduced`` (the fp32 slice)
     averaging.before_commit  holding the full result, before voting
+    averaging.vote           before sending our vote to member ``to``; a "raise" fault drops that one vote (the
+                             two-phase-commit gap in tests: the others commit, ``to`` fails with ``voted`` set)
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ import msgpack
 import torch
 
 from hivetrain.averaging import codecs
-from hivetrain.averaging.base import RoundFailed
+from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.averaging.bucketing import aggregation_seed, robust_aggregate, robust_options
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer
@@ -72,7 +76,7 @@ from hivetrain.averaging.reduce import (
 from hivetrain.averaging.robust import NoValidContribution
 from hivetrain.averaging.transport import PeerFailed, RoundTransport
 from hivetrain.averaging.wire import FrameType, mac
-from hivetrain.faults import FaultInjector
+from hivetrain.faults import FaultInjected, FaultInjector
 from hivetrain.peers.bans import BanList
 
 __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
@@ -379,20 +383,30 @@ class ButterflyRound:
         # member that dies or stalls meanwhile is detected by its link (closed, or no byte for part_timeout_s).
         if time.monotonic() >= deadline:
             raise RoundFailed("timeout", "the round deadline came before we could vote")
+        lost: set[str] = set()
         for p in others:
+            try:
+                self._hook("averaging.vote", sub, to=p)
+            except FaultInjected:  # tests of the two-phase-commit gap: this vote is lost on the way
+                lost.add(p)
+                continue
             vote_mac = mac(self.transport.key(p), b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), full_hash)
             self._send(p, FrameType.VOTE, sub, {"hash": full_hash, "mac": vote_mac})
         votes_deadline = deadline + self.config.commit_timeout_s
         inbox = self.transport.inbox
         awaited = lambda: [p for p in others if p not in inbox.votes]  # noqa: E731 - a voter may close after voting
-        self._wait(lambda: not awaited(), awaited, votes_deadline, "waiting for votes")
+        try:
+            self._wait(lambda: not awaited(), awaited, votes_deadline, "waiting for votes")
+        except RoundFailed as exc:  # members that got every vote may commit: hand the caller what we voted for
+            raise self._voted(exc, sub, weights) from None
         disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
-        if disagree:
+        if disagree:  # nobody can commit: every member needs every vote to match its own hash
             raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")
         self.transport.flush(votes_deadline)
-        unsent = [p for p in others if not self.transport.has_sent(p, FrameType.VOTE)]
+        unsent = [p for p in others if p not in lost and not self.transport.has_sent(p, FrameType.VOTE)]
         if unsent:  # still queued behind our RESULT frames: it reaches them after they gave up
-            raise RoundFailed("timeout", f"our vote to {unsent} did not leave before the votes deadline")
+            exc = RoundFailed("timeout", f"our vote to {unsent} did not leave before the votes deadline")
+            raise self._voted(exc, sub, weights)
         bytes_sent, bytes_received = self.transport.byte_counts()
         return RoundOutcome(
             flat=self.receiver.out(sub),
@@ -402,3 +416,14 @@ class ButterflyRound:
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
         )
+
+    def _voted(self, exc: RoundFailed, sub: int, weights: dict[str, float]) -> RoundFailed:
+        """``exc`` with ``voted`` set to (a copy of) the result we voted for: fp32 (n,) as the single tensor."""
+        if exc.reason != "excluded":
+            exc.voted = RoundResult(
+                tensors=[self.receiver.out(sub).clone()],
+                group=tuple(sorted(weights)),
+                total_weight=math.fsum(weights.values()),
+                round_id=self.round_id,
+            )
+        return exc

@@ -16,16 +16,20 @@ import torch
 
 
 class RoundFailed(RuntimeError):
-    """An averaging round did not commit; nothing from it may be applied.
+    """An averaging round did not commit for us; nothing from it may be applied on this evidence alone.
 
     Attributes:
         reason: a short machine-readable cause ("no_group", "timeout", "peer_failed", "aborted", "bad_input", ...).
+        voted: set when the round failed after we voted (the two-phase-commit gap, ``allreduce``): the result we
+            voted for, which members that received every vote may have committed. The caller applies it only on
+            evidence that a member did (``diloco.sync_policy.committed_without_us``); None otherwise.
     """
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"averaging round failed: {reason}" + (f" ({detail})" if detail else ""))
         self.reason = reason
         self.detail = detail
+        self.voted: RoundResult | None = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -219,9 +220,9 @@ class GroupAverager:
         Raises:
             RoundFailed: "not_in_group" (a group formed without us: resync), "no_group" (nobody, or fewer than
                 ``min_group_size``), "peer_failed"/"timeout"/"aborted" (a member died, stalled or misbehaved; nothing
-                was applied anywhere, except in the two-phase-commit gap described in ``allreduce``), "excluded"
-                (others found our data bad). If a member dies mid-call, the survivors fail within about
-                ``part_timeout_s``.
+                was applied anywhere, except in the two-phase-commit gap described in ``allreduce``: then
+                ``voted`` holds the result we voted for, in the shapes of ``tensors``), "excluded" (others found our
+                data bad). If a member dies mid-call, the survivors fail within about ``part_timeout_s``.
             ValueError / TypeError: bad local input.
             RuntimeError: ``start()`` was not called, or the averager is shut down.
         """
@@ -251,15 +252,16 @@ class GroupAverager:
                     outcome, round_id, group = self._butterfly(*args)
                 else:
                     outcome, round_id, group = self._mixing(*args)
+            except RoundFailed as exc:
+                if exc.voted is not None:  # the flat result we voted for, in the caller's shapes
+                    views = _unflatten(exc.voted.tensors[0], tensors)
+                    exc.voted = replace(exc.voted, tensors=views, duration_s=time.monotonic() - started)
+                raise
             finally:
                 if not in_place:
                     self.pool.give(flat)
-        result_tensors, offset = [], 0
-        for t in tensors:
-            result_tensors.append(outcome.flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
         return RoundResult(
-            tensors=result_tensors,
+            tensors=_unflatten(outcome.flat, tensors),
             group=group,
             total_weight=outcome.total_weight,
             round_id=round_id,
@@ -405,3 +407,12 @@ class GroupAverager:
         result = current.clone() if current is flat else current  # ``flat`` goes back to the pool
         outcome = RoundOutcome(result, ids, tuple(sorted(excluded)), current_w, sent, received)
         return outcome, decl.round_id, tuple(p for p in ids if p not in excluded)
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` (n,) in the shapes of ``like``, in order."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out

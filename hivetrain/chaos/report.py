@@ -452,6 +452,7 @@ def build_report(
             "rss_growth_mib": rss,
             "rounds_failed": sum(1 for p in peers for e in p.events if e["event"] == "round_failed"),
             "state_downloads": sum(1 for p in peers for e in p.events if e["event"] == "state_downloaded"),
+            "rounds_recovered": sum(1 for p in peers for e in p.events if e["event"] == "round_recovered"),
         },
         "hash_disagreements": disagreements,
         "unverified_states": unverified,
@@ -503,7 +504,8 @@ def format_summary(report: dict) -> str:
         f"  samples lost              {fig['samples_lost']} (committed {fig['samples_committed']})",
         f"  peers diverged            {fig['peers_diverged']}  (transient forks: {fig['transient_forks']})",
         f"  eval loss                 {_fmt(fig['initial_eval_loss'])} -> {_fmt(fig['final_eval_loss'])}",
-        f"  rounds failed / state downloads  {fig['rounds_failed']} / {fig['state_downloads']}",
+        f"  rounds failed / state downloads  {fig['rounds_failed']} / {fig['state_downloads']}"
+        + (f" ({fig['rounds_recovered']} applied after a lost vote)" if fig.get("rounds_recovered") else ""),
         f"  wall time                 {fig['wall_s']} s",
         f"  RSS growth per peer (MiB) {', '.join(f'{k} {v}' for k, v in fig['rss_growth_mib'].items())}",
     ]

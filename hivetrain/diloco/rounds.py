@@ -33,12 +33,20 @@ from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import RoundPolicy, RoundView, SyncTrust, decide_after_round
+from hivetrain.diloco.sync_policy import (
+    RoundPolicy,
+    RoundView,
+    SyncTrust,
+    committed_without_us,
+    decide_after_round,
+)
 from hivetrain.faults import FaultInjector
 from hivetrain.peers.records import PeerRecord
 from hivetrain.testing.byzantine import WIRE_MODES, corrupt_round_input
 
 logger = logging.getLogger(__name__)
+
+VOTED_POLL_S = 0.5  # how often the records are read while waiting for evidence that a voted round committed, seconds
 
 
 @dataclass
@@ -108,6 +116,10 @@ class RoundRunner:
         stop: set when the trainer stops (ends the retries).
         stale_after_s: records older than this are ignored; dht_lost_after_s: see ``decide_after_round``.
         trust: returns the evidence rules the trainer holds now (quorum, coordinator, bans), read at every attempt.
+        voted_wait_s: after a round failed once we had voted (the two-phase-commit gap), how long to look for a
+            member's record showing that the group committed it before retrying, seconds (the run's
+            ``commit_timeout_s`` plus a record heartbeat: members commit up to that much later than we fail, then
+            publish at once). 0 = look once.
     """
 
     def __init__(
@@ -124,11 +136,12 @@ class RoundRunner:
         stale_after_s: float,
         dht_lost_after_s: float,
         trust: Callable[[], SyncTrust] = SyncTrust,
+        voted_wait_s: float = 0.0,
     ):
         self.peer_id, self.averager, self.view, self.config = peer_id, averager, view, config
         self.faults, self.byzantine, self.emit, self.stop = faults, byzantine, emit, stop
         self.stale_after_s, self.dht_lost_after_s = stale_after_s, dht_lost_after_s
-        self.trust = trust
+        self.trust, self.voted_wait_s = trust, voted_wait_s
         self.exact_average = config.averaging.strategy == "butterfly"
         self.rounds_failed = 0
         self.last_failure = ""
@@ -162,6 +175,10 @@ class RoundRunner:
                 result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s, expected_peers=expected)
             except RoundFailed as exc:
                 failure = exc.reason + (f" ({exc.detail})" if exc.detail else "")
+                if exc.voted is not None and local is None:
+                    adopted = self._committed_without_us(state, exc.voted, failure)
+                    if adopted is not None:
+                        return RoundOutcome(adopted[2], attempt, adopted[0], adopted[1], exc.voted, list(sent))
             solo = result is not None and len(result.group) == 1
             records = self.view.refresh() if result is None or solo else self.view.records
             view = RoundView(
@@ -205,3 +222,35 @@ class RoundRunner:
             if policy.action != "retry":
                 return RoundOutcome(policy, attempt)
             self.stop.wait(policy.backoff_s)  # back off: failures must not spin
+
+    def _committed_without_us(
+        self, state: TrainingState, voted: RoundResult, failure: str
+    ) -> tuple[TrainingState, str, RoundPolicy] | None:
+        """The round failed after we voted: build the state its result gives and wait (at most ``voted_wait_s``)
+        for a member's record showing it committed that state (``sync_policy.committed_without_us``). Returns
+        (state, hash, "apply" policy) on that evidence, else None (the usual retry / resync policy decides)."""
+        diloco = self.config.diloco
+        candidate = outer_step(state, voted.tensors, diloco.outer_lr, diloco.outer_momentum)
+        candidate_hash = candidate.state_hash()
+        give_up_at = time.monotonic() + self.voted_wait_s
+        while True:
+            committed, why = committed_without_us(
+                self.peer_id,
+                state.epoch,
+                voted.group,
+                candidate_hash,
+                self.view.refresh(),
+                get_dht_time(),
+                self.stale_after_s,
+                self.trust(),
+            )
+            if committed:
+                logger.warning(
+                    "epoch %d round failed after our vote (%s), but %s: applied it", state.epoch, failure, why
+                )
+                self.emit("round_recovered", reason=failure.split(" ", 1)[0], detail=f"{failure}; {why}")
+                return candidate, candidate_hash, RoundPolicy("apply", f"committed without our last vote: {why}")
+            if self.stop.is_set() or time.monotonic() >= give_up_at:
+                logger.info("epoch %d: %s (after %s)", state.epoch, why, failure)
+                return None
+            self.stop.wait(VOTED_POLL_S)

@@ -247,6 +247,46 @@ def may_commit_alone(
     return True, "no other live trainer"
 
 
+def committed_without_us(
+    my_peer_id: str,
+    epoch: int,
+    group: Iterable[str],
+    candidate_hash: str,
+    records: Iterable[PeerRecord],
+    now: float,
+    stale_after_s: float,
+    trust: SyncTrust = SyncTrust(),
+) -> tuple[bool, str]:
+    """After a round at ``epoch`` failed for us once we had voted (``RoundFailed.voted``): did its group commit?
+
+    The two-phase-commit gap (``averaging.allreduce``): members that received every vote commit; we missed one. A
+    member that committed publishes ``epoch + 1`` with the hash of the state the round's result gives, which is
+    ``candidate_hash``, the hash of the state we build from the result we voted for. Two sources agree then: our own
+    copy of the round's result (every part of it verified as it arrived) and a member's signed record. Nobody
+    outside the group can name that hash without the round's data, and a member's claim to hold it can only be
+    true: every member's state follows from the same result. Stale records, banned peers and peers outside
+    ``group`` do not count.
+
+    Returns:
+        (committed, reason): True once at least one other member of ``group`` holds ``candidate_hash`` at
+        ``epoch + 1``.
+    """
+    members = set(group) - {my_peer_id}
+    holders = sorted(
+        r.peer_id
+        for r in records
+        if r.peer_id in members
+        and r.peer_id not in trust.banned
+        and r.role == "trainer"
+        and now - r.updated_at <= stale_after_s
+        and r.epoch == epoch + 1
+        and r.state_hash == candidate_hash
+    )
+    if holders:
+        return True, f"{len(holders)} member(s) of the group committed epoch {epoch + 1} with the result we voted for"
+    return False, f"no member of the group shows epoch {epoch + 1} with the result we voted for"
+
+
 RoundAction = Literal["apply", "retry", "resync", "carry", "lost", "stop"]
 
 

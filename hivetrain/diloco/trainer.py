@@ -151,6 +151,7 @@ class DilocoTrainer:
             stale_after_s=options.record_ttl_s,
             dht_lost_after_s=options.dht_lost_after_s,
             trust=lambda: self.evidence.trust,
+            voted_wait_s=config.averaging.commit_timeout_s + options.record_interval_s,
         )
         diloco = config.diloco
         self.background = BackgroundRound(

@@ -174,6 +174,39 @@ def test_a_stalled_member_makes_the_others_fail_within_the_part_timeout(make_ave
     assert isinstance(results[2], RoundFailed)
 
 
+def test_a_member_that_misses_a_vote_fails_holding_the_result_the_others_committed(make_averagers) -> None:
+    """The two-phase-commit gap: member 2's vote to member 0 is lost; 1 and 2 receive every vote and commit, 0 fails
+    (when 2 closes its links, or at the votes deadline) with ``voted``: exactly the result the others committed, in
+    the caller's shapes, under the same round id and group."""
+    avgs = make_averagers(3, AveragingConfig(target_group_size=3, **SLOW_OK))
+    dropper = FaultInjector()
+    dropper.arm(Fault("averaging.vote", "raise", when={"to": avgs[0].node.peer_id}))
+    avgs[2].faults = dropper
+    inputs, weights = _inputs(3), [1.0, 2.0, 3.0]
+    results = _average_all(avgs, inputs, weights)
+    assert dropper.fired_count("averaging.vote") == 1
+    assert isinstance(results[0], RoundFailed) and results[0].voted is not None, results[0]
+    assert all(isinstance(r, RoundResult) for r in results[1:]), results
+    voted = results[0].voted
+    assert voted.round_id == results[1].round_id == results[2].round_id
+    assert voted.group == results[1].group and voted.total_weight == results[1].total_weight == 6.0
+    assert [t.shape for t in voted.tensors] == [t.shape for t in inputs[0]]
+    assert _digest(voted) == _digest(results[1]) == _digest(results[2])
+
+
+def test_a_member_that_never_voted_leaves_nothing_to_apply_anywhere(make_averagers) -> None:
+    """The opposite case: member 2 fails before voting. Nobody commits; 0 and 1 voted, so they hold ``voted``, but
+    no member will show the state it gives (what ``committed_without_us`` checks)."""
+    avgs = make_averagers(3, AveragingConfig(target_group_size=3, **SLOW_OK))
+    breaker = FaultInjector()
+    breaker.arm(Fault("averaging.before_commit", "raise"))
+    avgs[2].faults = breaker
+    results = _average_all(avgs, _inputs(3), [1.0, 2.0, 3.0])
+    assert breaker.fired_count("averaging.before_commit") == 1
+    assert all(isinstance(r, RoundFailed) for r in results), results
+    assert results[0].voted is not None and results[1].voted is not None and results[2].voted is None
+
+
 @pytest.mark.parametrize("compression", ["fp16", "int8", "int4"])
 def test_compressed_rounds_stay_bit_identical(make_averagers, compression: str) -> None:
     avgs = make_averagers(3, AveragingConfig(target_group_size=3, compression=compression, **SLOW_OK))

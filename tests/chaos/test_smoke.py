@@ -15,7 +15,7 @@ from hivetrain.testing.summary import read_events
 
 SMOKE = (
     "kill-one-of-four", "pause-mid-round", "pause-mid-allreduce", "nan-peer", "nat-peer", "far-future-record",
-    "dataplane-flood",
+    "dataplane-flood", "lost-vote",
 )  # fmt: skip
 
 
@@ -44,6 +44,8 @@ def test_smoke_scenario_passes(name, tmp_path):
         assert report["invariants"]["dht_clean"] and len(report["dht_probes"]) == 2
     if name == "dataplane-flood":  # the flood ran, and peer0 committed every epoch through it
         assert '"opened"' in report["faults"][0]["detail"] and report["invariants"]["every_peer_kept_committing"]
+    if name == "lost-vote":  # the member that missed the vote applied its group's commit: no fork, no download
+        assert report["figures"]["rounds_recovered"] == 1 and report["invariants"]["every_peer_kept_committing"]
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
 

@@ -145,6 +145,46 @@ def test_a_round_of_one_is_not_applied_while_another_peer_computes_for_our_epoch
     assert r.rounds_failed == 4 and "no_group" in r.last_failure
 
 
+def voted_failure(tensors, group=("a", "b", "me")):
+    exc = RoundFailed("peer_failed", "waiting for votes: b closed the connection")
+    exc.voted = RoundResult(tensors=tensors, group=group, total_weight=240.0, round_id="r")
+    return exc
+
+
+def test_a_round_that_failed_after_our_vote_is_applied_once_a_member_shows_it_committed():
+    # The two-phase-commit gap: a and b received every vote and committed, our last vote never came. a's record at
+    # epoch 5 carries the hash of the state the result we voted for gives: we apply it (no fork, no download).
+    avg = [torch.full((3, 2), 0.25)]
+    committed = outer_step(state(), avg, CONFIG.diloco.outer_lr, CONFIG.diloco.outer_momentum)
+    events = []
+    r = runner(ScriptedAverager(voted_failure(avg)), [rec("a", 5, digest=committed.state_hash())], events)
+    s = state()
+    out = r.run(s, s.state_hash(), contribution())
+    assert out.policy.action == "apply" and out.attempts == 1
+    assert out.state_hash == committed.state_hash() == out.state.state_hash() and out.state.epoch == 5
+    assert out.result.round_id == "r" and r.rounds_failed == 0
+    assert [e for e, _ in events] == ["round_recovered"]
+
+
+def test_a_voted_round_without_evidence_of_a_commit_is_not_applied():
+    # Nobody in the group shows the hash: only a peer outside it claims it, and b shows it at the wrong epoch.
+    # Nothing is applied; the usual policy retries.
+    avg = [torch.full((3, 2), 0.25)]
+    good = outer_step(state(), avg, CONFIG.diloco.outer_lr, CONFIG.diloco.outer_momentum).state_hash()
+    records = [rec("outsider", 5, digest=good), rec("b", 3, digest=good)]
+    r = runner(None, records)
+
+    def stop_retrying():
+        r.stop.set()
+        return RoundFailed("no_group")
+
+    r.averager = ScriptedAverager(voted_failure(avg), stop_retrying)
+    s = state()
+    out = r.run(s, s.state_hash(), contribution())
+    assert out.state is None and out.policy.action == "stop" and out.attempts == 2
+    assert r.rounds_failed == 2 and s.state_hash() == state().state_hash()
+
+
 def test_merged_contributions_sum_pseudo_gradients_and_weights_and_keep_the_older_epoch():
     old = Contribution([torch.ones(2)], 8, epoch=3)
     new = Contribution([torch.full((2,), 2.0)], 16, epoch=4)
