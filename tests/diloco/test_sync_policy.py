@@ -4,6 +4,7 @@ from hivetrain.coordinator.follower import FollowerOptions
 from hivetrain.diloco.sync_policy import (
     RoundView,
     SyncTrust,
+    committed_without_us,
     decide_after_round,
     decide_sync,
     keep_carried,
@@ -280,3 +281,19 @@ def test_the_survivors_of_a_peer_that_died_are_followed_while_its_record_lingers
     records = [rec("p0", 3, "h3"), rec("p3", 3, "h3"), rec("p1-dead", 2, "h2", age=20.0)]
     d = decide_sync("p2", 2, "h2", records, NOW, 30)
     assert d.action == "download" and d.target_epoch == 3 and set(d.donors) == {"p0", "p3"}
+
+
+def test_a_voted_round_counts_as_committed_only_on_a_fresh_record_of_a_group_member_at_the_next_epoch():
+    group = ("a", "b", "me")
+
+    def check(records, trust=SyncTrust()):
+        return committed_without_us("me", 4, group, "next", records, NOW, 30, trust)[0]
+
+    assert check([rec("a", 5, "next")])
+    assert not check([])  # nobody shows it (yet): the usual policy decides
+    assert not check([rec("outsider", 5, "next")])  # not in the round: cannot know its result
+    assert not check([rec("a", 5, "other"), rec("b", 4, "next")])  # another state, or the wrong epoch
+    assert not check([rec("a", 5, "next", age=31.0)])  # stale
+    assert not check([rec("a", 5, "next", role="coordinator")])
+    assert not check([rec("a", 5, "next")], SyncTrust(banned=frozenset({"a"})))
+    assert not committed_without_us("me", 4, group, "next", [rec("me", 5, "next")], NOW, 30)[0]  # our own record
