@@ -41,6 +41,7 @@ from hivetrain.diloco.inner import lr_multiplier
 from hivetrain.diloco.state import TrainingState
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.swarm.config import SwarmConfig
+from hivetrain.swarm.phase import StagePhase
 from hivetrain.swarm.stages import PipelineStage
 
 logger = logging.getLogger(__name__)
@@ -141,13 +142,31 @@ class StageRuntime:
         self.params = dict(self.module.named_parameters())
         self.grad_acc = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.num_accumulated = 0
-        self.inner_step = state.epoch * self.diloco.inner_steps
-        self.phase_inner_steps = 0
-        self.phase_microbatches = 0
         self.incarnation = secrets.token_hex(8)
-        self.phase = 0
+        self._set_phase(StagePhase.first(state.epoch, self.diloco.inner_steps))
         self.abandoned: collections.deque[int] = collections.deque(maxlen=64)
         self._accumulated_ids: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def _set_phase(self, phase: StagePhase) -> None:
+        """The one place the open phase changes (worker thread, or before the worker starts)."""
+        self.phase_record = phase
+
+    @property
+    def phase(self) -> int:
+        """Index of the open phase (the window trainers' ledgers key on)."""
+        return self.phase_record.window
+
+    @property
+    def phase_microbatches(self) -> int:
+        return self.phase_record.num_microbatches
+
+    @property
+    def phase_inner_steps(self) -> int:
+        return self.phase_record.num_inner_steps
+
+    @property
+    def inner_step(self) -> int:
+        return self.phase_record.inner_step
 
     def _load_theta(self) -> None:
         with torch.no_grad():
@@ -164,18 +183,12 @@ class StageRuntime:
         self._zero_accumulator()
         self._load_theta()
         self.abandoned.append(self.phase)
-        self.phase += 1
-        self.phase_inner_steps = 0
-        self.phase_microbatches = 0
-        self.inner_step = self.state.epoch * self.diloco.inner_steps
+        self._set_phase(self.phase_record.next(self.state.epoch, self.diloco.inner_steps))
 
     def _commit(self, new_state: TrainingState) -> None:
         self.state = new_state
         self._load_theta()
-        self.phase += 1
-        self.phase_inner_steps = 0
-        self.phase_microbatches = 0
-        self.inner_step = new_state.epoch * self.diloco.inner_steps
+        self._set_phase(self.phase_record.next(new_state.epoch, self.diloco.inner_steps))
 
     # ---- entry points (any thread) -------------------------------------------------------------------------------
 
@@ -348,13 +361,15 @@ class StageRuntime:
         while len(self._accumulated_ids) > _MAX_REMEMBERED_IDS:
             self._accumulated_ids.popitem(last=False)
         self.num_accumulated += 1
-        self.phase_microbatches += 1
+        self._set_phase(self.phase_record.with_microbatch())
         if self.swarm.microbatches_per_inner_step and self.num_accumulated >= self.swarm.microbatches_per_inner_step:
             self._inner_step()
+            if not self.external_phase_end and self.phase_inner_steps >= self.diloco.inner_steps:
+                self._end_phase()
         return BackwardResult(grad_input, window)
 
     def _inner_step(self) -> None:
-        """One AdamW step on the mean accumulated gradient; ends the phase after ``diloco.inner_steps`` of them."""
+        """One AdamW step on the mean accumulated gradient (the caller decides whether the phase ends)."""
         scale = 1.0 / self.num_accumulated
         for name, param in self.params.items():
             param.grad = self.grad_acc[name] * scale
@@ -366,10 +381,7 @@ class StageRuntime:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._zero_accumulator()
-        self.inner_step += 1
-        self.phase_inner_steps += 1
-        if not self.external_phase_end and self.phase_inner_steps >= self.diloco.inner_steps:
-            self._end_phase()
+        self._set_phase(self.phase_record.with_inner_step())
 
     def request_phase_end(self) -> bool:
         """Queue the end of the open phase (the outer step) on the worker thread without waiting for it.
@@ -382,20 +394,13 @@ class StageRuntime:
             try:
                 if self.phase_microbatches:
                     if self.num_accumulated:
-                        self._inner_step_without_phase_end()
+                        self._inner_step()
                     self._end_phase()
             finally:
                 self._phase_end_pending = False
 
         self._submit(_PRIORITY_CONTROL, end)
         return True
-
-    def _inner_step_without_phase_end(self) -> None:
-        external, self.external_phase_end = self.external_phase_end, True
-        try:
-            self._inner_step()
-        finally:
-            self.external_phase_end = external
 
     def _end_phase(self) -> None:
         # a copy: for CPU fp32 parameters .to() returns the live tensor, which the optimizer would change under the
@@ -428,7 +433,7 @@ class StageRuntime:
             self._abandon_phase(f"adopting downloaded state of epoch {state.epoch}")
         self.state = state
         self._load_theta()
-        self.inner_step = state.epoch * self.diloco.inner_steps
+        self._set_phase(self.phase_record.rebased(state.epoch, self.diloco.inner_steps))
 
     def reincarnate(self, reason: str) -> None:
         """Forget every uncommitted contribution (trainers presumed us dead and replayed them)."""
@@ -436,9 +441,7 @@ class StageRuntime:
         self._zero_accumulator()
         self._load_theta()
         self.incarnation = secrets.token_hex(8)
-        self.phase = 0
-        self.phase_inner_steps = 0
-        self.phase_microbatches = 0
+        self._set_phase(StagePhase.first(self.state.epoch, self.diloco.inner_steps))
         self.abandoned.clear()
         self._accumulated_ids.clear()
 

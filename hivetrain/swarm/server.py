@@ -48,6 +48,7 @@ from hivetrain.peers.records import publish_record
 from hivetrain.swarm.announce import ServerState, StageRecord, fetch_stage_records, publish_stage_record
 from hivetrain.swarm.config import SwarmConfig
 from hivetrain.swarm.handler import StageHandler
+from hivetrain.swarm.phase import ServerStatus
 from hivetrain.swarm.rebalance import choose_stage, decide_move
 from hivetrain.swarm.runtime import StageRuntime
 from hivetrain.swarm.stages import PipelineStage, StageSpec, build_stage, plan_stages
@@ -66,6 +67,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+class StatusRefused(RuntimeError):
+    """The server's status does not allow this change now (``phase.next_status`` says why)."""
 
 
 class StageServer:
@@ -103,7 +108,7 @@ class StageServer:
         )
         self.requested_stage = stage
         self.device = resolve_device(swarm.device)
-        self.status: ServerState = "joining"
+        self._status = ServerStatus("joining")
         self.loop: LoopThread | None = None
         self.p2p = None
         self.runtime: StageRuntime | None = None
@@ -124,6 +129,11 @@ class StageServer:
         self.outer_steps: Counter[int] = Counter()
         self._hashed_state: TrainingState | None = None
         self._hash = ""
+
+    @property
+    def status(self) -> ServerState:
+        """What the server announces; changed only through ``ServerStatus.transition`` (one lock, one table)."""
+        return self._status.value
 
     @property
     def stage(self) -> int:
@@ -165,7 +175,7 @@ class StageServer:
         )
         self.loop.run(self.handler.register(self.p2p, self.run.run_id), timeout_s)
         self._serve_state(stage, timeout_s)
-        self.status = "serving"
+        self._status.transition("serving")
         self._announce()
         self._last_move = time.monotonic()
         self._threads = [
@@ -372,7 +382,7 @@ class StageServer:
             )
 
     def maybe_rebalance(self) -> int | None:
-        """Ask ``decide_move`` and move if told to. Returns the new stage, or None."""
+        """Ask ``decide_move`` and move if told to. Returns the new stage, or None (also when the stage is syncing)."""
         records = self._fetch_records()
         target, reason = decide_move(
             records,
@@ -386,28 +396,42 @@ class StageServer:
         logger.info("rebalance: %s", reason)
         if target is None:
             return None
+        if not self.move_to(target):
+            return None
         self.rebalance_reasons.append(reason)
-        self.move_to(target)
         return target
 
-    def move_to(self, target: int, timeout_s: float = 60.0) -> None:
-        """Leave the current stage (its open phase is abandoned) and serve ``target`` with downloaded parameters."""
+    def move_to(self, target: int, timeout_s: float = 60.0) -> bool:
+        """Leave the current stage (its open phase is abandoned) and serve ``target`` with downloaded parameters.
+
+        Returns:
+            False, without doing anything, when the server is not serving (e.g. its stage is syncing: the move waits
+            for a later rebalance); True once it serves ``target``.
+        """
         rt = self.runtime
         old = rt.spec.index
-        self.status = "moving"
-        self._announce()
-        rt.reject_queued("moving to another stage")
-        records = self._fetch_records()
-        module, state = self._obtain_stage(target, records, timeout_s)
-        rt.call(lambda: rt.replace(module, state), timeout_s)
-        rt.call(lambda: rt.benchmark((self.swarm.microbatch_size, self.run.data.seq_len)), timeout_s)
-        self._serve_state(target, timeout_s)
+        moving, reason = self._status.transition("moving")
+        if not moving:
+            logger.info("not moving to stage %d now: %s", target, reason)
+            return False
+        try:
+            self._announce()
+            rt.reject_queued("moving to another stage")
+            records = self._fetch_records()
+            module, state = self._obtain_stage(target, records, timeout_s)
+            rt.call(lambda: rt.replace(module, state), timeout_s)
+            rt.call(lambda: rt.benchmark((self.swarm.microbatch_size, self.run.data.seq_len)), timeout_s)
+            self._serve_state(target, timeout_s)
+        except BaseException:
+            self._status.leave("moving", "serving")  # back to the stage it still holds (or the new one, if replaced)
+            raise
         self._checked_phase = rt.phase
         self.rebalances += 1
         self._last_move = time.monotonic()
-        self.status = "serving"
+        self._status.leave("moving", "serving")
         self._announce()
         logger.info("moved from stage %d to stage %d", old, target)
+        return True
 
     def _maybe_resync(self) -> None:
         """After an outer step: download the stage state if the stage's peers are ahead or hold another state."""
@@ -439,9 +463,12 @@ class StageServer:
 
         Raises:
             RoundFailed: no round committed (the runtime abandons the phase).
+            StatusRefused: the server is moving to another stage (the phase it leaves is abandoned).
         """
         stage = runtime.spec.index
-        self.status = "syncing"
+        syncing, reason = self._status.transition("syncing")
+        if not syncing:
+            raise StatusRefused(f"no outer step for stage {stage}: {reason}")
         runtime.reject_queued("syncing the stage")
         try:
             self._announce()
@@ -458,7 +485,7 @@ class StageServer:
             self.outer_steps[stage] += 1
             return new_state
         finally:
-            self.status = "serving"
+            self._status.leave("syncing", "serving")
 
     def diloco_phase_microbatches(self) -> int:
         return self.run.diloco.inner_steps * max(self.swarm.microbatches_per_inner_step, 1)
