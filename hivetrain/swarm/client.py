@@ -3,8 +3,9 @@
 Small messages use hivemind's unary calls (multiplexed over the persistent daemon connection); messages whose
 request or reply may exceed the unary limit go over a stream in parts. A call that times out, fails in the network,
 or returns a malformed reply raises ``CallFailed``; a reply whose tensor fails validation raises ``wire.BadTensor``.
-Both mean "ban this server and reroute". If the server dies mid-call the daemon reports a reset stream or the call
-times out after ``timeout_s`` seconds; either way the caller gets ``CallFailed``.
+Both mean "ban this server and reroute". If the server dies mid-call the daemon reports a reset stream (``kind`` =
+"unreachable": the trainer declares it dead at once, ``hivetrain.swarm.failures``) or the call times out after
+``timeout_s`` seconds (``kind`` = "timeout"); either way the caller gets ``CallFailed``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ from transformers import LlamaConfig
 
 from hivetrain.swarm import wire
 from hivetrain.swarm.config import SwarmConfig
+from hivetrain.swarm.failures import FailureKind, classify_error
 from hivetrain.swarm.handler import handler_name
 
 
 class CallFailed(RuntimeError):
-    """A call to a stage server timed out, failed in the network, or got a malformed reply."""
+    """A call to a stage server timed out, failed in the network, or got a malformed reply.
+
+    Attributes:
+        kind: "timeout", "unreachable" (reset stream, refused or failed dial: the server's daemon is gone) or "error".
+    """
+
+    def __init__(self, message: str, kind: FailureKind = "error"):
+        super().__init__(message)
+        self.kind: FailureKind = kind
 
 
 class StageClient:
@@ -64,9 +74,9 @@ class StageClient:
                     self._call_stream(peer, kind, metadata, tensors, response_num_bytes), timeout_s
                 )
         except asyncio.TimeoutError:
-            raise CallFailed(f"{kind} to {peer_id[:12]} timed out after {timeout_s:.1f}s") from None
+            raise CallFailed(f"{kind} to {peer_id[:12]} timed out after {timeout_s:.1f}s", "timeout") from None
         except Exception as exc:  # noqa: BLE001 - P2P raises many types for dead or misbehaving peers
-            raise CallFailed(f"{kind} to {peer_id[:12]} failed: {exc!r}") from None
+            raise CallFailed(f"{kind} to {peer_id[:12]} failed: {exc!r}", classify_error(repr(exc))) from None
         self.bytes_received += wire.message_num_bytes(reply_tensors)
         try:
             meta = wire.unpack_meta(reply_metadata, wire.ReplyMeta)

@@ -10,7 +10,10 @@ Per microbatch (SWARM parallelism, Ryabinin et al., ICML 2023, Sec. 3.2):
    recomputes the stage and returns the input gradient, adding the parameter gradients to its accumulator.
 
 A call that fails (timeout, dead server, malformed or non-finite tensor) bans the server with backoff and resends
-the same kept input to another server of the stage: a forward is replayed from the stage input, a backward is
+the same kept input to another server of the stage. A server whose daemon is gone (reset stream, refused dial) or
+that timed out repeatedly is declared dead at once (``hivetrain.swarm.failures.judge_failure``): every other call in
+flight to it is cancelled and rerouted, and for an unreachable one the gradients it held are replayed right away
+instead of after its DHT record lapses. Rerouting: a forward is replayed from the stage input, a backward is
 recomputed there from the kept input, so the gradients are those of the no-failure run. "busy" replies (the server
 is syncing or moving) are retried elsewhere without a ban. Accepted backward calls enter the ``GradientLedger``,
 which replays them if the server's phase is lost (see ``hivetrain.swarm.ledger``).
@@ -41,6 +44,7 @@ from hivetrain.swarm import wire
 from hivetrain.swarm.announce import StageRecord, fetch_stage_records
 from hivetrain.swarm.client import CallFailed, StageClient
 from hivetrain.swarm.config import SwarmConfig
+from hivetrain.swarm.failures import FailureConfig, PeerHealth, judge_failure, judge_success
 from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
 from hivetrain.swarm.routing import choose_server
 
@@ -72,6 +76,9 @@ class TrainerStats:
     reroutes: int = 0
     replays: int = 0
     busy_retries: int = 0
+    deaths: int = 0  # servers declared dead from failed calls
+    false_deaths: int = 0  # ... that answered afterwards
+    cancelled_calls: int = 0  # calls in flight to a server declared dead, rerouted without waiting for them
     bans: Counter = field(default_factory=Counter)
     ban_reasons: list[str] = field(default_factory=list)
     served_by: Counter = field(default_factory=Counter)
@@ -121,6 +128,9 @@ class PipelineTrainer:
         self._records_at = -1e9
         self._missing: dict[str, tuple[float, int]] = {}  # peer -> (first read it was missing from, reads)
         self._suspects: set[str] = set()  # servers whose last call failed in the network (maybe dead)
+        self.failure_config = FailureConfig.for_swarm(swarm.record_ttl_s, swarm.announce_interval_s)
+        self._health: dict[str, PeerHealth] = {}
+        self._calls_at: dict[str, set[asyncio.Task]] = {}  # peer -> calls in flight there
         self._pending_replays: list[LedgerEntry] = []
         self._replay_tasks: set[asyncio.Task] = set()
         self._step = 0
@@ -203,6 +213,9 @@ class PipelineTrainer:
             "reroutes": self.stats.reroutes,
             "replays": self.stats.replays,
             "busy_retries": self.stats.busy_retries,
+            "deaths": self.stats.deaths,
+            "false_deaths": self.stats.false_deaths,
+            "cancelled_calls": self.stats.cancelled_calls,
             "bans": dict(self.stats.bans),
             "ban_reasons": self.stats.ban_reasons[-20:],
             "pending_replays": len(self._pending_replays),
@@ -298,17 +311,17 @@ class PipelineTrainer:
                 peer_id, preferred = (await self._choose(stage, exclude, deadline)).peer_id, None
             self.inflight[peer_id] += 1
             try:
-                reply, result = await call(peer_id)
+                reply, result = await self._watched_call(peer_id, call)
             except wire.BadTensor as exc:
                 self._ban(peer_id, stage, f"bad tensor: {exc}", strikes=_NAN_STRIKES)
                 reply = None
             except CallFailed as exc:
-                self._ban(peer_id, stage, str(exc))
-                self._suspects.add(peer_id)
+                self._call_failed(peer_id, stage, exc)
                 reply = None
             finally:
                 self.inflight[peer_id] -= 1
             if reply is not None:
+                self._answered(peer_id)
                 self._observe(peer_id, reply)
                 self._suspects.discard(peer_id)
                 if reply.status == "ok":
@@ -326,6 +339,56 @@ class PipelineTrainer:
                 trace.append(peer_id)
             if failures >= self.swarm.max_attempts_per_hop or time.monotonic() > deadline:
                 raise PipelineStalled(f"stage {stage}: {failures} failed attempt(s)")
+
+    async def _watched_call(self, peer_id: str, call):
+        """``await call(peer_id)``; raises CallFailed (kind "unreachable") as soon as another call declares ``peer_id``
+        dead, so that microbatches in flight there are rerouted at once instead of at their timeout."""
+        task = asyncio.ensure_future(call(peer_id))
+        calls = self._calls_at.setdefault(peer_id, set())
+        calls.add(task)
+        try:
+            await asyncio.wait([task])
+        finally:
+            calls.discard(task)
+            if not calls:
+                self._calls_at.pop(peer_id, None)
+            if not task.done():  # this hop itself was cancelled
+                task.cancel()
+        if task.cancelled():
+            self.stats.cancelled_calls += 1
+            raise CallFailed(f"call to {peer_id[:12]} cancelled: declared dead by another call", "unreachable")
+        return task.result()
+
+    def _call_failed(self, peer_id: str, stage: int, exc: CallFailed) -> None:
+        """Ban the server, and if ``judge_failure`` declares it dead, cancel its other calls and maybe replay now."""
+        now = time.monotonic()
+        verdict = judge_failure(self._health.get(peer_id, PeerHealth()), exc.kind, now, self.failure_config)
+        self._health[peer_id] = verdict.health
+        self._suspects.add(peer_id)
+        if not verdict.declare_dead:
+            if verdict.ban_s:
+                self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
+                self.stats.reroutes += 1
+            else:
+                self._ban(peer_id, stage, str(exc))
+            return
+        self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
+        self.stats.bans[peer_id] += 1
+        self.stats.deaths += 1
+        self.stats.reroutes += 1
+        self.stats.ban_reasons.append(f"stage {stage} {peer_id[:12]}: dead: {verdict.reason} ({exc})")
+        logger.info("stage %d server %s declared dead: %s (%s)", stage, peer_id[:12], verdict.reason, exc)
+        for task in list(self._calls_at.get(peer_id, ())):
+            task.cancel()
+        if verdict.replay_now:
+            self._suspects.discard(peer_id)
+            self._queue_replays(self.ledger.forget(peer_id))
+
+    def _answered(self, peer_id: str) -> None:
+        health = self._health.pop(peer_id, None)
+        if health is not None and judge_success(health)[1]:
+            self.stats.false_deaths += 1
+            logger.warning("server %s answered after being declared dead", peer_id[:12])
 
     async def _hop_forward(
         self, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, deadline: float, trace: list | None = None
@@ -446,6 +509,7 @@ class PipelineTrainer:
             self._missing[peer_id] = (first_miss, reads + 1)
             if reads + 1 >= 2 and self._records_at - first_miss >= 2 * self.swarm.announce_interval_s:
                 del self._missing[peer_id]
+                self._health.pop(peer_id, None)
                 replays.extend(self.ledger.forget(peer_id))
         self._queue_replays(replays)
 

@@ -1,0 +1,79 @@
+"""Death detection from failed calls (``swarm.failures``): pure decisions on made-up times, and their reroute."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from hivetrain.peers.bans import BanConfig, BanList
+from hivetrain.swarm.failures import FailureConfig, PeerHealth, classify_error, judge_failure, judge_success
+from hivetrain.swarm.routing import choose_server
+
+from .test_decisions import NOW, rec
+
+CONFIG = FailureConfig(dead_after_timeouts=2, window_s=8.0, dead_ban_s=12.0)
+
+
+def test_daemon_errors_of_a_dead_peer_are_unreachable_and_handler_errors_are_not():
+    assert classify_error("P2PDaemonError('stream reset')") == "unreachable"
+    assert classify_error("P2PDaemonError('failed to dial: dial tcp 127.0.0.1:4242: connect: connection refused')") == (
+        "unreachable"
+    )
+    assert classify_error("P2PHandlerError('Failed to call handler `r.swarm.forward`: ValueError')") == "error"
+    assert classify_error("P2PDaemonError('Handler for protocol x is not registered')") == "error"
+
+
+def test_an_unreachable_server_is_dead_at_once_and_its_gradients_replay_now():
+    verdict = judge_failure(PeerHealth(), "unreachable", NOW, CONFIG)
+    assert verdict.declare_dead and verdict.replay_now and verdict.ban_s == CONFIG.dead_ban_s
+    assert verdict.health.dead and verdict.health.dead_since == NOW
+    # the calls that were in flight there fail next: already dead, not declared (and replayed) again
+    again = judge_failure(verdict.health, "unreachable", NOW + 0.01, CONFIG)
+    assert again.health.dead and not again.declare_dead and not again.replay_now and again.ban_s == CONFIG.dead_ban_s
+
+
+def test_timeouts_declare_a_server_dead_for_routing_only_when_repeated_within_the_window():
+    first = judge_failure(PeerHealth(), "timeout", NOW, CONFIG)
+    assert not first.declare_dead and first.ban_s == 0  # the ordinary backoff ban: it may only be slow
+    second = judge_failure(first.health, "timeout", NOW + 5.0, CONFIG)
+    assert second.declare_dead and not second.replay_now  # its gradients wait for its record to lapse
+    assert "2 failed calls (2 timeouts) in 5.0s" in second.reason
+
+    late = judge_failure(first.health, "timeout", NOW + CONFIG.window_s + 0.1, CONFIG)
+    assert not late.declare_dead and late.health.num_failures == 1  # an old failure does not count
+
+    error = judge_failure(PeerHealth(), "error", NOW, CONFIG)
+    after_error = judge_failure(error.health, "error", NOW + 1.0, CONFIG)
+    assert not after_error.declare_dead and after_error.health.num_failures == 2  # handler errors: alive, banned
+
+
+def test_a_success_forgets_failures_and_reports_a_false_death():
+    timed_out = judge_failure(PeerHealth(), "timeout", NOW, CONFIG).health
+    assert judge_success(timed_out) == (PeerHealth(), False)
+    dead = judge_failure(PeerHealth(), "unreachable", NOW, CONFIG).health
+    assert judge_success(dead) == (PeerHealth(), True)
+    assert judge_failure(PeerHealth(), "timeout", NOW + 1, CONFIG).health.dead_since == math.inf
+
+
+def test_the_reroute_is_the_stages_other_server_until_the_dead_ban_ends():
+    records = [rec("dead", 1, 50.0), rec("alive", 1, 10.0), rec("other-stage", 2, 99.0)]
+    bans = BanList(BanConfig(base_duration_s=1.0, max_duration_s=60.0))
+    verdict = judge_failure(PeerHealth(), "unreachable", NOW, CONFIG)
+    bans.ban("dead", NOW, duration_s=verdict.ban_s, reason=verdict.reason)
+    for seed in range(50):  # the dead server had 5x the weight: without the verdict it would win most picks
+        chosen, _ = choose_server(records, 1, NOW + 0.001, bans, random.Random(seed), exclude={"dead"})
+        assert chosen.peer_id == "alive"
+        chosen, _ = choose_server(records, 1, NOW + CONFIG.dead_ban_s - 0.1, bans, random.Random(seed))
+        assert chosen.peer_id == "alive"
+    assert not bans.is_banned("dead", NOW + CONFIG.dead_ban_s + 0.1)
+
+
+def test_failure_config_is_sized_by_the_record_lifetime_and_rejects_bad_values():
+    config = FailureConfig.for_swarm(record_ttl_s=4.0, announce_interval_s=1.0)
+    assert config.window_s == 8.0 and config.dead_ban_s == 12.0  # 2 x (ttl + 2 announce intervals)
+    with pytest.raises(ValueError, match="dead_after_timeouts"):
+        FailureConfig(dead_after_timeouts=0)
+    with pytest.raises(ValueError, match="dead_ban_s"):
+        FailureConfig(dead_ban_s=math.inf)
