@@ -9,10 +9,11 @@ benchmark). The trainer's own calls tell it sooner:
   connection this is what a killed process looks like. The server is declared dead at once: banned in routing until
   its record must have lapsed, every other call in flight to it is cancelled and rerouted, and the parameter
   gradients the trainer's ledger holds there are replayed on the stage's other servers right away.
-* **timeout**: a server may be slow rather than dead. The first one only bans it with backoff; ``dead_after_timeouts``
-  consecutive failures (no success between) within ``record_ttl_s`` declare it dead for routing (cancel and reroute
-  its calls in flight), but its ledger entries wait for its record to lapse: a stalled server keeps the gradients it
-  accumulated, and replaying them while it may still commit them would count them twice.
+* **timeout**: a server may be slow rather than dead (a busy machine times out live servers too). Each one bans it with
+  the ordinary backoff; ``dead_after_timeouts`` consecutive failures (no success between, at least one a timeout)
+  within ``window_s`` declare it dead for routing: its other calls in flight are cancelled and rerouted, but it keeps
+  the ordinary backoff ban (not ``dead_ban_s``) and its ledger entries wait for its record to lapse: a stalled server
+  keeps the gradients it accumulated, and replaying them while it may still commit them would count them twice.
 * **error** (a malformed reply, an error raised by its handler): the server is alive; ban with backoff only.
 
 The remaining gap: an unreachable verdict on a server that is in fact alive (a connection reset by a flaky network, not
@@ -52,12 +53,13 @@ class FailureConfig:
     """When failed calls declare a stage server dead.
 
     Args:
-        dead_after_timeouts: consecutive failed calls, at least one a timeout, that declare a server dead for routing.
+        dead_after_timeouts: consecutive failed calls, at least one a timeout, that declare a server dead for routing
+            (3: two timeouts are common on a busy machine and only cost their own reroutes).
         window_s: those failures must fall within this many seconds (a server that fails rarely is only banned).
         dead_ban_s: a dead server gets no call for this long, seconds: long enough for its record to lapse.
     """
 
-    dead_after_timeouts: int = 2
+    dead_after_timeouts: int = 3
     window_s: float = 8.0
     dead_ban_s: float = 16.0
 
@@ -86,12 +88,15 @@ class PeerHealth:
         first_failure_at: time of the first of them (meaningless when ``num_failures`` is 0).
         num_timeouts: how many of them timed out.
         dead_since: when it was declared dead; ``math.inf`` = not dead.
+        replayed: its ledger entries were replayed when it was declared dead (unreachable): an entry added later
+            (an answer it sent before dying, handled after the verdict) is replayed at once too.
     """
 
     num_failures: int = 0
     first_failure_at: float = 0.0
     num_timeouts: int = 0
     dead_since: float = math.inf
+    replayed: bool = False
 
     @property
     def dead(self) -> bool:
@@ -104,9 +109,9 @@ class FailureVerdict:
 
     Attributes:
         health: the server's updated record.
-        declare_dead: it just became dead: cancel and reroute every other call in flight to it, ban it ``ban_s``.
+        declare_dead: it just became dead: cancel and reroute every other call in flight to it.
         replay_now: replay the ledger entries held there now (only for an unreachable server).
-        ban_s: how long to ban it, seconds; 0 = the ordinary backoff ban.
+        ban_s: how long to ban it, seconds (an unreachable server); 0 = the ordinary backoff ban.
         reason: for people (logs, summaries).
     """
 
@@ -130,26 +135,38 @@ def judge_failure(health: PeerHealth, kind: FailureKind, now: float, config: Fai
         The verdict. A server already dead stays dead and is not declared again (its calls were already cancelled).
     """
     if health.num_failures == 0 or now - health.first_failure_at > config.window_s:
-        health = PeerHealth(first_failure_at=now, dead_since=health.dead_since)
+        health = PeerHealth(first_failure_at=now, dead_since=health.dead_since, replayed=health.replayed)
     health = dataclasses.replace(
         health, num_failures=health.num_failures + 1, num_timeouts=health.num_timeouts + (kind == "timeout")
     )
     if health.dead:
-        return FailureVerdict(health, False, False, config.dead_ban_s, "already declared dead")
+        ban_s = config.dead_ban_s if health.replayed else 0.0
+        return FailureVerdict(health, False, False, ban_s, "already declared dead")
     if kind == "unreachable":
-        dead = dataclasses.replace(health, dead_since=now)
+        dead = dataclasses.replace(health, dead_since=now, replayed=True)
         return FailureVerdict(dead, True, True, config.dead_ban_s, "unreachable: its daemon is gone")
-    if kind == "timeout" and health.num_failures >= config.dead_after_timeouts:
+    if health.num_timeouts and health.num_failures >= config.dead_after_timeouts:
         dead = dataclasses.replace(health, dead_since=now)
         reason = (
             f"{health.num_failures} failed calls ({health.num_timeouts} timeouts) in "
             f"{now - health.first_failure_at:.1f}s: dead for routing; its gradients wait for its record to lapse"
         )
-        return FailureVerdict(dead, True, False, config.dead_ban_s, reason)
+        return FailureVerdict(dead, True, False, 0.0, reason)
     return FailureVerdict(health, False, False, 0.0, f"{kind} ({health.num_failures} in a row)")
 
 
-def judge_success(health: PeerHealth) -> tuple[PeerHealth, bool]:
-    """A call succeeded: the server's failures are forgotten. Returns (new health, whether it had been declared dead:
-    a false death, whose replayed gradients the server may commit too)."""
-    return PeerHealth(), health.dead
+AnswerKind = Literal["alive", "false_death", "before_death"]
+
+
+def judge_answer(health: PeerHealth, answered_at: float) -> tuple[PeerHealth, AnswerKind]:
+    """A call got a reply at ``answered_at``. Returns the server's new health and what the reply means:
+
+    * "alive": its failures are forgotten (it may be banned no longer);
+    * "false_death": it answered after being declared dead (its replayed gradients may be committed twice);
+    * "before_death": the reply arrived before the verdict and was handled after it: the server stays dead.
+    """
+    if not health.dead:
+        return PeerHealth(), "alive"
+    if answered_at <= health.dead_since:
+        return health, "before_death"
+    return PeerHealth(), "false_death"

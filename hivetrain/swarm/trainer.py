@@ -44,7 +44,7 @@ from hivetrain.swarm import wire
 from hivetrain.swarm.announce import StageRecord, fetch_stage_records
 from hivetrain.swarm.client import CallFailed, StageClient
 from hivetrain.swarm.config import SwarmConfig
-from hivetrain.swarm.failures import FailureConfig, PeerHealth, judge_failure, judge_success
+from hivetrain.swarm.failures import FailureConfig, PeerHealth, judge_answer, judge_failure
 from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
 from hivetrain.swarm.routing import choose_server
 
@@ -196,7 +196,11 @@ class PipelineTrainer:
         not happen within ``timeout_s`` seconds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            pending = self.loop.run(self._settle_once(), timeout_s)
+            wait_s = max(deadline - time.monotonic(), 0.1)
+            try:  # + 5 s: the record read that precedes the wait
+                pending = self.loop.run(self._settle_once(wait_s), wait_s + 5.0)
+            except TimeoutError:
+                return False
             if not pending:
                 return True
             time.sleep(min(0.5, self.swarm.announce_interval_s))
@@ -311,7 +315,7 @@ class PipelineTrainer:
                 peer_id, preferred = (await self._choose(stage, exclude, deadline)).peer_id, None
             self.inflight[peer_id] += 1
             try:
-                reply, result = await self._watched_call(peer_id, call)
+                reply, result, answered_at = await self._watched_call(peer_id, call)
             except wire.BadTensor as exc:
                 self._ban(peer_id, stage, f"bad tensor: {exc}", strikes=_NAN_STRIKES)
                 reply = None
@@ -321,11 +325,13 @@ class PipelineTrainer:
             finally:
                 self.inflight[peer_id] -= 1
             if reply is not None:
-                self._answered(peer_id)
+                alive = self._answered(peer_id, answered_at)
                 self._observe(peer_id, reply)
-                self._suspects.discard(peer_id)
+                if alive:
+                    self._suspects.discard(peer_id)
                 if reply.status == "ok":
-                    self.bans.forgive(peer_id)
+                    if alive:
+                        self.bans.forgive(peer_id)
                     self.stats.served_by[peer_id] += 1
                     return peer_id, reply, result
                 if reply.status == "busy":
@@ -341,9 +347,16 @@ class PipelineTrainer:
                 raise PipelineStalled(f"stage {stage}: {failures} failed attempt(s)")
 
     async def _watched_call(self, peer_id: str, call):
-        """``await call(peer_id)``; raises CallFailed (kind "unreachable") as soon as another call declares ``peer_id``
-        dead, so that microbatches in flight there are rerouted at once instead of at their timeout."""
-        task = asyncio.ensure_future(call(peer_id))
+        """``await call(peer_id)``, returning (reply, result, when the reply came).
+
+        Raises CallFailed (kind "unreachable") as soon as another call declares ``peer_id`` dead: microbatches in flight
+        there reroute at once, not at their timeout."""
+
+        async def timed():
+            reply, result = await call(peer_id)
+            return reply, result, time.monotonic()
+
+        task = asyncio.ensure_future(timed())
         calls = self._calls_at.setdefault(peer_id, set())
         calls.add(task)
         try:
@@ -365,17 +378,14 @@ class PipelineTrainer:
         verdict = judge_failure(self._health.get(peer_id, PeerHealth()), exc.kind, now, self.failure_config)
         self._health[peer_id] = verdict.health
         self._suspects.add(peer_id)
+        if verdict.ban_s:
+            self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
+            self.stats.reroutes += 1
+        else:
+            self._ban(peer_id, stage, str(exc))
         if not verdict.declare_dead:
-            if verdict.ban_s:
-                self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
-                self.stats.reroutes += 1
-            else:
-                self._ban(peer_id, stage, str(exc))
             return
-        self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
-        self.stats.bans[peer_id] += 1
         self.stats.deaths += 1
-        self.stats.reroutes += 1
         self.stats.ban_reasons.append(f"stage {stage} {peer_id[:12]}: dead: {verdict.reason} ({exc})")
         logger.info("stage %d server %s declared dead: %s (%s)", stage, peer_id[:12], verdict.reason, exc)
         for task in list(self._calls_at.get(peer_id, ())):
@@ -384,11 +394,25 @@ class PipelineTrainer:
             self._suspects.discard(peer_id)
             self._queue_replays(self.ledger.forget(peer_id))
 
-    def _answered(self, peer_id: str) -> None:
-        health = self._health.pop(peer_id, None)
-        if health is not None and judge_success(health)[1]:
+    def _answered(self, peer_id: str, answered_at: float) -> bool:
+        """Record a reply; returns False if it was sent before the server was declared dead (it stays dead)."""
+        health = self._health.get(peer_id)
+        if health is None:
+            return True
+        health, kind = judge_answer(health, answered_at)
+        if kind == "before_death":
+            return False
+        del self._health[peer_id]
+        if kind == "false_death":
             self.stats.false_deaths += 1
             logger.warning("server %s answered after being declared dead", peer_id[:12])
+        return True
+
+    def _add_to_ledger(self, entry: LedgerEntry) -> None:
+        """Keep an accepted backward call; replayed at once if its server was already declared dead and replayed."""
+        self.ledger.add(entry)
+        if self._health.get(entry.peer_id, PeerHealth()).replayed:
+            self._queue_replays(self.ledger.forget(entry.peer_id))
 
     async def _hop_forward(
         self, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, deadline: float, trace: list | None = None
@@ -415,7 +439,7 @@ class PipelineTrainer:
 
         peer_id, reply, grad_input = await self._hop(stage, deadline, call, preferred=preferred, trace=trace)
         if reply.window >= 0:
-            self.ledger.add(LedgerEntry(stage, microbatch_id, peer_id, reply.incarnation, reply.window, x, grad))
+            self._add_to_ledger(LedgerEntry(stage, microbatch_id, peer_id, reply.incarnation, reply.window, x, grad))
         return grad_input
 
     def _timeout(self, deadline: float) -> float:
@@ -459,7 +483,7 @@ class PipelineTrainer:
         self.stats.replays += 1
         self.stats.replayed_at.append(time.time())
         if reply.window >= 0:
-            self.ledger.add(
+            self._add_to_ledger(
                 LedgerEntry(
                     entry.stage,
                     entry.microbatch_id,
@@ -471,10 +495,10 @@ class PipelineTrainer:
                 )
             )
 
-    async def _settle_once(self) -> int:
+    async def _settle_once(self, wait_s: float) -> int:
         await self._refresh_records(force=True)
         if self._replay_tasks:
-            await asyncio.wait(list(self._replay_tasks), timeout=self.swarm.step_timeout_s)
+            await asyncio.wait(list(self._replay_tasks), timeout=wait_s)
         orphans = list(self._pending_replays)
         if orphans and not self._replay_tasks:
             self._pending_replays = []
