@@ -76,7 +76,7 @@ from hivetrain.averaging.reduce import (
 from hivetrain.averaging.robust import NoValidContribution
 from hivetrain.averaging.transport import PeerFailed, RoundTransport
 from hivetrain.averaging.wire import FrameType, mac
-from hivetrain.faults import FaultInjected, FaultInjector
+from hivetrain.faults import FaultInjected, FaultInjector, HookPoint
 from hivetrain.peers.bans import BanList
 
 __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
@@ -210,12 +210,12 @@ class ButterflyRound:
                 if 2 * sent < total or sub in self._mid_fired:
                     return
                 self._mid_fired.add(sub)
-            self._hook("averaging.mid_transfer", sub)
+            self._hook(HookPoint.AVERAGING_MID_TRANSFER, sub)
 
         return on_progress
 
     # ---- the round ----------------------------------------------------------------------------------------------
-    def _hook(self, point: str, sub: int, **extra) -> None:
+    def _hook(self, point: HookPoint, sub: int, **extra) -> None:
         self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, **extra)
 
     def _encode(self, x: torch.Tensor, residual_at: int | None = None) -> list:
@@ -255,7 +255,7 @@ class ButterflyRound:
             start, end = plan.slice_of(p)
             meta = {"w": weight, "codec": self.codec_config.name, "tag": plan.tag}
             frames[p] = [meta, self._encode(flat[start:end], start)]
-        self._hook("averaging.before_send", sub, flat=flat, frames=frames)
+        self._hook(HookPoint.AVERAGING_BEFORE_SEND, sub, flat=flat, frames=frames)
         for p in others:
             self._send(p, FrameType.PART, sub, frames[p][0], frames[p][1])
 
@@ -288,7 +288,7 @@ class ButterflyRound:
         seed = aggregation_seed(plan.tag, plan.active.index(self.me))  # the same on every member: see bucketing
         self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced, seed)
         self._mark("reduce")
-        self._hook("averaging.after_reduce", sub, reduced=reduced)
+        self._hook(HookPoint.AVERAGING_AFTER_REDUCE, sub, reduced=reduced)
         payload = self._encode(reduced)
         if self.codec is not None:  # everyone, us included, uses the decoded bytes
             dest.copy_(codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start)))
@@ -374,7 +374,7 @@ class ButterflyRound:
         weights = metas[self.me]["weights"]
         summary = msgpack.packb([self.round_id, sub, list(plan.active), sorted(weights.items()), digests])
         full_hash = blake3.blake3(summary).digest()
-        self._hook("averaging.before_commit", sub)
+        self._hook(HookPoint.AVERAGING_BEFORE_COMMIT, sub)
         # One rule for every member, so that all commit or none does: vote only before our deadline; then wait for
         # every vote until the deadline plus a grace of commit_timeout_s (members' deadlines differ by their
         # matchmaking skew, and a vote queued behind RESULT frames on a home uplink takes seconds to arrive); commit
@@ -386,7 +386,7 @@ class ButterflyRound:
         lost: set[str] = set()
         for p in others:
             try:
-                self._hook("averaging.vote", sub, to=p)
+                self._hook(HookPoint.AVERAGING_VOTE, sub, to=p)
             except FaultInjected:  # tests of the two-phase-commit gap: this vote is lost on the way
                 lost.add(p)
                 continue

@@ -44,8 +44,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hivetrain import faults as _faults
 from hivetrain.config import RunConfig
+from hivetrain.faults import HookPoint, hook_point
 from hivetrain.testing.byzantine import MODES as BYZANTINE_MODES
 
 if sys.version_info >= (3, 11):
@@ -55,9 +55,6 @@ else:  # pragma: no cover
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 EVENTS = ("start", "inner_phase", "outer_step", "round_failed", "state_downloaded", "pseudo_gradient_discarded")
-HOOK_POINTS = tuple(sorted(set(re.findall(r"^ {4}([a-z_]+\.[a-z_]+) ", _faults.__doc__ or "", re.M)))) + (
-    "checkpoint.mid_write",
-)
 LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency", "unreachable")
 TRIGGERED_KINDS = (
     "kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn", "adversary",
@@ -184,17 +181,15 @@ class HookFault(_Fault):
 
     kind: Literal["hook"]
     peer: int = Field(ge=0)
-    point: str
+    point: HookPoint
     action: Literal["raise", "sleep", "exit", "stop"]
     seconds: float = Field(default=0.0, ge=0.0)
     when: dict[str, int | str] = Field(default_factory=dict)
 
-    @field_validator("point")
+    @field_validator("point", mode="before")
     @classmethod
-    def _known_point(cls, point: str) -> str:
-        if point not in HOOK_POINTS:
-            raise ValueError(f"unknown hook point {point!r}; known: {', '.join(HOOK_POINTS)}")
-        return point
+    def _known_point(cls, point: object) -> HookPoint:
+        return hook_point(point)  # a ValueError listing the valid points
 
     @field_validator("when")
     @classmethod
@@ -206,7 +201,7 @@ class HookFault(_Fault):
 
     def spec(self) -> str:
         """The ``--fault`` argument of join-swarm (parsed by ``hivetrain.faults.parse_fault_spec``)."""
-        head = f"{self.point}:{self.action}" + (f":{self.seconds:g}" if self.seconds else "")
+        head = f"{self.point.value}:{self.action}" + (f":{self.seconds:g}" if self.seconds else "")
         cond = ",".join(f"{k}={v}" for k, v in self.when.items())
         return head + (f"@{cond}" if cond else "")
 

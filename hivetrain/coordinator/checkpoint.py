@@ -54,7 +54,7 @@ from hivetrain.coordinator.checkpoint_format import (
     verify_checkpoint,
 )
 from hivetrain.diloco.state import TrainingState
-from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 
 __all__ = [
     "MANIFEST_FILE",
@@ -199,7 +199,7 @@ class CheckpointStore:
             state.to_flat_dict(), str(state_path), metadata={"format": "hivetrain-state", "epoch": str(state.epoch)}
         )
         fsync_file(state_path)
-        self.faults.check("checkpoint.mid_write", epoch=state.epoch, path=str(tmp))
+        self.faults.check(HookPoint.CHECKPOINT_MID_WRITE, epoch=state.epoch, path=str(tmp))
         manifest = {
             "format": MANIFEST_FORMAT,
             "epoch": state.epoch,

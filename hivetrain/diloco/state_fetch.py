@@ -55,7 +55,7 @@ from hivetrain.diloco.state_wire import (
     send_control,
     unflatten,
 )
-from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class _GroupDownload:
         self.rates[donor] = len(data) / max(self.clock() - attempt.started_s, 1e-6)
         if len(self.done) == self.manifest.num_chunks:
             self.finished.set()
-        self.faults.check("state.mid_download", epoch=self.manifest.epoch, index=index)
+        self.faults.check(HookPoint.STATE_MID_DOWNLOAD, epoch=self.manifest.epoch, index=index)
         return True
 
     async def _transfer(self, stream, attempt: Attempt) -> tuple[str, object]:

@@ -48,7 +48,7 @@ from hivetrain.diloco.state_wire import (
     state_segments,
     unflatten,
 )
-from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -206,7 +206,7 @@ class StateServer:
         assert chosen.manifest is not None
         message = chosen.manifest.to_message()
         message["recent"] = [[s.manifest.epoch, s.manifest.state_hash] for s in snapshots if s.manifest is not None]
-        self.faults.check("state.before_serve", epoch=chosen.manifest.epoch, meta=message)
+        self.faults.check(HookPoint.STATE_BEFORE_SERVE, epoch=chosen.manifest.epoch, meta=message)
         await send_control(writer, message)
         return True
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from hivetrain.chaos.scenario import HOOK_POINTS, bundled_scenarios, load_scenario, parse_scenario, resolve_scenario
+from hivetrain.chaos.scenario import bundled_scenarios, load_scenario, parse_scenario, resolve_scenario
+from hivetrain.faults import HookPoint
 
 BASE = {
     "name": "t",
@@ -81,8 +82,14 @@ def test_bad_values_name_the_field():
         scenario_with(peers=0)
 
 
-def test_hook_points_follow_the_injector_docstring():
-    assert "averaging.before_send" in HOOK_POINTS and "state.mid_download" in HOOK_POINTS
+def test_a_hook_fault_names_a_hook_point_of_the_enum_or_is_refused_with_the_valid_ones():
+    three_part = scenario_with({"kind": "hook", "peer": 1, "point": "swarm.server.mid_forward", "action": "raise"})
+    assert three_part.faults[0].point is HookPoint.SWARM_SERVER_MID_FORWARD
+    assert three_part.faults[0].spec() == "swarm.server.mid_forward:raise"
+    with pytest.raises(
+        ValueError, match=r"faults\[0\]\.point: unknown hook point 'averaging\.bogus'; valid .*averaging\.vote"
+    ):
+        scenario_with({"kind": "hook", "peer": 1, "point": "averaging.bogus", "action": "raise"})
 
 
 def test_load_scenario_reports_the_file(tmp_path):
