@@ -8,6 +8,7 @@ A run is described by a TOML file (see ``configs/*.toml``) with one table per co
     [diloco]    -> DilocoConfig
     [averaging] -> AveragingConfig
     [admission] -> AdmissionConfig (who may join; open by default)
+    [swarm]     -> SwarmConfig (optional: present = a SWARM pipeline run, ``hivetrain.swarm.config``)
 
 Unknown keys are errors. Validation errors are ``ValueError`` (pydantic's ``ValidationError`` subclasses it) and
 name the offending field, e.g. ``diloco.outer_lr``. Command-line overrides use dotted names
@@ -29,6 +30,7 @@ from pydantic.dataclasses import dataclass
 
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.peers.membership import peer_id_problem
+from hivetrain.swarm.config import NOT_PIPELINED, SwarmConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -197,6 +199,10 @@ class RunConfig:
             ``*.safetensors`` weights, which are θ₀ (continued pretraining). Every peer needs the files on its disk
             (``join-swarm --model-path`` if elsewhere); see ``hivetrain.model``.
         seed: seeds the initial parameters (identical on every peer) and each peer's data stream.
+        swarm: the SWARM pipeline settings (``[swarm]``). Absent = ``NOT_PIPELINED`` (``num_stages = 0``): a
+            data-parallel DiLoCo run, and ``to_dict`` leaves the table out (so a data-parallel run's TOML and
+            fingerprint do not change). Present = the model is cut into ``swarm.num_stages`` stages; volunteers join
+            it with the same ``join-swarm ADDRESS`` and take a stage-server or pipeline-trainer role.
     """
 
     run_id: str = "hivetrain"
@@ -206,6 +212,12 @@ class RunConfig:
     diloco: DilocoConfig = DilocoConfig()
     averaging: AveragingConfig = AveragingConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    swarm: SwarmConfig = NOT_PIPELINED
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether this is a SWARM pipeline run (a ``[swarm]`` table with ``num_stages`` >= 1)."""
+        return self.swarm.pipelined
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.run_id):
@@ -235,10 +247,23 @@ class RunConfig:
                 "and 8/4-bit quantization of θ would destroy the model; use compression 'none' or 'fp16', or the "
                 "butterfly strategy"
             )
+        self.swarm.check_unset()
+        if self.pipelined:
+            self.swarm.num_microbatches(self.data.batch_size)  # raises: batch not a multiple of the microbatch
+            if self.admission.mode != "open":
+                raise ValueError(
+                    f"admission.mode = {self.admission.mode!r} with a [swarm] table: stage servers do not check "
+                    "membership yet, so an invite-only pipelined run would not be invite-only; use admission.mode "
+                    "= 'open' or a data-parallel run (no [swarm] table)"
+                )
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict (JSON/msgpack/TOML friendly) that ``RunConfig.from_dict`` accepts back."""
-        return to_plain(dataclasses.asdict(self))
+        """A plain dict (JSON/msgpack/TOML friendly) that ``RunConfig.from_dict`` accepts back; the ``swarm`` table
+        only for a pipelined run."""
+        raw = to_plain(dataclasses.asdict(self))
+        if not self.pipelined:
+            del raw["swarm"]
+        return raw
 
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON form: equal on peers that hold the same config."""

@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--http-port {args.http_port}: must be 0..65535")
         if args.checkpoint_dir and args.no_state:
             raise ValueError("--checkpoint-dir needs the state copy: drop --no-state")
+        if config.pipelined and args.checkpoint_dir:
+            raise ValueError(
+                "--checkpoint-dir: a pipelined run ([swarm]) has no whole-model state for the coordinator to copy "
+                "(each stage's servers hold theirs): drop --checkpoint-dir"
+            )
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     node = loop = dashboard = None
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         from hivetrain.peers.loop import LoopThread
 
         loop = LoopThread()
-        if not args.no_state:
+        if not args.no_state and not config.pipelined:  # a pipeline's state lives in its stages' servers
             follower = _make_follower(args, config, node, loop, fingerprint)
         num_parameters = sum(t.numel() for t in follower.reference.params.values()) if follower else 0
         observer = SwarmObserver(

@@ -1,5 +1,8 @@
 """``join-swarm ADDRESS [ADDRESS ...]``: join a run and train with DiLoCo until the run ends or Ctrl+C.
 
+A pipelined run (its config has a ``[swarm]`` table) is joined with the same command: the peer serves a stage or
+trains through the pipeline (``--role``; ``hivetrain.cli.swarm_roles``).
+
 Sharing the machine: ``--duty-cycle F`` trains at most F of wall time; SIGUSR1 (``kill -USR1 PID``) pauses and
 resumes inner steps, as does ``--pause-file PATH`` (paused while the file exists); a paused peer stays in the swarm.
 
@@ -44,6 +47,7 @@ from hivetrain.cli.common import (
     setup_logging,
 )
 from hivetrain.cli.progress import ProgressReporter
+from hivetrain.cli.swarm_roles import add_role_arguments, check_role_arguments, run_swarm_role
 from hivetrain.config import RunConfig, load_run_config
 from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
@@ -74,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where inner steps run (auto = cuda if available)",
+        default=None,
+        help="where inner steps run (default auto = cuda if available; a pipelined run's stage servers default to "
+        "the run's swarm.device)",
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     parser.add_argument(
@@ -125,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--byzantine", default="", help=argparse.SUPPRESS)  # chaos harness only
     parser.add_argument("--data-announce-host", default="", help=argparse.SUPPRESS)  # chaos harness: a NAT'd peer
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_role_arguments(parser)
     add_node_arguments(parser)
     add_run_override_arguments(parser)
     return parser
@@ -217,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.fault:
             faults.arm(parse_fault_spec(spec))
         check_mode(args.byzantine)
-        device = pick_device(args.device)
+        device = pick_device(args.device or "auto")
         if args.threads:
             torch.set_num_threads(args.threads)
         if len(args.public_name) > 64:
@@ -268,6 +274,7 @@ def _train(
     from hivetrain.preflight import run_preflight
 
     config = resolve_config(args, node)
+    check_role_arguments(args, config)
     authority = run_authority(node, args.addresses)
     token, roster = join_admission(args, node, config, authority[0])  # raises NotAdmitted before any work
     # from now on our DHT node refuses out-of-bounds records of this run (and, if invite-only, non-members' records)
@@ -275,6 +282,13 @@ def _train(
         node.guard_run(config.run_id)
     else:
         node.guard_run(config.run_id, admission=roster.policy)
+    if config.pipelined:  # a SWARM pipeline: serve a stage or train through the stages
+        from hivetrain.swarm.process import describe_model
+
+        model_config, fingerprint = describe_model(config)  # meta device: no memory
+        check_against_swarm(node, config, fingerprint)
+        code = run_swarm_role(args, node, config, model_config, fingerprint, faults, ending, _data_plane_hosts(args))
+        return ending.leave(code, "finished" if code == EXIT_OK else "the pipeline trainer did not complete its steps")
     corpus = load_corpus(config.data, cursor_path=data_cursor_path(args.identity_path, config.run_id))
     model_config, num_parameters = describe_run_model(config, corpus.vocab_size, args.model_path)  # meta: no memory
     if args.skip_memory_check:
@@ -441,16 +455,39 @@ class _Ending:
         self.started_at = time.time()
         self.node: PeerNode | None = None
         self.trainer = None
+        self.role_stats = None  # a pipelined run's role: () -> its figures, written instead of the DiLoCo counters
         self.done = False
 
     def leave(self, code: int, reason: str) -> int:
         if not self.done:
             self.done = True
             try:
-                _write_summary(self.path, self.node, self.trainer, code, reason, self.started_at)
+                if self.role_stats is not None:
+                    _write_role_summary(self.path, self.node, self.role_stats(), code, reason, self.started_at)
+                else:
+                    _write_summary(self.path, self.node, self.trainer, code, reason, self.started_at)
             except Exception:  # noqa: BLE001 - a summary that cannot be written must not change the exit code
                 logger.exception("could not write the summary file %s", self.path)
         return code
+
+
+def _write_role_summary(
+    path: str | None, node: PeerNode | None, stats: dict, exit_code: int, exit_reason: str, started_at: float
+) -> None:
+    """The summary JSON of a pipelined run's stage server or trainer: ``role``, the exit fields of ``_write_summary``
+    and the role's figures (``hivetrain.swarm.process.server_stats`` or ``run_training``'s stats)."""
+    if not path:
+        return
+    summary = {
+        "peer_id": node.peer_id if node is not None else "",
+        "interrupted": exit_code == EXIT_INTERRUPTED,
+        "exit_code": exit_code,
+        "exit_reason": exit_reason,
+        "started_at": started_at,
+        "written_at": time.time(),
+        **stats,
+    }
+    Path(path).write_text(json.dumps(summary, indent=2, default=str))
 
 
 def _write_summary(

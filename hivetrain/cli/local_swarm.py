@@ -4,6 +4,9 @@ Waits until the peers finish K outer steps, prints a summary table and writes ``
 "local-swarm output"): which peers left, when and why; whether the state hashes agree among how many peers; the
 DDP-equivalent bytes of the inner steps run; each peer's compute. Exits 0 only if every peer finished (see
 ``run_exit_code``).
+
+``--pipeline STAGES`` (or a ``--config`` with a ``[swarm]`` table) runs a SWARM pipeline instead: the same coordinator
+and join-swarm processes, as stage servers and pipeline trainers (``pipeline_plan`` maps every flag or refuses it).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
@@ -29,7 +33,7 @@ from hivetrain.cli.common import (
     install_signal_handlers,
     setup_logging,
 )
-from hivetrain.config import load_run_config
+from hivetrain.config import RunConfig, apply_overrides, load_run_config
 from hivetrain.testing.launcher import LocalSwarm
 from hivetrain.testing.summary import PeerFiles, build_summary, read_events
 
@@ -38,7 +42,7 @@ logger = logging.getLogger("hivetrain.local_swarm")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hivetrain local-swarm", description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=3, help="number of training peers (>= 1)")
+    parser.add_argument("--peers", type=int, default=None, help="number of training peers (>= 1; default 3)")
     parser.add_argument("--out", required=True, help="directory for logs, metrics and summary.json")
     parser.add_argument("--config", default=None, help="run config TOML (default: built-in defaults)")
     parser.add_argument(
@@ -75,12 +79,98 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="STAGES",
-        help="cut the model into this many stages served by separate processes (0 = data-parallel DiLoCo)",
+        help="cut the model into this many stages served by separate processes (0 = the config's [swarm] table if "
+        "it has one, else data-parallel DiLoCo)",
     )
-    pipe.add_argument("--servers-per-stage", type=int, default=2, help="stage servers per stage")
-    pipe.add_argument("--trainers", type=int, default=2, help="pipeline trainer processes (they hold the data)")
-    pipe.add_argument("--steps", type=int, default=30, help="pipeline steps per trainer")
+    pipe.add_argument("--servers-per-stage", type=int, default=None, help="stage servers per stage (default 2)")
+    pipe.add_argument(
+        "--trainers", type=int, default=None, help="pipeline trainer processes, they hold the data (default 2)"
+    )
+    pipe.add_argument(
+        "--steps", type=int, default=None, help="steps per pipeline trainer (default: swarm.trainer_steps, or 30)"
+    )
     return parser
+
+
+PIPELINE_ONLY_FLAGS = {"servers_per_stage": "--servers-per-stage", "trainers": "--trainers", "steps": "--steps"}
+PIPELINE_REFUSED_FLAGS = {
+    "peers": "--peers: a pipelined local swarm runs --servers-per-stage x STAGES servers and --trainers trainers",
+    "outer_steps": "--outer-steps: a pipelined run is as long as its trainers' --steps (each stage takes an outer "
+    "step every diloco.inner_steps inner steps)",
+    "duty_cycles": "--duty-cycles: stage servers and pipeline trainers do not throttle themselves",
+}
+DEFAULT_PIPELINE_STEPS = 30
+DEFAULT_SERVERS_PER_STAGE = 2
+DEFAULT_TRAINERS = 2
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What ``local-swarm`` starts for a pipelined run: every flag lands in one of these fields or is refused
+    (``pipeline_plan``)."""
+
+    run: RunConfig
+    servers_per_stage: int
+    trainers: int
+    threads_per_process: int
+    timeout_s: float
+    verbose: bool
+    extra_args: tuple[str, ...]
+    coordinator_args: tuple[str, ...]
+
+
+def is_pipelined(args: argparse.Namespace) -> bool:
+    """Whether ``local-swarm`` runs a pipeline: ``--pipeline N`` or a ``--config`` with a ``[swarm]`` table.
+
+    Raises:
+        ValueError, FileNotFoundError: an unreadable or invalid ``--config``.
+    """
+    return bool(args.pipeline) or (args.config is not None and load_run_config(args.config).pipelined)
+
+
+def pipeline_plan(args: argparse.Namespace) -> PipelinePlan:
+    """Map local-swarm's flags onto a pipelined run: ``--config`` (its ``[swarm]`` table, if any, is the base;
+    without one the ``default_run`` demo settings), ``--pipeline`` -> ``swarm.num_stages``, ``--model``,
+    ``--inner-steps`` -> ``diloco.inner_steps``, ``--data`` -> ``data.paths``, ``--steps`` -> ``swarm.trainer_steps``,
+    ``--peer-args`` -> every join-swarm process, ``--dashboard-port`` -> the coordinator's ``--http-port``, ``-v`` ->
+    ``--verbose`` everywhere. ``--peers``, ``--outer-steps`` and ``--duty-cycles`` are refused.
+
+    Raises:
+        ValueError: a refused flag (the message names it and why), counts below 1, or an invalid config.
+        FileNotFoundError: ``--config`` does not exist.
+    """
+    from hivetrain.swarm.local import default_run
+
+    for dest, why in PIPELINE_REFUSED_FLAGS.items():
+        if getattr(args, dest) is not None:
+            raise ValueError(f"not with a pipeline: {why}")
+    for dest, flag in (("servers_per_stage", "--servers-per-stage"), ("trainers", "--trainers"), ("steps", "--steps")):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.pipeline < 0:
+        raise ValueError(f"--pipeline must be >= 0 stages, got {args.pipeline}")
+    base = load_run_config(args.config) if args.config is not None else default_run("tiny", seed=0)
+    steps = args.steps or base.swarm.trainer_steps or DEFAULT_PIPELINE_STEPS
+    overrides = {
+        "model": args.model,
+        "diloco.inner_steps": args.inner_steps,
+        "data.paths": args.data,
+        "swarm.num_stages": args.pipeline or None,
+        "swarm.trainer_steps": steps,
+    }
+    run = RunConfig.from_dict(apply_overrides(base.to_dict(), overrides))
+    coordinator_args = ("--http-port", str(args.dashboard_port)) if args.dashboard_port is not None else ()
+    return PipelinePlan(
+        run=run,
+        servers_per_stage=args.servers_per_stage or DEFAULT_SERVERS_PER_STAGE,
+        trainers=args.trainers or DEFAULT_TRAINERS,
+        threads_per_process=args.threads_per_peer,
+        timeout_s=args.timeout,
+        verbose=args.verbose,
+        extra_args=tuple(args.peer_args.split()),
+        coordinator_args=coordinator_args,
+    )
 
 
 def duty_cycles_arg(text: str) -> list[float]:
@@ -92,24 +182,30 @@ def duty_cycles_arg(text: str) -> list[float]:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
-    """``--pipeline``: a local SWARM pipeline (hivetrain.swarm.local)."""
+    """A local SWARM pipeline (``hivetrain.swarm.local``): a coordinator and join-swarm processes."""
     from hivetrain.swarm.local import run_local_pipeline
 
     console = Console(stderr=True)
     try:
+        plan = pipeline_plan(args)
+        from hivetrain.data import resolve_files
+
+        resolve_files(plan.run.data.paths)
         summary = run_local_pipeline(
             Path(args.out),
-            args.pipeline,
-            args.servers_per_stage,
-            args.trainers,
-            args.model or "tiny",
-            args.steps,
-            seed=0,
-            threads_per_process=args.threads_per_peer,
-            timeout_s=args.timeout,
+            plan.run,
+            plan.servers_per_stage,
+            plan.trainers,
+            threads_per_process=plan.threads_per_process,
+            timeout_s=plan.timeout_s,
+            verbose=plan.verbose,
+            extra_args=plan.extra_args,
+            coordinator_args=plan.coordinator_args,
         )
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
+    except Interrupted:
+        return EXIT_INTERRUPTED
     except RuntimeError as exc:
         return fail(str(exc), EXIT_FAILED)
     table = Table(title="local pipeline summary")
@@ -118,15 +214,31 @@ def run_pipeline(args: argparse.Namespace) -> int:
     for key, value in summary.items():
         if isinstance(value, (int, float, str, bool)) or value is None:
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    table.add_row("outer steps per stage", str(summary.get("outer_steps")))
+    table.add_row("servers of a stage at one epoch hold one state", str(summary.get("stage_hashes_agree")))
     console.print(table)
     console.print(f"summary written to {Path(args.out) / 'summary.json'}")
-    return 0 if not summary.get("timed_out") else EXIT_FAILED
+    trainers_ok = all(summary["exit_codes"].get(f"trainer{i}") == 0 for i in range(plan.trainers))
+    return 0 if trainers_ok and not summary.get("timed_out") else EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(False)
     install_signal_handlers()
+    if args.threads_per_peer < 1 or args.timeout <= 0:
+        return fail("--threads-per-peer must be >= 1 and --timeout > 0", EXIT_BAD_INPUT)
+    try:
+        pipelined = is_pipelined(args)
+    except (ValueError, FileNotFoundError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    if pipelined:
+        return run_pipeline(args)
+    given = [flag for dest, flag in PIPELINE_ONLY_FLAGS.items() if getattr(args, dest) is not None]
+    if given:
+        why = "only for a pipeline (--pipeline STAGES or a config with [swarm])"
+        return fail(f"{', '.join(given)}: {why}", EXIT_BAD_INPUT)
+    args.peers = 3 if args.peers is None else args.peers
     if (
         args.peers < 1
         or (args.outer_steps is not None and args.outer_steps < 1)
@@ -139,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
             f"--duty-cycles gives {len(args.duty_cycles)} value(s) for {args.peers} peer(s): give one per peer",
             EXIT_BAD_INPUT,
         )
-    if args.pipeline:
-        return run_pipeline(args)
     out = Path(args.out)
     try:
         overrides = {

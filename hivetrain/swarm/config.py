@@ -1,4 +1,7 @@
-"""Configuration of a SWARM pipeline (stage servers and pipeline trainers).
+"""Configuration of a SWARM pipeline (stage servers and pipeline trainers): the ``[swarm]`` table of a run's TOML.
+
+A run is pipelined when its config has a ``[swarm]`` table (``RunConfig.swarm.num_stages`` >= 1); without one,
+``RunConfig.swarm`` is ``NOT_PIPELINED`` (``num_stages = 0``) and the run is data-parallel DiLoCo.
 
 The rest of the run (model preset, seed, data, DiLoCo and averaging hyper-parameters) comes from ``RunConfig``:
 ``data.batch_size`` windows form one trainer step, cut into microbatches of ``microbatch_size`` windows; each stage
@@ -7,6 +10,7 @@ runs DiLoCo with ``diloco`` (inner AdamW steps, outer Nesterov step averaged amo
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Literal
 
 from pydantic import ConfigDict, Field
@@ -22,7 +26,9 @@ class SwarmConfig:
     """How a model is cut into stages, how microbatches travel and how servers balance and train.
 
     Args:
-        num_stages: S, pipeline stages (stage 0 holds the embedding, stage S-1 the final norm and LM head).
+        num_stages: S, pipeline stages (stage 0 holds the embedding, stage S-1 the final norm and LM head);
+            0 = not pipelined (``NOT_PIPELINED``: the run has no ``[swarm]`` table and every other field keeps its
+            default).
         layers_per_stage: decoder blocks per stage (sums to the model's layer count); empty = as even as possible.
         microbatch_size: windows per microbatch (the unit servers compute and trainers route).
         max_inflight_microbatches: microbatches a trainer keeps in the pipeline at once.
@@ -42,10 +48,14 @@ class SwarmConfig:
             microbatches' gradients; 0 = never (gradients only accumulate; tests read them).
         average_stage: run DiLoCo's outer step among a stage's servers every ``diloco.inner_steps`` inner steps.
         device: "cpu", "cuda" or "auto" (cuda when available) for a server's stage.
-        num_threads: torch intra-op threads of a server or trainer process; 0 = torch's default.
+        num_threads: torch intra-op threads of a server or trainer process; 0 = torch's default (join-swarm's
+            ``--threads`` wins when given).
+        trainer_steps: steps each pipeline trainer runs before it leaves; 0 = until stopped (SIGINT/SIGTERM).
+        min_servers_per_stage: a volunteer joining with ``join-swarm --role auto`` serves a stage until every stage
+            has this many serving servers, and trains (if it holds the data) once they do.
     """
 
-    num_stages: int = Field(default=3, ge=1, le=256)
+    num_stages: int = Field(default=3, ge=0, le=256)
     layers_per_stage: tuple[int, ...] = ()
     microbatch_size: int = Field(default=4, ge=1, le=4096)
     max_inflight_microbatches: int = Field(default=4, ge=1, le=1024)
@@ -64,6 +74,13 @@ class SwarmConfig:
     average_stage: bool = True
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     num_threads: int = Field(default=0, ge=0, le=1024)
+    trainer_steps: int = Field(default=0, ge=0)
+    min_servers_per_stage: int = Field(default=1, ge=1, le=1024)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether these settings describe a pipeline (``num_stages`` >= 1)."""
+        return self.num_stages >= 1
 
     def __post_init__(self) -> None:
         if self.layers_per_stage and len(self.layers_per_stage) != self.num_stages:
@@ -86,6 +103,16 @@ class SwarmConfig:
                 f"({self.request_timeout_s})"
             )
 
+    def check_unset(self) -> None:
+        """Raise ValueError if ``num_stages`` is 0 (not pipelined) while another field differs from its default:
+        a ``[swarm]`` table that sets pipeline fields but ``num_stages = 0`` is a mistake, not a data-parallel run."""
+        if self.num_stages == 0 and self != NOT_PIPELINED:
+            changed = [f.name for f in fields(self) if getattr(self, f.name) != getattr(NOT_PIPELINED, f.name)]
+            raise ValueError(
+                f"swarm.num_stages = 0 means not pipelined, but [swarm] also sets {', '.join(changed)}: set "
+                "swarm.num_stages >= 1 for a pipelined run, or remove the [swarm] table for a data-parallel one"
+            )
+
     def num_microbatches(self, batch_size: int) -> int:
         """Microbatches in one trainer step of ``batch_size`` windows.
 
@@ -97,3 +124,7 @@ class SwarmConfig:
                 f"data.batch_size ({batch_size}) must be a multiple of swarm.microbatch_size ({self.microbatch_size})"
             )
         return batch_size // self.microbatch_size
+
+
+NOT_PIPELINED = SwarmConfig(num_stages=0)
+"""``RunConfig.swarm`` of a data-parallel run (no ``[swarm]`` table)."""

@@ -1,8 +1,10 @@
-"""Run a pipelined swarm on this machine: a bootstrap DHT node, S x K stage-server processes and T trainer processes
-on 127.0.0.1. ``hivetrain local-swarm --pipeline S --servers-per-stage K --trainers T`` calls ``run_local_pipeline``.
+"""Run a pipelined swarm on this machine: a coordinator publishing a run config with ``[swarm]``, S x K stage servers
+and T pipeline trainers, each a ``join-swarm`` process on 127.0.0.1 (``--role server --stage s`` / ``--role
+trainer``): the same commands volunteers run. ``hivetrain local-swarm --pipeline S`` calls ``run_local_pipeline``.
 
-Every process runs in its own session, so signalling its process group reaches its p2pd daemon too; only processes
-started here are ever signalled, by process-group ID. Logs, per-process stats and ``summary.json`` go to ``out_dir``.
+Processes are started and stopped by ``hivetrain.testing.launcher.LocalSwarm`` (each in its own session; only
+processes started here are ever signalled, by process-group ID). Logs, per-process summaries, ``run.toml`` and
+``summary.json`` go to ``out_dir``.
 """
 
 from __future__ import annotations
@@ -10,27 +12,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import subprocess
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+import tomli_w
 
 from hivetrain.config import DataConfig, DilocoConfig, RunConfig
 from hivetrain.model import count_parameters
 from hivetrain.peers.node import NodeConfig, PeerNode, start_node
 from hivetrain.swarm.announce import fetch_stage_records
 from hivetrain.swarm.config import SwarmConfig
-from hivetrain.swarm.process import write_process_config
-from hivetrain.testing.launcher import PeerProcess, stop_groups
+from hivetrain.testing.launcher import LOOPBACK, LocalSwarm, PeerProcess, stop_groups
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-
 
 def default_run(model: str, seed: int) -> RunConfig:
-    """A run sized for a laptop demo: 8-window steps of 128 tokens, short phases, no warmup."""
+    """A run sized for a laptop demo: 8-window steps of 128 tokens, short phases, no warmup, 3 stages."""
     return RunConfig(
         run_id="pipeline",
         model=model,
@@ -38,58 +37,63 @@ def default_run(model: str, seed: int) -> RunConfig:
         data=DataConfig(seq_len=128, batch_size=8, max_corpus_bytes=8 * 2**20),
         diloco=DilocoConfig(inner_steps=10, warmup_steps=0, inner_lr=3e-3),
         averaging=dataclasses.replace(RunConfig().averaging, matchmaking_time_s=2.0, round_timeout_s=30.0),
+        swarm=SwarmConfig(),
     )
 
 
 class LocalPipeline:
-    """Starts the processes of a local pipelined swarm and guarantees their cleanup in ``close()``."""
+    """Starts the processes of a local pipelined swarm and guarantees their cleanup in ``close()``.
 
-    def __init__(self, out_dir: Path, run: RunConfig, swarm: SwarmConfig, threads_per_process: int = 1):
+    Args:
+        run: a pipelined run config (``run.pipelined``); written to ``out_dir/run.toml`` for the coordinator.
+        extra_args: join-swarm arguments added to every server and trainer (``local-swarm --peer-args``).
+        coordinator_args: extra ``hivetrain coordinator`` arguments (e.g. ``--http-port``).
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        run: RunConfig,
+        threads_per_process: int = 1,
+        verbose: bool = False,
+        extra_args: Sequence[str] = (),
+        coordinator_args: Sequence[str] = (),
+    ):
+        if not run.pipelined:
+            raise ValueError("LocalPipeline needs a pipelined run config (a [swarm] table with num_stages >= 1)")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.run, self.swarm, self.threads = run, swarm, threads_per_process
-        self.config_path = self.out_dir / "pipeline.json"
-        write_process_config(self.config_path, run, swarm)
-        self.boot: PeerNode | None = None
+        self.run, self.swarm = run, run.swarm
+        self.config_path = self.out_dir / "run.toml"
+        self.config_path.write_text(tomli_w.dumps(run.to_dict()))
+        self.launcher = LocalSwarm(self.out_dir, self.config_path, threads_per_process, verbose=verbose)
+        self.extra_args, self.coordinator_args = list(extra_args), list(coordinator_args)
+        self.observer: PeerNode | None = None
         self.servers: list[PeerProcess] = []
         self.trainers: list[PeerProcess] = []
 
-    def start_bootstrap(self) -> list[str]:
-        self.boot = start_node(NodeConfig(host_maddrs=(LOOPBACK,), use_relay=False))
-        return self.boot.visible_maddrs()
+    def start_bootstrap(self, timeout_s: float = 60.0) -> list[str]:
+        """Start the coordinator (no state copy: a pipeline's state lives in its stages) and an in-process DHT node
+        that watches the stage records; returns the coordinator's address (what volunteers are given)."""
+        address = self.launcher.start_coordinator(timeout_s, extra_args=["--no-state", *self.coordinator_args])
+        self.observer = start_node(NodeConfig(initial_peers=(address,), host_maddrs=(LOOPBACK,), use_relay=False))
+        return [address]
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> PeerProcess:
-        log_path = self.out_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
-        argv = [
-            sys.executable, "-m", module, "--config", str(self.config_path),
-            "--initial-peers", *self.boot.visible_maddrs(), "--host-maddrs", LOOPBACK,
-            "--identity-path", str(self.out_dir / f"{name}.key"), "--stats-file", str(self.out_dir / f"{name}.json"),
-            *args,
-        ]  # fmt: skip
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
-            )
-        return PeerProcess(name=name, popen=popen, log_path=log_path, summary_path=self.out_dir / f"{name}.json")
-
-    def add_server(self, stage: int | None, name: str, extra_args: list[str] = ()) -> PeerProcess:
-        args = ["--stage", "auto" if stage is None else str(stage), "--listen-host", "127.0.0.1", *extra_args]
-        proc = self._spawn(name, "hivetrain.swarm.server", args)
+    def add_server(self, stage: int | None, name: str, extra_args: Sequence[str] = ()) -> PeerProcess:
+        args = ["--role", "server", *(["--stage", str(stage)] if stage is not None else []), *self.extra_args]
+        proc = self.launcher.add_peer([*args, *extra_args], name=name)
         self.servers.append(proc)
         return proc
 
-    def add_trainer(self, index: int, steps: int, extra_args: list[str] = ()) -> PeerProcess:
-        name = f"trainer{index}"
-        args = ["--steps", str(steps), "--index", str(index), "--metrics-file", str(self.out_dir / f"{name}.jsonl")]
-        proc = self._spawn(name, "hivetrain.swarm.trainer", [*args, *extra_args])
+    def add_trainer(self, index: int, extra_args: Sequence[str] = ()) -> PeerProcess:
+        proc = self.launcher.add_peer(["--role", "trainer", *self.extra_args, *extra_args], name=f"trainer{index}")
         self.trainers.append(proc)
         return proc
 
     def wait_for_servers(self, count: int, timeout_s: float) -> None:
         """Block until ``count`` servers announce themselves. Raises RuntimeError (with a log tail) otherwise."""
         deadline = time.monotonic() + timeout_s
-        while len(fetch_stage_records(self.boot.dht, self.run.run_id)) < count:
+        while len(fetch_stage_records(self.observer.dht, self.run.run_id)) < count:
             dead = [p for p in self.servers if not p.alive()]
             if dead or time.monotonic() > deadline:
                 culprit = dead[0] if dead else self.servers[-1]
@@ -105,10 +109,12 @@ class LocalPipeline:
         return True
 
     def close(self, grace_s: float = 20.0) -> None:
-        """SIGTERM every process group still running, SIGKILL what is left after ``grace_s``; stop the bootstrap."""
+        """SIGTERM every process group still running (trainers first, then servers, then the coordinator), SIGKILL
+        what is left after ``grace_s``; stop the observer node."""
         stop_groups([*self.trainers, *self.servers], grace_s)
-        if self.boot is not None:
-            self.boot.shutdown()
+        self.launcher.close(grace_s)
+        if self.observer is not None:
+            self.observer.shutdown()
 
 
 def _tail(path: Path, num_chars: int = 3000) -> str:
@@ -127,38 +133,39 @@ def _read_json(path: Path | None) -> dict | None:
 
 def run_local_pipeline(
     out_dir: Path,
-    stages: int,
+    run: RunConfig,
     servers_per_stage: int,
     trainers: int,
-    model: str,
-    steps: int,
-    seed: int,
     *,
-    run: RunConfig | None = None,
-    swarm: SwarmConfig | None = None,
     threads_per_process: int = 1,
     timeout_s: float = 1800.0,
+    verbose: bool = False,
+    extra_args: Sequence[str] = (),
+    coordinator_args: Sequence[str] = (),
 ) -> dict:
-    """Train ``model`` cut into ``stages`` stages, each served by ``servers_per_stage`` processes, with ``trainers``
-    trainer processes running ``steps`` steps each; write ``out_dir/summary.json`` and return it.
+    """Train the pipelined run ``run`` (``run.swarm.num_stages`` stages, each served by ``servers_per_stage``
+    processes) with ``trainers`` trainer processes running ``run.swarm.trainer_steps`` steps each; write
+    ``out_dir/summary.json`` and return it.
 
     Args:
-        run: the run config (default ``default_run(model, seed)``; its model and seed are replaced by the arguments).
-        swarm: pipeline settings (default ``SwarmConfig()``; its ``num_stages`` is replaced by ``stages``).
         threads_per_process: torch threads of each process.
         timeout_s: stop everything after this many seconds (summary["timed_out"] = True).
+        extra_args: join-swarm arguments for every process; ``coordinator_args``: for the coordinator.
 
     Raises:
-        ValueError: counts below 1, or a config that does not fit (e.g. batch size not a multiple of the microbatch).
-        RuntimeError: the stage servers did not come up (the message shows the failing server's log).
+        ValueError: counts below 1, a run that is not pipelined, or trainers that would never stop
+            (``swarm.trainer_steps`` = 0).
+        RuntimeError: the coordinator or the stage servers did not come up (the message shows the failing log).
     """
-    if min(stages, servers_per_stage, trainers, steps) < 1:
-        raise ValueError("stages, servers_per_stage, trainers and steps must all be >= 1")
-    run = dataclasses.replace(run or default_run(model, seed), model=model, seed=seed)
-    swarm = dataclasses.replace(swarm or SwarmConfig(), num_stages=stages)
-    swarm.num_microbatches(run.data.batch_size)
+    if min(servers_per_stage, trainers) < 1:
+        raise ValueError("servers_per_stage and trainers must be >= 1")
+    if not run.pipelined:
+        raise ValueError("run_local_pipeline needs a pipelined run config (a [swarm] table with num_stages >= 1)")
+    if run.swarm.trainer_steps < 1:
+        raise ValueError("a local pipeline must end: set swarm.trainer_steps (local-swarm --steps) >= 1")
+    stages = run.swarm.num_stages
     out = Path(out_dir)
-    pipeline = LocalPipeline(out, run, swarm, threads_per_process)
+    pipeline = LocalPipeline(out, run, threads_per_process, verbose, extra_args, coordinator_args)
     started = time.time()
     finished = False
     try:
@@ -167,7 +174,7 @@ def run_local_pipeline(
             for k in range(servers_per_stage):
                 pipeline.add_server(stage, f"server{stage}_{k}")
         for index in range(trainers):  # trainers wait until every stage is served
-            pipeline.add_trainer(index, steps)
+            pipeline.add_trainer(index)
         pipeline.wait_for_servers(stages * servers_per_stage, timeout_s=min(timeout_s, 300.0))
         finished = pipeline.wait_trainers(timeout_s - (time.time() - started))
     finally:
@@ -190,8 +197,10 @@ def build_pipeline_summary(pipeline: LocalPipeline, wall_s: float) -> dict:
     train_wall_s = max((s.get("train_wall_s", 0.0) for s in done), default=0.0)
     servers = [s for s in server_stats.values() if s]
     hashes: dict[str, dict[str, str]] = {}
+    held: dict[str, dict[int, set[str]]] = {}  # stage -> epoch -> state hashes its servers hold there
     for s in servers:
         hashes.setdefault(str(s["stage"]), {})[s["peer_id"]] = f"epoch {s['epoch']}: {s.get('state_hash', '')[:16]}"
+        held.setdefault(str(s["stage"]), {}).setdefault(s["epoch"], set()).add(s.get("state_hash", ""))
     return {
         "mode": "pipeline",
         "model": pipeline.run.model,
@@ -213,6 +222,7 @@ def build_pipeline_summary(pipeline: LocalPipeline, wall_s: float) -> dict:
         "rebalances": sum(s.get("rebalances", 0) for s in servers),
         "outer_steps": {str(s["stage"]): s["epoch"] for s in servers},
         "state_hashes": hashes,
+        "stage_hashes_agree": {stage: all(len(h) == 1 for h in epochs.values()) for stage, epochs in held.items()},
         "state_downloads": sum(s.get("state_downloads", 0) for s in servers),
         "bytes_sent_total": sum(s.get("bytes_sent", 0) for s in done),
         "exit_codes": {p.name: p.popen.returncode for p in [*pipeline.trainers, *pipeline.servers]},

@@ -1,56 +1,28 @@
-"""Entry points of the real processes a pipelined swarm runs: ``python -m hivetrain.swarm.server`` / ``.trainer``.
+"""The work of a pipelined run's two roles, as a library: what ``join-swarm`` runs once it has joined a pipelined
+run (``hivetrain.cli.swarm_roles``) and what tests and benchmarks call in-process.
 
-Both read one JSON config file (``write_process_config``: the ``RunConfig`` and the ``SwarmConfig``), start a DHT
-node bootstrapping from ``--initial-peers`` and run until done (trainer) or SIGTERM (server). Each writes a JSON
-stats file (``--stats-file``) on exit; the trainer also appends one JSON line per step to ``--metrics-file``.
+* ``describe_model``: the uncut model's config and fingerprint (shapes only);
+* ``group_averager_factory``: the per-stage averager a ``StageServer`` runs DiLoCo's outer step with;
+* ``server_stats``: a stage server's figures for its summary file;
+* ``run_training``: a pipeline trainer's loop (steps, held-out evaluation, settling its gradients).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import logging
-import sys
 import time
-from pathlib import Path
 
-import torch
-from pydantic import TypeAdapter
 from transformers import LlamaConfig
 
-from hivetrain.cli.common import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    Interrupted,
-    add_node_arguments,
-    fail,
-    install_signal_handlers,
-    node_config,
-    setup_logging,
-)
-from hivetrain.config import RunConfig, to_plain
+from hivetrain.config import RunConfig
 from hivetrain.data import vocab_size_of
-from hivetrain.faults import FaultInjector, parse_fault_spec
+from hivetrain.faults import FaultInjector
 from hivetrain.model import build_run_model, resolve_model_source
 from hivetrain.peers.node import PeerNode
 from hivetrain.swarm.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
-
-
-def write_process_config(path: Path, run: RunConfig, swarm: SwarmConfig) -> None:
-    path.write_text(json.dumps({"run": run.to_dict(), "swarm": to_plain(dataclasses.asdict(swarm))}, indent=2))
-
-
-def read_process_config(path: Path) -> tuple[RunConfig, SwarmConfig]:
-    """Raises ValueError (naming the field) for an invalid file, FileNotFoundError if it is missing."""
-    raw = json.loads(Path(path).read_text())
-    if set(raw) != {"run", "swarm"}:
-        raise ValueError(f"{path}: expected keys 'run' and 'swarm', got {sorted(raw)}")
-    return RunConfig.from_dict(raw["run"]), TypeAdapter(SwarmConfig).validate_python(raw["swarm"])
 
 
 def describe_model(run: RunConfig) -> tuple[LlamaConfig, str]:
@@ -69,14 +41,26 @@ def describe_model(run: RunConfig) -> tuple[LlamaConfig, str]:
     return config, fingerprint
 
 
-def group_averager_factory(run: RunConfig, faults: FaultInjector, listen_host: str, timeout_s: float = 30.0):
-    """An ``AveragerFactory`` building hivetrain's ``GroupAverager`` for one stage."""
+def group_averager_factory(
+    run: RunConfig, faults: FaultInjector, listen_host: str, timeout_s: float = 30.0, announce_host: str | None = None
+):
+    """An ``AveragerFactory`` building hivetrain's ``GroupAverager`` for one stage.
+
+    Args:
+        listen_host: address the averager's data port binds; ``announce_host``: the one peers dial (None = found).
+        timeout_s: seconds to wait for the averager to be ready.
+    """
 
     def make(node, prefix: str):
         from hivetrain.averaging import GroupAverager
 
         averager = GroupAverager(
-            node, prefix=f"{prefix}.avg", config=run.averaging, faults=faults, listen_host=listen_host
+            node,
+            prefix=f"{prefix}.avg",
+            config=run.averaging,
+            faults=faults,
+            listen_host=listen_host,
+            announce_host=announce_host,
         )
         averager.start()
         averager.wait_ready(timeout_s)
@@ -85,65 +69,9 @@ def group_averager_factory(run: RunConfig, faults: FaultInjector, listen_host: s
     return make
 
 
-def _common_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", required=True, help="JSON process config (run + swarm), see write_process_config")
-    parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of running peers")
-    parser.add_argument("--stats-file", default=None, help="write a JSON stats file here on exit")
-    parser.add_argument("--fault", action="append", default=[], help="POINT:ACTION[:SECONDS][@KEY=VALUE,...]")
-    parser.add_argument("--verbose", action="store_true")
-    add_node_arguments(parser)
-    return parser
-
-
-def server_main(argv: list[str] | None = None) -> int:
-    """Run a stage server until SIGTERM/SIGINT."""
-    from hivetrain.peers.node import start_node
-    from hivetrain.swarm.server import StageServer
-
-    parser = _common_parser("Serve one stage of a pipelined (SWARM) model.")
-    parser.add_argument("--stage", default="auto", help="stage index, or 'auto' = the least-served stage")
-    parser.add_argument("--listen-host", default="0.0.0.0", help="address the stage averager's data port binds")
-    parser.add_argument("--address-file", default=None, help="write this server's multiaddrs here once serving")
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    install_signal_handlers()
-    try:
-        run, swarm = read_process_config(Path(args.config))
-        faults = FaultInjector()
-        for spec in args.fault:
-            faults.arm(parse_fault_spec(spec))
-        stage = None if args.stage == "auto" else int(args.stage)
-        model_config, fingerprint = describe_model(run)
-        node = start_node(dataclasses.replace(node_config(args, args.initial_peers), run_ids=(run.run_id,)))
-    except (ValueError, FileNotFoundError) as exc:
-        return fail(str(exc), EXIT_BAD_INPUT)
-    server = None
-    started = time.time()
-    try:
-        if swarm.num_threads:
-            torch.set_num_threads(swarm.num_threads)
-        factory = group_averager_factory(run, faults, args.listen_host) if swarm.average_stage else None
-        server = StageServer(node, run, swarm, model_config, fingerprint, stage, faults, factory)
-        server.start()
-        if args.address_file:
-            Path(args.address_file).write_text("\n".join(node.visible_maddrs()))
-        while True:
-            time.sleep(1.0)
-    except Interrupted:
-        return EXIT_INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - report and exit non-zero
-        logger.exception("stage server failed")
-        return fail(repr(exc), EXIT_FAILED)
-    finally:
-        if server is not None:
-            server.shutdown()  # first: an outer step in progress gets to finish (bounded), and the stats count it
-            if args.stats_file:
-                Path(args.stats_file).write_text(json.dumps(server_stats(server, started), indent=2))
-        node.shutdown()
-
-
 def server_stats(server, started: float) -> dict:
+    """A stage server's figures (stage, epoch, state hash, calls served, rebalances, outer steps); ``started`` is
+    the unix time it started (for ``wall_s``)."""
     rt = server.runtime
     return {
         "peer_id": server.node.peer_id,
@@ -162,38 +90,6 @@ def server_stats(server, started: float) -> dict:
     }
 
 
-def trainer_main(argv: list[str] | None = None) -> int:
-    """Train through the stage servers for ``--steps`` steps (or until SIGTERM); 0 on success."""
-    from hivetrain.peers.node import start_node
-
-    parser = _common_parser("Train a pipelined (SWARM) model through its stage servers.")
-    parser.add_argument("--steps", type=int, required=True, help="trainer steps to run (0 = until interrupted)")
-    parser.add_argument("--metrics-file", default=None, help="append one JSON line per step here")
-    parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows evaluated at start and end")
-    parser.add_argument("--index", type=int, default=0, help="this trainer's index (seeds its data stream)")
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    install_signal_handlers()
-    try:
-        run, swarm = read_process_config(Path(args.config))
-        node = start_node(dataclasses.replace(node_config(args, args.initial_peers), run_ids=(run.run_id,)))
-    except (ValueError, FileNotFoundError) as exc:
-        return fail(str(exc), EXIT_BAD_INPUT)
-    stats: dict = {}
-    try:
-        if swarm.num_threads:
-            torch.set_num_threads(swarm.num_threads)
-        stats = run_training(node, run, swarm, args.steps, args.index, args.metrics_file, args.eval_windows)
-        return EXIT_OK if stats.get("completed") else EXIT_FAILED
-    except Interrupted:
-        stats["interrupted"] = True
-        return EXIT_INTERRUPTED
-    finally:
-        if args.stats_file:
-            Path(args.stats_file).write_text(json.dumps(stats, indent=2, default=str))
-        node.shutdown()
-
-
 def run_training(
     node: PeerNode,
     run: RunConfig,
@@ -203,8 +99,17 @@ def run_training(
     metrics_file: str | None = None,
     num_eval_windows: int = 8,
     wait_s: float = 120.0,
+    faults: FaultInjector | None = None,
+    stats: dict | None = None,
 ) -> dict:
     """Train for ``steps`` steps (0 = until interrupted) on the run's corpus; returns the trainer's stats.
+
+    Args:
+        index: seeds the trainer's routing (``run.seed * 1000 + index``); the data stream is seeded by the peer ID.
+        metrics_file: append one JSON line per step here (None = none).
+        num_eval_windows: held-out windows evaluated at the start and the end.
+        wait_s: seconds to wait for every stage to be served before the first step.
+        stats: fill this dict (and return it): the caller still holds the figures if training raises.
 
     Raises:
         PipelineStalled: the pipeline never became complete within ``wait_s`` seconds.
@@ -214,8 +119,11 @@ def run_training(
 
     corpus = load_corpus(run.data)
     model_config, fingerprint = describe_model(run)
-    trainer = PipelineTrainer(node, run.run_id, swarm, model_config, fingerprint, seed=run.seed * 1000 + index)
-    stats: dict = {"peer_id": node.peer_id, "completed": False, "steps": 0, "failed_steps": 0}
+    trainer = PipelineTrainer(
+        node, run.run_id, swarm, model_config, fingerprint, faults or FaultInjector(), seed=run.seed * 1000 + index
+    )
+    stats = {} if stats is None else stats
+    stats.update(peer_id=node.peer_id, completed=False, steps=0, failed_steps=0)
     metrics = open(metrics_file, "a") if metrics_file else None  # noqa: SIM115 - closed in finally
     try:
         trainer.start()
@@ -235,6 +143,7 @@ def run_training(
                     raise
                 continue
             step += 1
+            stats["steps"] = step
             event = {
                 "event": "step",
                 "t": time.time(),
@@ -258,7 +167,3 @@ def run_training(
         if metrics is not None:
             metrics.close()
     return stats
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(server_main())

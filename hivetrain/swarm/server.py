@@ -503,10 +503,3 @@ def _majority_hashes(records: list[StageRecord]) -> dict[int, str]:
     """epoch -> the state hash a quorum of ``records`` (other servers of one stage) backs (``STAGE_QUORUM``)."""
     return {epoch: b.state_hash for epoch, b in backed_states(records, STAGE_QUORUM).items()}
 
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    from hivetrain.swarm.process import server_main
-
-    sys.exit(server_main())

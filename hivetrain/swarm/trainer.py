@@ -550,10 +550,3 @@ class PipelineTrainer:
                 raise PipelineStalled(f"no server for stage(s) {missing} after {timeout_s:.0f}s")
             time.sleep(0.5)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    from hivetrain.swarm.process import trainer_main
-
-    sys.exit(trainer_main())

@@ -1,6 +1,7 @@
 """SWARM pipeline throughput before, during and after a stage server is killed.
 
-3 stages x 2 stage-server processes on 127.0.0.1 (``hivetrain.swarm.local.LocalPipeline``) and T in-process pipeline
+3 stages x 2 stage-server processes on 127.0.0.1 (``hivetrain.swarm.local.LocalPipeline``: a coordinator and
+``join-swarm --role server`` processes) and T in-process pipeline
 trainers that keep the pipeline full. After ``--warmup-s`` seconds the script measures for ``--before-s`` seconds,
 SIGKILLs one stage-1 server (its whole process group: python and p2pd), and keeps training for ``--after-s`` seconds.
 
@@ -8,7 +9,8 @@ Figures (microbatches per second = microbatches whose forward and backward both 
 
 * ``before_per_s``: rate over the ``--before-s`` seconds before the kill;
 * ``recovery_s``: seconds from the kill until the last microbatch that had to be rerouted finished and the last
-  gradient the dead server held was replayed on the survivor (after its DHT record expired);
+  gradient the dead server held was replayed on the survivor (trainers declare the server dead from their failed
+  calls, ``hivetrain.swarm.failures``, without waiting for its DHT record to expire);
 * ``during_per_s``: rate from the kill until recovery (at least 1 s);
 * ``after_per_s``: rate over the last half of the ``--after-s`` seconds (the remaining 5 servers);
 * ``lost_microbatches``: microbatches that never finished plus gradients neither replayed nor durable.
@@ -33,9 +35,10 @@ from hivetrain.config import DataConfig
 from hivetrain.data import load_corpus, stream_seed
 from hivetrain.peers.node import NodeConfig, start_node
 from hivetrain.swarm.config import SwarmConfig
-from hivetrain.swarm.local import LOOPBACK, LocalPipeline, default_run
+from hivetrain.swarm.local import LocalPipeline, default_run
 from hivetrain.swarm.process import describe_model
 from hivetrain.swarm.trainer import PipelineStalled, PipelineTrainer
+from hivetrain.testing.launcher import LOOPBACK
 
 logger = logging.getLogger("swarm_throughput")
 
@@ -86,7 +89,8 @@ def main(argv=None) -> int:
         num_threads=args.threads,
     )
     out = Path(args.out or tempfile.mkdtemp(prefix="swarm-bench-"))
-    pipeline = LocalPipeline(out, run, swarm, threads_per_process=args.threads)
+    run = dataclasses.replace(run, swarm=swarm)  # the coordinator publishes it; servers join with join-swarm
+    pipeline = LocalPipeline(out, run, threads_per_process=args.threads)
     nodes, trainers, threads = [], [], []
     stop = threading.Event()
     started_microbatches = [0] * args.trainers
@@ -145,6 +149,9 @@ def main(argv=None) -> int:
             "lost_microbatches": lost,
             "reroutes": sum(tr.stats.reroutes for tr in trainers),
             "replays": sum(tr.stats.replays for tr in trainers),
+            "deaths": sum(tr.stats.deaths for tr in trainers),
+            "false_deaths": sum(tr.stats.false_deaths for tr in trainers),
+            "cancelled_calls": sum(tr.stats.cancelled_calls for tr in trainers),
             "failed_steps": sum(failed_steps),
             "settled": settled,
             "model": args.model,
