@@ -51,7 +51,7 @@ class _Peer:
     run: PeerRun
     member: Member | None = None
     offset: int = 0
-    hooks: list[int] = field(default_factory=list)  # indices of hook faults armed on it
+    hooks: list[int] = field(default_factory=list)  # indices of hook faults armed on it (--fault)
 
 
 @dataclass
@@ -332,6 +332,8 @@ class ChaosRunner:
                 continue
             event["t_s"] = event.get("time", self.t0) - self.t0
             peer.run.events.append(event)
+            if event["event"] == "fault_fired" and peer.hooks:
+                self._hook_fired(peer, event)
             self.observed.append(Observed(peer.run.index, event["event"], int(event.get("epoch", 0)), event["t_s"]))
             if event["event"] == "outer_step" and event["epoch"] > self._last_epoch and not peer.run.byzantine:
                 self._last_epoch = event["epoch"]
@@ -347,11 +349,11 @@ class ChaosRunner:
         A hard crash (``os._exit`` at a hook, like a segfault) leaves the peer's p2pd and DHT child processes behind
         on a volunteer's machine; the harness records them in ``orphans_after_crash`` and reaps them.
         """
+        self._read_events(peer)  # all of them now: an exit hook's fault_fired event may have come after the last read
         for i in peer.hooks:
             fault = self.scenario.faults[i]
-            if fault.action == "exit" and peer.run.exit_code == 137 and self.faults[i]["fired_at_s"] is None:
-                peer.run.killed = True  # died on purpose: not a survivor, and not a failure of the run
-                self._fired(i, f"{peer.run.name} exited at a hook ({fault.spec()})", at_s=peer.run.exited_at_s)
+            if fault.action == "exit" and peer.run.exit_code == 137 and self.faults[i]["fired_at_s"] is not None:
+                peer.run.killed = True  # died on purpose at its hook: not a survivor, and not a failure of the run
         left = peer.proc.group_pids()
         if left:
             if peer.run.exit_code in _NORMAL_EXITS:
@@ -364,7 +366,25 @@ class ChaosRunner:
                 self.log(f"[{self.now():6.1f}s] {peer.run.name} left {len(left)} process(es) behind: reaping them")
             peer.proc.signal_group(signal.SIGKILL)
 
+    def _hook_fired(self, peer: _Peer, event: dict) -> None:
+        """A ``fault_fired`` event of ``peer`` (``FaultInjector.on_fire``, written by its trainer before the action
+        runs): the first of its unfired raise/sleep/exit hook faults at that point and action whose ``when`` the
+        hook's context matches has fired. (A ``stop`` fault is recorded once the peer is seen stopped,
+        ``_check_hooks``: the harness must then stop the rest of its process group.)"""
+        context = event.get("context") or {}
+        for i in peer.hooks:
+            fault = self.scenario.faults[i]
+            if self.faults[i]["fired_at_s"] is not None or fault.action == "stop":
+                continue
+            if fault.point.value != event.get("point") or fault.action != event.get("action"):
+                continue
+            if all(str(context.get(key)) == str(value) for key, value in fault.when.items()):
+                detail = f"{peer.run.name}: {fault.spec()} (its fault_fired event)"
+                self._fired(i, detail, at_s=event["t_s"])
+                return
+
     def _check_hooks(self, peer: _Peer) -> None:
+        """Record a ``stop`` hook fault once its peer has stopped itself, and stop the rest of its process group."""
         for i in peer.hooks:
             fault = self.scenario.faults[i]
             if self.faults[i]["fired_at_s"] is not None:
@@ -374,10 +394,6 @@ class ChaosRunner:
                 self._fired(i, f"{peer.run.name} stopped itself at {fault.point}; SIGCONT in {fault.seconds:g}s")
                 self.faults[i]["ended_at_s"] = self.now() + fault.seconds
                 self.timers.append(_Timer(self.now() + fault.seconds, lambda p=peer.proc: process.resume(p)))
-            elif fault.action in ("raise", "sleep"):
-                text = peer.proc.log_path.read_text(errors="replace") if peer.proc.log_path.exists() else ""
-                if f"fault injected at {fault.point}" in text or f"fault fired: {fault.point}" in text:
-                    self._fired(i, f"{peer.run.name}: {fault.spec()} (seen in its log)")
 
     def _sample(self) -> None:
         for peer in self.peers:

@@ -56,7 +56,7 @@ from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, de
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
 from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
-from hivetrain.testing.byzantine import check_mode
+from hivetrain.testing.byzantine import arm_byzantine
 
 logger = logging.getLogger("hivetrain.join_swarm")
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         faults = FaultInjector()
         for spec in args.fault:
             faults.arm(parse_fault_spec(spec))
-        check_mode(args.byzantine)
+        arm_byzantine(args.byzantine, faults)  # chaos harness only: misbehave through armed faults
         device = pick_device(args.device or "auto")
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -334,7 +334,6 @@ def _train(
             fingerprint,
             TrainerOptions(
                 public_name=args.public_name,
-                byzantine=args.byzantine,
                 dht_lost_after_s=args.dht_lost_timeout,
                 duty_cycle=args.duty_cycle,
                 pause_file=args.pause_file,

@@ -16,7 +16,6 @@ class TrainerOptions:
         state_timeout_s: limit of one state-download network call, seconds.
         max_outer_steps: stop after this epoch (0 = the run config's ``diloco.outer_steps``).
         dht_lost_after_s: give up (DhtLost) after the DHT has been unreachable this long, seconds.
-        byzantine: fault-harness only: misbehave this way (see ``hivetrain.testing.byzantine``).
         duty_cycle: train at most this fraction of wall time (0 < F <= 1), sleeping between inner steps.
         pause_file: while this file exists the peer pauses its inner steps (stays in the swarm); "" = none.
         coordinator_id: base58 peer ID of the run's coordinator (the signer of the run config we trust); its records
@@ -31,7 +30,6 @@ class TrainerOptions:
     record_interval_s: float = 5.0
     state_timeout_s: float = 30.0
     max_outer_steps: int = 0
-    byzantine: str = ""
     dht_lost_after_s: float = 60.0
     duty_cycle: float = 1.0
     pause_file: str = ""

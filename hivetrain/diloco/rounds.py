@@ -40,9 +40,8 @@ from hivetrain.diloco.sync_policy import (
     committed_without_us,
     decide_after_round,
 )
-from hivetrain.faults import FaultInjector
+from hivetrain.faults import FaultInjector, HookPoint
 from hivetrain.peers.records import PeerRecord
-from hivetrain.testing.byzantine import WIRE_MODES, corrupt_round_input
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +109,8 @@ class RoundRunner:
         averager: the averaging engine.
         view: the swarm view (records, liveness).
         config: the run config (``averaging``, ``diloco``).
-        faults: fault hooks ("diloco.before_outer_step").
-        byzantine: fault-harness misbehaviour mode ("" = honest).
+        faults: fault hooks (``HookPoint.DILOCO_BEFORE_OUTER_STEP``, then ``DILOCO_ROUND_INPUT``, whose "call" fault
+            may replace what we average: a byzantine peer of the fault harness).
         emit: trainer event callback(event, **fields).
         stop: set when the trainer stops (ends the retries).
         stale_after_s: records older than this are ignored; dht_lost_after_s: see ``decide_after_round``.
@@ -129,7 +128,6 @@ class RoundRunner:
         view: SwarmView,
         config: RunConfig,
         faults: FaultInjector,
-        byzantine: str,
         emit: Callable[..., None],
         stop: threading.Event,
         *,
@@ -139,7 +137,7 @@ class RoundRunner:
         voted_wait_s: float = 0.0,
     ):
         self.peer_id, self.averager, self.view, self.config = peer_id, averager, view, config
-        self.faults, self.byzantine, self.emit, self.stop = faults, byzantine, emit, stop
+        self.faults, self.emit, self.stop = faults, emit, stop
         self.stale_after_s, self.dht_lost_after_s = stale_after_s, dht_lost_after_s
         self.trust, self.voted_wait_s = trust, voted_wait_s
         self.exact_average = config.averaging.strategy == "butterfly"
@@ -165,10 +163,15 @@ class RoundRunner:
         attempt = 0
         while True:
             attempt += 1
-            self.faults.check("diloco.before_outer_step", epoch=epoch, peer=self.peer_id)
-            sent, weight = averaged, float(contribution.samples)
-            if self.byzantine and self.byzantine not in WIRE_MODES:
-                sent, weight = corrupt_round_input(self.byzantine, averaged, weight)
+            self.faults.check(HookPoint.DILOCO_BEFORE_OUTER_STEP, epoch=epoch, peer=self.peer_id)
+            given = self.faults.check(
+                HookPoint.DILOCO_ROUND_INPUT,
+                epoch=epoch,
+                peer=self.peer_id,
+                tensors=averaged,
+                weight=float(contribution.samples),
+            )
+            sent, weight = given["tensors"], float(given["weight"])
             result, failure = None, ""
             expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
             try:

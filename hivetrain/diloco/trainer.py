@@ -35,16 +35,15 @@ from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner
 from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_sync import StateDownloadFailed, download_state
+from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.diloco.sync_policy import decide_sync, keep_carried
-from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import PeerRecord, fetch_records
-from hivetrain.testing.byzantine import arm_wire_corruption, hostile_state_server
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +87,6 @@ class DilocoTrainer:
         self._sketch_text: tuple[int, str] = (-1, "")
         self._emit_lock = threading.Lock()
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
-        arm_wire_corruption(options.byzantine, faults)
-        self.state_server, wrap_record = hostile_state_server(options.byzantine, lambda: self.state, faults)
         self._stop = threading.Event()
         self._left_reason = ""
         self._exact_average = config.averaging.strategy == "butterfly"
@@ -129,12 +126,23 @@ class DilocoTrainer:
             loop,
             config.run_id,
             fingerprint,
-            wrap_record(self._record),  # the record as is, unless a fault-harness mode lies in it
+            self._record,
             record_ttl_s=options.record_ttl_s,
             # read the swarm several times per lost-DHT timeout, whatever the record interval
             record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
             next_interval_s=lambda: self.phases.refresh_hint_s(),
         )
+        if faults is not NO_FAULTS:  # every fault that fires becomes a metrics event (the chaos harness reads them)
+            faults.on_fire = self._fault_fired
+        # the server joiners download our state from (a fault-harness "call" fault may replace it: a hostile donor)
+        get_state = lambda: self.state  # noqa: E731
+        served = faults.check(
+            HookPoint.DILOCO_STATE_SERVER,
+            server=StateServer(get_state, faults=faults),
+            get_state=get_state,
+            faults=faults,
+        )
+        self.state_server: StateServer = served["server"]
         self.admits = membership.admits if membership is not None else None  # None: an open run
         if membership is not None:  # invite-only: members are learned from the (guarded) records we read
             membership.follow(lambda: self.view.records)
@@ -145,7 +153,6 @@ class DilocoTrainer:
             self.view,
             config,
             faults,
-            options.byzantine,
             self._emit,
             self._stop,
             stale_after_s=options.record_ttl_s,
@@ -481,10 +488,11 @@ class DilocoTrainer:
         return loss
 
     def _record(self) -> PeerRecord:
+        """The record we publish now (a fault-harness "call" fault at ``HookPoint.DILOCO_RECORD`` may replace it)."""
         phase_epoch, phase_samples = self.phases.progress
         done_epoch, done_samples = self.phases.done
         sketch_epoch, sketch_text = self._sketch_text
-        return PeerRecord(
+        record = PeerRecord(
             peer_id=self.node.peer_id,
             role="trainer",
             version=__version__,
@@ -515,6 +523,7 @@ class DilocoTrainer:
             join_token=self.options.join_token,
             updated_at=get_dht_time(),
         )
+        return self.faults.check(HookPoint.DILOCO_RECORD, record=record)["record"]
 
     def _check_dht(self) -> None:
         """Raise DhtLost if the DHT (or its p2pd daemon) has been unreachable for too long to keep training."""
@@ -534,6 +543,13 @@ class DilocoTrainer:
         }
         with self._emit_lock:  # the background round emits too
             self.on_event(payload)
+
+    def _fault_fired(self, point: HookPoint, action: str, context: dict) -> None:
+        """``FaultInjector.on_fire``: a ``fault_fired`` event with the point, the action and the hook's plain context
+        values (``epoch``, ``peer``, ``subround``, ...; tensors and dicts left out). Runs on the thread that hit the
+        hook, before the action (an ``exit`` fault's event is written before the process ends)."""
+        plain = {key: value for key, value in context.items() if isinstance(value, (bool, int, float, str))}
+        self._emit("fault_fired", point=point.value, action=action, context=plain)
 
 
 class DhtLost(RuntimeError):

@@ -4,6 +4,25 @@ Each mode changes what an otherwise normal peer sends: its pseudo-gradient and w
 state it serves to joiners, or the record it publishes. Honest peers must never commit a result influenced by these
 (validation, exclusion, robust aggregation) and must never adopt a corrupted state (hash checks, the quorum rule).
 
+A mode is a set of ``call`` faults that ``arm_byzantine`` arms on the peer's ``FaultInjector`` at hook points of
+production code (``hivetrain.faults.HookPoint``); production code never imports this module:
+
+    averaging.before_send    nan, inf, inflated_weight, negative_weight, wrong_shape: corrupt our parts on the wire,
+                             after the engine validated them (``WIRE_MODES``)
+    diloco.round_input       sign_flip, huge_norm: average hostile but finite values instead of our Δ (``INPUT_MODES``)
+    diloco.state_server      bad_donor, nan_donor, drip_donor, epoch_liar, uninvited: run a hostile state server
+                             (and, in a chaos scenario, every peer's server with ``$HIVETRAIN_TEST_STATE_CHUNK_BYTES``)
+    diloco.record            epoch_liar: publish a record that lies about our epoch and state hash
+
+Modes of the averaging round (issue 10):
+
+    nan, inf         every element of our wire vector is NaN / +inf
+    inflated_weight  our weight on the wire is ×10^6 + 10^9 samples
+    negative_weight  our weight on the wire is negative
+    wrong_shape      our payload to each reducer is 4 bytes short
+    sign_flip        we average -100 Δ
+    huge_norm        we average 10^6 Δ + 10^3
+
 State and record modes (issue 12, findings 1 and 3):
 
     bad_donor    serves θ with noise added under the genuine (epoch, hash)
@@ -25,14 +44,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
-from hivetrain.faults import Fault, FaultInjector
-from hivetrain.peers.records import PeerRecord
+from hivetrain.faults import Fault, FaultInjector, HookPoint
 from hivetrain.testing.hostile_donors import Dripper, NaNChunks
 
 MODES = (
@@ -64,15 +83,47 @@ def check_mode(mode: str) -> str:
 
 WIRE_MODES = ("nan", "inf", "inflated_weight", "negative_weight", "wrong_shape")
 """Modes applied to what goes on the wire (the engine validates local input, so these cannot go through average())."""
+INPUT_MODES = ("sign_flip", "huge_norm")
+"""Modes that change what the peer averages (finite values that pass local validation)."""
+SERVER_MODES = ("bad_donor", "nan_donor", "drip_donor", "epoch_liar", "uninvited")
+"""Modes that change the state server (and, for ``epoch_liar``, the record)."""
 
 
-def arm_wire_corruption(mode: str, faults: FaultInjector) -> Fault | None:
-    """Arm a fault at ``averaging.before_send`` that corrupts our parts after local validation, as a hostile peer's
-    modified client would. Returns the armed fault (None for modes that are not wire modes)."""
-    if mode not in WIRE_MODES:
-        return None
+def arm_byzantine(mode: str, faults: FaultInjector, environ: Mapping[str, str] = os.environ) -> list[Fault]:
+    """Arm on ``faults`` the ``call`` faults that make a peer misbehave as ``mode`` ("" = honest); ``join-swarm
+    --byzantine MODE`` calls it before building the peer. With ``$HIVETRAIN_TEST_STATE_CHUNK_BYTES`` set in
+    ``environ`` (chaos scenarios) every peer, honest ones too, also gets a ``diloco.state_server`` fault that builds
+    its state server with that chunk size.
 
-    def corrupt(ctx: dict) -> None:
+    Returns:
+        the armed faults (each fires every time its hook is hit; their ``fired`` counts show the mode acted).
+
+    Raises:
+        ValueError: an unknown mode, or a chunk size that is not an integer.
+    """
+    check_mode(mode)
+    armed: list[Fault] = []
+    if mode in WIRE_MODES:
+        armed.append(Fault(HookPoint.AVERAGING_BEFORE_SEND, "call", callback=_wire_corruption(mode), times=0))
+    if mode in INPUT_MODES:
+        armed.append(Fault(HookPoint.DILOCO_ROUND_INPUT, "call", callback=_input_corruption(mode), times=0))
+    chunk_text = environ.get(CHUNK_BYTES_ENV, "")
+    if chunk_text and not chunk_text.isdigit():
+        raise ValueError(f"${CHUNK_BYTES_ENV} = {chunk_text!r}: give the state chunk size in bytes, or unset it")
+    lie = _LieState() if mode == "epoch_liar" else None
+    if mode in SERVER_MODES or chunk_text:
+        build = _server_builder(mode, int(chunk_text or 0), lie)
+        armed.append(Fault(HookPoint.DILOCO_STATE_SERVER, "call", callback=build, times=0))
+    if lie is not None:
+        armed.append(Fault(HookPoint.DILOCO_RECORD, "call", callback=lie.record, times=0))
+    return [faults.arm(fault) for fault in armed]
+
+
+def _wire_corruption(mode: str) -> Callable[[dict[str, Any]], None]:
+    """The ``averaging.before_send`` callback: corrupt our parts after local validation, as a hostile peer's modified
+    client would (``flat``: our fp32 vector; ``frames``: peer id -> [meta dict, payload buffers])."""
+
+    def corrupt(ctx: dict[str, Any]) -> None:
         flat, frames = ctx["flat"], ctx["frames"]
         if mode == "nan":
             flat.fill_(float("nan"))
@@ -88,26 +139,34 @@ def arm_wire_corruption(mode: str, faults: FaultInjector) -> Fault | None:
                 payload = b"".join(bytes(buf) for buf in meta_and_payload[1])
                 meta_and_payload[1] = [memoryview(payload[:-4])]
 
-    return faults.arm(Fault("averaging.before_send", "call", callback=corrupt, times=0))
+    return corrupt
 
 
-def corrupt_round_input(mode: str, tensors: list[torch.Tensor], weight: float) -> tuple[list[torch.Tensor], float]:
-    """What a byzantine peer averages instead of (pseudo-gradient, weight in samples): finite but hostile values
-    that pass local validation (the wire modes are armed with ``arm_wire_corruption``)."""
-    if mode == "sign_flip":
-        tensors = [t * -100.0 for t in tensors]
-    elif mode == "huge_norm":
-        tensors = [t * 1e6 + 1e3 for t in tensors]
-    return tensors, weight
+def _input_corruption(mode: str) -> Callable[[dict[str, Any]], None]:
+    """The ``diloco.round_input`` callback: what a byzantine peer averages instead of its ``tensors`` (fp32, its Δ or
+    θ): new tensors, finite but hostile; the peer's own copy is untouched and its weight stays."""
+
+    def corrupt(ctx: dict[str, Any]) -> None:
+        if mode == "sign_flip":
+            ctx["tensors"] = [t * -100.0 for t in ctx["tensors"]]
+        elif mode == "huge_norm":
+            ctx["tensors"] = [t * 1e6 + 1e3 for t in ctx["tensors"]]
+
+    return corrupt
 
 
 class _LieState:
     """The state an ``epoch_liar`` claims and serves: θ replaced by random weights (of the honest θ's shapes and
-    scale), zero momentum, epoch ``LIE_EPOCH``; built once from the first honest state seen."""
+    scale), zero momentum, epoch ``LIE_EPOCH``; built once from the first honest state seen (``attach`` tells it
+    where the peer's state is: its ``diloco.state_server`` hook)."""
 
-    def __init__(self, get_state: Callable[[], TrainingState | None]):
-        self._get_state, self._lock = get_state, threading.Lock()
+    def __init__(self) -> None:
+        self._get_state: Callable[[], TrainingState | None] = lambda: None
+        self._lock = threading.Lock()
         self._built: tuple[TrainingState, str] | None = None
+
+    def attach(self, get_state: Callable[[], TrainingState | None]) -> None:
+        self._get_state = get_state
 
     def get(self) -> tuple[TrainingState, str] | None:
         """(the lie state, its hash), or None while the peer holds no state yet."""
@@ -122,6 +181,19 @@ class _LieState:
                 self._built = (lie, lie.state_hash())
             return self._built
 
+    def served(self) -> TrainingState | None:
+        built = self.get()
+        return None if built is None else built[0]
+
+    def record(self, ctx: dict[str, Any]) -> None:
+        """The ``diloco.record`` callback: claim ``LIE_EPOCH`` and the random state's hash (which the server serves)."""
+        built = self.get()
+        if built is not None:
+            claim = {"epoch": LIE_EPOCH, "state_hash": built[1], "param_sketch": ""}
+            ctx["record"] = ctx["record"].model_copy(
+                update={**claim, "phase_epoch": LIE_EPOCH, "done_epoch": LIE_EPOCH}
+            )
+
 
 class AnyoneServer(StateServer):
     """A state server that answers anyone (its peer has no roster, so ``admits`` stays None) and logs each requester
@@ -132,39 +204,23 @@ class AnyoneServer(StateServer):
         await super()._handle(info, reader, writer)
 
 
-def hostile_state_server(
-    mode: str, get_state: Callable[[], TrainingState | None], faults: FaultInjector
-) -> tuple[StateServer, Callable[[Callable[[], PeerRecord]], Callable[[], PeerRecord]]]:
-    """The state server a peer in ``mode`` runs, and a wrapper for its record builder (identity for most modes).
-    Its chunk size is ``$HIVETRAIN_TEST_STATE_CHUNK_BYTES`` when set (chaos scenarios), else the default.
+def _server_builder(mode: str, chunk_bytes: int, lie: _LieState | None) -> Callable[[dict[str, Any]], None]:
+    """The ``diloco.state_server`` callback: replace the peer's ``server`` with the one a peer in ``mode`` runs
+    (``chunk_bytes`` > 0: with that chunk size), built on its ``get_state`` and ``faults``."""
 
-    Returns:
-        (server, wrap_record): ``wrap_record(make_record)`` returns the record builder the peer publishes with; for
-        ``epoch_liar`` it claims ``LIE_EPOCH`` and the random state's hash, which the server serves.
-    """
-    kwargs = {"faults": faults}
-    if os.environ.get(CHUNK_BYTES_ENV):
-        kwargs["chunk_bytes"] = int(os.environ[CHUNK_BYTES_ENV])
-    if mode == "epoch_liar":
-        lie = _LieState(get_state)
+    def build(ctx: dict[str, Any]) -> None:
+        get_state = ctx["get_state"]
+        kwargs: dict[str, Any] = {"faults": ctx["faults"]}
+        if chunk_bytes:
+            kwargs["chunk_bytes"] = chunk_bytes
+        if lie is not None:
+            lie.attach(get_state)
+            ctx["server"] = StateServer(lie.served, **kwargs)
+            return
+        server_class = {"nan_donor": NaNChunks, "drip_donor": Dripper, "uninvited": AnyoneServer}.get(mode, StateServer)
+        ctx["server"] = server_class(corrupt_served_state(mode, get_state), **kwargs)
 
-        def served() -> TrainingState | None:
-            built = lie.get()
-            return None if built is None else built[0]
-
-        def wrap(make_record: Callable[[], PeerRecord]) -> Callable[[], PeerRecord]:
-            def lying() -> PeerRecord:
-                record, built = make_record(), lie.get()
-                if built is None:
-                    return record
-                claim = {"epoch": LIE_EPOCH, "state_hash": built[1], "param_sketch": ""}
-                return record.model_copy(update={**claim, "phase_epoch": LIE_EPOCH, "done_epoch": LIE_EPOCH})
-
-            return lying
-
-        return StateServer(served, **kwargs), wrap
-    server_class = {"nan_donor": NaNChunks, "drip_donor": Dripper, "uninvited": AnyoneServer}.get(mode, StateServer)
-    return server_class(corrupt_served_state(mode, get_state), **kwargs), lambda make_record: make_record
+    return build
 
 
 def corrupt_served_state(

@@ -5,6 +5,7 @@ named ``p2pd`` (its daemon), so no training is needed. Hook injectors go through
 ``--fault`` spec the harness passes to join-swarm.
 """
 
+import json
 import shutil
 import signal
 import subprocess
@@ -176,3 +177,22 @@ def test_a_peer_that_stops_itself_at_a_hook_is_paused_whole_then_resumed(tmp_pat
     runner.timers.pop().action()
     assert wait_for(lambda: not process.is_stopped(fake_peer))
     assert wait_for(lambda: psutil.Process(daemon).status() != psutil.STATUS_STOPPED)
+
+
+def test_a_hook_fault_fires_when_its_peer_reports_a_matching_fault_fired_event(tmp_path):
+    """The trainer writes a ``fault_fired`` event (FaultInjector.on_fire) before the action runs; the runner records
+    the hook fault whose point, action and ``when`` match it, at the event's time, and no other."""
+    metrics = tmp_path / "peer1.jsonl"
+    proc = PeerProcess(name="peer1", popen=None, log_path=tmp_path / "peer1.log", metrics_path=metrics)
+    vote = {"kind": "hook", "peer": 1, "point": "averaging.vote", "action": "raise"}
+    runner = runner_with(tmp_path, proc, {**vote, "when": {"epoch": 2}}, {**vote, "when": {"epoch": 3}})
+    runner.peers[0].hooks = [0, 1]
+
+    def fired(point, epoch):
+        event = {"event": "fault_fired", "time": runner.t0 + 5.0, "epoch": 1, "point": point, "action": "raise"}
+        return json.dumps({**event, "context": {"epoch": epoch, "to": "peer0-id"}}) + "\n"
+
+    metrics.write_text(fired("averaging.before_commit", 2) + fired("averaging.vote", 2))
+    runner._read_events(runner.peers[0])
+    assert runner.faults[0]["fired_at_s"] == 5.0 and "fault_fired event" in runner.faults[0]["detail"]
+    assert runner.faults[1]["fired_at_s"] is None  # its epoch 3 has not come

@@ -15,7 +15,8 @@ from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.rounds import Contribution, RoundRunner, expected_peers
 from hivetrain.diloco.state import TrainingState
-from hivetrain.faults import NO_FAULTS
+from hivetrain.faults import NO_FAULTS, FaultInjector
+from hivetrain.testing.byzantine import arm_byzantine
 from tests.records import peer_record
 
 CONFIG = RunConfig.from_dict({"averaging": {"max_retries": 1, "round_timeout_s": 20.0}})
@@ -60,15 +61,14 @@ def state() -> TrainingState:
     return TrainingState(epoch=4, params=params, momentum={"w": torch.zeros(3, 2)})
 
 
-def runner(averager, records, events=None, view_ok=True):
+def runner(averager, records, events=None, view_ok=True, faults=NO_FAULTS):
     emit = (lambda event, **f: events.append((event, f))) if events is not None else (lambda event, **f: None)
     return RoundRunner(
         "me",
         averager,
         FakeView(records, view_ok),
         CONFIG,
-        NO_FAULTS,
-        "",
+        faults,
         emit,
         threading.Event(),
         stale_after_s=30.0,
@@ -92,6 +92,27 @@ def test_a_committed_round_builds_the_same_next_state_on_every_member():
         results.append(out.state_hash)
     expected = outer_step(state(), avg, CONFIG.diloco.outer_lr, CONFIG.diloco.outer_momentum).state_hash()
     assert results[0] == results[1] == expected
+
+
+def test_a_round_input_fault_changes_what_is_averaged_never_our_contribution():
+    """A byzantine sign_flip peer (armed as a ``diloco.round_input`` call fault) averages -100 Δ at its own weight;
+    the contribution it keeps (and would carry) is its honest Δ."""
+    sent = []
+
+    class Capturing(ScriptedAverager):
+        def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset()):
+            sent.append(([t.clone() for t in tensors], weight))
+            return super().average(tensors, weight, epoch, timeout_s, expected_peers)
+
+    faults = FaultInjector()
+    (flip,) = arm_byzantine("sign_flip", faults, environ={})
+    done = RoundResult([torch.zeros(3, 2)], ("a", "me"), 160.0, "x")
+    mine, s = contribution(), state()
+    out = runner(Capturing(done), [rec("a", 4)], faults=faults).run(s, s.state_hash(), mine)
+    assert out.policy.action == "apply" and flip.fired == 1
+    torch.testing.assert_close(sent[0][0][0], torch.full((3, 2), -50.0))
+    assert sent[0][1] == 80.0
+    torch.testing.assert_close(mine.delta[0], torch.full((3, 2), 0.5))
 
 
 def test_expected_peers_are_the_live_trainers_of_our_epoch():
