@@ -1,7 +1,9 @@
 """A stage server's compute loop: one worker thread runs forward/backward tasks and the stage's DiLoCo inner steps.
 
-Tasks wait in a priority queue (control > backward > forward, FIFO within a class, like hivemind's TaskPool
-priorities): finishing backward passes first frees trainers' kept activations and keeps the pipeline moving.
+Tasks wait in a priority queue (control > replay > backward > forward, FIFO within a class, like hivemind's TaskPool
+priorities): finishing backward passes first frees trainers' kept activations and keeps the pipeline moving, and a
+replay (a gradient a dead or reset server lost, recomputed here) is the oldest work of all: doing it first bounds the
+time a server's death costs (``scripts/bench/swarm_throughput.py``'s ``recovery_s``).
 
 Gradient accounting (what trainers rely on for "no microbatch lost, none applied twice"):
 
@@ -46,7 +48,7 @@ from hivetrain.swarm.stages import PipelineStage
 
 logger = logging.getLogger(__name__)
 
-_PRIORITY_CONTROL, _PRIORITY_BACKWARD, _PRIORITY_FORWARD = 0, 1, 2
+_PRIORITY_CONTROL, _PRIORITY_REPLAY, _PRIORITY_BACKWARD, _PRIORITY_FORWARD = 0, 1, 2, 3
 _EMA = 0.2
 _MAX_REMEMBERED_IDS = 65536
 
@@ -222,9 +224,10 @@ class StageRuntime:
         accumulate: bool,
         replay: bool,
     ) -> Future:
-        """Queue a backward pass (recomputing the forward from ``x``); the future yields a BackwardResult."""
+        """Queue a backward pass (recomputing the forward from ``x``); the future yields a BackwardResult. Replays run
+        before other backward and forward passes."""
         return self._submit(
-            _PRIORITY_BACKWARD,
+            _PRIORITY_REPLAY if replay else _PRIORITY_BACKWARD,
             lambda: self._backward(x, grad_output, microbatch_id, deadline, accumulate, replay),
             deadline,
         )

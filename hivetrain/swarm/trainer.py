@@ -15,7 +15,8 @@ that timed out repeatedly is declared dead at once (``hivetrain.swarm.failures.j
 flight to it is cancelled and rerouted, and for an unreachable one the gradients it held are replayed right away
 instead of after its DHT record lapses. Rerouting: a forward is replayed from the stage input, a backward is
 recomputed there from the kept input, so the gradients are those of the no-failure run. "busy" replies (the server
-is syncing or moving) are retried elsewhere without a ban. Accepted backward calls enter the ``GradientLedger``,
+is syncing or moving) are retried elsewhere without a ban, and so are "expired" ones (the server was too loaded to
+meet the deadline: overloaded, not faulty). Accepted backward calls enter the ``GradientLedger``,
 which replays them if the server's phase is lost (see ``hivetrain.swarm.ledger``).
 
 Shape legend: B = windows per microbatch, T = tokens per window, D = hidden size, V = vocabulary size.
@@ -52,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 _NAN_STRIKES = 4
 _WAIT_FOR_SERVER_S = 0.2
+_MAX_REPLAYS_IN_FLIGHT = 2
+"""Replays one trainer has in flight at once: a dead server's whole ledger sent at once would wait in the survivors'
+queues past its timeout (expired replies, the stage's last server then excluded) instead of finishing."""
 
 
 class PipelineStalled(RuntimeError):
@@ -76,6 +80,7 @@ class TrainerStats:
     reroutes: int = 0
     replays: int = 0
     busy_retries: int = 0
+    expired: int = 0  # "expired" replies: the server was too loaded to meet the deadline (rerouted, not banned)
     deaths: int = 0  # servers declared dead from failed calls
     false_deaths: int = 0  # ... that answered afterwards
     cancelled_calls: int = 0  # calls in flight to a server declared dead, rerouted without waiting for them
@@ -133,6 +138,7 @@ class PipelineTrainer:
         self._calls_at: dict[str, set[asyncio.Task]] = {}  # peer -> calls in flight there
         self._pending_replays: list[LedgerEntry] = []
         self._replay_tasks: set[asyncio.Task] = set()
+        self._replay_slots = asyncio.Semaphore(_MAX_REPLAYS_IN_FLIGHT)
         self._step = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -217,6 +223,7 @@ class PipelineTrainer:
             "reroutes": self.stats.reroutes,
             "replays": self.stats.replays,
             "busy_retries": self.stats.busy_retries,
+            "expired": self.stats.expired,
             "deaths": self.stats.deaths,
             "false_deaths": self.stats.false_deaths,
             "cancelled_calls": self.stats.cancelled_calls,
@@ -338,7 +345,11 @@ class PipelineTrainer:
                     self.stats.busy_retries += 1
                     exclude.add(peer_id)
                     continue
-                self._ban(peer_id, stage, f"replied {reply.status}: {reply.detail}")
+                if reply.status == "expired":  # overloaded, not faulty: another server for this hop, no ban
+                    self.stats.expired += 1
+                    self.stats.reroutes += 1
+                else:
+                    self._ban(peer_id, stage, f"replied {reply.status}: {reply.detail}")
             failures += 1
             exclude.add(peer_id)
             if trace is not None:
@@ -461,6 +472,10 @@ class PipelineTrainer:
             task.add_done_callback(self._replay_tasks.discard)
 
     async def _replay(self, entry: LedgerEntry) -> None:
+        async with self._replay_slots:
+            await self._replay_one(entry)
+
+    async def _replay_one(self, entry: LedgerEntry) -> None:
         deadline = time.monotonic() + self.swarm.step_timeout_s
 
         async def call(peer_id: str):
@@ -549,4 +564,3 @@ class PipelineTrainer:
                 missing = sorted(set(range(self.swarm.num_stages)) - served)
                 raise PipelineStalled(f"no server for stage(s) {missing} after {timeout_s:.0f}s")
             time.sleep(0.5)
-

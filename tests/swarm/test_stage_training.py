@@ -137,3 +137,24 @@ def test_backward_is_idempotent_per_microbatch_and_expired_calls_accumulate_noth
         assert rt.incarnation != old and rt.num_accumulated == 0 and rt.phase == 0
     finally:
         rt.shutdown()
+
+
+def test_replays_run_before_queued_backward_and_forward_passes():
+    rt = _runtime(None)
+    try:
+        gate, order = threading.Event(), []
+        rt.submit_control(lambda: gate.wait(30))  # holds the worker while the queue fills
+        x, g = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+        futures = {
+            "forward": rt.submit_forward(x, "f", time.time() + 30),
+            "backward": rt.submit_backward(x, g, "b", time.time() + 30, accumulate=True, replay=False),
+            "replay": rt.submit_backward(x, g, "r", time.time() + 30, accumulate=True, replay=True),
+        }
+        for name, future in futures.items():
+            future.add_done_callback(lambda _, name=name: order.append(name))
+        gate.set()
+        for future in futures.values():
+            future.result(30)
+        assert order == ["replay", "backward", "forward"]
+    finally:
+        rt.shutdown()
