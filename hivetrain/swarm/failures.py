@@ -10,10 +10,12 @@ benchmark). The trainer's own calls tell it sooner:
   its record must have lapsed, every other call in flight to it is cancelled and rerouted, and the parameter
   gradients the trainer's ledger holds there are replayed on the stage's other servers right away.
 * **timeout**: a server may be slow rather than dead (a busy machine times out live servers too). Each one bans it with
-  the ordinary backoff; ``dead_after_timeouts`` consecutive failures (no success between, at least one a timeout)
-  within ``window_s`` declare it dead for routing: its other calls in flight are cancelled and rerouted, but it keeps
-  the ordinary backoff ban (not ``dead_ban_s``) and its ledger entries wait for its record to lapse: a stalled server
-  keeps the gradients it accumulated, and replaying them while it may still commit them would count them twice.
+  the ordinary backoff, except a call sent before the previous failure was seen (calls queued together time out
+  together: one outage); ``dead_after_timeouts`` such consecutive failures (no success between, at least one a
+  timeout) within ``window_s`` declare it dead for routing: its other calls in flight are cancelled and rerouted,
+  but it keeps the ordinary backoff ban (not ``dead_ban_s``) and its ledger entries wait for its record to lapse: a
+  stalled server keeps the gradients it accumulated, and replaying them while it may still commit them would count
+  them twice.
 * **error** (a malformed reply, an error raised by its handler): the server is alive; ban with backoff only.
 
 The remaining gap: an unreachable verdict on a server that is in fact alive (a connection reset by a flaky network, not
@@ -84,8 +86,10 @@ class PeerHealth:
     """One server's recent calls as seen by one trainer (replaced, never mutated).
 
     Attributes:
-        num_failures: consecutive failed calls since the last success.
+        num_failures: consecutive failed calls since the last success, counting only calls sent after the previous
+            failure was seen (independent evidence).
         first_failure_at: time of the first of them (meaningless when ``num_failures`` is 0).
+        last_failure_at: time of the last of them.
         num_timeouts: how many of them timed out.
         dead_since: when it was declared dead; ``math.inf`` = not dead.
         replayed: its ledger entries were replayed when it was declared dead (unreachable): an entry added later
@@ -94,6 +98,7 @@ class PeerHealth:
 
     num_failures: int = 0
     first_failure_at: float = 0.0
+    last_failure_at: float = -math.inf
     num_timeouts: int = 0
     dead_since: float = math.inf
     replayed: bool = False
@@ -111,7 +116,11 @@ class FailureVerdict:
         health: the server's updated record.
         declare_dead: it just became dead: cancel and reroute every other call in flight to it.
         replay_now: replay the ledger entries held there now (only for an unreachable server).
-        ban_s: how long to ban it, seconds (an unreachable server); 0 = the ordinary backoff ban.
+        ban_s: ban it this long, seconds (an unreachable server); 0 = no ban of this length.
+        strike: add one offence to its ordinary backoff ban. False when this failure is no new evidence: the server
+            is already dead, or the call was sent before the last failure was seen (calls queued together time out
+            together: one outage, not several; counting each doubled the ban of a loaded stage's last server until
+            the stage stalled for a minute).
         reason: for people (logs, summaries).
     """
 
@@ -119,40 +128,48 @@ class FailureVerdict:
     declare_dead: bool
     replay_now: bool
     ban_s: float
+    strike: bool
     reason: str
 
 
-def judge_failure(health: PeerHealth, kind: FailureKind, now: float, config: FailureConfig) -> FailureVerdict:
-    """Update ``health`` with a failed call of ``kind`` at ``now`` and decide whether the server is dead.
+def judge_failure(
+    health: PeerHealth, kind: FailureKind, now: float, config: FailureConfig, sent_at: float = -math.inf
+) -> FailureVerdict:
+    """Count a call of ``kind`` sent at ``sent_at`` that failed at ``now`` into ``health``; decide if it is dead.
 
     Args:
         health: the server's record before this failure (``PeerHealth()`` for a server never seen failing).
         kind: how the call failed (``classify_error``, or "timeout").
         now: seconds on the clock every call of this trainer uses.
         config: the thresholds.
+        sent_at: when the failed call was sent, same clock; -inf = unknown (always counts).
 
     Returns:
         The verdict. A server already dead stays dead and is not declared again (its calls were already cancelled).
     """
-    if health.num_failures == 0 or now - health.first_failure_at > config.window_s:
-        health = PeerHealth(first_failure_at=now, dead_since=health.dead_since, replayed=health.replayed)
-    health = dataclasses.replace(
-        health, num_failures=health.num_failures + 1, num_timeouts=health.num_timeouts + (kind == "timeout")
-    )
     if health.dead:
-        ban_s = config.dead_ban_s if health.replayed else 0.0
-        return FailureVerdict(health, False, False, ban_s, "already declared dead")
+        return FailureVerdict(health, False, False, 0.0, False, "already declared dead")
     if kind == "unreachable":
         dead = dataclasses.replace(health, dead_since=now, replayed=True)
-        return FailureVerdict(dead, True, True, config.dead_ban_s, "unreachable: its daemon is gone")
+        return FailureVerdict(dead, True, True, config.dead_ban_s, False, "unreachable: its daemon is gone")
+    if health.num_failures and sent_at < health.last_failure_at and now - health.first_failure_at <= config.window_s:
+        return FailureVerdict(health, False, False, 0.0, False, f"{kind}: sent before the last failure, same outage")
+    if health.num_failures == 0 or now - health.first_failure_at > config.window_s:
+        health = PeerHealth(first_failure_at=now)
+    health = dataclasses.replace(
+        health,
+        num_failures=health.num_failures + 1,
+        num_timeouts=health.num_timeouts + (kind == "timeout"),
+        last_failure_at=now,
+    )
     if health.num_timeouts and health.num_failures >= config.dead_after_timeouts:
         dead = dataclasses.replace(health, dead_since=now)
         reason = (
             f"{health.num_failures} failed calls ({health.num_timeouts} timeouts) in "
             f"{now - health.first_failure_at:.1f}s: dead for routing; its gradients wait for its record to lapse"
         )
-        return FailureVerdict(dead, True, False, 0.0, reason)
-    return FailureVerdict(health, False, False, 0.0, f"{kind} ({health.num_failures} in a row)")
+        return FailureVerdict(dead, True, False, 0.0, True, reason)
+    return FailureVerdict(health, False, False, 0.0, True, f"{kind} ({health.num_failures} in a row)")
 
 
 AnswerKind = Literal["alive", "false_death", "before_death"]

@@ -321,13 +321,14 @@ class PipelineTrainer:
             else:
                 peer_id, preferred = (await self._choose(stage, exclude, deadline)).peer_id, None
             self.inflight[peer_id] += 1
+            sent_at = time.monotonic()
             try:
                 reply, result, answered_at = await self._watched_call(peer_id, call)
             except wire.BadTensor as exc:
                 self._ban(peer_id, stage, f"bad tensor: {exc}", strikes=_NAN_STRIKES)
                 reply = None
             except CallFailed as exc:
-                self._call_failed(peer_id, stage, exc)
+                self._call_failed(peer_id, stage, exc, sent_at)
                 reply = None
             finally:
                 self.inflight[peer_id] -= 1
@@ -383,17 +384,19 @@ class PipelineTrainer:
             raise CallFailed(f"call to {peer_id[:12]} cancelled: declared dead by another call", "unreachable")
         return task.result()
 
-    def _call_failed(self, peer_id: str, stage: int, exc: CallFailed) -> None:
+    def _call_failed(self, peer_id: str, stage: int, exc: CallFailed, sent_at: float) -> None:
         """Ban the server, and if ``judge_failure`` declares it dead, cancel its other calls and maybe replay now."""
         now = time.monotonic()
-        verdict = judge_failure(self._health.get(peer_id, PeerHealth()), exc.kind, now, self.failure_config)
+        verdict = judge_failure(self._health.get(peer_id, PeerHealth()), exc.kind, now, self.failure_config, sent_at)
         self._health[peer_id] = verdict.health
         self._suspects.add(peer_id)
         if verdict.ban_s:
             self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
             self.stats.reroutes += 1
-        else:
+        elif verdict.strike:
             self._ban(peer_id, stage, str(exc))
+        else:  # no new evidence: the ban it already has stands
+            self.stats.reroutes += 1
         if not verdict.declare_dead:
             return
         self.stats.deaths += 1

@@ -138,6 +138,8 @@ def main(argv=None) -> int:
         completed = sorted(t for tr in trainers for t in tr.stats.completed_at)
         recovered = [t for tr in trainers for t in [*tr.stats.rerouted_completed_at, *tr.stats.replayed_at]]
         recovery_s = max((t - t_kill for t in recovered if t >= t_kill), default=0.0)
+        rerouted = [t for tr in trainers for t in tr.stats.rerouted_completed_at if t >= t_kill]
+        replayed = [t for tr in trainers for t in tr.stats.replayed_at if t >= t_kill]
         pending = sum(len(tr._pending_replays) + tr.ledger.num_unprotected for tr in trainers)
         # steps are stopped only between steps, so every started microbatch either finished or its step failed
         lost = sum(started_microbatches) - len(completed) + pending
@@ -146,6 +148,8 @@ def main(argv=None) -> int:
             "during_per_s": rate(completed, t_kill, t_kill + max(recovery_s, 1.0)),
             "after_per_s": rate(completed, t_end - args.after_s / 2, t_end),
             "recovery_s": recovery_s,
+            "rerouted_done_s": max((t - t_kill for t in rerouted), default=0.0),  # the two parts of recovery_s
+            "replays_done_s": max((t - t_kill for t in replayed), default=0.0),
             "lost_microbatches": lost,
             "reroutes": sum(tr.stats.reroutes for tr in trainers),
             "replays": sum(tr.stats.replays for tr in trainers),

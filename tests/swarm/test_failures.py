@@ -29,23 +29,37 @@ def test_an_unreachable_server_is_dead_at_once_and_its_gradients_replay_now():
     verdict = judge_failure(PeerHealth(), "unreachable", NOW, CONFIG)
     assert verdict.declare_dead and verdict.replay_now and verdict.ban_s == CONFIG.dead_ban_s
     assert verdict.health.dead and verdict.health.dead_since == NOW and verdict.health.replayed
-    # the calls that were in flight there fail next: already dead, not declared (and replayed) again
+    # the calls that were in flight there fail next: already dead, not declared (or replayed, or banned) again
     again = judge_failure(verdict.health, "unreachable", NOW + 0.01, CONFIG)
-    assert again.health.dead and not again.declare_dead and not again.replay_now and again.ban_s == CONFIG.dead_ban_s
+    assert again.health == verdict.health and not (again.declare_dead or again.replay_now or again.strike)
 
 
 def test_timeouts_declare_a_server_dead_for_routing_only_when_repeated_within_the_window():
-    first = judge_failure(PeerHealth(), "timeout", NOW, CONFIG)
-    assert not first.declare_dead and first.ban_s == 0  # the ordinary backoff ban: it may only be slow
-    second = judge_failure(first.health, "timeout", NOW + 2.0, CONFIG)
-    assert not second.declare_dead  # two timeouts happen to live servers of a busy machine
-    third = judge_failure(second.health, "error", NOW + 5.0, CONFIG)
+    first = judge_failure(PeerHealth(), "timeout", NOW, CONFIG, sent_at=NOW - 5)
+    assert not first.declare_dead and first.strike and first.ban_s == 0  # the ordinary backoff: it may only be slow
+    second = judge_failure(first.health, "timeout", NOW + 2.0, CONFIG, sent_at=NOW + 0.5)
+    assert not second.declare_dead and second.strike  # two timeouts happen to live servers of a busy machine
+    third = judge_failure(second.health, "error", NOW + 5.0, CONFIG, sent_at=NOW + 4.0)
     assert third.declare_dead and not third.replay_now and third.ban_s == 0  # its gradients wait for its record
     assert third.health.dead and not third.health.replayed
     assert "3 failed calls (2 timeouts) in 5.0s" in third.reason
 
     late = judge_failure(second.health, "timeout", NOW + CONFIG.window_s + 0.1, CONFIG)
     assert not late.declare_dead and late.health.num_failures == 1  # old failures do not count
+
+
+def test_calls_queued_together_that_time_out_together_are_one_outage():
+    """Four calls sent within 0.3 s time out within 0.3 s: one piece of evidence, one strike, no death."""
+    health = PeerHealth()
+    verdicts = []
+    for i in range(4):
+        verdict = judge_failure(health, "timeout", NOW + 5.0 + 0.1 * i, CONFIG, sent_at=NOW + 0.1 * i)
+        health = verdict.health
+        verdicts.append(verdict)
+    assert [v.strike for v in verdicts] == [True, False, False, False]
+    assert not any(v.declare_dead for v in verdicts) and health.num_failures == 1
+    # a call sent after that failure was seen is new evidence
+    assert judge_failure(health, "timeout", NOW + 11.0, CONFIG, sent_at=NOW + 6.0).strike
 
     errors = PeerHealth()
     for i in range(5):
