@@ -90,6 +90,8 @@ class TrainerStats:
     completed_at: deque = field(default_factory=lambda: deque(maxlen=1_000_000))  # unix time per microbatch
     rerouted_completed_at: deque = field(default_factory=lambda: deque(maxlen=100_000))  # ... that needed a reroute
     replayed_at: deque = field(default_factory=lambda: deque(maxlen=100_000))  # unix time per finished replay
+    rerouted_around: deque = field(default_factory=lambda: deque(maxlen=100_000))  # (unix time, failed peers) per ...
+    replayed_from: deque = field(default_factory=lambda: deque(maxlen=100_000))  # (unix time, lost-at peer) per ...
 
 
 class PipelineTrainer:
@@ -285,6 +287,7 @@ class PipelineTrainer:
         self.stats.completed_at.append(time.time())
         if trace:
             self.stats.rerouted_completed_at.append(time.time())
+            self.stats.rerouted_around.append((time.time(), tuple(trace)))
         return loss.item()
 
     def _live_records(self) -> list[StageRecord]:
@@ -500,6 +503,7 @@ class PipelineTrainer:
         self._pending_replays.remove(entry)
         self.stats.replays += 1
         self.stats.replayed_at.append(time.time())
+        self.stats.replayed_from.append((time.time(), entry.peer_id))
         if reply.window >= 0:
             self._add_to_ledger(
                 LedgerEntry(
