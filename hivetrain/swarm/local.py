@@ -23,7 +23,7 @@ from hivetrain.model import count_parameters
 from hivetrain.peers.node import NodeConfig, PeerNode, start_node
 from hivetrain.swarm.announce import fetch_stage_records
 from hivetrain.swarm.config import SwarmConfig
-from hivetrain.testing.launcher import LOOPBACK, LocalSwarm, PeerProcess, stop_groups
+from hivetrain.testing.launcher import LOOPBACK, LocalSwarm, PeerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +73,18 @@ class LocalPipeline:
         self.trainers: list[PeerProcess] = []
 
     def start_bootstrap(self, timeout_s: float = 60.0) -> list[str]:
-        """Start the coordinator (no state copy: a pipeline's state lives in its stages) and an in-process DHT node
-        that watches the stage records; returns the coordinator's address (what volunteers are given)."""
+        """Start the coordinator (no state copy: a pipeline's state lives in its stages); returns its address (what
+        volunteers are given)."""
         address = self.launcher.start_coordinator(timeout_s, extra_args=["--no-state", *self.coordinator_args])
-        self.observer = start_node(NodeConfig(initial_peers=(address,), host_maddrs=(LOOPBACK,), use_relay=False))
         return [address]
+
+    def _observe(self) -> PeerNode:
+        """An in-process DHT node that reads the stage records (started on first use: after the processes, so that
+        its start overlaps theirs)."""
+        if self.observer is None:
+            address = self.launcher.address
+            self.observer = start_node(NodeConfig(initial_peers=(address,), host_maddrs=(LOOPBACK,), use_relay=False))
+        return self.observer
 
     def add_server(self, stage: int | None, name: str, extra_args: Sequence[str] = ()) -> PeerProcess:
         args = ["--role", "server", *(["--stage", str(stage)] if stage is not None else []), *self.extra_args]
@@ -93,7 +100,8 @@ class LocalPipeline:
     def wait_for_servers(self, count: int, timeout_s: float) -> None:
         """Block until ``count`` servers announce themselves. Raises RuntimeError (with a log tail) otherwise."""
         deadline = time.monotonic() + timeout_s
-        while len(fetch_stage_records(self.observer.dht, self.run.run_id)) < count:
+        observer = self._observe()
+        while len(fetch_stage_records(observer.dht, self.run.run_id)) < count:
             dead = [p for p in self.servers if not p.alive()]
             if dead or time.monotonic() > deadline:
                 culprit = dead[0] if dead else self.servers[-1]
@@ -109,9 +117,8 @@ class LocalPipeline:
         return True
 
     def close(self, grace_s: float = 20.0) -> None:
-        """SIGTERM every process group still running (trainers first, then servers, then the coordinator), SIGKILL
-        what is left after ``grace_s``; stop the observer node."""
-        stop_groups([*self.trainers, *self.servers], grace_s)
+        """SIGTERM every process group still running (the coordinator too: servers and trainers leave through their
+        own DHT nodes), SIGKILL what is left after ``grace_s``; stop the observer node."""
         self.launcher.close(grace_s)
         if self.observer is not None:
             self.observer.shutdown()
