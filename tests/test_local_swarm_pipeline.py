@@ -87,6 +87,14 @@ def test_join_swarm_role_flags_are_refused_for_a_data_parallel_run():
     check_role_arguments(args, RunConfig.from_dict({"swarm": {"num_stages": 2}}))  # accepted
 
 
+@pytest.mark.parametrize("flag", [["--model-path", "m/"], ["--duty-cycle", "0.5"], ["--pause-file", "/tmp/p"]])
+def test_join_swarm_refuses_diloco_only_flags_for_a_pipelined_run(flag):
+    args = join_parser().parse_args(["/ip4/1.2.3.4/tcp/1", *flag])
+    check_role_arguments(args, RunConfig())  # a data-parallel run takes them
+    with pytest.raises(ValueError, match=f"{flag[0]}: not supported in a pipelined run"):
+        check_role_arguments(args, RunConfig.from_dict({"swarm": {"num_stages": 2}}))
+
+
 def test_join_swarm_device_and_threads_are_this_machines_choice():
     run = RunConfig.from_dict({"swarm": {"num_stages": 2, "device": "cpu", "num_threads": 2}})
     assert local_swarm_config(run, None, 0) == run.swarm

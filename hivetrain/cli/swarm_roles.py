@@ -54,11 +54,33 @@ def add_role_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_role_arguments(args: argparse.Namespace, config: RunConfig) -> None:
-    """Raises ValueError when ``--role``/``--stage`` are given for a data-parallel run."""
+    """Refuse flags that do not apply: ``--role``/``--stage`` for a data-parallel run; for a pipelined run, the
+    DiLoCo trainer's ``--model-path``, ``--duty-cycle`` and ``--pause-file``, which stage servers and pipeline
+    trainers do not implement.
+
+    Raises:
+        ValueError: naming the flag and why.
+    """
     if not config.pipelined and (args.role is not None or args.stage is not None):
         raise ValueError(
             f"--role/--stage are for pipelined runs; run {config.run_id!r} has no [swarm] table (data-parallel "
             "DiLoCo: every peer trains the whole model): drop them"
+        )
+    if not config.pipelined:
+        return
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--model-path", args.model_path is not None),
+            ("--duty-cycle", args.duty_cycle != 1.0),
+            ("--pause-file", bool(args.pause_file)),
+        )
+        if given
+    ]
+    if unsupported:
+        raise ValueError(
+            f"{', '.join(unsupported)}: not supported in a pipelined run ([swarm]) yet: stage servers and pipeline "
+            "trainers build the model from the run's config and do not throttle; drop them"
         )
 
 
