@@ -58,6 +58,12 @@ _MAX_REPLAYS_IN_FLIGHT = 2
 queues past its timeout (expired replies, the stage's last server then excluded) instead of finishing."""
 
 
+def _consume_result(task: asyncio.Task) -> None:
+    """Retrieve an abandoned call's outcome (asyncio would log an exception nobody retrieved)."""
+    if not task.cancelled():
+        task.exception()
+
+
 class PipelineStalled(RuntimeError):
     """A microbatch could not pass a stage: no usable server, too many failures, or the step timed out."""
 
@@ -84,6 +90,8 @@ class TrainerStats:
     deaths: int = 0  # servers declared dead from failed calls
     false_deaths: int = 0  # ... that answered afterwards
     cancelled_calls: int = 0  # calls in flight to a server declared dead, rerouted without waiting for them
+    # (the call itself is left to end by its error or timeout: cancelling a hivemind unary call as the daemon's error
+    # for it arrives kills the daemon connection's reader, and every later call then times out)
     bans: Counter = field(default_factory=Counter)
     ban_reasons: list[str] = field(default_factory=list)
     served_by: Counter = field(default_factory=Counter)
@@ -137,7 +145,7 @@ class PipelineTrainer:
         self._suspects: set[str] = set()  # servers whose last call failed in the network (maybe dead)
         self.failure_config = FailureConfig.for_swarm(swarm.record_ttl_s, swarm.announce_interval_s)
         self._health: dict[str, PeerHealth] = {}
-        self._calls_at: dict[str, set[asyncio.Task]] = {}  # peer -> calls in flight there
+        self._death_signals: dict[str, asyncio.Future] = {}  # peer -> set when it is declared dead
         self._pending_replays: list[LedgerEntry] = []
         self._replay_tasks: set[asyncio.Task] = set()
         self._replay_slots = asyncio.Semaphore(_MAX_REPLAYS_IN_FLIGHT)
@@ -372,19 +380,18 @@ class PipelineTrainer:
             return reply, result, time.monotonic()
 
         task = asyncio.ensure_future(timed())
-        calls = self._calls_at.setdefault(peer_id, set())
-        calls.add(task)
+        death = self._death_signals.get(peer_id)
+        if death is None or death.done():
+            death = self._death_signals[peer_id] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait([task])
-        finally:
-            calls.discard(task)
-            if not calls:
-                self._calls_at.pop(peer_id, None)
-            if not task.done():  # this hop itself was cancelled
-                task.cancel()
-        if task.cancelled():
+            await asyncio.wait([task, death], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # this hop itself was cancelled
+            task.cancel()
+            raise
+        if not task.done():  # declared dead meanwhile: reroute now, let the call end on its own
+            task.add_done_callback(_consume_result)
             self.stats.cancelled_calls += 1
-            raise CallFailed(f"call to {peer_id[:12]} cancelled: declared dead by another call", "unreachable")
+            raise CallFailed(f"call to {peer_id[:12]} abandoned: declared dead by another call", "unreachable")
         return task.result()
 
     def _call_failed(self, peer_id: str, stage: int, exc: CallFailed, sent_at: float) -> None:
@@ -405,8 +412,9 @@ class PipelineTrainer:
         self.stats.deaths += 1
         self.stats.ban_reasons.append(f"stage {stage} {peer_id[:12]}: dead: {verdict.reason} ({exc})")
         logger.info("stage %d server %s declared dead: %s (%s)", stage, peer_id[:12], verdict.reason, exc)
-        for task in list(self._calls_at.get(peer_id, ())):
-            task.cancel()
+        death = self._death_signals.pop(peer_id, None)
+        if death is not None and not death.done():
+            death.set_result(None)
         if verdict.replay_now:
             self._suspects.discard(peer_id)
             self._queue_replays(self.ledger.forget(peer_id))
