@@ -70,3 +70,12 @@ def test_swarm_table_travels_in_the_coordinators_record_and_is_validated_by_the_
     tampered = {**received.run_config, "swarm": {**received.run_config["swarm"], "num_stages": -1}}
     with pytest.raises(ValueError, match="swarm.num_stages"):
         RunConfig.from_dict(tampered)
+
+
+def test_coordinator_refuses_a_checkpoint_dir_for_a_pipelined_run(tmp_path, capsys):
+    from hivetrain.cli.coordinator import main
+
+    path = tmp_path / "run.toml"
+    path.write_text(PIPELINED_TOML)
+    assert main(["--config", str(path), "--checkpoint-dir", str(tmp_path / "ckpt")]) == 2
+    assert "a pipelined run ([swarm]) has no whole-model state" in capsys.readouterr().err
