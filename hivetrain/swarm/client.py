@@ -98,9 +98,16 @@ class StageClient:
         return assembler.metadata, assembler.tensors()
 
     async def forward(
-        self, peer_id: str, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, timeout_s: float
+        self,
+        peer_id: str,
+        stage: int,
+        microbatch_id: str,
+        x: runtime_pb2.Tensor,
+        timeout_s: float,
+        urgent: bool = False,
     ) -> tuple[wire.ReplyMeta, runtime_pb2.Tensor | None, torch.Tensor | None]:
-        """Run ``stage`` at ``peer_id`` on input ``x`` ((B, T) ids or (B, T, D) hidden, serialized).
+        """Run ``stage`` at ``peer_id`` on input ``x`` ((B, T) ids or (B, T, D) hidden, serialized); ``urgent`` for a
+        microbatch rerouted around a failure (``wire.ForwardMeta.urgent``).
 
         Returns:
             (reply, output proto, output tensor): the (B, T, D) hidden states or (B, T, V) logits as received and
@@ -112,7 +119,9 @@ class StageClient:
         """
         num_windows, num_tokens = x.size[0], x.size[1]
         width = self.output_width(stage)
-        meta = wire.ForwardMeta(microbatch_id=microbatch_id, stage=stage, deadline=time.time() + timeout_s)
+        meta = wire.ForwardMeta(
+            microbatch_id=microbatch_id, stage=stage, deadline=time.time() + timeout_s, urgent=urgent
+        )
         reply, tensors = await self._call(
             peer_id, "forward", wire.pack_meta(meta), [x], num_windows * num_tokens * width * 4, timeout_s
         )
@@ -133,6 +142,7 @@ class StageClient:
         timeout_s: float,
         accumulate: bool = True,
         replay: bool = False,
+        urgent: bool = False,
     ) -> tuple[wire.ReplyMeta, runtime_pb2.Tensor | None]:
         """Backpropagate ``grad_output`` through ``stage`` at ``peer_id``, recomputing it from the kept input ``x``.
 
@@ -150,6 +160,7 @@ class StageClient:
             deadline=time.time() + timeout_s,
             accumulate=accumulate,
             replay=replay,
+            urgent=urgent,
         )
         wants_grad = stage > 0 and not replay
         response_num_bytes = num_windows * num_tokens * self.model_config.hidden_size * 4 if wants_grad else 0

@@ -161,7 +161,7 @@ class StageHandler:
             x = self._decode_input(tensors[0])
         except (wire.BadMessage, wire.BadTensor) as exc:
             return self._reply("bad_request", str(exc)), []
-        future = self.runtime.submit_forward(x, meta.microbatch_id, meta.deadline)
+        future = self.runtime.submit_forward(x, meta.microbatch_id, meta.deadline, urgent=meta.urgent)
         status, detail, out = await self._await(future)
         if out is None:
             return self._reply(status, detail), []
@@ -180,7 +180,7 @@ class StageHandler:
         except (wire.BadMessage, wire.BadTensor) as exc:
             return self._reply("bad_request", str(exc)), []
         future = self.runtime.submit_backward(
-            x, grad_output, meta.microbatch_id, meta.deadline, meta.accumulate, meta.replay
+            x, grad_output, meta.microbatch_id, meta.deadline, meta.accumulate, meta.replay, urgent=meta.urgent
         )
         status, detail, result = await self._await(future)
         if result is None:

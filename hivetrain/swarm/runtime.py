@@ -1,9 +1,11 @@
 """A stage server's compute loop: one worker thread runs forward/backward tasks and the stage's DiLoCo inner steps.
 
-Tasks wait in a priority queue (control > replay > backward > forward, FIFO within a class, like hivemind's TaskPool
-priorities): finishing backward passes first frees trainers' kept activations and keeps the pipeline moving, and a
-replay (a gradient a dead or reset server lost, recomputed here) is the oldest work of all: doing it first bounds the
-time a server's death costs (``scripts/bench/swarm_throughput.py``'s ``recovery_s``).
+Tasks wait in a priority queue (control > urgent > replay > backward > forward, FIFO within a class, like hivemind's
+TaskPool priorities): finishing backward passes first frees trainers' kept activations and keeps the pipeline moving;
+what a server's death left behind goes first of all, so that it costs one reroute and the replay work, not a wait in
+the survivor's queue (``scripts/bench/swarm_throughput.py``'s ``recovery_s``): the calls of microbatches rerouted
+around the failure ("urgent": a trainer is waiting on each), then replays (gradients a dead or reset server lost,
+recomputed here).
 
 Gradient accounting (what trainers rely on for "no microbatch lost, none applied twice"):
 
@@ -48,7 +50,7 @@ from hivetrain.swarm.stages import PipelineStage
 
 logger = logging.getLogger(__name__)
 
-_PRIORITY_CONTROL, _PRIORITY_REPLAY, _PRIORITY_BACKWARD, _PRIORITY_FORWARD = 0, 1, 2, 3
+_PRIORITY_CONTROL, _PRIORITY_URGENT, _PRIORITY_REPLAY, _PRIORITY_BACKWARD, _PRIORITY_FORWARD = 0, 1, 2, 3, 4
 _EMA = 0.2
 _MAX_REMEMBERED_IDS = 65536
 
@@ -211,9 +213,11 @@ class StageRuntime:
         self._queue.put(_Task(priority, next(self._order), fn, future, deadline))
         return future
 
-    def submit_forward(self, x: torch.Tensor, microbatch_id: str, deadline: float) -> Future:
-        """Queue a forward pass; the future yields the (B, T, D) or (B, T, V) float32 CPU output."""
-        return self._submit(_PRIORITY_FORWARD, lambda: self._forward(x, microbatch_id), deadline)
+    def submit_forward(self, x: torch.Tensor, microbatch_id: str, deadline: float, urgent: bool = False) -> Future:
+        """Queue a forward pass; the future yields the (B, T, D) or (B, T, V) float32 CPU output. ``urgent`` (a
+        microbatch rerouted around a failure) runs before every other forward, backward and replay."""
+        priority = _PRIORITY_URGENT if urgent else _PRIORITY_FORWARD
+        return self._submit(priority, lambda: self._forward(x, microbatch_id), deadline)
 
     def submit_backward(
         self,
@@ -223,11 +227,12 @@ class StageRuntime:
         deadline: float,
         accumulate: bool,
         replay: bool,
+        urgent: bool = False,
     ) -> Future:
-        """Queue a backward pass (recomputing the forward from ``x``); the future yields a BackwardResult. Replays run
-        before other backward and forward passes."""
+        """Queue a backward pass (recomputing the forward from ``x``); the future yields a BackwardResult. Urgent calls
+        run first, then replays, then other backward passes, then forward passes."""
         return self._submit(
-            _PRIORITY_REPLAY if replay else _PRIORITY_BACKWARD,
+            _PRIORITY_URGENT if urgent else _PRIORITY_REPLAY if replay else _PRIORITY_BACKWARD,
             lambda: self._backward(x, grad_output, microbatch_id, deadline, accumulate, replay),
             deadline,
         )

@@ -443,7 +443,9 @@ class PipelineTrainer:
         self, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, deadline: float, trace: list | None = None
     ):
         async def call(peer_id: str):
-            reply, proto, out = await self.client.forward(peer_id, stage, microbatch_id, x, self._timeout(deadline))
+            reply, proto, out = await self.client.forward(
+                peer_id, stage, microbatch_id, x, self._timeout(deadline), urgent=bool(trace)
+            )
             return reply, (proto, out)
 
         peer_id, _, (proto, out) = await self._hop(stage, deadline, call, trace=trace)
@@ -460,7 +462,9 @@ class PipelineTrainer:
         trace: list | None = None,
     ) -> runtime_pb2.Tensor | None:
         async def call(peer_id: str):
-            return await self.client.backward(peer_id, stage, microbatch_id, x, grad, self._timeout(deadline))
+            return await self.client.backward(
+                peer_id, stage, microbatch_id, x, grad, self._timeout(deadline), urgent=bool(trace)
+            )
 
         peer_id, reply, grad_input = await self._hop(stage, deadline, call, preferred=preferred, trace=trace)
         if reply.window >= 0:

@@ -60,12 +60,15 @@ class ForwardMeta(_Meta):
 
     Attributes:
         deadline: unix time after which the trainer no longer waits for the reply, seconds.
+        urgent: the microbatch was rerouted around a failed server: the server runs it before everything but control
+            tasks, so that a failure costs the microbatch one reroute, not a wait behind the survivor's queue.
     """
 
     kind: Literal["forward"] = "forward"
     microbatch_id: str = Field(min_length=1, max_length=128)
     stage: int = Field(ge=0, le=1024)
     deadline: float = Field(ge=0.0)
+    urgent: bool = False
 
 
 class BackwardMeta(_Meta):
@@ -75,6 +78,7 @@ class BackwardMeta(_Meta):
         accumulate: add the parameter gradients to the server's accumulator (False = only return the input gradient).
         replay: the call only re-adds parameter gradients lost with another server (the input gradient was already
             propagated; the server returns none).
+        urgent: as ``ForwardMeta.urgent``.
     """
 
     kind: Literal["backward"] = "backward"
@@ -83,6 +87,7 @@ class BackwardMeta(_Meta):
     deadline: float = Field(ge=0.0)
     accumulate: bool = True
     replay: bool = False
+    urgent: bool = False
 
 
 Status = Literal["ok", "busy", "expired", "wrong_stage", "bad_request", "error"]

@@ -139,7 +139,7 @@ def test_backward_is_idempotent_per_microbatch_and_expired_calls_accumulate_noth
         rt.shutdown()
 
 
-def test_replays_run_before_queued_backward_and_forward_passes():
+def test_rerouted_calls_then_replays_run_before_queued_backward_and_forward_passes():
     rt = _runtime(None)
     try:
         gate, order = threading.Event(), []
@@ -149,12 +149,13 @@ def test_replays_run_before_queued_backward_and_forward_passes():
             "forward": rt.submit_forward(x, "f", time.time() + 30),
             "backward": rt.submit_backward(x, g, "b", time.time() + 30, accumulate=True, replay=False),
             "replay": rt.submit_backward(x, g, "r", time.time() + 30, accumulate=True, replay=True),
+            "urgent": rt.submit_forward(x, "u", time.time() + 30, urgent=True),
         }
         for name, future in futures.items():
             future.add_done_callback(lambda _, name=name: order.append(name))
         gate.set()
         for future in futures.values():
             future.result(30)
-        assert order == ["replay", "backward", "forward"]
+        assert order == ["urgent", "replay", "backward", "forward"]
     finally:
         rt.shutdown()
