@@ -49,17 +49,27 @@ def test_peers_at_duty_cycles_1_half_quarter_all_commit_every_outer_step(tmp_pat
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["outer_steps"] == 3 and summary["state_downloads"] == 0
+    assert summary["outer_steps"] == 3
     for epoch in ("1", "2", "3"):
         assert len(set(summary["state_hashes"][epoch].values())) == 1, f"epoch {epoch} differs"
+    events_of = {name: read_events(out / f"{name}.jsonl") for name in duty_cycles}
+    # A peer whose process started after another had committed epoch 1 (three processes importing torch on a busy
+    # 2-core machine can start seconds apart; a full-speed phase here lasts ~2 s) joins as a late joiner: one state
+    # download before its first commit, then every epoch. Being slow must cost nothing after that.
+    first_commit = min(next(e["time"] for e in evs if e["event"] == "outer_step") for evs in events_of.values())
+    late = {n for n, evs in events_of.items() if next(e["time"] for e in evs if e["event"] == "start") > first_commit}
+    assert len(late) < len(duty_cycles), "every peer started late?"
     for name, fraction in duty_cycles.items():
         peer = json.loads((out / f"{name}.json").read_text())
-        events = read_events(out / f"{name}.jsonl")
+        events = events_of[name]
         steps = [e for e in events if e["event"] == "outer_step"]
-        assert [e["epoch"] for e in steps] == [1, 2, 3], f"{name} missed a committed outer step"
-        assert [e["group_size"] for e in steps] == [3, 3, 3], f"{name}: not every round had all three peers"
+        expected = [2, 3] if name in late else [1, 2, 3]
+        assert [e["epoch"] for e in steps] == expected, f"{name} missed a committed outer step"
+        sizes = [e["group_size"] for e in steps]
+        want = [3] * len(steps) if name in late else [3 - len(late), 3, 3]
+        assert sizes == want, f"{name}: a peer left out of a round: group sizes {sizes}"
         assert all(e.get("samples", 1) > 0 for e in steps), f"{name}: an outer step without its samples"
-        assert peer["state_downloads"] == 0, f"{name} downloaded state"
+        assert peer["state_downloads"] == (1 if name in late else 0), f"{name} downloaded state"
         assert peer.get("samples_discarded", 0) == 0, f"{name} discarded samples"
         assert [e for e in events if e["event"] == "samples_discarded"] == []
         # the duty cycle held: inner steps filled at most F of the peer's inner-phase wall time
