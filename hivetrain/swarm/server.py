@@ -502,4 +502,3 @@ STAGE_TRUST = SyncTrust(quorum=STAGE_QUORUM)
 def _majority_hashes(records: list[StageRecord]) -> dict[int, str]:
     """epoch -> the state hash a quorum of ``records`` (other servers of one stage) backs (``STAGE_QUORUM``)."""
     return {epoch: b.state_hash for epoch, b in backed_states(records, STAGE_QUORUM).items()}
-
