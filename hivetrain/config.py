@@ -250,6 +250,22 @@ class RunConfig:
         self.swarm.check_unset()
         if self.pipelined:
             self.swarm.num_microbatches(self.data.batch_size)  # raises: batch not a multiple of the microbatch
+            # Stage servers compute in fp32, one microbatch per call, and wait for their outer step: refuse the DiLoCo
+            # trainer's settings they would silently ignore.
+            ignored = [
+                f"{name} = {value!r}"
+                for name, value, default in (
+                    ("diloco.precision", self.diloco.precision, ("auto", "fp32")),
+                    ("diloco.grad_accum_steps", self.diloco.grad_accum_steps, (1,)),
+                    ("diloco.overlap", self.diloco.overlap, ("off",)),
+                )
+                if value not in default
+            ]
+            if ignored:
+                raise ValueError(
+                    f"{', '.join(ignored)} with a [swarm] table: SWARM stage servers compute in fp32 without gradient "
+                    "accumulation or overlapped rounds; remove these settings (or the [swarm] table)"
+                )
             if self.admission.mode != "open":
                 raise ValueError(
                     f"admission.mode = {self.admission.mode!r} with a [swarm] table: stage servers do not check "

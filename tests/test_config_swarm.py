@@ -62,6 +62,16 @@ def test_invite_only_pipelined_run_is_refused():
         RunConfig.from_dict({"swarm": {"num_stages": 2}, "admission": admission})
 
 
+@pytest.mark.parametrize(
+    "diloco", [{"precision": "bf16"}, {"grad_accum_steps": 4}, {"overlap": "eager"}], ids=lambda d: next(iter(d))
+)
+def test_a_pipelined_run_refuses_diloco_settings_its_stage_servers_would_ignore(diloco):
+    key, value = next(iter(diloco.items()))
+    with pytest.raises(ValueError, match=f"diloco.{key} = {value!r} with a \\[swarm\\] table"):
+        RunConfig.from_dict({"swarm": {"num_stages": 2}, "diloco": diloco})
+    assert not RunConfig.from_dict({"diloco": diloco}).pipelined  # a data-parallel run keeps them
+
+
 def test_swarm_table_travels_in_the_coordinators_record_and_is_validated_by_the_joiner():
     config = load_run_config(None, {"swarm.num_stages": 4, "swarm.microbatch_size": 4})
     record = RunConfigRecord(run_config=config.to_dict(), version="0.1.0", coordinator_id="Qm", published_at=1.0)
