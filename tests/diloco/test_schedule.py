@@ -116,3 +116,13 @@ def test_a_finished_phase_claim_is_bounded_like_progress():
     plan = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, max_samples_per_peer=100)
     d = decide_phase_end(plan, "me", 3, 8, 8.0, [done("liar", samples=10**9, phase_epoch=4)], NOW)
     assert d.action == "continue" and d.swarm_samples == 108
+
+
+def test_a_peer_that_committed_our_epoch_but_has_not_published_its_new_phase_counts_from_zero():
+    # "slow" committed epoch 3 (its record says epoch 3) and still shows its phase for epoch 2 with 136 samples: it
+    # has begun phase 3 and not published yet. It counts (target 240 for 3 peers, not 160 for 2), from 0 samples
+    # extrapolated by its throughput since its record, not from its old phase's 136.
+    lagging = rec("slow", phase_epoch=2, samples=136, throughput=2.0, age=1.0).model_copy(update={"epoch": 3})
+    d = decide_phase_end(SWARM, "me", 3, 100, 8.0, [lagging, rec("mid", samples=40, throughput=4.0)], NOW)
+    assert d.action == "continue" and d.num_peers == 3 and d.target_samples == 240
+    assert abs(d.swarm_samples - (100 + 40 + 2.0)) < 1e-9
