@@ -190,6 +190,19 @@ def check_memory(
     )
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device for ``name``: "cpu", "cuda", "cuda:N" or "auto" (cuda when one is available, else cpu).
+
+    Raises:
+        ValueError: "cuda..." when no CUDA device is available, naming the fix (``--device cpu`` or ``auto``).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: no CUDA device is available here (use --device cpu or auto)")
+    return torch.device(name)
+
+
 def free_memory(device: torch.device) -> tuple[int, int]:
     """(free bytes on ``device``, available host bytes). On CPU both are the host's available memory."""
     host = _available_host_bytes()

@@ -20,7 +20,7 @@ from hivetrain.model import (
     weights_sha256,
 )
 from hivetrain.peers.records import PeerRecord, check_compatible
-from hivetrain.preflight import GIB, InsufficientMemory, estimate_memory, run_preflight
+from hivetrain.preflight import GIB, InsufficientMemory, estimate_memory, resolve_device, run_preflight
 
 SEQ_LEN = 32
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -161,3 +161,12 @@ def test_preflight_refuses_with_the_options_named() -> None:
     assert run_preflight(run, config, num_parameters, torch.device("cuda"), free=(80 * GIB, 64 * GIB)).ok
     with pytest.raises(InsufficientMemory, match="GiB of host memory, 2.00 available"):
         run_preflight(run, config, num_parameters, torch.device("cpu"), free=(2 * GIB, 2 * GIB))
+
+
+def test_resolve_device_names_the_fix_when_cuda_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match="no CUDA device.*--device cpu or auto"):
+            resolve_device(name)

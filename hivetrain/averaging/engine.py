@@ -44,6 +44,7 @@ from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
 from hivetrain.averaging.relay import P2PFallback
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.bans import BanConfig, BanList
+from hivetrain.peers.node import ip_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,8 @@ _FAILURES = {"late": "not_in_group", "not_in_group": "not_in_group", "no_group":
 
 
 def _announce_host_from(maddrs: Sequence[str]) -> str:
-    for addr in maddrs:
-        parts = str(addr).split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ("0.0.0.0", "::"):
-            return parts[2]
-    return "127.0.0.1"
+    hosts = (ip_of(str(addr)) for addr in maddrs)
+    return next((h for h in hosts if h and h not in ("0.0.0.0", "::")), "127.0.0.1")
 
 
 def _storage_users(t: torch.Tensor) -> int:

@@ -53,9 +53,10 @@ from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, decide_membership, run_policy
-from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
+from hivetrain.peers.node import BootstrapFailed, PeerNode, ip_of, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
 from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
+from hivetrain.preflight import resolve_device
 from hivetrain.testing.byzantine import arm_byzantine
 
 logger = logging.getLogger("hivetrain.join_swarm")
@@ -199,14 +200,6 @@ def check_against_swarm(node: PeerNode, config: RunConfig, fingerprint: str) -> 
             )
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def main(argv: list[str] | None = None) -> int:
     # ---- torchrun --nproc-per-node N: N local ranks make one peer (hivetrain.diloco.node_ranks runs them) ----
     from hivetrain.diloco import node_ranks
@@ -223,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.fault:
             faults.arm(parse_fault_spec(spec))
         arm_byzantine(args.byzantine, faults)  # chaos harness only: misbehave through armed faults
-        device = pick_device(args.device or "auto")
+        device = resolve_device(args.device or "auto")
         if args.threads:
             torch.set_num_threads(args.threads)
         if len(args.public_name) > 64:
@@ -419,10 +412,6 @@ def join_admission(args, node: PeerNode, config: RunConfig, coordinator: str) ->
 
 
 def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:
-    def ip_of(maddr: str) -> str | None:
-        parts = maddr.split("/")
-        return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
-
     listen = next(filter(None, map(ip_of, args.host_maddrs)), "0.0.0.0")
     announce = args.data_announce_host or next(filter(None, map(ip_of, args.announce_maddrs)), None)
     return listen, announce

@@ -143,6 +143,17 @@ class PeerNode:
             self.dht.shutdown()
 
 
+def ip_of(maddr: str) -> str | None:
+    """The IPv4/IPv6 address of a multiaddr ("/ip4/1.2.3.4/tcp/5" -> "1.2.3.4"); None for a DNS name, a relay
+    address or a string that is no multiaddr."""
+    try:
+        parsed = Multiaddr(maddr)
+        names = {p.name for p in parsed.protocols()}
+    except Exception:  # hivemind's multiaddr raises its own parse errors
+        return None
+    return next((parsed.value_for_protocol(n) for n in ("ip4", "ip6") if n in names), None)
+
+
 def trusted_ids(initial_peers: tuple[str, ...]) -> set[str]:
     """Peer IDs named in bootstrap multiaddrs (the peers whose signed run config we accept)."""
     ids = set()

@@ -45,6 +45,7 @@ from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.quorum import QuorumConfig, backed_states
 from hivetrain.peers.records import publish_record
+from hivetrain.preflight import resolve_device
 from hivetrain.swarm.announce import ServerState, StageRecord, fetch_stage_records, publish_stage_record
 from hivetrain.swarm.config import SwarmConfig
 from hivetrain.swarm.handler import StageHandler
@@ -61,12 +62,6 @@ AveragerFactory = Callable[[PeerNode, str], Averager]
 
 def stage_prefix(run_id: str, fingerprint: str, stage: int) -> str:
     return f"{run_id}.{fingerprint[:8]}.stage{stage}"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class StatusRefused(RuntimeError):

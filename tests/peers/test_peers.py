@@ -7,7 +7,7 @@ import torch
 
 from hivetrain.diloco.drift import SKETCH_SIZE, encode_sketch, sketch_to_text
 from hivetrain.peers.identity import load_or_create_identity, peer_id_of_owner
-from hivetrain.peers.node import BootstrapFailed, NodeConfig, start_node, trusted_ids
+from hivetrain.peers.node import BootstrapFailed, NodeConfig, ip_of, start_node, trusted_ids
 from hivetrain.peers.records import (
     PeerRecord,
     RunConfigRecord,
@@ -119,3 +119,17 @@ def test_compatibility_checks_name_the_difference():
     assert not ok and "different model" in reason
     ok, reason = check_compatible(rec.model_copy(update={"version": "0.2.0"}), "r", "abc")
     assert not ok and "incompatible" in reason
+
+
+@pytest.mark.parametrize(
+    "maddr, host",
+    [
+        ("/ip4/203.0.113.5/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "203.0.113.5"),
+        ("/ip4/0.0.0.0/tcp/0", "0.0.0.0"),
+        ("/ip6/::1/tcp/5", "::1"),
+        ("/dns4/example.org/tcp/1", None),
+        ("not a multiaddr", None),
+    ],
+)
+def test_ip_of_reads_the_address_of_a_multiaddr(maddr, host):
+    assert ip_of(maddr) == host
