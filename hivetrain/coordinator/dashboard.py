@@ -9,6 +9,9 @@ Routes (all read-only, GET):
     /api/peers        ?limit=1..1000 (default 100) &offset=0..1e9: a page of peers, with the total
                       (peers that left, with why, are in /api/status ``peers_left`` and on the page)
     /api/rounds       ?limit=1..1000 (default 50): the newest rounds
+    /api/pipeline     a pipelined run's stages (servers with throughput and load), trainers (credited
+                      microbatches, reroutes, replays), microbatches/s and rebalances with reasons; 404 for a
+                      data-parallel run (also in /api/status ``pipeline``)
     /api/fragments    {"sections": {element id: html}} for the polling script
     /metrics          Prometheus text (per-server CollectorRegistry, see ``metrics.py``)
     /healthz          {"ok": true}
@@ -75,7 +78,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _TEMPLATES = Path(__file__).parent / "web" / "templates"
-_SECTIONS = ("header", "stats", "chart", "peers", "peers_left", "contributors", "rounds", "checkpoints", "config")
+_SECTIONS = (
+    "header",
+    "stats",
+    "pipeline",
+    "chart",
+    "peers",
+    "peers_left",
+    "contributors",
+    "rounds",
+    "checkpoints",
+    "config",
+)
 _CSP = (
     "default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
     "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -285,6 +299,18 @@ def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardCo
         return JSONResponse(
             {"total": len(rows), "limit": limit, "rounds": to_jsonable(rows[:limit])}, headers=_API_HEADERS
         )
+
+    @app.get("/api/pipeline")
+    def pipeline(request: Request) -> JSONResponse:
+        _only_params(request)
+        view = snapshot().pipeline
+        if view is None:
+            raise HTTPException(status_code=404, detail="this run is not pipelined (no [swarm] table)")
+        body = to_jsonable(view)
+        body["num_servers"] = view.num_servers
+        for row, stage in zip(body["stages"], view.stages, strict=True):
+            row["mean_load"] = stage.mean_load
+        return JSONResponse(body, headers=_API_HEADERS)
 
     @app.get("/metrics")
     def metrics(request: Request) -> Response:
