@@ -44,6 +44,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from hivetrain.coordinator.metrics import build_registry, render_metrics
 from hivetrain.coordinator.web.chart import render_loss_svg
+from hivetrain.coordinator.web.pipeline_view import PipelineView
 from hivetrain.coordinator.web.snapshot import (
     CheckpointRow,
     ContributorRow,
@@ -228,6 +229,15 @@ def _only_params(request: Request, *allowed: str) -> None:
         raise HTTPException(status_code=400, detail=f"unknown query parameter(s) {unknown}; allowed: {list(allowed)}")
 
 
+def _pipeline_json(view: PipelineView) -> dict[str, Any]:
+    """The pipeline view as JSON, with its derived figures (servers in all, each stage's mean load)."""
+    body = to_jsonable(view)
+    body["num_servers"] = view.num_servers
+    for row, stage in zip(body["stages"], view.stages, strict=True):
+        row["mean_load"] = stage.mean_load
+    return body
+
+
 def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardConfig) -> tuple[FastAPI, Any]:
     """The dashboard's FastAPI app and its Prometheus registry (handlers are sync: FastAPI runs them in threads)."""
     cache = _SnapshotCache(snapshot_fn, config.snapshot_ttl_s)
@@ -274,6 +284,8 @@ def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardCo
             compute_s_total=snap.compute_s_total,
             latest_eval_loss=None if latest is None else latest.eval_loss,
         )
+        if snap.pipeline is not None:
+            body["pipeline"] = _pipeline_json(snap.pipeline)
         return JSONResponse(body, headers=_API_HEADERS)
 
     @app.get("/api/peers")
@@ -306,11 +318,7 @@ def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardCo
         view = snapshot().pipeline
         if view is None:
             raise HTTPException(status_code=404, detail="this run is not pipelined (no [swarm] table)")
-        body = to_jsonable(view)
-        body["num_servers"] = view.num_servers
-        for row, stage in zip(body["stages"], view.stages, strict=True):
-            row["mean_load"] = stage.mean_load
-        return JSONResponse(body, headers=_API_HEADERS)
+        return JSONResponse(_pipeline_json(view), headers=_API_HEADERS)
 
     @app.get("/metrics")
     def metrics(request: Request) -> Response:
