@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
             config.data.seq_len,
         )
+        if config.pipelined:  # the dashboard's pipeline card and metrics
+            from hivetrain.coordinator.pipeline import PipelineObserver
+
+            observer.pipeline = PipelineObserver(config.swarm.num_stages, config.swarm.microbatch_size, fingerprint)
         coordinator = Coordinator(node, config, fingerprint, options, follower=follower, observer=observer)
         if policy is not None and follower is not None:  # serve the verified state to members only
             from hivetrain.peers.membership import MemberRoster

@@ -21,6 +21,7 @@ from hivetrain import __version__
 from hivetrain.config import RunConfig
 from hivetrain.coordinator.follower import StateFollower
 from hivetrain.coordinator.observer import SwarmObserver
+from hivetrain.coordinator.pipeline import fetch_pipeline_records
 from hivetrain.coordinator.run_clock import earliest_start, load_start, save_start, start_for_epoch
 from hivetrain.data import vocab_size_of
 from hivetrain.model import build_run_model
@@ -147,6 +148,12 @@ class Coordinator:
             logger.warning("could not read peer records: %r", exc)
         if self.observer is not None:
             self.observer.observe(self.records, time.time())
+            if self.observer.pipeline is not None:
+                try:
+                    found = fetch_pipeline_records(self.node.dht, self.config.run_id)
+                    self.observer.pipeline.observe(*found, time.time())
+                except Exception as exc:  # noqa: BLE001 - keep the last view
+                    logger.warning("could not read the pipeline's records: %r", exc)
         return self.records
 
     def run(self, on_tick=None) -> None:

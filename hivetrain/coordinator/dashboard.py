@@ -9,6 +9,9 @@ Routes (all read-only, GET):
     /api/peers        ?limit=1..1000 (default 100) &offset=0..1e9: a page of peers, with the total
                       (peers that left, with why, are in /api/status ``peers_left`` and on the page)
     /api/rounds       ?limit=1..1000 (default 50): the newest rounds
+    /api/pipeline     a pipelined run's stages (servers with throughput and load), trainers (credited
+                      microbatches, reroutes, replays), microbatches/s and rebalances with reasons; 404 for a
+                      data-parallel run (also in /api/status ``pipeline``)
     /api/fragments    {"sections": {element id: html}} for the polling script
     /metrics          Prometheus text (per-server CollectorRegistry, see ``metrics.py``)
     /healthz          {"ok": true}
@@ -41,6 +44,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from hivetrain.coordinator.metrics import build_registry, render_metrics
 from hivetrain.coordinator.web.chart import render_loss_svg
+from hivetrain.coordinator.web.pipeline_view import PipelineView
 from hivetrain.coordinator.web.snapshot import (
     CheckpointRow,
     ContributorRow,
@@ -75,7 +79,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _TEMPLATES = Path(__file__).parent / "web" / "templates"
-_SECTIONS = ("header", "stats", "chart", "peers", "peers_left", "contributors", "rounds", "checkpoints", "config")
+_SECTIONS = (
+    "header",
+    "stats",
+    "pipeline",
+    "chart",
+    "peers",
+    "peers_left",
+    "contributors",
+    "rounds",
+    "checkpoints",
+    "config",
+)
 _CSP = (
     "default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
     "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -214,6 +229,15 @@ def _only_params(request: Request, *allowed: str) -> None:
         raise HTTPException(status_code=400, detail=f"unknown query parameter(s) {unknown}; allowed: {list(allowed)}")
 
 
+def _pipeline_json(view: PipelineView) -> dict[str, Any]:
+    """The pipeline view as JSON, with its derived figures (servers in all, each stage's mean load)."""
+    body = to_jsonable(view)
+    body["num_servers"] = view.num_servers
+    for row, stage in zip(body["stages"], view.stages, strict=True):
+        row["mean_load"] = stage.mean_load
+    return body
+
+
 def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardConfig) -> tuple[FastAPI, Any]:
     """The dashboard's FastAPI app and its Prometheus registry (handlers are sync: FastAPI runs them in threads)."""
     cache = _SnapshotCache(snapshot_fn, config.snapshot_ttl_s)
@@ -260,6 +284,8 @@ def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardCo
             compute_s_total=snap.compute_s_total,
             latest_eval_loss=None if latest is None else latest.eval_loss,
         )
+        if snap.pipeline is not None:
+            body["pipeline"] = _pipeline_json(snap.pipeline)
         return JSONResponse(body, headers=_API_HEADERS)
 
     @app.get("/api/peers")
@@ -285,6 +311,14 @@ def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardCo
         return JSONResponse(
             {"total": len(rows), "limit": limit, "rounds": to_jsonable(rows[:limit])}, headers=_API_HEADERS
         )
+
+    @app.get("/api/pipeline")
+    def pipeline(request: Request) -> JSONResponse:
+        _only_params(request)
+        view = snapshot().pipeline
+        if view is None:
+            raise HTTPException(status_code=404, detail="this run is not pipelined (no [swarm] table)")
+        return JSONResponse(_pipeline_json(view), headers=_API_HEADERS)
 
     @app.get("/metrics")
     def metrics(request: Request) -> Response:

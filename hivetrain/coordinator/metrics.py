@@ -9,6 +9,13 @@ Exposed (all prefixed ``hivetrain_``): ``up`` (1 if the snapshot could be read),
 ``model_parameters``, ``epoch``, ``eval_loss`` (nats/token, latest finite evaluation), ``tokens_per_second``,
 ``peers_alive`` / ``peers_known``, ``averaging_rounds_committed_total``, ``averaging_rounds_failed_total``,
 ``checkpoints_written_total``, ``samples_contributed_total``, ``compute_seconds_total``.
+
+A pipelined run adds ``pipeline_stages``, ``pipeline_trainers``, per stage (label ``stage``)
+``pipeline_stage_servers``, ``pipeline_stage_throughput_microbatches_per_second`` (announced) and
+``pipeline_stage_load`` (mean over its servers, 0..1), ``pipeline_throughput_microbatches_per_second`` (the bottleneck
+stage's), ``pipeline_microbatches_per_second`` (credited, over the view's window), and the credited counters
+``pipeline_microbatches_total``, ``pipeline_reroutes_total``, ``pipeline_replays_total``,
+``pipeline_server_deaths_total``, ``pipeline_rebalances_total``. Peers are never labels (unbounded cardinality).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hivetrain.coordinator.web.pipeline_view import PipelineView
 from hivetrain.coordinator.web.snapshot import DashboardSnapshot
 
 logger = logging.getLogger(__name__)
@@ -92,6 +100,45 @@ class SnapshotCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "compute_seconds", "Compute seconds contributed by volunteers", value=snap.compute_s_total
         )
+        if snap.pipeline is not None:
+            yield from _pipeline_metrics(snap.pipeline)
+
+
+def _pipeline_metrics(view: PipelineView) -> Iterator[Metric]:
+    """The families of a pipelined run (see the module docstring)."""
+    p = PREFIX + "pipeline_"
+    yield GaugeMetricFamily(p + "stages", "Pipeline stages (swarm.num_stages)", value=view.num_stages)
+    yield GaugeMetricFamily(p + "trainers", "Pipeline trainers reporting", value=len(view.trainers))
+    servers = GaugeMetricFamily(p + "stage_servers", "Live servers of each stage", labels=["stage"])
+    throughput = GaugeMetricFamily(
+        p + "stage_throughput_microbatches_per_second",
+        "Summed announced throughput of each stage's servers",
+        labels=["stage"],
+    )
+    load = GaugeMetricFamily(p + "stage_load", "Mean announced load of each stage's servers, 0..1", labels=["stage"])
+    for stage in view.stages:
+        servers.add_metric([str(stage.index)], len(stage.servers))
+        throughput.add_metric([str(stage.index)], stage.throughput_mb_per_s)
+        load.add_metric([str(stage.index)], stage.mean_load)
+    yield from (servers, throughput, load)
+    yield GaugeMetricFamily(
+        p + "throughput_microbatches_per_second",
+        "Announced throughput of the bottleneck stage (min over stages)",
+        value=view.pipeline_throughput_mb_per_s,
+    )
+    yield GaugeMetricFamily(
+        p + "microbatches_per_second",
+        f"Credited microbatches per second over the last {view.window_s:g} seconds",
+        value=view.microbatches_per_s,
+    )
+    for name, value, text in (
+        ("microbatches", view.microbatches_total, "Microbatches trained through every stage (credited)"),
+        ("reroutes", view.reroutes_total, "Calls rerouted to another server (credited)"),
+        ("replays", view.replays_total, "Gradients replayed after a server lost them (credited)"),
+        ("server_deaths", view.deaths_total, "Stage servers declared dead by trainers (credited)"),
+        ("rebalances", view.rebalances_total, "Stage servers moved to another stage (credited)"),
+    ):
+        yield CounterMetricFamily(p + name, text, value=value)
 
 
 def build_registry(snapshot_fn: Callable[[], DashboardSnapshot], peer_alive_within_s: float) -> CollectorRegistry:

@@ -4,7 +4,8 @@ Peer records expire when peers leave, so the coordinator folds every poll into a
 each epoch (all members of a committed step hold the same θ, so their held-out losses agree), the committed rounds
 and failures peers reported, the samples and compute seconds each peer contributed, and the peers that left (with
 the reason their last record gave, or "record expired"). ``observe(records, now)``
-and ``snapshot(...)`` are plain functions of their inputs (time injected), so tests need no swarm.
+and ``snapshot(...)`` are plain functions of their inputs (time injected), so tests need no swarm. A pipelined run's
+stages, trainers and rebalances are folded by ``pipeline`` (``coordinator/pipeline.py``), fed by the coordinator.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hivetrain.coordinator.dashboard import (
     RoundRow,
     RunInfo,
 )
+from hivetrain.coordinator.pipeline import PipelineObserver
 from hivetrain.diloco.drift import drift_by_epoch, sketch_from_text
 from hivetrain.peers.records import PeerRecord
 
@@ -59,6 +61,7 @@ class SwarmObserver:
     drift: OrderedDict[int, DriftPoint] = field(default_factory=OrderedDict)
     sketches: OrderedDict[int, dict[str, bytes]] = field(default_factory=OrderedDict)
     left: OrderedDict[str, LeftPeerRow] = field(default_factory=OrderedDict)
+    pipeline: PipelineObserver | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe(self, records: list[PeerRecord], now: float) -> None:
@@ -144,6 +147,10 @@ class SwarmObserver:
         with self._lock:
             present = [r for r in self.records if not r.left_reason]
             trainers = [r for r in present if r.role == "trainer"]
+            tokens_per_s = sum(r.throughput for r in trainers) * self.seq_len
+            pipeline = self.pipeline.view(now) if self.pipeline is not None else None
+            if pipeline is not None:  # pipeline trainers' rate, from credited microbatches
+                tokens_per_s = pipeline.microbatches_per_s * pipeline.microbatch_size * self.seq_len
             peers = tuple(
                 PeerRow(
                     r.peer_id,
@@ -165,7 +172,7 @@ class SwarmObserver:
             return DashboardSnapshot(
                 run=self.run,
                 epoch=max((r.epoch for r in self.records), default=0),
-                tokens_per_s=sum(r.throughput for r in trainers) * self.seq_len,
+                tokens_per_s=tokens_per_s,
                 loss_curve=tuple(self.loss_by_epoch.values()),
                 peers=peers,
                 rounds=rounds,
@@ -177,6 +184,7 @@ class SwarmObserver:
                 taken_at=now,
                 drift_curve=tuple(self.drift.values()),
                 peers_left=tuple(sorted(self.left.values(), key=lambda row: -row.last_seen_at)),
+                pipeline=pipeline,
             )
 
 

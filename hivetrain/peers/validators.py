@@ -11,7 +11,8 @@ dictionary's every subkey). What a record must satisfy (``check_record``, a pure
   matchmaking), so hivemind's ``RSASignatureValidator`` checked the signature, and the record's id field is the
   signer's peer ID (a peer can neither speak for another nor hold two records under one key);
 - schema: the kind's pydantic model (``PeerRecord``, ``StageRecord``, ``RunConfigRecord``, ``ReadyEntry``,
-  ``GroupDeclaration``) accepts the value, and a run-scoped record names the run of its key;
+  ``GroupDeclaration``, the pipeline's ``TrainerReport`` and ``RebalanceReport``) accepts the value, and a
+  run-scoped record names the run of its key;
 - time: the record's own timestamp (``updated_at``, ``published_at``, ``announced_at``, ``declared_at``) is at most
   ``max_clock_skew_s`` ahead of ``now``, its expiration at most the kind's TTL cap (plus the skew) ahead of ``now``,
   and at most that far after its timestamp (a record cannot claim to be older than its lifetime allows);
@@ -37,10 +38,13 @@ now + 10^9 s, kept forever, which also shadowed the owner's later refresh since 
 expires last).
 
 Which records: DHT keys reach validators hashed (``DHTID``), so the guard knows a key only if told its name: the run
-config key always, ``{run_id}.peers`` and ``{run_id}.swarm.servers`` for each run given (``RecordGuard(run_ids=...)``
-or ``PeerNode.guard_run``). Matchmaking keys (``{prefix}.{round_key}.mm``) change every round, so matchmaking records
-are recognised by their subkey (``[owner:...]|ready`` or ``|group``) under any key. Anything else passes unchanged
-(other hivemind users of the same DHT).
+config key always, ``{run_id}.peers``, ``{run_id}.swarm.servers``, ``{run_id}.swarm.trainer_reports`` and
+``{run_id}.swarm.rebalances`` for each run given (``RecordGuard(run_ids=...)`` or ``PeerNode.guard_run``). A node on
+older code does not know the last two keys and lets their records pass (signature checked by hivemind only): that is
+what lets newer peers add them without older ones dropping anything (``swarm/reports.py``). Matchmaking keys
+(``{prefix}.{round_key}.mm``) change every round, so matchmaking records are recognised by their subkey
+(``[owner:...]|ready`` or ``|group``) under any key. Anything else passes unchanged (other hivemind users of the
+same DHT).
 """
 
 from __future__ import annotations
@@ -62,10 +66,12 @@ from hivetrain.peers.identity import peer_id_of_owner
 from hivetrain.peers.membership import AdmissionPolicy, decide_membership
 from hivetrain.peers.records import RUN_CONFIG_KEY, PeerRecord, RunConfigRecord, peers_key
 from hivetrain.swarm.announce import StageRecord, servers_key
+from hivetrain.swarm.reports import RebalanceReport, TrainerReport, rebalances_key, trainer_reports_key
 
 logger = logging.getLogger(__name__)
 
-RecordKind = Literal["peer", "stage", "run_config", "ready", "group"]
+RecordKind = Literal["peer", "stage", "run_config", "ready", "group", "trainer_report", "rebalance_report"]
+_RUN_SCOPED: tuple[RecordKind, ...] = ("peer", "stage", "trainer_report", "rebalance_report")
 
 _OWNER_RE = re.compile(rb"^\[owner:(.+)\](?:\|(ready|group))?$", re.DOTALL)
 _MATCHMAKING_TAILS = (b"]|ready", b"]|group")
@@ -78,16 +84,17 @@ class RecordBounds:
     The TTL caps sit well above the lifetimes the code uses, and at the config fields' own upper bounds:
 
     Args:
-        max_record_ttl_s: cap on a peer or stage record's remaining lifetime (peers publish theirs for
-            ``TrainerOptions.record_ttl_s`` / ``CoordinatorOptions.record_ttl_s``, 30 s by default, stage servers
-            for ``swarm.record_ttl_s``, 5 s by default). Must be >= every record TTL of the run.
+        max_record_ttl_s: cap on a peer, stage or pipeline report record's remaining lifetime (peers publish theirs
+            for ``TrainerOptions.record_ttl_s`` / ``CoordinatorOptions.record_ttl_s``, 30 s by default, stage
+            servers and pipeline trainers for ``swarm.record_ttl_s``, 5 s by default, a trainer's last report for
+            60 s). Must be >= every record TTL of the run.
         max_round_ttl_s: cap for matchmaking entries and declarations (stored for ``averaging.round_timeout_s``,
             60 s by default, at most 3600 s).
         max_config_ttl_s: cap for the signed run config (``CoordinatorOptions.config_ttl_s``, 3600 s by default).
         max_clock_skew_s: how far a record's timestamp may be ahead of our clock (hivemind itself refuses to
             bootstrap a node whose clock is more than 3 s off its initial peers', so this is slack for drift).
         max_epoch: hard cap on any epoch a record claims.
-        max_record_bytes: serialized size cap of a peer or stage record.
+        max_record_bytes: serialized size cap of a peer or stage record, and of a pipeline report.
         max_config_bytes: serialized size cap of the run config record.
         max_entry_bytes: serialized size cap of a matchmaking ready entry.
         max_declaration_bytes: serialized size cap of a group declaration (each member's entry is embedded,
@@ -113,14 +120,14 @@ class RecordBounds:
                 raise ValueError(f"RecordBounds.{name} must be > 0, got {value}")
 
     def ttl_cap_s(self, kind: RecordKind) -> float:
-        return {"peer": self.max_record_ttl_s, "stage": self.max_record_ttl_s, "run_config": self.max_config_ttl_s}.get(
-            kind, self.max_round_ttl_s
-        )
+        if kind in _RUN_SCOPED:
+            return self.max_record_ttl_s
+        return self.max_config_ttl_s if kind == "run_config" else self.max_round_ttl_s
 
     def size_cap_bytes(self, kind: RecordKind) -> int:
+        if kind in _RUN_SCOPED:
+            return self.max_record_bytes
         return {
-            "peer": self.max_record_bytes,
-            "stage": self.max_record_bytes,
             "run_config": self.max_config_bytes,
             "ready": self.max_entry_bytes,
             "group": self.max_declaration_bytes,
@@ -143,6 +150,8 @@ _SCHEMAS: dict[RecordKind, tuple[type[BaseModel], str, str]] = {  # kind -> (mod
     "run_config": (RunConfigRecord, "coordinator_id", "published_at"),
     "ready": (ReadyEntry, "peer_id", "announced_at"),
     "group": (GroupDeclaration, "leader", "declared_at"),
+    "trainer_report": (TrainerReport, "peer_id", "updated_at"),
+    "rebalance_report": (RebalanceReport, "peer_id", "updated_at"),
 }
 _EPOCH_FIELDS: dict[RecordKind, tuple[str, ...]] = {"peer": ("epoch", "phase_epoch", "done_epoch"), "stage": ("epoch",)}
 
@@ -166,7 +175,7 @@ def check_record(
 
     Args:
         kind: which record the key (or, for matchmaking, the subkey) says this is.
-        run_id: the run of the key (``{run_id}.peers``, ``{run_id}.swarm.servers``); ignored for other kinds.
+        run_id: the run of the key (``{run_id}.peers``, ``{run_id}.swarm.servers``, ...); ignored for other kinds.
         subkey: the deserialized subkey (bytes for every hivetrain record).
         value_bytes: the msgpack-serialized value, its hivemind signature already stripped.
         expiration_time: the record's DHT expiration, seconds of DHT time.
@@ -192,7 +201,7 @@ def check_record(
         return Verdict(False, "schema", f"malformed {kind} record: {type(exc).__name__}: {str(exc)[:200]}")
     if getattr(record, id_field) != signer:
         return Verdict(False, "signer", f"{kind} record claims {getattr(record, id_field)} but is signed by {signer}")
-    if kind in ("peer", "stage") and record.run_id != run_id:
+    if kind in _RUN_SCOPED and record.run_id != run_id:
         return Verdict(False, "run", f"{kind} record of run {record.run_id!r} stored under run {run_id!r}")
     stamp, ttl_cap, skew = getattr(record, stamp_field), bounds.ttl_cap_s(kind), bounds.max_clock_skew_s
     if stamp > now + skew:
@@ -241,7 +250,12 @@ def key_id(key: str) -> bytes:
 
 def run_keys(run_id: str) -> dict[bytes, tuple[RecordKind, str]]:
     """Hashed keys of a run's records -> (kind, run id)."""
-    return {key_id(peers_key(run_id)): ("peer", run_id), key_id(servers_key(run_id)): ("stage", run_id)}
+    return {
+        key_id(peers_key(run_id)): ("peer", run_id),
+        key_id(servers_key(run_id)): ("stage", run_id),
+        key_id(trainer_reports_key(run_id)): ("trainer_report", run_id),
+        key_id(rebalances_key(run_id)): ("rebalance_report", run_id),
+    }
 
 
 class RecordGuard(RecordValidatorBase):

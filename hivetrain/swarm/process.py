@@ -4,7 +4,8 @@ run (``hivetrain.cli.swarm_roles``) and what tests and benchmarks call in-proces
 * ``describe_model``: the uncut model's config and fingerprint (shapes only);
 * ``group_averager_factory``: the per-stage averager a ``StageServer`` runs DiLoCo's outer step with;
 * ``server_stats``: a stage server's figures for its summary file;
-* ``run_training``: a pipeline trainer's loop (steps, held-out evaluation, settling its gradients).
+* ``run_training``: a pipeline trainer's loop (steps, held-out evaluation, settling its gradients), publishing its
+  counters for the coordinator's dashboard (``trainer_report``, ``swarm/reports.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from hivetrain.peers.node import PeerNode
 from hivetrain.swarm.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
+
+FINAL_REPORT_TTL_S = 60.0
+"""Lifetime of a trainer's last report (seconds): coordinators poll every 10 s by default, and should see it."""
 
 
 def describe_model(run: RunConfig) -> tuple[LlamaConfig, str]:
@@ -90,6 +94,28 @@ def server_stats(server, started: float) -> dict:
     }
 
 
+def trainer_report(trainer, run_id: str, fingerprint: str, started_at: float, stats: dict, left_reason: str = ""):
+    """The ``TrainerReport`` of ``trainer`` (a ``PipelineTrainer``) now: its counters, ``stats["steps"]`` and its
+    newest ban / death reasons. Called from the reporter's thread: it only reads counters."""
+    from hivetrain.swarm.reports import MAX_REASONS, TrainerReport, clip_reason
+
+    counters = trainer.stats
+    return TrainerReport(
+        peer_id=trainer.node.peer_id,
+        run_id=run_id,
+        model_fingerprint=fingerprint,
+        started_at=started_at,
+        steps=stats.get("steps", 0),
+        microbatches=counters.microbatches,
+        reroutes=counters.reroutes,
+        replays=counters.replays,
+        deaths=counters.deaths,
+        last_reasons=tuple(clip_reason(r) for r in counters.ban_reasons[-MAX_REASONS:]),
+        left_reason=left_reason,
+        updated_at=time.time(),
+    )
+
+
 def run_training(
     node: PeerNode,
     run: RunConfig,
@@ -115,6 +141,7 @@ def run_training(
         PipelineStalled: the pipeline never became complete within ``wait_s`` seconds.
     """
     from hivetrain.data import load_corpus, stream_seed
+    from hivetrain.swarm.reports import Reporter
     from hivetrain.swarm.trainer import PipelineStalled, PipelineTrainer
 
     corpus = load_corpus(run.data)
@@ -125,8 +152,15 @@ def run_training(
     stats = {} if stats is None else stats
     stats.update(peer_id=node.peer_id, completed=False, steps=0, failed_steps=0)
     metrics = open(metrics_file, "a") if metrics_file else None  # noqa: SIM115 - closed in finally
+    started_at = time.time()
+
+    def report(left_reason: str = ""):
+        return trainer_report(trainer, run.run_id, fingerprint, started_at, stats, left_reason)
+
+    reporter = Reporter(node.dht, node.owner_marker, report, swarm.announce_interval_s, swarm.record_ttl_s)
     try:
         trainer.start()
+        reporter.start()
         trainer.wait_for_stages(wait_s)
         eval_windows = corpus.eval_windows(run.data.seq_len, num_eval_windows)
         stats["initial_eval_loss"] = trainer.evaluate(eval_windows)
@@ -163,6 +197,8 @@ def run_training(
         stats["completed"] = True
     finally:
         stats.update(trainer.summary())
+        left = "finished" if stats["completed"] else "stopped before its last step"
+        reporter.stop(final=report(left), final_ttl_s=FINAL_REPORT_TTL_S)
         trainer.shutdown()
         if metrics is not None:
             metrics.close()

@@ -4,7 +4,8 @@
 parameters (downloaded from the stage's servers, hash-checked, when there are any; else the seed's θ₀), measures its
 throughput, registers its RPC handlers and starts a background thread that every ``announce_interval_s``:
 
-* publishes its signed ``StageRecord`` (and a generic ``PeerRecord`` for the coordinator's dashboard),
+* publishes its signed ``StageRecord`` (and, for the coordinator's dashboard, a generic ``PeerRecord`` and a
+  ``RebalanceReport``: its moves and the reason of its last rebalance decision, ``swarm/reports.py``),
 * resets its uncommitted gradients if it was stalled longer than ``record_ttl_s`` (trainers presumed it dead and
   replayed them elsewhere),
 * after an outer step, downloads the stage state if its stage peers are ahead or hold a different state,
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,7 @@ from hivetrain.swarm.config import SwarmConfig
 from hivetrain.swarm.handler import StageHandler
 from hivetrain.swarm.phase import ServerStatus
 from hivetrain.swarm.rebalance import choose_stage, decide_move
+from hivetrain.swarm.reports import MAX_MOVES, Move, RebalanceReport, clip_reason, publish_report
 from hivetrain.swarm.runtime import StageRuntime
 from hivetrain.swarm.stages import PipelineStage, StageSpec, build_stage, plan_stages
 
@@ -120,6 +122,9 @@ class StageServer:
         self._announced_at = time.monotonic()
         self.rebalances = 0
         self.rebalance_reasons: list[str] = []
+        self.moves: deque[Move] = deque(maxlen=MAX_MOVES)
+        self.last_decision, self.last_decision_at = "", 0.0  # decide_move's last reason, unix time (s)
+        self.started_at = time.time()
         self.state_downloads = 0
         self.outer_steps: Counter[int] = Counter()
         self._hashed_state: TrainingState | None = None
@@ -304,6 +309,21 @@ class StageServer:
             self._hashed_state, self._hash = state, state.state_hash()
         return self._hash
 
+    def rebalance_report(self) -> RebalanceReport:
+        """Our moves and last rebalance decision, for the coordinator's dashboard (under its own DHT key)."""
+        return RebalanceReport(
+            peer_id=self.node.peer_id,
+            run_id=self.run.run_id,
+            model_fingerprint=self.fingerprint,
+            stage=self.runtime.spec.index,
+            started_at=self.started_at,
+            rebalances=self.rebalances,
+            moves=tuple(self.moves),
+            last_decision=clip_reason(self.last_decision),
+            last_decision_at=self.last_decision_at,
+            updated_at=time.time(),
+        )
+
     def _announce(self) -> None:
         record = self.record()
         ok = publish_stage_record(self.node.dht, self.node.owner_marker, record, self.swarm.record_ttl_s)
@@ -315,6 +335,10 @@ class StageServer:
         )
         if ok:
             self._last_announce_ok = time.monotonic()
+        try:  # display-only: a failure here must not count against the announcement
+            publish_report(self.node.dht, self.node.owner_marker, self.rebalance_report(), self.swarm.record_ttl_s)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("could not publish the rebalance report: %r", exc)
 
     def _every_interval(self, duty) -> None:
         while not self._stop.wait(self.swarm.announce_interval_s):
@@ -389,11 +413,14 @@ class StageServer:
             max_age_s=self.swarm.record_ttl_s,
         )
         logger.info("rebalance: %s", reason)
+        self.last_decision, self.last_decision_at = reason, time.time()
         if target is None:
             return None
+        old = self.stage
         if not self.move_to(target):
             return None
         self.rebalance_reasons.append(reason)
+        self.moves.append(Move(at=time.time(), from_stage=old, to_stage=target, reason=clip_reason(reason)))
         return target
 
     def move_to(self, target: int, timeout_s: float = 60.0) -> bool:

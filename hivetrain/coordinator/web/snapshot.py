@@ -15,7 +15,10 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hivetrain.coordinator.web.pipeline_view import PipelineView
 
 MAX_NAME_CHARS = 48
 MAX_TEXT_CHARS = 200
@@ -270,6 +273,8 @@ class DashboardSnapshot:
         taken_at: unix time (s) the snapshot was taken.
         drift_curve: parameter drift per epoch, oldest first (epochs where at least 2 peers published a sketch).
         peers_left: peers that left, newest first (bounded by the coordinator, e.g. the last thousand).
+        pipeline: a pipelined run's stages, trainers and rebalances (``web/pipeline_view.py``); None for a
+            data-parallel run.
     """
 
     run: RunInfo
@@ -286,6 +291,7 @@ class DashboardSnapshot:
     taken_at: float = 0.0
     drift_curve: tuple[DriftPoint, ...] = ()
     peers_left: tuple[LeftPeerRow, ...] = ()
+    pipeline: PipelineView | None = None
 
     def __post_init__(self) -> None:
         _non_negative(self, "epoch", "tokens_per_s", "taken_at")
