@@ -31,12 +31,16 @@ class StagePhase:
         inner_step: the global inner step the next AdamW step takes (drives warmup/cosine); epoch * H at a phase start.
         num_inner_steps: inner steps taken in the open phase.
         num_microbatches: microbatches accumulated in the open phase (its weight in the stage's average).
+        num_failed_outer_steps: outer steps of this phase that failed all-or-nothing (the phase went on: ``kept``).
+        failed_at: when the last of them failed (``time.monotonic()`` seconds; 0 = none); the server backs off from it.
     """
 
     window: int = 0
     inner_step: int = 0
     num_inner_steps: int = 0
     num_microbatches: int = 0
+    num_failed_outer_steps: int = 0
+    failed_at: float = 0.0
 
     @classmethod
     def first(cls, epoch: int, inner_steps: int) -> StagePhase:
@@ -52,6 +56,23 @@ class StagePhase:
 
     def with_inner_step(self) -> StagePhase:
         return dataclasses.replace(self, inner_step=self.inner_step + 1, num_inner_steps=self.num_inner_steps + 1)
+
+    def kept(self, now: float) -> StagePhase:
+        """The same open phase after an outer step that failed all-or-nothing at ``now`` (monotonic seconds): its
+        window, inner steps and microbatches go on, so the next outer step's pseudo-gradient covers the whole, longer
+        phase (DiLoCo's carry; the data-parallel trainer does the same) and trainers replay nothing."""
+        return dataclasses.replace(self, num_failed_outer_steps=self.num_failed_outer_steps + 1, failed_at=now)
+
+    def retry_at(self, interval_s: float, max_backoff_intervals: int = 8) -> float:
+        """Monotonic time before which no new outer step of a kept phase is tried: ``interval_s`` (the servers'
+        announce interval) × 1, 2, 4, ... up to ``max_backoff_intervals`` after the last failure; 0 if none failed.
+        The stage's servers that failed one round fail it together, so they come back together; each attempt blocks
+        the server's compute for its matchmaking, which the backoff bounds while a round cannot form (a dead peer's
+        group declaration blocks its epoch until the round timeout, ``averaging.matchmaking.over_because``)."""
+        if not self.num_failed_outer_steps:
+            return 0.0
+        backoff = min(2 ** (self.num_failed_outer_steps - 1), max_backoff_intervals)
+        return self.failed_at + interval_s * backoff
 
     def rebased(self, epoch: int, inner_steps: int) -> StagePhase:
         """The same open phase on a downloaded state of ``epoch``; only valid before its first inner step."""

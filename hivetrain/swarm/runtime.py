@@ -15,10 +15,13 @@ Gradient accounting (what trainers rely on for "no microbatch lost, none applied
 * Every ``microbatches_per_inner_step`` accumulated microbatches the server takes one inner AdamW step on their mean
   gradient (DiLoCo's inner optimizer, with its warmup/cosine schedule); every ``diloco.inner_steps`` inner steps the
   *phase* ends and the server runs the stage's outer step (``on_phase_end``). Contributions of a phase become durable
-  when that outer step commits; a phase whose outer step fails, or that the server gives up (it moves stage, or it
-  was stalled long enough for trainers to presume it dead), is *abandoned*: θ goes back to the stage's last committed
-  state and trainers replay the phase's microbatches on other servers. A restarted or reset server has a new
-  ``incarnation``; trainers replay everything they had sent to the old one.
+  when that outer step commits. An outer step whose averaging round failed all-or-nothing (``RoundFailed``: nothing
+  was applied anywhere) *keeps* the phase: its inner steps go on and the next outer step's pseudo-gradient covers the
+  longer phase, as the data-parallel trainer carries a failed round (``StagePhase.kept``); trainers replay nothing.
+  A phase that diverged, or that the server gives up (it moves stage, adopts a state its peers committed without it,
+  or was stalled long enough for trainers to presume it dead), is *abandoned*: θ goes back to the stage's last
+  committed state and trainers replay the phase's microbatches on other servers. A restarted or reset server has a
+  new ``incarnation``; trainers replay everything they had sent to the old one.
 
 Shape legend: B = windows per microbatch, T = tokens per window, D = hidden size, V = vocabulary size.
 """
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 
+from hivetrain.averaging.base import RoundFailed
 from hivetrain.config import DilocoConfig
 from hivetrain.diloco.inner import lr_multiplier
 from hivetrain.diloco.state import TrainingState
@@ -94,7 +98,9 @@ class StageRuntime:
         swarm: pipeline settings (inner-step cadence, deadlines).
         diloco: inner/outer hyper-parameters (inner_lr, warmup, grad_clip, inner_steps = H, ...).
         on_phase_end: called on the worker thread when a phase ends, with (runtime, pseudo_gradient list);
-            returns the next committed TrainingState or raises to abandon the phase. None = commit locally.
+            returns the next committed TrainingState, raises ``RoundFailed`` to keep the phase open (retried after a
+            backoff, or after H more inner steps without ``external_phase_end``) or anything else to abandon it.
+            None = commit locally.
         deadline_margin_s: a backward finishing later than ``deadline - deadline_margin_s`` is not accumulated.
         external_phase_end: phases end only when ``request_phase_end`` is called (the server does when the stage's
             servers together reached their target, so they all enter the outer step together); False = after
@@ -188,6 +194,19 @@ class StageRuntime:
         self._load_theta()
         self.abandoned.append(self.phase)
         self._set_phase(self.phase_record.next(self.state.epoch, self.diloco.inner_steps))
+
+    def _keep_phase(self, reason: str) -> None:
+        """The phase's outer step failed all-or-nothing: keep its inner steps, microbatches and θ_local; trainers'
+        ledger entries for this window stay pending until an outer step of it commits (or it is abandoned)."""
+        self._set_phase(self.phase_record.kept(time.monotonic()))
+        logger.info(
+            "%s: keeping phase %d of stage %d open after %d failed outer step(s) (%s)",
+            self.label,
+            self.phase,
+            self.spec.index,
+            self.phase_record.num_failed_outer_steps,
+            reason,
+        )
 
     def _commit(self, new_state: TrainingState) -> None:
         self.state = new_state
@@ -372,7 +391,9 @@ class StageRuntime:
         self._set_phase(self.phase_record.with_microbatch())
         if self.swarm.microbatches_per_inner_step and self.num_accumulated >= self.swarm.microbatches_per_inner_step:
             self._inner_step()
-            if not self.external_phase_end and self.phase_inner_steps >= self.diloco.inner_steps:
+            if not self.external_phase_end and self.phase_inner_steps >= self.diloco.inner_steps * (
+                1 + self.phase_record.num_failed_outer_steps
+            ):
                 self._end_phase()
         return BackwardResult(grad_input, window)
 
@@ -423,7 +444,10 @@ class StageRuntime:
             return
         try:
             new_state = self.on_phase_end(self, deltas)
-        except Exception as exc:  # noqa: BLE001 - RoundFailed, timeouts: the phase is discarded, never applied alone
+        except RoundFailed as exc:  # all-or-nothing: applied nowhere, so the phase goes on (never applied alone)
+            self._keep_phase(f"outer step failed: {exc}")
+            return
+        except Exception as exc:  # noqa: BLE001 - a refused outer step (moving), anything unexpected: discarded
             self._abandon_phase(f"outer step failed: {exc}")
             return
         self._commit(new_state)

@@ -62,6 +62,10 @@ AveragerFactory = Callable[[PeerNode, str], Averager]
 """(node, prefix) -> a started averager for one stage's servers."""
 
 
+def _phase_key(rt: StageRuntime) -> tuple[int, int]:
+    return rt.phase, rt.phase_record.num_failed_outer_steps
+
+
 def stage_prefix(run_id: str, fingerprint: str, stage: int) -> str:
     return f"{run_id}.{fingerprint[:8]}.stage{stage}"
 
@@ -117,7 +121,7 @@ class StageServer:
         self._last_announce_ok = time.monotonic()
         self._last_rebalance = time.monotonic()
         self._last_move = time.monotonic()
-        self._checked_phase = 0
+        self._checked_phase = (0, 0)  # (window, failed outer steps) last checked for a resync
         self._busy_at_last_announce = 0.0
         self._announced_at = time.monotonic()
         self.rebalances = 0
@@ -362,8 +366,8 @@ class StageServer:
     def _maintain(self) -> None:
         """Maintenance thread: state downloads after outer steps and rebalancing moves (may take long)."""
         rt = self.runtime
-        if rt.phase != self._checked_phase:
-            self._checked_phase = rt.phase
+        if _phase_key(rt) != self._checked_phase:  # an outer step ended: committed, kept or abandoned
+            self._checked_phase = _phase_key(rt)
             if self.swarm.average_stage:
                 self._maybe_resync()
         now = time.monotonic()
@@ -380,6 +384,8 @@ class StageServer:
         microbatches_per_inner_step`` microbatches per server (hivemind Optimizer's collaborative target, per stage):
         they all see the total cross the target within about one announce interval and meet in the same round."""
         rt = self.runtime
+        if time.monotonic() < rt.phase_record.retry_at(self.swarm.announce_interval_s):
+            return  # a kept phase backs off after its failed outer step (StagePhase.retry_at)
         peers = [
             r
             for r in self._fetch_records()
@@ -447,7 +453,7 @@ class StageServer:
         except BaseException:
             self._status.leave("moving", "serving")  # back to the stage it still holds (or the new one, if replaced)
             raise
-        self._checked_phase = rt.phase
+        self._checked_phase = _phase_key(rt)
         self.rebalances += 1
         self._last_move = time.monotonic()
         self._status.leave("moving", "serving")
@@ -456,7 +462,8 @@ class StageServer:
         return True
 
     def _maybe_resync(self) -> None:
-        """After an outer step: download the stage state if the stage's peers are ahead or hold another state."""
+        """After an outer step (committed, kept or abandoned): download the stage state if the stage's peers are ahead
+        or hold another state (a kept phase whose peers committed without us is abandoned by ``adopt_state``)."""
         rt = self.runtime
         peers = [r for r in self._fetch_records() if r.stage == rt.spec.index and r.status == "serving"]
         peer_records = [r.as_peer_record(__version__, self.swarm.microbatch_size) for r in peers]
@@ -476,7 +483,7 @@ class StageServer:
         donors = [r for r in peers if r.peer_id in decision.donors]
         _, state = self._obtain_stage(rt.spec.index, donors, self.run.averaging.round_timeout_s)
         rt.call(lambda: rt.adopt_state(state), self.swarm.request_timeout_s)
-        self._checked_phase = rt.phase
+        self._checked_phase = _phase_key(rt)
 
     # ---- per-stage DiLoCo ----------------------------------------------------------------------------------------
 
@@ -484,7 +491,7 @@ class StageServer:
         """Average the stage's pseudo-gradients with its peers and apply the outer step (runtime thread).
 
         Raises:
-            RoundFailed: no round committed (the runtime abandons the phase).
+            RoundFailed: no round committed (the runtime keeps the phase open and tries again after a backoff).
             StatusRefused: the server is moving to another stage (the phase it leaves is abandoned).
         """
         stage = runtime.spec.index

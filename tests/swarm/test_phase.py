@@ -41,6 +41,22 @@ def test_phase_record_counts_and_every_new_phase_starts_from_its_epoch():
         phase.window = 7  # type: ignore[misc]
 
 
+def test_a_kept_phase_goes_on_and_backs_off_its_next_outer_step():
+    phase = StagePhase.first(epoch=3, inner_steps=H).with_microbatch().with_inner_step()
+    assert phase.retry_at(interval_s=1.0) == 0.0  # nothing failed: no backoff
+    kept = phase.kept(now=100.0)
+    assert (kept.window, kept.num_microbatches, kept.num_inner_steps, kept.inner_step) == (0, 1, 1, 13)
+    assert kept.retry_at(interval_s=1.0) == 101.0
+    again = kept.kept(now=200.0).kept(now=300.0)
+    assert again.num_failed_outer_steps == 3 and again.retry_at(interval_s=0.5) == 300.0 + 0.5 * 4
+    many = again
+    for _ in range(10):
+        many = many.kept(now=400.0)
+    assert many.retry_at(interval_s=1.0) == 408.0  # capped at 8 intervals
+    # the phase after it (committed or abandoned) starts afresh
+    assert many.next(epoch=4, inner_steps=H) == StagePhase(window=1, inner_step=16)
+
+
 def test_transition_table_refuses_a_move_while_syncing_and_a_sync_while_moving():
     assert next_status("joining", "serving")[0]
     assert next_status("serving", "syncing")[0] and next_status("syncing", "serving")[0]

@@ -1,4 +1,5 @@
-"""Per-stage DiLoCo in the stage runtime: inner steps, outer step through the averager, abandoned phases, dedup."""
+"""Per-stage DiLoCo in the stage runtime: inner steps, outer step through the averager, kept and abandoned phases,
+dedup."""
 
 from __future__ import annotations
 
@@ -104,9 +105,50 @@ def test_stage_servers_commit_the_same_outer_step():
         b.shutdown()
 
 
-def test_failed_outer_step_abandons_the_phase_and_restores_theta():
-    group = FakeGroup(1, fail=True)
-    rt = _runtime(group)
+def test_failed_round_keeps_the_phase_and_the_next_outer_step_covers_all_of_it():
+    """A round that failed all-or-nothing applied nothing anywhere: the phase goes on from θ_local (no replay for the
+    trainers: same window, nothing abandoned) and the next outer step averages the pseudo-gradient of the whole,
+    longer phase with all its microbatches as weight."""
+    config = build_config("tiny", max_seq_len=32)
+    stage = build_stage(config, plan_stages(config.num_hidden_layers, 3)[1], seed=0)
+    seen: list[tuple[int, int, list[torch.Tensor]]] = []
+    theta0 = TrainingState.from_model(stage)
+
+    def on_phase_end(runtime, deltas):
+        seen.append((runtime.phase_inner_steps, runtime.phase_microbatches, [d.clone() for d in deltas]))
+        if len(seen) == 1:
+            raise RoundFailed("peer_failed", "test")
+        from hivetrain.diloco.outer import outer_step
+
+        return outer_step(runtime.state, deltas, 1.0, 0.0)  # alone, plain averaging: θ <- θ_local
+
+    rt = StageRuntime(stage, theta0, SWARM, DILOCO, torch.device("cpu"), on_phase_end=on_phase_end)
+    try:
+        results = _feed(rt, 3, 4, "m")
+        assert len(seen) == 1 and rt.state.epoch == 0 and rt.phase == 0 and not rt.abandoned
+        assert rt.phase_record.num_failed_outer_steps == 1
+        assert any(not torch.equal(p.detach(), theta0.params[n]) for n, p in rt.params.items()), "θ_local is kept"
+        results += _feed(rt, 4, 4, "n")  # H more inner steps, then the kept phase's next outer step
+        assert [r.window for r in results] == [0] * 8, "every microbatch went into the one kept window"
+        assert rt.state.epoch == 1 and rt.phase == 1 and not rt.abandoned
+        assert [(steps, mbs) for steps, mbs, _ in seen] == [(2, 4), (4, 8)]
+        for i, name in enumerate(theta0.params):  # the second pseudo-gradient spans both halves of the phase
+            torch.testing.assert_close(theta0.params[name] - seen[1][2][i], rt.state.params[name], atol=1e-6, rtol=0)
+        assert rt.phase_record.num_failed_outer_steps == 0
+    finally:
+        rt.shutdown()
+
+
+def test_an_outer_step_refused_for_another_reason_abandons_the_phase_and_restores_theta():
+    config = build_config("tiny", max_seq_len=32)
+    stage = build_stage(config, plan_stages(config.num_hidden_layers, 3)[1], seed=0)
+
+    def on_phase_end(runtime, deltas):
+        raise RuntimeError("moving to another stage")
+
+    rt = StageRuntime(
+        stage, TrainingState.from_model(stage), SWARM, DILOCO, torch.device("cpu"), on_phase_end=on_phase_end
+    )
     theta0 = rt.state.state_hash()
     try:
         results = _feed(rt, 3, 4, "m")
