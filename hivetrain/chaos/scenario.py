@@ -23,7 +23,9 @@ Example (``scenarios/kill-one-of-four.toml``)::
 
 Peers are numbered in launch order: ``0 .. peers-1`` at the start, then the peers of each ``join`` fault in the order
 of the faults. Peers started by ``churn`` have no index. A triggered fault fires at ``at_s`` seconds after the swarm
-started, or ``delay_s`` after the first metrics event matching ``on_event``/``on_peer``/``on_epoch``. Launch-time
+started, or ``delay_s`` after the first metrics event matching ``on_event``/``on_peer`` at epoch ``on_epoch`` or later
+(a peer that missed that epoch's round, e.g. started late on a busy machine and caught up by state download, triggers
+the fault at its next such event instead of never). Launch-time
 faults (``hook``, ``byzantine``, ``latency``, ``unreachable``) are armed when their peer (or the swarm) starts and
 take no trigger.
 

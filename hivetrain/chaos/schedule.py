@@ -46,8 +46,8 @@ def trigger_time(fault, events: Iterable[Observed]) -> tuple[float | None, str]:
             continue
         if fault.on_peer is not None and e.peer != fault.on_peer:
             continue
-        if fault.on_epoch is not None and e.epoch != fault.on_epoch:
-            continue
+        if fault.on_epoch is not None and e.epoch < fault.on_epoch:
+            continue  # at that epoch or later: a peer that missed its round and caught up by download still triggers
         who = f"peer {e.peer}" if e.peer is not None else "a churn peer"
         return e.t_s + fault.delay_s, f"{who} emitted {e.event} at epoch {e.epoch} ({e.t_s:.1f}s) + {fault.delay_s:g}s"
     return None, f"waiting for {fault.on_event}"

@@ -29,6 +29,10 @@ def test_event_trigger_matches_event_peer_and_epoch():
     events = noise + [Observed(1, "inner_phase", 2, 8.0), Observed(1, "inner_phase", 2, 20.0)]
     when, reason = trigger_time(fault, events)
     assert when == 8.5 and "peer 1 emitted inner_phase at epoch 2" in reason
+    # a peer that missed epoch 2 (late start, caught up by state download) triggers at its first later event
+    late = noise + [Observed(1, "inner_phase", 4, 30.0), Observed(1, "inner_phase", 5, 40.0)]
+    when, reason = trigger_time(fault, late)
+    assert when == 30.5 and "at epoch 4" in reason
     assert due_faults([0], s, events, now_s=8.4) == []
     assert [i for i, _ in due_faults([0], s, events, now_s=8.5)] == [0]
 
