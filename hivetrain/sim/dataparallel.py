@@ -59,6 +59,7 @@ class DataParallelSim:
         self.num_drawn = 0
         self.done = False
         self.finished = self.env.event()
+        self.wall_deadline = float("inf")  # perf_counter() seconds; a benchmark's time limit
 
     # ---- peers -----------------------------------------------------------------------------------------------
     def _new_peer(self, status: int) -> int:
@@ -67,7 +68,8 @@ class DataParallelSim:
         slot = self.state.add(draw, self.env.now, self.rng, status)
         if self.state.capacity > self.board.capacity:
             self.board.grow(self.state.capacity)
-            self.next_publish = np.concatenate([self.next_publish, np.zeros(self.state.capacity - len(self.next_publish))])
+            extra = np.zeros(self.state.capacity - len(self.next_publish))
+            self.next_publish = np.concatenate([self.next_publish, extra])
         if len(self.metrics.serving) < self.state.capacity:
             grown = np.zeros(self.state.capacity, np.int64)
             grown[: len(self.metrics.serving)] = self.metrics.serving
@@ -145,7 +147,11 @@ class DataParallelSim:
             self._schedule(now)
             self.rounds.poll(now)
             self.metrics.sample_drift(st, now)
-            if st.i["epoch"][: st.size].max(initial=0) >= self.sc.sim.outer_steps or now >= self.sc.sim.max_sim_s:
+            if (
+                st.i["epoch"][: st.size].max(initial=0) >= self.sc.sim.outer_steps
+                or now >= self.sc.sim.max_sim_s
+                or (time.perf_counter() > self.wall_deadline)
+            ):
                 self.done = True
                 self.finished.succeed()
                 break
@@ -252,4 +258,3 @@ class DataParallelSim:
         self.state.f["live_s"][alive] = now - self.state.f["joined_at"][alive]
         self.metrics.finish(self, now, time.perf_counter() - started)
         return self.metrics
-

@@ -262,9 +262,16 @@ class RoundEngine:
 
     def _after_round(self, slot: int, view: RoundView, now: float):
         sc = self.sim.sc
-        policy = decide_after_round(self.sim.state.peer_ids[slot], view, self.sim.board.records(), now,
-                                    max_retries=self.avg.max_retries, stale_after_s=sc.schedule.stale_after_s,
-                                    dht_lost_after_s=sc.schedule.record_ttl_s, exact_average=self.sim.exact)  # fmt: skip
+        policy = decide_after_round(
+            self.sim.state.peer_ids[slot],
+            view,
+            self.sim.board.records(),
+            now,
+            max_retries=self.avg.max_retries,
+            stale_after_s=sc.schedule.stale_after_s,
+            dht_lost_after_s=sc.schedule.record_ttl_s,
+            exact_average=self.sim.exact,
+        )
         self.sim.metrics.count("after_round." + policy.action)
         return policy
 

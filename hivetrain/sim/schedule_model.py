@@ -118,11 +118,7 @@ def aggregate_phase_ends(
         growth = cum_tk[pos] + h * (total_thr - cum_t[pos])
         own_growth = np.where(own_running, thr[me] * np.clip(h, 0.0, knee[me]), 0.0)
         total_ahead = mine + finished + others_base + growth - own_growth
-        end = (
-            (mine >= cap)
-            | ((mine >= 1) & (total0 >= target))
-            | ((mine >= 1) & finite & (total_ahead >= target))
-        )
+        end = (mine >= cap) | ((mine >= 1) & (total0 >= target)) | ((mine >= 1) & finite & (total_ahead >= target))
         out[sel] = end
     return out
 

@@ -64,8 +64,10 @@ class SwarmState:
         self.size += 1
         f, i = self.f, self.i
         f["joined_at"][s], f["leaves_at"][s] = now, now + draw.session_s
-        f["samples_per_s"][s], f["up_bps"][s], f["down_bps"][s] = draw.samples_per_s, draw.upload_bytes_per_s, (
-            draw.download_bytes_per_s
+        f["samples_per_s"][s], f["up_bps"][s], f["down_bps"][s] = (
+            draw.samples_per_s,
+            draw.upload_bytes_per_s,
+            (draw.download_bytes_per_s),
         )
         f["latency_s"][s], i["nat"][s] = draw.latency_s, int(draw.behind_nat)
         f["last_decided_step"][s] = -1

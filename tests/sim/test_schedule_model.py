@@ -45,7 +45,7 @@ def test_aggregate_model_matches_decide_phase_end(seed: int, target: bool) -> No
     probe = PhasePlan("swarm", inner_steps=1, batch_size=8, max_samples_per_peer=cap, max_extrapolation_s=ext)
     seen = [
         decide_phase_end(probe, board.peer_ids[int(s)] or "x", int(e), int(m), float(r), board.records(), now)
-        for s, e, m, r in zip(slots, phase_epochs, my_samples, my_rates)
+        for s, e, m, r in zip(slots, phase_epochs, my_samples, my_rates, strict=True)
     ]
     mid_total = float(np.median([d.swarm_samples for d in seen]))
     mid_peers = float(np.median([d.num_peers for d in seen]))
