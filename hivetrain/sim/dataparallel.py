@@ -1,0 +1,260 @@
+"""Data-parallel DiLoCo on a simulated swarm: SimPy processes that drive hivetrain's own decision functions.
+
+Processes: ``_ticks`` (every ``tick_s``: departures, record heartbeats, first views of joiners, schedule decisions,
+matchmaking), ``_arrivals`` (Poisson joiners, and the flash crowd) and one process per all-reduce or state download,
+whose duration is computed from the participants' links in one step (``sim.network``): no packet is simulated.
+
+Production functions called with simulated inputs (records, entries, time):
+- ``diloco.schedule.decide_phase_end``: when a phase ends (or its vectorised model, ``sim.schedule_model``, checked
+  against it on sampled peers every tick);
+- ``diloco.rounds.expected_peers`` and ``averaging.matchmaking.decide``: who averages together, with entries and
+  declarations of the real types and sizes;
+- ``averaging.groups.moshpit_groups`` / ``gossip_pairs`` / ``grid_for`` / ``butterfly_partition``: groups and slices;
+- ``diloco.sync_policy.decide_sync``, ``may_commit_alone``, ``decide_after_round``: downloads, solo commits, retries.
+
+Where the simulation simplifies (each also said where it happens): decisions are taken on the tick grid; every peer
+reads the same DHT (the newest stored records: no propagation delay, no partition); a group's all-reduce fails as a
+whole when a member is gone before it ends (all-or-nothing, as ``averaging.allreduce``), it is not retried in
+sub-rounds; peers that share a view and a state share one ``decide_sync`` / ``decide_after_round`` call per tick
+(their own record, which is all that differs, is excluded by the function and their own vote is the same).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import simpy
+
+from hivetrain.diloco.schedule import PhasePlan
+from hivetrain.diloco.sync_policy import decide_sync
+from hivetrain.sim import dht as simdht
+from hivetrain.sim.config import Scenario
+from hivetrain.sim.metrics import SimMetrics
+from hivetrain.sim.peers import draw_peer
+from hivetrain.sim.rounds import RoundEngine
+from hivetrain.sim.schedule_model import aggregate_phase_ends, check_against_real, real_phase_ends
+from hivetrain.sim.swarm_state import ABSENT, DOWNLOADING, SYNCING, TRAINING, SwarmState
+
+
+class DataParallelSim:
+    """One simulation run of a scenario in data-parallel mode. ``run()`` returns its ``SimMetrics``."""
+
+    def __init__(self, scenario: Scenario):
+        self.sc = scenario
+        self.env = simpy.Environment()
+        self.rng = np.random.default_rng(scenario.sim.seed)
+        self.noise_rng = np.random.default_rng(scenario.sim.seed + 1)
+        n = scenario.sim.num_peers
+        self.state = SwarmState(max(16, 2 * n), scenario.sim.vector_size, self.rng)
+        self.board = simdht.RecordBoard(self.state.capacity)
+        self.metrics = SimMetrics(num_peers=n)
+        s = scenario.schedule
+        self.plan = PhasePlan(s.schedule, s.inner_steps, s.batch_size, s.target_samples_per_epoch,
+                              s.max_samples_per_peer, s.stale_after_s, s.max_extrapolation_s)  # fmt: skip
+        self.schedule_model = scenario.sim.resolved_schedule_model()
+        self.exact = scenario.averaging.strategy == "butterfly"
+        self.rounds = RoundEngine(self)
+        self.next_publish = np.zeros(self.state.capacity)
+        self.num_drawn = 0
+        self.done = False
+        self.finished = self.env.event()
+        self.wall_deadline = float("inf")  # perf_counter() seconds; a benchmark's time limit
+
+    # ---- peers -----------------------------------------------------------------------------------------------
+    def _new_peer(self, status: int) -> int:
+        draw = draw_peer(self.rng, self.sc.sim.seed, self.num_drawn, self.sc.peers, self.sc.churn)
+        self.num_drawn += 1
+        slot = self.state.add(draw, self.env.now, self.rng, status)
+        if self.state.capacity > self.board.capacity:
+            self.board.grow(self.state.capacity)
+            extra = np.zeros(self.state.capacity - len(self.next_publish))
+            self.next_publish = np.concatenate([self.next_publish, extra])
+        if len(self.metrics.serving) < self.state.capacity:
+            grown = np.zeros(self.state.capacity, np.int64)
+            grown[: len(self.metrics.serving)] = self.metrics.serving
+            self.metrics.serving = grown
+        self.next_publish[slot] = self.env.now + self.rng.uniform(0, self.sc.schedule.record_interval_s)
+        return slot
+
+    def _depart(self, slots: np.ndarray, now: float) -> None:
+        st = self.state
+        for slot in slots:
+            slot = int(slot)
+            if st.i["status"][slot] == TRAINING:  # the phase's samples so far are lost
+                steps = st.steps_done(np.array([slot]), now, self.sc.schedule.batch_size)[0]
+                st.f["samples_computed"][slot] += steps * self.sc.schedule.batch_size
+                st.f["compute_s"][slot] += steps * st.step_s(np.array([slot]), self.sc.schedule.batch_size)[0]
+            st.f["live_s"][slot] = now - st.f["joined_at"][slot]
+            st.i["status"][slot] = ABSENT
+            self.rounds.forget(slot)
+            self.metrics.departures += 1
+
+    def _publish(self, slots: np.ndarray, now: float) -> None:
+        st, B = self.state, self.sc.schedule.batch_size
+        training = st.i["status"][slots] == TRAINING
+        steps = np.where(training, st.steps_done(slots, now, B), 0.0)
+        for k, slot in enumerate(slots):
+            slot = int(slot)
+            self.board.publish(
+                slot, st.peer_ids[slot], st.state_hash[slot],
+                epoch=st.i["epoch"][slot], phase_epoch=st.i["phase_epoch"][slot],
+                phase_samples=steps[k] * B + (st.f["carried_samples"][slot] if training[k] else 0),
+                throughput=st.f["samples_per_s"][slot], done_epoch=st.i["done_epoch"][slot],
+                done_samples=st.i["done_samples"][slot], updated_at=now,
+            )  # fmt: skip
+        self.next_publish[slots] += self.sc.schedule.record_interval_s
+        stored = self.board.num_stored()
+        value_bytes = stored * simdht.record_bytes()
+        self.metrics.dht.value_size(simdht.PEERS_KEY, value_bytes)
+        for slot in slots:  # one store of our record and one get of everyone's per heartbeat
+            self.metrics.dht.op(int(slot), 2, read_bytes=value_bytes)
+
+    # ---- processes -----------------------------------------------------------------------------------------------
+    def _arrivals(self):
+        churn = self.sc.churn
+        if churn.session == "none" or not churn.arrivals:
+            return
+        rate = self.sc.sim.num_peers / churn.mean_session_s
+        while not self.done:
+            yield self.env.timeout(float(self.rng.exponential(1 / rate)))
+            self._new_peer(SYNCING)
+            self.metrics.arrivals += 1
+
+    def _flash_crowd(self):
+        crowd = self.sc.flash_crowd
+        if crowd.num_joiners == 0:
+            return
+        yield self.env.timeout(crowd.at_s)
+        for _ in range(crowd.num_joiners):
+            self.metrics.flash_slots.append(self._new_peer(SYNCING))
+
+    def _ticks(self):
+        tick_s = self.sc.sim.tick_s
+        while not self.done:
+            now = self.env.now
+            st = self.state
+            alive = st.alive()
+            leaving = alive[st.f["leaves_at"][alive] <= now]
+            if len(leaving):
+                self._depart(leaving, now)
+                alive = st.alive()
+            publishing = alive[self.next_publish[alive] <= now]
+            if len(publishing):
+                self._publish(publishing, now)
+            self.board.expire(now, self.sc.schedule.record_ttl_s)
+            self._first_views(now)
+            self._schedule(now)
+            self.rounds.poll(now)
+            self.metrics.sample_drift(st, now)
+            if (
+                st.i["epoch"][: st.size].max(initial=0) >= self.sc.sim.outer_steps
+                or now >= self.sc.sim.max_sim_s
+                or (time.perf_counter() > self.wall_deadline)
+            ):
+                self.done = True
+                self.finished.succeed()
+                break
+            yield self.env.timeout(tick_s)
+
+    # ---- joiners -------------------------------------------------------------------------------------------------
+    def _first_views(self, now: float) -> None:
+        """Joiners whose first heartbeat read is due decide whether to download state (``decide_sync``)."""
+        st = self.state
+        syncing = st.with_status(SYNCING)
+        due = syncing[self.next_publish[syncing] <= now + self.sc.sim.tick_s]
+        if len(due) == 0:
+            return
+        records = self.board.records()
+        # a joiner holds no state (epoch 0, no hash) and has no record yet: the inputs differ only in its own id
+        d = decide_sync(st.peer_ids[int(due[0])], 0, "", records, now, self.sc.schedule.record_ttl_s, self.exact)
+        self.metrics.count("decide_sync." + d.action)
+        for slot in due:
+            if d.action == "download" and d.donors:
+                self.env.process(self._download(int(slot), d.target_epoch, d.donors))
+            else:
+                st.start_phase(int(slot), 0, now)
+
+    def sync_or_download(self, slots: list[int], epoch: int, state_hash: str, now: float) -> bool:
+        """Peers that failed a round at ``epoch`` with state ``state_hash``: download if ``decide_sync`` says so."""
+        d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.board.records(), now,
+                        self.sc.schedule.record_ttl_s, self.exact)  # fmt: skip
+        self.metrics.count("decide_sync." + d.action)
+        if d.action != "download" or not d.donors:
+            return False
+        for slot in slots:
+            self.env.process(self._download(slot, d.target_epoch, d.donors))
+        return True
+
+    def _download(self, slot: int, epoch: int, donors: tuple[str, ...]):
+        st, dl = self.state, self.sc.download
+        st.i["status"][slot] = DOWNLOADING
+        pool = [st.index_of[p] for p in donors if p in st.index_of and st.peer_ids[slot] != p]
+        self.rng.shuffle(pool)  # ``state_routing.rank_candidates`` shuffles donors
+        pool = pool[: dl.num_donors] if dl.num_donors else pool
+        if not pool:
+            st.start_phase(slot, int(st.i["epoch"][slot]), self.env.now)
+            return
+        donor_slots = np.array(pool)
+        concurrent = self.metrics.serving[donor_slots] + 1
+        cost = self.rounds.download_cost(slot, donor_slots, concurrent)
+        self.metrics.serving[donor_slots] += 1
+        source = int(donor_slots[0])
+        theta, hash_, src_epoch = st.theta[source].copy(), st.state_hash[source], int(st.i["epoch"][source])
+        started = self.env.now
+        yield self.env.timeout(cost.duration_s)
+        self.metrics.serving[donor_slots] -= 1
+        self.metrics.record_download(slot, donor_slots, cost, started, self.env.now, slot in self.metrics.flash_set)
+        if st.i["status"][slot] != DOWNLOADING:
+            return  # left during the download
+        st.theta[slot], st.state_hash[slot], st.i["epoch"][slot] = theta, hash_, src_epoch
+        st.f["carried_samples"][slot] = 0
+        st.start_phase(slot, src_epoch, self.env.now)
+
+    # ---- the schedule --------------------------------------------------------------------------------------------
+    def _schedule(self, now: float) -> None:
+        st, B = self.state, self.sc.schedule.batch_size
+        training = st.with_status(TRAINING)
+        if len(training) == 0:
+            return
+        steps = st.steps_done(training, now, B)
+        fresh = steps > st.f["last_decided_step"][training]  # a peer decides after each inner step it completes
+        slots, steps = training[fresh], steps[fresh]
+        if len(slots) == 0:
+            return
+        st.f["last_decided_step"][slots] = steps
+        samples = steps * B + st.f["carried_samples"][slots]
+        epochs = st.i["phase_epoch"][slots]
+        rates = st.f["samples_per_s"][slots]
+        args = (self.plan, self.board, slots, epochs, samples, rates, now)
+        if self.schedule_model == "real":
+            ends = real_phase_ends(*args)
+        else:
+            ends = aggregate_phase_ends(*args)
+            picks = self.rng.choice(len(slots), size=min(self.sc.sim.schedule_probes, len(slots)), replace=False)
+            self.metrics.schedule_probes += len(picks)
+            self.metrics.schedule_divergences += check_against_real(*args, ends, picks)
+        step_s = st.step_s(slots, B)
+        for k in np.flatnonzero(ends):
+            slot = int(slots[k])
+            new = int(steps[k] * B)
+            st.end_phase(slot, new, float(steps[k] * step_s[k]), self.noise_rng)
+            self.rounds.announce(slot, now)
+
+    # ---- run -----------------------------------------------------------------------------------------------------
+    def run(self) -> SimMetrics:
+        """Simulate until a peer commits ``outer_steps`` outer steps (or ``max_sim_s``); returns the metrics."""
+        started = time.perf_counter()
+        for _ in range(self.sc.sim.num_peers):
+            slot = self._new_peer(TRAINING)
+            self.state.start_phase(slot, 0, 0.0)
+            self.state.state_hash[slot] = "genesis"
+        self.env.process(self._ticks())
+        self.env.process(self._arrivals())
+        self.env.process(self._flash_crowd())
+        self.env.run(until=self.finished)
+        now = self.env.now
+        alive = self.state.alive()
+        self.state.f["live_s"][alive] = now - self.state.f["joined_at"][alive]
+        self.metrics.finish(self, now, time.perf_counter() - started)
+        return self.metrics

@@ -1,0 +1,161 @@
+"""The simulated DHT: the swarm's record board (one key, a subkey per peer) and operation/size accounting.
+
+What is stored is what hivetrain stores: ``PeerRecord`` under ``"{run_id}.peers"`` (``peers.records``), and per round
+key ``ReadyEntry`` and ``GroupDeclaration`` under ``"{prefix}.{round_key}.mm"`` (``averaging.matchmaking``). Their
+sizes are measured once from real instances serialised the way hivemind stores them (msgpack of the pydantic dump)
+plus the subkey a signed value carries (hivemind's ``RSASignatureValidator`` owner marker with a 2048-bit RSA public
+key, and the value's signature). The routing of a DHT get (log N hops) is not modelled: a get or store is one
+operation, and its bytes are the value's size.
+
+``RecordBoard`` keeps every peer's latest published record as numpy columns (for the vectorised schedule model) and as
+real ``PeerRecord`` objects (for the production decision functions), rebuilding only the records that changed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
+from hivetrain.peers.records import PeerRecord
+
+RUN_ID = "sim"
+PEERS_KEY = f"{RUN_ID}.peers"
+_SIGNATURE_BYTES = 256 + 13  # an RSA-2048 signature in hivemind's "[signature:...]" suffix
+_FAKE_KEY = b"ssh-rsa " + b"A" * 364  # the length of a 2048-bit key in hivemind's ssh format (372 bytes)
+
+
+def _owner_marker_bytes() -> int:
+    return len(b"[owner:" + _FAKE_KEY + b"]")
+
+
+@functools.cache
+def record_bytes() -> int:
+    """Bytes of one stored ``PeerRecord`` (a trainer's, with its 2 KiB parameter sketch), subkey and signature."""
+    record = PeerRecord(
+        peer_id="Qm" + "x" * 44, role="trainer", version="0.1.0", run_id=RUN_ID, model_fingerprint="f" * 64,
+        epoch=123, throughput=12.5, state_hash="a" * 64, param_sketch="s" * 2732, samples_total=10**6,
+        compute_s=1e4, maddrs=("/ip4/203.0.113.7/tcp/31337/p2p/Qm" + "x" * 44,), loss=3.2, eval_loss=3.3,
+        rounds_committed=100, last_round_s=12.0, last_group_size=64, phase_epoch=123, phase_samples=400,
+        done_epoch=122, done_samples=800, updated_at=1.7e9,
+    )  # fmt: skip
+    value = msgpack.packb(record.model_dump(mode="json"), use_bin_type=True)
+    return len(value) + _owner_marker_bytes() + _SIGNATURE_BYTES
+
+
+def fake_entry(peer_id: str, round_key: str, session: bytes, announced_at: float, deadline: float) -> ReadyEntry:
+    """A ``ReadyEntry`` with the sizes of a real one; its signature is not valid (``decide`` does not check it: the
+    matchmaker verifies entries before they reach ``decide``)."""
+    return ReadyEntry.model_construct(
+        peer_id=peer_id, round_key=round_key, session=session, host="203.0.113.7", port=31337, kx_public=b"k" * 32,
+        announced_at=announced_at, deadline=deadline, public_key=_FAKE_KEY, signature=b"s" * 256,
+    )  # fmt: skip
+
+
+@functools.cache
+def entry_bytes() -> int:
+    """Bytes of one stored ``ReadyEntry`` (subkey and hivemind signature included)."""
+    e = fake_entry("Qm" + "x" * 44, "e123", b"0" * 16, 1.7e9, 1.7e9 + 5)
+    return len(msgpack.packb(e.model_dump(), use_bin_type=True)) + _owner_marker_bytes() + _SIGNATURE_BYTES
+
+
+def declaration_bytes(num_members: int) -> int:
+    """Bytes of a stored ``GroupDeclaration`` listing ``num_members`` signed entries."""
+    e = fake_entry("Qm" + "x" * 44, "e123", b"0" * 16, 1.7e9, 1.7e9 + 5)
+    d = GroupDeclaration.model_construct(
+        leader=e.peer_id, round_key="e123", round_id="r" * 32, members=(e,), declared_at=1.7e9, reason="full",
+        signature=b"s" * 256,
+    )  # fmt: skip
+    one = len(msgpack.packb(d.model_dump(), use_bin_type=True))
+    per_member = len(msgpack.packb(e.model_dump(), use_bin_type=True))
+    return one + (num_members - 1) * per_member + _owner_marker_bytes() + _SIGNATURE_BYTES
+
+
+@dataclass
+class DhtStats:
+    """Operations per peer and the largest value seen per key (bytes)."""
+
+    ops_per_peer: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    read_bytes_per_peer: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    peak_value_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def op(self, peer: int, count: int = 1, read_bytes: int = 0) -> None:
+        self.ops_per_peer[peer] += count
+        self.read_bytes_per_peer[peer] += read_bytes
+
+    def value_size(self, key: str, num_bytes: int) -> None:
+        if num_bytes > self.peak_value_bytes[key]:
+            self.peak_value_bytes[key] = num_bytes
+
+
+class RecordBoard:
+    """Every peer's latest published ``PeerRecord`` (slot-indexed columns + the real objects).
+
+    Columns are float64/int64 arrays of ``capacity`` slots; ``published`` marks slots with a record. A record is
+    "live" for the decision functions while ``now - updated_at <= stale_after_s`` (they check that themselves);
+    it is kept (and counted in the key's size) until ``record_ttl_s`` after its last refresh.
+    """
+
+    COLUMNS = ("epoch", "phase_epoch", "phase_samples", "throughput", "done_epoch", "done_samples", "updated_at")
+
+    def __init__(self, capacity: int):
+        self.capacity = 0
+        self.published = np.zeros(0, bool)
+        self.cols: dict[str, np.ndarray] = {c: np.zeros(0) for c in self.COLUMNS}
+        self.state_hash: list[str] = []
+        self.peer_ids: list[str] = []
+        self.objects: list[PeerRecord | None] = []
+        self.grow(capacity)
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        extra = capacity - self.capacity
+        self.published = np.concatenate([self.published, np.zeros(extra, bool)])
+        for c in self.COLUMNS:
+            self.cols[c] = np.concatenate([self.cols[c], np.zeros(extra)])
+        self.state_hash += [""] * extra
+        self.peer_ids += [""] * extra
+        self.objects += [None] * extra
+        self.capacity = capacity
+
+    def publish(self, slot: int, peer_id: str, state_hash: str, **values: float) -> None:
+        """Store the record of ``slot`` (every column in ``values``, ``updated_at`` included)."""
+        self.published[slot] = True
+        self.peer_ids[slot] = peer_id
+        self.state_hash[slot] = state_hash
+        for c in self.COLUMNS:
+            self.cols[c][slot] = values[c]
+        self.objects[slot] = None  # rebuilt on demand
+
+    def expire(self, now: float, record_ttl_s: float) -> None:
+        """Drop records not refreshed for ``record_ttl_s`` seconds (the DHT forgets them)."""
+        gone = self.published & (now - self.cols["updated_at"] > record_ttl_s)
+        self.published[gone] = False
+
+    def num_stored(self) -> int:
+        return int(self.published.sum())
+
+    def record(self, slot: int) -> PeerRecord:
+        """The real ``PeerRecord`` of ``slot`` (built with ``model_construct``: the values are ours and valid)."""
+        rec = self.objects[slot]
+        if rec is None:
+            c = self.cols
+            rec = PeerRecord.model_construct(
+                peer_id=self.peer_ids[slot], role="trainer", version="0.1.0", run_id=RUN_ID, model_fingerprint="f",
+                epoch=int(c["epoch"][slot]), throughput=float(c["throughput"][slot]),
+                state_hash=self.state_hash[slot], phase_epoch=int(c["phase_epoch"][slot]),
+                phase_samples=int(c["phase_samples"][slot]), done_epoch=int(c["done_epoch"][slot]),
+                done_samples=int(c["done_samples"][slot]), updated_at=float(c["updated_at"][slot]), left_reason="",
+                paused=False,
+            )  # fmt: skip
+            self.objects[slot] = rec
+        return rec
+
+    def records(self) -> list[PeerRecord]:
+        """Every stored record, as a DHT get of the peers key returns them."""
+        return [self.record(int(s)) for s in np.flatnonzero(self.published)]

@@ -1,0 +1,129 @@
+"""What a simulation measures, and the summary ``report.json`` is made of.
+
+Definitions (units in the names):
+- ``utilization_mean``: seconds peers spent in inner steps / seconds they were in the swarm, over all peers.
+- ``committed_sample_share``: samples that went into a committed round / samples computed (a peer that leaves
+  mid-phase, or whose contribution is dropped across a state download, loses them).
+- ``time_per_outer_step_s``: median over epochs of the time between the median commits of consecutive epochs.
+- ``bytes_per_peer_per_step``: all-reduce bytes sent + received, per committed (peer, round).
+- ``dht_ops_per_peer_per_step`` / ``dht_read_bytes_per_peer_per_step``: DHT gets and stores (heartbeats,
+  announcements, matchmaking polls), per committed (peer, round).
+- ``peak_dht_value_bytes``: the largest value stored under one DHT key (``peak_dht_value_bytes_by_key`` per key).
+- ``drift``: max_p ||θ_p - mean|| / ||mean|| over the live peers at the most common epoch, sampled every tick.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hivetrain.sim.consensus import relative_deviation
+from hivetrain.sim.dht import DhtStats
+from hivetrain.sim.network import Transfer
+from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
+
+if TYPE_CHECKING:
+    from hivetrain.sim.dataparallel import DataParallelSim
+    from hivetrain.sim.swarm_state import SwarmState
+
+
+@dataclass
+class SimMetrics:
+    """Counters and samples collected during a run; ``summary`` once ``finish`` ran."""
+
+    num_peers: int
+    dht: DhtStats = field(default_factory=DhtStats)
+    decisions: Counter = field(default_factory=Counter)
+    group_sizes: list[int] = field(default_factory=list)
+    commits: dict[int, list[float]] = field(default_factory=dict)  # epoch -> commit time of each member
+    downloads: list[dict[str, float]] = field(default_factory=list)
+    donor_bytes: dict[int, int] = field(default_factory=dict)
+    flash_slots: list[int] = field(default_factory=list)
+    serving: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    drift: list[tuple[float, int, float]] = field(default_factory=list)  # (time, epoch, deviation)
+    schedule_probes: int = 0
+    schedule_divergences: int = 0
+    arrivals: int = 0
+    departures: int = 0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def flash_set(self) -> set[int]:
+        return set(self.flash_slots)
+
+    def count(self, what: str) -> None:
+        self.decisions[what] += 1
+
+    def record_commit(self, epoch: int, now: float, num_members: int) -> None:
+        self.commits.setdefault(epoch, []).extend([now] * num_members)
+
+    def record_download(self, slot: int, donors: np.ndarray, cost: Transfer, started: float, now: float,
+                        flash: bool) -> None:  # fmt: skip
+        for d, b in zip(donors, cost.sent_bytes, strict=True):
+            self.donor_bytes[int(d)] = self.donor_bytes.get(int(d), 0) + int(b)
+        self.downloads.append({"slot": slot, "duration_s": now - started, "num_donors": int((cost.sent_bytes > 0)
+                               .sum()), "max_donor_bytes": int(cost.sent_bytes.max()), "flash": flash})  # fmt: skip
+
+    def sample_drift(self, st: SwarmState, now: float) -> None:
+        alive = st.alive()
+        if len(alive) < 2:
+            return
+        epochs = st.i["epoch"][alive]
+        modal = int(np.bincount(epochs).argmax())
+        at = alive[epochs == modal]
+        if len(at) >= 2:
+            self.drift.append((now, modal, relative_deviation(st.theta[at])))
+
+    def finish(self, sim: DataParallelSim, now: float, wall_s: float) -> None:
+        st = sim.state
+        n = st.size
+        f = st.f
+        live_s = float(f["live_s"][:n].sum())
+        per_step = max(1, sum(len(v) for v in self.commits.values()))
+        medians = {e: float(np.median(t)) for e, t in self.commits.items() if t}
+        epochs = sorted(medians)
+        gaps = [medians[b] - medians[a] for a, b in zip(epochs, epochs[1:], strict=False) if b == a + 1]
+        if epochs:
+            gaps = [medians[epochs[0]]] + gaps  # the first step starts at time 0
+        catchup = [d["duration_s"] for d in self.downloads]
+        flash = [d for d in self.downloads if d["flash"]]
+        final_drift = self.drift[-1][2] if self.drift else 0.0
+        alive = np.flatnonzero(st.i["status"][:n] != ABSENT)
+        in_flight = alive[np.isin(st.i["status"][alive], (READY, AVERAGING))]  # rounds cut off by the end
+        computed = float(f["samples_computed"][:n].sum() - f["weight"][in_flight].sum())
+        self.summary = {
+            "scenario": sim.sc.name,
+            "strategy": sim.sc.averaging.strategy,
+            "peers": self.num_peers,
+            "peers_ever": n,
+            "peers_alive_end": int(len(alive)),
+            "sim_s": now,
+            "outer_steps_done": int(st.i["epoch"][:n].max(initial=0)),
+            "utilization_mean": float(f["compute_s"][:n].sum() / live_s) if live_s > 0 else 0.0,
+            "committed_sample_share": float(f["samples_committed"][:n].sum() / max(computed, 1.0)),
+            "time_per_outer_step_s": float(np.median(gaps)) if gaps else None,
+            "bytes_per_peer_per_step": float((f["bytes_sent"][:n].sum() + f["bytes_received"][:n].sum()) / per_step),
+            "dht_ops_per_peer_per_step": float(sum(self.dht.ops_per_peer.values()) / per_step),
+            "dht_read_bytes_per_peer_per_step": float(sum(self.dht.read_bytes_per_peer.values()) / per_step),
+            "peak_dht_value_bytes": int(max(self.dht.peak_value_bytes.values(), default=0)),
+            "peak_dht_value_bytes_by_key": dict(self.dht.peak_value_bytes),
+            "group_size_mean": float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
+            "group_size_max": int(max(self.group_sizes, default=0)),
+            "drift_final": final_drift,
+            "drift_max": max((d[2] for d in self.drift), default=0.0),
+            "downloads": len(self.downloads),
+            "catchup_s_mean": float(np.mean(catchup)) if catchup else None,
+            "catchup_s_p90": float(np.percentile(catchup, 90)) if catchup else None,
+            "flash_catchup_s_mean": float(np.mean([d["duration_s"] for d in flash])) if flash else None,
+            "max_donor_bytes": int(max(self.donor_bytes.values(), default=0)),
+            "arrivals": self.arrivals + len(self.flash_slots),
+            "departures": self.departures,
+            "schedule_model": sim.schedule_model,
+            "schedule_probes": self.schedule_probes,
+            "schedule_divergences": self.schedule_divergences,
+            "decisions": dict(sorted(self.decisions.items())),
+            "wall_s": wall_s,
+        }

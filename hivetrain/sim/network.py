@@ -1,0 +1,91 @@
+"""The simulated network: what an all-reduce or a state download costs in seconds and bytes on each peer's links.
+
+No packets are simulated. Each peer has an upload and a download capacity (bytes/s) and a one-way latency; the
+wide-area core is assumed not to be the bottleneck (home and datacenter access links are). A transfer's duration is
+that of its busiest access link: each link carries its bytes at its full capacity, shared by the flows through it
+(the bottleneck bound that hivemind's load-balancing LP, ``averaging/load_balancing.py``, also optimises). That is
+max-min fair when every flow of a peer is limited by that peer's own link; when a peer's flows are limited elsewhere
+it finishes earlier than modelled, so durations are upper bounds within that model.
+
+Butterfly all-reduce of a vector of V bytes in a group of g with slice fractions f_i (``averaging.groups
+.butterfly_partition``, the production function, called with the production arguments): member i sends its
+contribution's other slices, (1 - f_i) V, and the reduced slice to the g - 1 others, (g - 1) f_i V; it receives as
+much. Two phases (scatter-reduce, all-gather) cost two round trips of the slowest pair on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hivetrain.averaging.groups import butterfly_partition
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One all-reduce or download: its duration and the bytes each participant sent and received."""
+
+    duration_s: float
+    sent_bytes: np.ndarray  # (g,) int64, per participant, in the order given
+    received_bytes: np.ndarray  # (g,) int64
+
+
+def allreduce_cost(
+    peer_ids: Sequence[str],
+    vector_bytes: int,
+    upload_bytes_per_s: np.ndarray,
+    download_bytes_per_s: np.ndarray,
+    latency_s: np.ndarray,
+) -> Transfer:
+    """Cost of one butterfly all-reduce among ``peer_ids`` (sorted, as the declaration lists them).
+
+    Args:
+        vector_bytes: bytes of the averaged vector (fp32: 4 per element; the partition is computed in elements).
+        upload_bytes_per_s / download_bytes_per_s / latency_s: (g,) per member, in the order of ``peer_ids``.
+    """
+    g = len(peer_ids)
+    if g < 2:
+        return Transfer(0.0, np.zeros(g, np.int64), np.zeros(g, np.int64))
+    num_elements = max(vector_bytes // 4, g)
+    bounds = butterfly_partition(num_elements, peer_ids)  # production: equal split (allreduce.py passes no bandwidths)
+    fractions = np.array([(end - start) / num_elements for start, end in bounds])
+    moved = ((1 - fractions) + (g - 1) * fractions) * vector_bytes
+    busiest_s = float(np.max(np.maximum(moved / upload_bytes_per_s, moved / download_bytes_per_s)))
+    rtt_s = 2 * 2 * float(np.max(latency_s))  # two phases, one round trip each, slowest member
+    moved_bytes = moved.astype(np.int64)
+    return Transfer(busiest_s + rtt_s, moved_bytes, moved_bytes.copy())
+
+
+def download_cost(
+    state_bytes: int,
+    chunk_bytes: int,
+    joiner_download_bytes_per_s: float,
+    joiner_latency_s: float,
+    donor_upload_bytes_per_s: np.ndarray,
+    donor_latency_s: np.ndarray,
+    donor_concurrent: np.ndarray,
+) -> Transfer:
+    """Cost of a joiner fetching ``state_bytes`` from donors in parallel (``diloco.state_fetch``).
+
+    Each donor's upload is shared equally among the downloads it serves (``donor_concurrent``, this one included,
+    counted when this download starts); the joiner takes at most its download capacity. Chunks go to whichever donor
+    is idle (``state_routing.pick_chunk``), so each donor serves in proportion to its rate; at most one donor per
+    chunk, so only the ``ceil(state_bytes / chunk_bytes)`` fastest donors are used.
+
+    Returns:
+        ``Transfer`` whose ``sent_bytes`` are per donor (in the order given) and ``received_bytes`` the joiner's (1,).
+    """
+    num_chunks = -(-state_bytes // chunk_bytes)
+    rates = donor_upload_bytes_per_s / np.maximum(donor_concurrent, 1)
+    used = np.zeros(len(rates), bool)
+    used[np.argsort(-rates, kind="stable")[:num_chunks]] = True
+    rate = float(rates[used].sum())
+    if rate <= 0:
+        raise ValueError("no donor can serve: every upload capacity is 0")
+    total_rate = min(rate, joiner_download_bytes_per_s)
+    served = np.where(used, rates / rate * state_bytes, 0.0).astype(np.int64)
+    served[np.argmax(served)] += state_bytes - int(served.sum())  # rounding goes to the busiest donor
+    rtt_s = 2 * (joiner_latency_s + float(np.max(donor_latency_s[used])))  # manifest request, then chunks
+    return Transfer(state_bytes / total_rate + rtt_s, served, np.array([state_bytes], np.int64))

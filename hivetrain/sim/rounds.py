@@ -1,0 +1,327 @@
+"""Matchmaking and averaging rounds of the simulated swarm, decided by the production functions.
+
+Per round key (epoch E, DHT key ``{prefix}.eE.mm``) the engine keeps what the DHT would hold: every ``ReadyEntry``
+announced (until ``round_timeout_s`` after its announcement) and every ``GroupDeclaration``. At each tick it calls
+``averaging.matchmaking.decide`` for the waiting peer with the smallest id: that peer is the leader of any group that
+can form now (``decide`` sorts candidates by id), so "declare" forms a group, a failure ("late", "no_group", ...)
+fails that peer and the next one is asked, and "wait" means no group forms this tick. A peer that announces while a
+"window" declaration exists at its key is asked at once (only then can a fresh entry fail: with no window declaration
+its decision is "wait" or "declare"). Followers are not asked separately: a declaration that lists them is their
+"joined". Groups run as SimPy processes whose duration comes from ``sim.network``; the pseudo-gradients are averaged
+with ``sim.consensus.group_means``; failures go through ``diloco.sync_policy.decide_after_round``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
+from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration, ReadyEntry, decide, make_round_id
+from hivetrain.diloco.rounds import expected_peers
+from hivetrain.diloco.sync_policy import RoundView, decide_after_round
+from hivetrain.sim import dht as simdht
+from hivetrain.sim.consensus import group_means
+from hivetrain.sim.network import Transfer, allreduce_cost, download_cost
+from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
+
+if TYPE_CHECKING:
+    from hivetrain.sim.dataparallel import DataParallelSim
+
+PREFIX = "sim.avg"
+
+
+@dataclass
+class RoundKey:
+    """What the DHT holds for one round key, and which slots wait on it."""
+
+    epoch: int
+    entries: list[ReadyEntry] = field(default_factory=list)
+    declarations: list[GroupDeclaration] = field(default_factory=list)
+    waiting: dict[int, ReadyEntry] = field(default_factory=dict)
+
+
+class RoundEngine:
+    """Matchmaking, all-reduce processes, commits and failures for a ``DataParallelSim``."""
+
+    def __init__(self, sim: DataParallelSim):
+        self.sim = sim
+        self.avg = sim.sc.averaging
+        self.keys: dict[int, RoundKey] = {}
+        self.sessions = 0
+
+    # ---- matchmaking ---------------------------------------------------------------------------------------------
+    def announce(self, slot: int, now: float) -> None:
+        """``slot`` is ready to average its pseudo-gradient at its phase epoch: store a fresh entry."""
+        st = self.sim.state
+        epoch = int(st.i["phase_epoch"][slot])
+        key = self.keys.setdefault(epoch, RoundKey(epoch))
+        self.sessions += 1
+        session = self.sessions.to_bytes(16, "big")
+        entry = simdht.fake_entry(st.peer_ids[slot], f"e{epoch}", session, now, now + self.avg.matchmaking_time_s)
+        key.entries.append(entry)
+        key.waiting[slot] = entry
+        st.i["status"][slot] = READY
+        if st.f["ready_since"][slot] == 0 or st.i["attempt"][slot] == 0:
+            st.f["ready_since"][slot] = now
+        self.sim.metrics.dht.op(slot, 1)
+        self._key_size(key)
+        if any(d.reason == "window" for d in key.declarations):
+            d = self._decide(key, entry, now)
+            if d.action not in ("wait", "declare", "joined"):
+                del key.waiting[slot]
+                self.fail([slot], epoch, d.action, now)
+
+    def forget(self, slot: int) -> None:
+        """A departed peer stops waiting (its entry stays in the DHT until it expires)."""
+        for key in self.keys.values():
+            key.waiting.pop(slot, None)
+
+    def _key_size(self, key: RoundKey) -> int:
+        size = len(key.entries) * simdht.entry_bytes() + sum(
+            simdht.declaration_bytes(len(d.members)) for d in key.declarations
+        )
+        self.sim.metrics.dht.value_size("matchmaking", size)
+        return size
+
+    def _decide(self, key: RoundKey, me: ReadyEntry, now: float, expected: frozenset[str] = frozenset()):
+        target = self.avg.target_group_size if self.avg.strategy == "butterfly" else MAX_MEMBERS
+        d = decide(me, key.entries, key.declarations, now, target_group_size=target,
+                   min_group_size=self.avg.min_group_size, declare_grace_s=self.avg.declare_grace_s,
+                   declaration_ttl_s=self.avg.round_timeout_s, expected=expected)  # fmt: skip
+        self.sim.metrics.count("decide." + d.action)
+        return d
+
+    def poll(self, now: float) -> None:
+        """One matchmaking tick for every round key with waiting peers (see the module docstring)."""
+        st, m = self.sim.state, self.sim.metrics
+        for epoch in sorted(self.keys):
+            key = self.keys[epoch]
+            key.entries = [e for e in key.entries if now - e.announced_at <= self.avg.round_timeout_s]
+            if not key.waiting:
+                if not key.entries and epoch < max(self.keys):
+                    del self.keys[epoch]
+                continue
+            size = self._key_size(key)
+            polls = max(1, round(self.sim.sc.sim.tick_s / self.avg.poll_interval_s))
+            for slot in key.waiting:
+                m.dht.op(slot, polls, read_bytes=polls * size)
+            # computed with no peer excluded: ``decide`` removes the caller itself, so this is every caller's set
+            expected = expected_peers(self.sim.board.records(), "", epoch, now, self.sim.sc.schedule.stale_after_s)
+            while key.waiting:
+                slot = min(key.waiting, key=lambda s: st.peer_ids[s])
+                d = self._decide(key, key.waiting[slot], now, expected)
+                if d.action == "wait":
+                    break
+                if d.action == "declare":
+                    decl = GroupDeclaration.model_construct(
+                        leader=st.peer_ids[slot], round_key=f"e{epoch}",
+                        round_id=make_round_id(PREFIX, f"e{epoch}", d.members), members=d.members,
+                        declared_at=now, reason="full" if d.closed_by == "full" else "window", signature=b"s" * 256,
+                    )  # fmt: skip
+                    key.declarations.append(decl)
+                    self._start_group(key, decl, now)
+                    continue
+                del key.waiting[slot]
+                self.fail([slot], epoch, d.action, now)
+
+    # ---- groups --------------------------------------------------------------------------------------------------
+    def _start_group(self, key: RoundKey, decl: GroupDeclaration, now: float) -> None:
+        st = self.sim.state
+        members, present = [], []
+        for e in decl.members:
+            slot = st.index_of[e.peer_id]
+            members.append(slot)
+            ok = key.waiting.get(slot) is not None and key.waiting[slot].session == e.session
+            present.append(ok and st.i["status"][slot] == READY)
+            if ok:
+                del key.waiting[slot]
+                st.i["status"][slot] = AVERAGING
+        self.sim.metrics.group_sizes.append(len(members))
+        slots = np.array(members)
+        live = slots[np.array(present)]
+        if not all(present):  # a member is gone (its entry outlived it): the round fails at connect
+            self.sim.env.process(self._fail_after(list(live), key.epoch, "member gone", self.avg.connect_timeout_s))
+            return
+        if len(slots) == 1:
+            self._solo(int(slots[0]), key.epoch, now)
+        elif self.avg.strategy == "butterfly":
+            self.sim.env.process(self._butterfly(slots, decl, key.epoch, now))
+        else:
+            self.sim.env.process(self._mixing(slots, decl, key.epoch, now))
+
+    def _cost(self, slots: np.ndarray) -> Transfer:
+        st = self.sim.state
+        ids = [st.peer_ids[int(s)] for s in slots]
+        return allreduce_cost(ids, self.sim.sc.sim.model_bytes, st.f["up_bps"][slots], st.f["down_bps"][slots],
+                              st.f["latency_s"][slots])  # fmt: skip
+
+    def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
+        st = self.sim.state
+        cost = self._cost(slots)
+        finish = now + cost.duration_s
+        first_gone = float(st.f["leaves_at"][slots].min())
+        if first_gone < finish:  # all-or-nothing: the others notice the silence after part_timeout_s
+            yield self.sim.env.timeout(first_gone - now + self.avg.part_timeout_s)
+            self.fail([int(s) for s in slots if st.i["status"][s] == AVERAGING], epoch, "member died", self.sim.env.now)
+            return
+        yield self.sim.env.timeout(cost.duration_s)
+        avg, _ = group_means(st.delta[slots], st.f["weight"][slots], np.zeros(len(slots), np.int64))
+        self._account(slots, cost)
+        self._commit(slots, avg, epoch, decl.round_id, self.sim.env.now)
+
+    def _mixing(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
+        """Moshpit / gossip (``averaging.engine._mixing``): rounds in derived groups, each all-or-nothing."""
+        st = self.sim.state
+        ids = [st.peer_ids[int(s)] for s in slots]
+        local = {p: k for k, p in enumerate(ids)}
+        x, w = st.delta[slots].copy(), st.f["weight"][slots].copy()
+        t = np.full(len(slots), now)
+        committed = np.zeros(len(slots), np.int64)
+        final_group = np.zeros(len(slots), np.int64)
+        grid = grid_for(len(ids), self.avg.target_group_size) if len(ids) > 1 else (2,)
+        leaves = st.f["leaves_at"][slots]
+        for r in range(self.avg.moshpit_rounds):
+            index = epoch * self.avg.moshpit_rounds + r
+            if self.avg.strategy == "moshpit":
+                groups, _ = moshpit_groups(ids, grid, index, PREFIX)
+            else:
+                groups, _ = gossip_pairs(ids, index, PREFIX)
+            labels = np.full(len(slots), -1, np.int64)
+            for g, group in enumerate(groups):
+                idx = np.array([local[p] for p in group])
+                final_group[idx] = g
+                if len(idx) < 2:
+                    continue
+                start = float(t[idx].max())
+                cost = self._cost(slots[idx])
+                end = start + cost.duration_s
+                if (leaves[idx] < end).any():  # a member gone: this group's round fails, values kept
+                    t[idx] = max(start, float(leaves[idx].min())) + self.avg.part_timeout_s
+                    continue
+                t[idx] = end
+                labels[idx] = g
+                committed[idx] += 1
+                self._account(slots[idx], cost)
+            x, w_new = group_means(x, w, labels)
+            if self.avg.strategy == "moshpit":
+                w = w_new
+        alive_end = leaves > t
+        ok = (committed > 0) & alive_end
+        for when in np.unique(t[ok]):
+            sel = ok & (t == when)
+            self.sim.env.process(self._commit_later(slots[sel], x[sel], epoch, decl.round_id, final_group[sel], when))
+        failed = [int(s) for s in slots[(committed == 0) & alive_end]]
+        if failed:
+            yield self.sim.env.timeout(max(float(t.max()) - now, 0.0))
+            self.fail(failed, epoch, "no mixing round committed", self.sim.env.now)
+
+    def _commit_later(self, slots, averaged, epoch, round_id, final_group, when):
+        yield self.sim.env.timeout(max(when - self.sim.env.now, 0.0))
+        keep = self.sim.state.i["status"][slots] == AVERAGING
+        hashes = [f"{round_id}:{g}" for g in final_group[keep]]
+        self._commit(slots[keep], averaged[keep], epoch, hashes, self.sim.env.now)
+
+    def _solo(self, slot: int, epoch: int, now: float) -> None:
+        st = self.sim.state
+        view = RoundView(epoch, st.state_hash[slot], int(st.i["attempt"][slot]) + 1, committed=True, group_size=1)
+        policy = self._after_round(slot, view, now)
+        if policy.action == "apply":
+            self._commit(np.array([slot]), st.delta[[slot]], epoch, f"solo:{slot}:{epoch}", now)
+        else:
+            self._apply_policy([slot], epoch, policy, now)
+
+    def _account(self, slots: np.ndarray, cost: Transfer) -> None:
+        st = self.sim.state
+        st.f["bytes_sent"][slots] += cost.sent_bytes
+        st.f["bytes_received"][slots] += cost.received_bytes
+
+    def _commit(self, slots: np.ndarray, averaged: np.ndarray, epoch: int, state_hash, now: float) -> None:
+        """Members apply the averaged pseudo-gradient (outer step), move to epoch + 1 and start their next phase."""
+        st = self.sim.state
+        if len(slots) == 0:
+            return
+        st.theta[slots] += averaged
+        st.f["samples_committed"][slots] += st.f["weight"][slots]
+        st.i["epoch"][slots] = epoch + 1
+        st.i["attempt"][slots] = 0
+        st.f["ready_since"][slots] = 0
+        for k, slot in enumerate(slots):
+            st.state_hash[int(slot)] = state_hash if isinstance(state_hash, str) else state_hash[k]
+            st.start_phase(int(slot), epoch + 1, now)
+        self.sim.metrics.record_commit(epoch, now, len(slots))
+
+    # ---- failures ------------------------------------------------------------------------------------------------
+    def _fail_after(self, slots: list[int], epoch: int, failure: str, delay_s: float):
+        yield self.sim.env.timeout(delay_s)
+        self.fail([s for s in slots if self.sim.state.i["status"][s] != ABSENT], epoch, failure, self.sim.env.now)
+
+    def _after_round(self, slot: int, view: RoundView, now: float):
+        sc = self.sim.sc
+        policy = decide_after_round(
+            self.sim.state.peer_ids[slot],
+            view,
+            self.sim.board.records(),
+            now,
+            max_retries=self.avg.max_retries,
+            stale_after_s=sc.schedule.stale_after_s,
+            dht_lost_after_s=sc.schedule.record_ttl_s,
+            exact_average=self.sim.exact,
+        )
+        self.sim.metrics.count("after_round." + policy.action)
+        return policy
+
+    def fail(self, slots: list[int], epoch: int, failure: str, now: float) -> None:
+        """A round failed for ``slots``: one ``decide_after_round`` per (state, attempt) group of them."""
+        st = self.sim.state
+        self.sim.metrics.count("round_failed." + failure)
+        by_view: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for slot in slots:
+            if st.i["status"][slot] != ABSENT:
+                by_view[(st.state_hash[slot], int(st.i["attempt"][slot]))].append(slot)
+        for (state_hash, attempt), group in by_view.items():
+            deadline = float(st.f["ready_since"][group[0]]) + self.avg.round_timeout_s
+            view = RoundView(epoch, state_hash, attempt + 1, committed=False, failure=failure,
+                             time_left_s=deadline - now)  # fmt: skip
+            self._apply_policy(group, epoch, self._after_round(group[0], view, now), now)
+
+    def _apply_policy(self, slots: list[int], epoch: int, policy, now: float) -> None:
+        st = self.sim.state
+        for slot in slots:
+            st.i["attempt"][slot] += 1
+        if policy.action == "resync" and self.sim.sync_or_download(slots, epoch, st.state_hash[slots[0]], now):
+            for slot in slots:
+                st.f["carried_samples"][slot] = 0  # ``keep_carried`` with max_staleness 0: lost across a download
+            return
+        if policy.action in ("retry", "lost"):
+            self.sim.env.process(self._retry(slots, policy.backoff_s))
+            return
+        for slot in slots:  # carry (or resync without donors): train on at this epoch, send both later
+            st.f["carried_samples"][slot] = st.f["weight"][slot]
+            st.f["ready_since"][slot] = 0
+            st.i["attempt"][slot] = 0
+            st.start_phase(slot, epoch, now)
+
+    def _retry(self, slots: list[int], backoff_s: float):
+        st = self.sim.state
+        for slot in slots:
+            st.i["status"][slot] = AVERAGING  # not training, not yet announced
+        yield self.sim.env.timeout(backoff_s)
+        for slot in slots:
+            if st.i["status"][slot] == AVERAGING:
+                self.announce(slot, self.sim.env.now)
+
+    # ---- downloads -----------------------------------------------------------------------------------------------
+    def download_cost(self, slot: int, donors: np.ndarray, concurrent: np.ndarray) -> Transfer:
+        st, sc = self.sim.state, self.sim.sc
+        return download_cost(sc.sim.resolved_state_bytes(), sc.download.chunk_bytes, float(st.f["down_bps"][slot]),
+                             float(st.f["latency_s"][slot]), st.f["up_bps"][donors], st.f["latency_s"][donors],
+                             concurrent)  # fmt: skip
+
+
+def state_hash_of(*parts: object) -> str:
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
