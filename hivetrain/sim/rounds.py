@@ -115,17 +115,18 @@ class RoundEngine:
     def decide_fresh(self, key: RoundKey, slots: list[int], now: float) -> dict[int, Decision]:
         """``decide`` for peers that have just announced together at ``key`` (their entries are stored).
 
-        Shared call. Of a fresh caller listed in no declaration at this key, ``decide`` reads only: its
-        ``announced_at`` (the same for all of them), whether its id is in a declaration (no), and whether it is the
-        smallest-id candidate (the leader: "declare", "too_small" or a "leading" wait). Its own entry is among the
-        stored ones, so the candidates, the declarations' liveness and the group are the same for all of them. Hence
-        every such caller but the one with the smallest id gets the same answer as the one with the largest id:
-        two calls stand for them all. Callers listed in a declaration are decided one by one.
+        Shared call. Every caller's fresh entry is stored, so each caller sees the same entries and declarations;
+        a declaration that lists a caller (an older session of it) is over for all of them (``over_because``: its
+        member announced again), so no live declaration lists any caller, and no declaration lists their fresh
+        sessions. ``decide`` then reads of the caller only its ``announced_at`` (the same for all) and whether it is
+        the smallest-id candidate (the leader: "declare", "too_small" or a "leading" wait). Hence every caller but
+        the one with the smallest id gets the answer of the one with the largest id: two calls stand for them all.
+        (A caller listed with an entry announced at ``now`` itself would break the argument: it is decided alone.)
         ``tests/sim/test_sharing.py`` checks the shared answers equal individual calls.
         """
-        listed = {m.peer_id for d in key.declarations for m in d.members}
+        same_instant = {m.peer_id for d in key.declarations for m in d.members if m.announced_at >= now}
         ids = self.sim.state.peer_ids
-        sharable = sorted((s for s in slots if ids[s] not in listed), key=lambda s: ids[s])
+        sharable = sorted((s for s in slots if ids[s] not in same_instant), key=lambda s: ids[s])
         out: dict[int, Decision] = {}
         if len(sharable) > 2:
             shared = self._decide(key, key.waiting[sharable[-1]], now)

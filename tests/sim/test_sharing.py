@@ -37,14 +37,19 @@ def _window_declaration(sim: DataParallelSim, slots: list[int], at: float) -> Gr
 
 
 def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer() -> None:
-    """A late storm (a live window group), then its group over (entries wait or lead) with a member announcing."""
+    """A late storm (a live window group); a member announcing again (its group is over: all wait, one leads);
+    the group's declaration expired, with another member among the callers."""
     sim = _swarm(24)
     rounds, ids = sim.rounds, sim.state.peer_ids
     rounds.store([0, 1, 2], 0.0)
     rounds.keys[0].declare(_window_declaration(sim, [0, 1, 2], 3.0))
     key = rounds.keys[0]
-    # (peer 1, a member, announcing at 5 s would end its group's round for everyone: see ``over_because``)
-    cases = {5.0: list(range(3, 12)), 5.0 + sim.sc.averaging.round_timeout_s + 1: [2, *range(12, 24)]}
+    # at 6 s peer 1, a member, announces again: its group's round is over for everyone (``over_because``)
+    cases = {
+        5.0: list(range(3, 12)),
+        6.0: [1, *range(12, 16)],
+        5.0 + sim.sc.averaging.round_timeout_s: [2, *range(16, 24)],
+    }
     seen = set()
     for now, slots in cases.items():
         rounds.store(slots, now)
@@ -53,7 +58,7 @@ def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer() -
             assert shared[slot] == _individual(sim, key, slot, now), ids[slot]
             seen.add(shared[slot].action)
     assert {"late", "wait"} <= seen  # both the storm and the open group were compared
-    assert sim.metrics.decisions["decide.shared"] == (9 - 2) + (12 - 2)  # peer 2 is listed: decided alone
+    assert sim.metrics.decisions["decide.shared"] == (9 - 2) + (5 - 2) + (9 - 2)
 
 
 def test_failed_peers_share_decide_after_round_only_with_equal_answers() -> None:
