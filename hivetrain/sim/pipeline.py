@@ -20,8 +20,11 @@ Reported (``summary``): ``pipeline_throughput_mb_per_s`` (microbatches through e
 servers could do with perfect routing), their ratio, ``rerouted_share`` (microbatches that needed at least one
 reroute), moves, bans, hops failed by cause, servers per stage at the end.
 
+A queued microbatch whose call deadline (less ``swarm.runtime``'s 0.5 s margin) passes before the server starts it is
+skipped, as ``StageRuntime`` does; one that started is finished, and its work is wasted if the call timed out.
+
 Simplifications: activations' transfer time is not modelled (a hop costs ``hop_latency_s``); the backward pass is
-folded into each server's service time; a server's work on a microbatch whose call timed out is still done (wasted).
+folded into each server's service time.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from hivetrain.swarm.rebalance import choose_stage, decide_move
 from hivetrain.swarm.routing import choose_server
 
 _Z95 = 1.6448536269514722
+DEADLINE_MARGIN_S = 0.5  # swarm.runtime.StageRuntime's default deadline_margin_s
 
 
 @dataclass
@@ -203,14 +207,16 @@ class PipelineSim:
         if s.gone or s.status != "serving":
             return False, now + lat  # connection refused / not serving this stage
         start = max(now + lat, s.free_at)
+        deadline = now + self.p.call_timeout_s
+        if start > deadline - DEADLINE_MARGIN_S:  # expired while queued: the server skips it (swarm.runtime)
+            return False, deadline
         end = start + self.p.cost(s.stage) / s.speed
         s.free_at = end
         s.ends.append(end)
-        deadline = now + self.p.call_timeout_s
         if s.leaves_at < min(end, deadline):
             return False, max(now, s.leaves_at) + lat  # died holding it: the stream breaks
         if end + lat > deadline:
-            return False, deadline  # timed out (its queue is too long); the work is still done, wasted
+            return False, deadline  # timed out while it ran: the work is done, wasted
         return True, end + lat
 
     def _microbatch(self, trainer: Trainer):
