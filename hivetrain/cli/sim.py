@@ -1,7 +1,8 @@
 """``hivetrain sim SCENARIO.toml --out DIR``: a discrete-event simulation of a volunteer swarm on this machine.
 
-Simulated peers run hivetrain's own decision functions (schedule, matchmaking, groups, sync policy) over a modelled
-network; training is modelled, not run. Writes ``DIR/report.json`` and ``DIR/drift.png``. Exit codes: 0 done,
+Simulated peers run hivetrain's own decision functions (schedule, matchmaking, groups, sync policy; in SWARM mode,
+``[sim] mode = "swarm"``, routing, bans and rebalancing) over a modelled network; training is modelled, not run.
+Writes ``DIR/report.json`` and ``DIR/drift.png`` (data-parallel) or ``DIR/report.json`` (SWARM). Exit codes: 0 done,
 2 bad scenario or arguments.
 """
 
@@ -16,9 +17,9 @@ from hivetrain.cli.common import EXIT_BAD_INPUT, fail
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hivetrain sim", description=__doc__.splitlines()[0])
     parser.add_argument("scenario", help="a scenario TOML file (e.g. scenarios/sim/dp-100.toml)")
-    parser.add_argument("--out", required=True, help="directory for report.json and drift.png")
+    parser.add_argument("--out", required=True, help="directory for report.json (and drift.png)")
     parser.add_argument("--seed", type=int, default=None, help="override [sim].seed (same seed = same report)")
-    parser.add_argument("--outer-steps", type=int, default=None, help="override [sim].outer_steps")
+    parser.add_argument("--outer-steps", type=int, default=None, help="override [sim].outer_steps (data-parallel mode)")
     return parser
 
 
@@ -36,6 +37,15 @@ def main(argv: list[str] | None = None) -> int:
             scenario = replace(scenario, sim=replace(scenario.sim, outer_steps=args.outer_steps))
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
+    if scenario.sim.mode == "swarm":
+        from hivetrain.sim.pipeline import PipelineSim
+        from hivetrain.sim.report import write_pipeline_report
+
+        report = write_pipeline_report(PipelineSim(scenario).run(), args.out)
+        keys = ("peers", "num_stages", "pipeline_throughput_mb_per_s", "ideal_throughput_mb_per_s", "rerouted_share",
+                "moves", "wall_s")  # fmt: skip
+        print(json.dumps({k: report[k] for k in keys}))
+        return 0
     from hivetrain.sim.dataparallel import DataParallelSim
     from hivetrain.sim.report import write_report
 

@@ -2,9 +2,10 @@
 
 Tables: ``[sim]`` (size, length, seed, tick), ``[peers]`` (compute, links, NAT), ``[churn]`` (session lengths and
 arrivals), ``[flash_crowd]`` (optional burst of joiners), ``[schedule]`` (the outer-step schedule, as
-``diloco.schedule.PhasePlan``), ``[download]`` (late joiners' state download) and ``[averaging]``, which is the
-production ``averaging.config.AveragingConfig`` itself: the simulated swarm averages with the same settings a run
-would. Unknown keys are errors; cross-field checks raise ``ValueError`` naming the field.
+``diloco.schedule.PhasePlan``), ``[download]`` (late joiners' state download), ``[pipeline]`` (SWARM mode: stages,
+servers, trainers, routing and rebalancing timings) and ``[averaging]``, which is the production
+``averaging.config.AveragingConfig`` itself: the simulated swarm averages with the same settings a run would.
+Unknown keys are errors; cross-field checks raise ``ValueError`` naming the field.
 
 Units are in the names: seconds (``_s``), samples, bytes, megabits per second (``_mbps``, 10^6 bit/s).
 """
@@ -50,6 +51,8 @@ class SimSettings:
             "auto" = "real" up to 300 peers.
         schedule_probes: peers per tick whose aggregate decision is compared with the real function's (divergences
             are counted in the report).
+        mode: "dataparallel" (``sim.dataparallel``: DiLoCo over the whole model) or "swarm" (``sim.pipeline``: SWARM
+            pipeline stages, ``[pipeline]``; runs for ``max_sim_s``).
     """
 
     seed: int = 0
@@ -62,6 +65,7 @@ class SimSettings:
     state_bytes: int = Field(default=0, ge=0, description="0 = 2 x model_bytes")
     schedule_model: Literal["real", "aggregate", "auto"] = "auto"
     schedule_probes: int = Field(default=2, ge=0, le=1000)
+    mode: Literal["dataparallel", "swarm"] = "dataparallel"
 
     def resolved_schedule_model(self) -> Literal["real", "aggregate"]:
         if self.schedule_model == "auto":
@@ -180,6 +184,69 @@ class DownloadSettings:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class PipelineSettings:
+    """SWARM pipeline mode (``sim.pipeline``): stage servers, trainers that stream microbatches through them.
+
+    Args:
+        num_stages: S, pipeline stages.
+        num_servers: stage servers at time 0 (``[churn]`` applies to servers: sessions and arrivals keep this many on
+            average).
+        initial_placement: "choose_stage" = each initial server joins through ``swarm.rebalance.choose_stage``, in
+            turn; "round_robin" = server k serves stage k mod S (ignores speeds); "skewed" = half of them on stage 0,
+            the rest round robin (a placement for rebalancing to repair).
+        num_trainers / inflight_per_trainer: trainers, and microbatches each keeps in the pipeline (closed loop).
+        server_mb_per_s_median / server_spread: a server's speed in microbatches/s (one forward + one backward) at a
+            stage of cost 1, log-normal with this median and p95/p5 ratio; at stage s it is speed / stage_costs[s].
+        stage_costs: relative compute cost of each stage; empty = all 1.
+        announce_interval_s: servers re-announce their ``StageRecord`` this often (staggered), seconds.
+        record_max_age_s: trainers and servers ignore records older than this, seconds (a dead server is routed to
+            until its record ages out).
+        call_timeout_s: a trainer gives up on a hop after this long and bans the server, seconds.
+        ban_base_s / ban_max_s: a failed server's first ban and longest ban, seconds (doubling per failure).
+        Defaults of these timings are ``swarm.config.SwarmConfig``'s (request_timeout_s, record_ttl_s, ...).
+        hop_latency_s: one-way network latency per hop (activations' transfer time is not modelled), seconds.
+        rebalance / rebalance_interval_s / rebalance_margin / min_servers_per_stage: every interval each serving
+            server asks ``swarm.rebalance.decide_move`` (margin as a fraction: 0.2 = 20%).
+        move_s: a moving or joining server fetches its stage's state for this long before it serves, seconds.
+        warmup_s: throughput is measured after this, seconds.
+    """
+
+    num_stages: int = Field(default=4, ge=1, le=64)
+    num_servers: int = Field(default=100, ge=1, le=100_000)
+    initial_placement: Literal["choose_stage", "round_robin", "skewed"] = "choose_stage"
+    num_trainers: int = Field(default=8, ge=1, le=10_000)
+    inflight_per_trainer: int = Field(default=16, ge=1, le=10_000)
+    server_mb_per_s_median: float = Field(default=1.0, gt=0.0)
+    server_spread: float = Field(default=4.0, ge=1.0)
+    stage_costs: tuple[float, ...] = ()
+    announce_interval_s: float = Field(default=1.0, gt=0.0)
+    record_max_age_s: float = Field(default=5.0, gt=0.0)
+    call_timeout_s: float = Field(default=10.0, gt=0.0)
+    ban_base_s: float = Field(default=2.0, gt=0.0)
+    ban_max_s: float = Field(default=60.0, gt=0.0)
+    hop_latency_s: float = Field(default=0.05, ge=0.0)
+    rebalance: bool = True
+    rebalance_interval_s: float = Field(default=10.0, gt=0.0)
+    rebalance_margin: float = Field(default=0.2, ge=0.0)
+    min_servers_per_stage: int = Field(default=1, ge=0)
+    move_s: float = Field(default=30.0, ge=0.0)
+    warmup_s: float = Field(default=60.0, ge=0.0)
+
+    def __post_init__(self) -> None:
+        if self.stage_costs and len(self.stage_costs) != self.num_stages:
+            raise ValueError(f"pipeline.stage_costs must have num_stages ({self.num_stages}) entries or none")
+        if any(c <= 0 for c in self.stage_costs):
+            raise ValueError(f"pipeline.stage_costs must be > 0, got {self.stage_costs}")
+        if self.ban_max_s < self.ban_base_s:
+            raise ValueError("pipeline.ban_max_s must be >= ban_base_s")
+        if self.record_max_age_s < self.announce_interval_s:
+            raise ValueError("pipeline.record_max_age_s must be >= announce_interval_s (records would age out)")
+
+    def cost(self, stage: int) -> float:
+        return self.stage_costs[stage] if self.stage_costs else 1.0
+
+
+@dataclass(frozen=True, config=_STRICT)
 class Scenario:
     """A whole simulation scenario (see the module docstring)."""
 
@@ -191,6 +258,7 @@ class Scenario:
     schedule: ScheduleSettings = ScheduleSettings()
     download: DownloadSettings = DownloadSettings()
     averaging: AveragingConfig = AveragingConfig()
+    pipeline: PipelineSettings = PipelineSettings()
 
 
 def parse_scenario(raw: dict[str, Any], where: str = "scenario") -> Scenario:

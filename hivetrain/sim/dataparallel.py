@@ -94,21 +94,19 @@ class DataParallelSim:
         st, B = self.state, self.sc.schedule.batch_size
         training = st.i["status"][slots] == TRAINING
         steps = np.where(training, st.steps_done(slots, now, B), 0.0)
-        for k, slot in enumerate(slots):
-            slot = int(slot)
-            self.board.publish(
-                slot, st.peer_ids[slot], st.state_hash[slot],
-                epoch=st.i["epoch"][slot], phase_epoch=st.i["phase_epoch"][slot],
-                phase_samples=steps[k] * B + (st.f["carried_samples"][slot] if training[k] else 0),
-                throughput=st.f["samples_per_s"][slot], done_epoch=st.i["done_epoch"][slot],
-                done_samples=st.i["done_samples"][slot], updated_at=now,
-            )  # fmt: skip
+        ids = [st.peer_ids[s] for s in slots.tolist()]
+        hashes = [st.state_hash[s] for s in slots.tolist()]
+        self.board.publish_many(
+            slots, ids, hashes, epoch=st.i["epoch"][slots], phase_epoch=st.i["phase_epoch"][slots],
+            phase_samples=steps * B + np.where(training, st.f["carried_samples"][slots], 0),
+            throughput=st.f["samples_per_s"][slots], done_epoch=st.i["done_epoch"][slots],
+            done_samples=st.i["done_samples"][slots], updated_at=np.full(len(slots), now),
+        )  # fmt: skip
         self.next_publish[slots] += self.sc.schedule.record_interval_s
         stored = self.board.num_stored()
         value_bytes = stored * simdht.record_bytes()
         self.metrics.dht.value_size(simdht.PEERS_KEY, value_bytes)
-        for slot in slots:  # one store of our record and one get of everyone's per heartbeat
-            self.metrics.dht.op(int(slot), 2, read_bytes=value_bytes)
+        self.metrics.dht.ops(len(slots), 2, value_bytes)  # one store of our record and one get of everyone's
 
     # ---- processes -----------------------------------------------------------------------------------------------
     def _arrivals(self):
@@ -235,11 +233,11 @@ class DataParallelSim:
             self.metrics.schedule_probes += len(picks)
             self.metrics.schedule_divergences += check_against_real(*args, ends, picks)
         step_s = st.step_s(slots, B)
+        ending = [int(slots[k]) for k in np.flatnonzero(ends)]
         for k in np.flatnonzero(ends):
-            slot = int(slots[k])
-            new = int(steps[k] * B)
-            st.end_phase(slot, new, float(steps[k] * step_s[k]), self.noise_rng)
-            self.rounds.announce(slot, now)
+            st.end_phase(int(slots[k]), int(steps[k] * B), float(steps[k] * step_s[k]), self.noise_rng)
+        if ending:
+            self.rounds.announce(ending, now)
 
     # ---- run -----------------------------------------------------------------------------------------------------
     def run(self) -> SimMetrics:

@@ -77,15 +77,17 @@ def declaration_bytes(num_members: int) -> int:
 
 @dataclass
 class DhtStats:
-    """Operations per peer and the largest value seen per key (bytes)."""
+    """DHT operations and bytes read, summed over peers (the report divides by peers and steps), and the largest
+    value seen per key (bytes)."""
 
-    ops_per_peer: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    read_bytes_per_peer: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    ops_total: int = 0
+    read_bytes_total: int = 0
     peak_value_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def op(self, peer: int, count: int = 1, read_bytes: int = 0) -> None:
-        self.ops_per_peer[peer] += count
-        self.read_bytes_per_peer[peer] += read_bytes
+    def ops(self, num_peers: int, count_each: int = 1, read_bytes_each: int = 0) -> None:
+        """``num_peers`` peers each do ``count_each`` operations that read ``read_bytes_each`` bytes in all."""
+        self.ops_total += num_peers * count_each
+        self.read_bytes_total += num_peers * read_bytes_each
 
     def value_size(self, key: str, num_bytes: int) -> None:
         if num_bytes > self.peak_value_bytes[key]:
@@ -109,6 +111,7 @@ class RecordBoard:
         self.state_hash: list[str] = []
         self.peer_ids: list[str] = []
         self.objects: list[PeerRecord | None] = []
+        self._records: list[PeerRecord] | None = None  # the last ``records()``, until a record changes
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -125,37 +128,62 @@ class RecordBoard:
 
     def publish(self, slot: int, peer_id: str, state_hash: str, **values: float) -> None:
         """Store the record of ``slot`` (every column in ``values``, ``updated_at`` included)."""
-        self.published[slot] = True
-        self.peer_ids[slot] = peer_id
-        self.state_hash[slot] = state_hash
+        self.publish_many(np.array([slot]), [peer_id], [state_hash], **{c: np.array([values[c]]) for c in self.COLUMNS})
+
+    def publish_many(
+        self, slots: np.ndarray, peer_ids: list[str], state_hashes: list[str], **columns: np.ndarray
+    ) -> None:
+        """Store the records of ``slots`` at once: ``columns`` holds one array per column, aligned with ``slots``."""
+        self.published[slots] = True
         for c in self.COLUMNS:
-            self.cols[c][slot] = values[c]
-        self.objects[slot] = None  # rebuilt on demand
+            self.cols[c][slots] = columns[c]
+        for k, slot in enumerate(slots.tolist()):
+            self.peer_ids[slot] = peer_ids[k]
+            self.state_hash[slot] = state_hashes[k]
+            self.objects[slot] = None  # rebuilt on demand
+        self._records = None
 
     def expire(self, now: float, record_ttl_s: float) -> None:
         """Drop records not refreshed for ``record_ttl_s`` seconds (the DHT forgets them)."""
         gone = self.published & (now - self.cols["updated_at"] > record_ttl_s)
-        self.published[gone] = False
+        if gone.any():
+            self.published[gone] = False
+            self._records = None
 
     def num_stored(self) -> int:
         return int(self.published.sum())
 
     def record(self, slot: int) -> PeerRecord:
-        """The real ``PeerRecord`` of ``slot`` (built with ``model_construct``: the values are ours and valid)."""
+        """The real ``PeerRecord`` of ``slot``: a copy of a template record (built once with ``model_construct``) with
+        this slot's values (``model_copy(update=...)``, 8x cheaper than ``model_construct``; neither validates: the
+        values are ours and valid)."""
         rec = self.objects[slot]
         if rec is None:
             c = self.cols
-            rec = PeerRecord.model_construct(
-                peer_id=self.peer_ids[slot], role="trainer", version="0.1.0", run_id=RUN_ID, model_fingerprint="f",
-                epoch=int(c["epoch"][slot]), throughput=float(c["throughput"][slot]),
-                state_hash=self.state_hash[slot], phase_epoch=int(c["phase_epoch"][slot]),
-                phase_samples=int(c["phase_samples"][slot]), done_epoch=int(c["done_epoch"][slot]),
-                done_samples=int(c["done_samples"][slot]), updated_at=float(c["updated_at"][slot]), left_reason="",
-                paused=False,
+            rec = _template_record().model_copy(
+                update={
+                    "peer_id": self.peer_ids[slot], "epoch": int(c["epoch"][slot]),
+                    "throughput": float(c["throughput"][slot]), "state_hash": self.state_hash[slot],
+                    "phase_epoch": int(c["phase_epoch"][slot]), "phase_samples": int(c["phase_samples"][slot]),
+                    "done_epoch": int(c["done_epoch"][slot]), "done_samples": int(c["done_samples"][slot]),
+                    "updated_at": float(c["updated_at"][slot]),
+                }
             )  # fmt: skip
             self.objects[slot] = rec
         return rec
 
     def records(self) -> list[PeerRecord]:
-        """Every stored record, as a DHT get of the peers key returns them."""
-        return [self.record(int(s)) for s in np.flatnonzero(self.published)]
+        """Every stored record, as a DHT get of the peers key returns them. The same list object is returned until a
+        record is published or expires (callers must not mutate it): every decision in one tick reads one list."""
+        if self._records is None:
+            self._records = [self.record(s) for s in np.flatnonzero(self.published).tolist()]
+        return self._records
+
+
+@functools.cache
+def _template_record() -> PeerRecord:
+    return PeerRecord.model_construct(
+        peer_id="template", role="trainer", version="0.1.0", run_id=RUN_ID, model_fingerprint="f", epoch=0,
+        throughput=0.0, state_hash="", phase_epoch=0, phase_samples=0, done_epoch=0, done_samples=0, updated_at=0.0,
+        left_reason="", paused=False,
+    )  # fmt: skip

@@ -54,8 +54,8 @@ class SimMetrics:
     def flash_set(self) -> set[int]:
         return set(self.flash_slots)
 
-    def count(self, what: str) -> None:
-        self.decisions[what] += 1
+    def count(self, what: str, times: int = 1) -> None:
+        self.decisions[what] += times
 
     def record_commit(self, epoch: int, now: float, num_members: int) -> None:
         self.commits.setdefault(epoch, []).extend([now] * num_members)
@@ -106,8 +106,8 @@ class SimMetrics:
             "committed_sample_share": float(f["samples_committed"][:n].sum() / max(computed, 1.0)),
             "time_per_outer_step_s": float(np.median(gaps)) if gaps else None,
             "bytes_per_peer_per_step": float((f["bytes_sent"][:n].sum() + f["bytes_received"][:n].sum()) / per_step),
-            "dht_ops_per_peer_per_step": float(sum(self.dht.ops_per_peer.values()) / per_step),
-            "dht_read_bytes_per_peer_per_step": float(sum(self.dht.read_bytes_per_peer.values()) / per_step),
+            "dht_ops_per_peer_per_step": float(self.dht.ops_total / per_step),
+            "dht_read_bytes_per_peer_per_step": float(self.dht.read_bytes_total / per_step),
             "peak_dht_value_bytes": int(max(self.dht.peak_value_bytes.values(), default=0)),
             "peak_dht_value_bytes_by_key": dict(self.dht.peak_value_bytes),
             "group_size_mean": float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,

@@ -37,6 +37,14 @@ def write_report(metrics: SimMetrics, out_dir: str | Path, group_size: int, seed
     return report
 
 
+def write_pipeline_report(summary: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
+    """Write a SWARM-mode run's summary (``sim.pipeline``) as ``report.json`` under ``out_dir``; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
 def _plot_drift(metrics: SimMetrics, path: Path) -> None:
     import matplotlib
 

@@ -1,7 +1,8 @@
 """Matchmaking and averaging rounds of the simulated swarm, decided by the production functions.
 
-Per round key (epoch E, DHT key ``{prefix}.eE.mm``) the engine keeps what the DHT would hold: every ``ReadyEntry``
-announced (until ``round_timeout_s`` after its announcement) and every ``GroupDeclaration``. At each tick it calls
+Per round key (epoch E, DHT key ``{prefix}.eE.mm``) the engine keeps what the DHT would hold: each peer's newest
+``ReadyEntry`` (one subkey per peer: a newer announcement replaces the older; until ``round_timeout_s`` after it) and
+every ``GroupDeclaration``. At each tick it calls
 ``averaging.matchmaking.decide`` for the waiting peer with the smallest id: that peer is the leader of any group that
 can form now (``decide`` sorts candidates by id), so "declare" forms a group, a failure ("late", "no_group", ...)
 fails that peer and the next one is asked, and "wait" means no group forms this tick. A peer that announces while a
@@ -9,6 +10,11 @@ fails that peer and the next one is asked, and "wait" means no group forms this 
 its decision is "wait" or "declare"). Followers are not asked separately: a declaration that lists them is their
 "joined". Groups run as SimPy processes whose duration comes from ``sim.network``; the pseudo-gradients are averaged
 with ``sim.consensus.group_means``; failures go through ``diloco.sync_policy.decide_after_round``.
+
+Shared calls (the functions are pure, so a call whose answer is provably the same for several peers is made once):
+peers that announce together are decided by two ``decide`` calls (``decide_fresh``), and failed peers whose views and
+own records agree share one ``decide_after_round`` (``share_key``). At 10,000 peers a "late" storm otherwise costs an
+O(N) call of each per peer per retry. ``tests/sim/test_sharing.py`` compares shared with individual calls.
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
-from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration, ReadyEntry, decide, make_round_id
+from hivetrain.averaging.matchmaking import (
+    MAX_MEMBERS,
+    Decision,
+    GroupDeclaration,
+    ReadyEntry,
+    decide,
+    make_round_id,
+)
 from hivetrain.diloco.rounds import expected_peers
 from hivetrain.diloco.sync_policy import RoundView, decide_after_round
 from hivetrain.sim import dht as simdht
@@ -40,9 +53,14 @@ class RoundKey:
     """What the DHT holds for one round key, and which slots wait on it."""
 
     epoch: int
-    entries: list[ReadyEntry] = field(default_factory=list)
+    entries: dict[str, ReadyEntry] = field(default_factory=dict)  # peer id -> its newest entry (one DHT subkey each)
     declarations: list[GroupDeclaration] = field(default_factory=list)
+    declarations_bytes: int = 0
     waiting: dict[int, ReadyEntry] = field(default_factory=dict)
+
+    def declare(self, decl: GroupDeclaration) -> None:
+        self.declarations.append(decl)
+        self.declarations_bytes += simdht.declaration_bytes(len(decl.members))
 
 
 class RoundEngine:
@@ -55,26 +73,70 @@ class RoundEngine:
         self.sessions = 0
 
     # ---- matchmaking ---------------------------------------------------------------------------------------------
-    def announce(self, slot: int, now: float) -> None:
-        """``slot`` is ready to average its pseudo-gradient at its phase epoch: store a fresh entry."""
+    def announce(self, slots: list[int], now: float) -> None:
+        """``slots`` are ready to average their pseudo-gradients at their phase epochs: store fresh entries. A peer
+        that announces while a "window" declaration exists at its key is decided at once (see the module docstring);
+        peers announcing together share that decision where it is provably the same (``decide_fresh``)."""
+        for epoch, group in self.store(slots, now).items():
+            key = self.keys[epoch]
+            if not any(d.reason == "window" for d in key.declarations):
+                continue
+            failed: dict[str, list[int]] = defaultdict(list)
+            for slot, d in self.decide_fresh(key, group, now).items():
+                if d.action not in ("wait", "declare", "joined"):
+                    del key.waiting[slot]
+                    failed[d.action].append(slot)
+            for action, failing in failed.items():
+                self.fail(failing, epoch, action, now)
+
+    def store(self, slots: list[int], now: float) -> dict[int, list[int]]:
+        """Store a fresh entry (a new session) for each of ``slots`` at its phase epoch's key; returns epoch ->
+        the slots stored there. A newer entry of a peer replaces its older one (one DHT subkey per peer)."""
         st = self.sim.state
-        epoch = int(st.i["phase_epoch"][slot])
-        key = self.keys.setdefault(epoch, RoundKey(epoch))
-        self.sessions += 1
-        session = self.sessions.to_bytes(16, "big")
-        entry = simdht.fake_entry(st.peer_ids[slot], f"e{epoch}", session, now, now + self.avg.matchmaking_time_s)
-        key.entries.append(entry)
-        key.waiting[slot] = entry
-        st.i["status"][slot] = READY
-        if st.f["ready_since"][slot] == 0 or st.i["attempt"][slot] == 0:
-            st.f["ready_since"][slot] = now
-        self.sim.metrics.dht.op(slot, 1)
-        self._key_size(key)
-        if any(d.reason == "window" for d in key.declarations):
-            d = self._decide(key, entry, now)
-            if d.action not in ("wait", "declare", "joined"):
-                del key.waiting[slot]
-                self.fail([slot], epoch, d.action, now)
+        fresh: dict[int, list[int]] = defaultdict(list)
+        for slot in slots:
+            epoch = int(st.i["phase_epoch"][slot])
+            key = self.keys.setdefault(epoch, RoundKey(epoch))
+            self.sessions += 1
+            session = self.sessions.to_bytes(16, "big")
+            peer_id = st.peer_ids[slot]
+            entry = simdht.fake_entry(peer_id, f"e{epoch}", session, now, now + self.avg.matchmaking_time_s)
+            key.entries[peer_id] = entry
+            key.waiting[slot] = entry
+            st.i["status"][slot] = READY
+            if st.f["ready_since"][slot] == 0 or st.i["attempt"][slot] == 0:
+                st.f["ready_since"][slot] = now
+            fresh[epoch].append(slot)
+        self.sim.metrics.dht.ops(len(slots))
+        for epoch in fresh:
+            self._key_size(self.keys[epoch])
+        return fresh
+
+    def decide_fresh(self, key: RoundKey, slots: list[int], now: float) -> dict[int, Decision]:
+        """``decide`` for peers that have just announced together at ``key`` (their entries are stored).
+
+        Shared call. Every caller's fresh entry is stored, so each caller sees the same entries and declarations;
+        a declaration that lists a caller (an older session of it) is over for all of them (``over_because``: its
+        member announced again), so no live declaration lists any caller, and no declaration lists their fresh
+        sessions. ``decide`` then reads of the caller only its ``announced_at`` (the same for all) and whether it is
+        the smallest-id candidate (the leader: "declare", "too_small" or a "leading" wait). Hence every caller but
+        the one with the smallest id gets the answer of the one with the largest id: two calls stand for them all.
+        (A caller listed with an entry announced at ``now`` itself would break the argument: it is decided alone.)
+        ``tests/sim/test_sharing.py`` checks the shared answers equal individual calls.
+        """
+        same_instant = {m.peer_id for d in key.declarations for m in d.members if m.announced_at >= now}
+        ids = self.sim.state.peer_ids
+        sharable = sorted((s for s in slots if ids[s] not in same_instant), key=lambda s: ids[s])
+        out: dict[int, Decision] = {}
+        if len(sharable) > 2:
+            shared = self._decide(key, key.waiting[sharable[-1]], now)
+            out = dict.fromkeys(sharable[1:], shared)
+            self.sim.metrics.count("decide." + shared.action, len(sharable) - 2)  # verdicts, one per peer
+            self.sim.metrics.count("decide.shared", len(sharable) - 2)
+        for slot in slots:
+            if slot not in out:
+                out[slot] = self._decide(key, key.waiting[slot], now)
+        return out
 
     def forget(self, slot: int) -> None:
         """A departed peer stops waiting (its entry stays in the DHT until it expires)."""
@@ -82,15 +144,13 @@ class RoundEngine:
             key.waiting.pop(slot, None)
 
     def _key_size(self, key: RoundKey) -> int:
-        size = len(key.entries) * simdht.entry_bytes() + sum(
-            simdht.declaration_bytes(len(d.members)) for d in key.declarations
-        )
+        size = len(key.entries) * simdht.entry_bytes() + key.declarations_bytes
         self.sim.metrics.dht.value_size("matchmaking", size)
         return size
 
     def _decide(self, key: RoundKey, me: ReadyEntry, now: float, expected: frozenset[str] = frozenset()):
         target = self.avg.target_group_size if self.avg.strategy == "butterfly" else MAX_MEMBERS
-        d = decide(me, key.entries, key.declarations, now, target_group_size=target,
+        d = decide(me, key.entries.values(), key.declarations, now, target_group_size=target,
                    min_group_size=self.avg.min_group_size, declare_grace_s=self.avg.declare_grace_s,
                    declaration_ttl_s=self.avg.round_timeout_s, expected=expected)  # fmt: skip
         self.sim.metrics.count("decide." + d.action)
@@ -101,19 +161,22 @@ class RoundEngine:
         st, m = self.sim.state, self.sim.metrics
         for epoch in sorted(self.keys):
             key = self.keys[epoch]
-            key.entries = [e for e in key.entries if now - e.announced_at <= self.avg.round_timeout_s]
+            expired = [p for p, e in key.entries.items() if now - e.announced_at > self.avg.round_timeout_s]
+            for p in expired:
+                del key.entries[p]
             if not key.waiting:
                 if not key.entries and epoch < max(self.keys):
                     del self.keys[epoch]
                 continue
             size = self._key_size(key)
             polls = max(1, round(self.sim.sc.sim.tick_s / self.avg.poll_interval_s))
-            for slot in key.waiting:
-                m.dht.op(slot, polls, read_bytes=polls * size)
+            m.dht.ops(len(key.waiting), polls, polls * size)
             # computed with no peer excluded: ``decide`` removes the caller itself, so this is every caller's set
             expected = expected_peers(self.sim.board.records(), "", epoch, now, self.sim.sc.schedule.stale_after_s)
-            while key.waiting:
-                slot = min(key.waiting, key=lambda s: st.peer_ids[s])
+            # the waiting peer with the smallest id is asked first; nobody starts waiting during this loop
+            for slot in sorted(key.waiting, key=lambda s: st.peer_ids[s]):
+                if slot not in key.waiting:
+                    continue  # consumed by a group declared earlier in this loop
                 d = self._decide(key, key.waiting[slot], now, expected)
                 if d.action == "wait":
                     break
@@ -123,7 +186,7 @@ class RoundEngine:
                         round_id=make_round_id(PREFIX, f"e{epoch}", d.members), members=d.members,
                         declared_at=now, reason="full" if d.closed_by == "full" else "window", signature=b"s" * 256,
                     )  # fmt: skip
-                    key.declarations.append(decl)
+                    key.declare(decl)
                     self._start_group(key, decl, now)
                     continue
                 del key.waiting[slot]
@@ -276,18 +339,42 @@ class RoundEngine:
         return policy
 
     def fail(self, slots: list[int], epoch: int, failure: str, now: float) -> None:
-        """A round failed for ``slots``: one ``decide_after_round`` per (state, attempt) group of them."""
+        """A round failed for ``slots``: one ``decide_after_round`` per group of them that ``share_key`` puts
+        together."""
         st = self.sim.state
         self.sim.metrics.count("round_failed." + failure)
-        by_view: dict[tuple[str, int], list[int]] = defaultdict(list)
+        by_view: dict[tuple, list[int]] = defaultdict(list)
         for slot in slots:
             if st.i["status"][slot] != ABSENT:
-                by_view[(st.state_hash[slot], int(st.i["attempt"][slot]))].append(slot)
-        for (state_hash, attempt), group in by_view.items():
-            deadline = float(st.f["ready_since"][group[0]]) + self.avg.round_timeout_s
-            view = RoundView(epoch, state_hash, attempt + 1, committed=False, failure=failure,
-                             time_left_s=deadline - now)  # fmt: skip
-            self._apply_policy(group, epoch, self._after_round(group[0], view, now), now)
+                by_view[self.share_key(slot, now)].append(slot)
+        for group in by_view.values():
+            policy = self._after_round(group[0], self.failed_view(group[0], epoch, failure, now), now)
+            self.sim.metrics.count("after_round.shared", len(group) - 1)
+            self._apply_policy(group, epoch, policy, now)
+
+    def failed_view(self, slot: int, epoch: int, failure: str, now: float) -> RoundView:
+        """What ``slot`` knows after a failed attempt at ``epoch``."""
+        st = self.sim.state
+        deadline = float(st.f["ready_since"][slot]) + self.avg.round_timeout_s
+        return RoundView(epoch, st.state_hash[slot], int(st.i["attempt"][slot]) + 1, committed=False,
+                         failure=failure, time_left_s=deadline - now)  # fmt: skip
+
+    def share_key(self, slot: int, now: float) -> tuple:
+        """Failed peers with equal keys get the same ``decide_after_round`` answer, so one call stands for them.
+
+        The policy reads of the caller: its view (state hash, attempt; ``time_left_s`` only as "> 0"), and the
+        swarm's records without its own (``decide_sync``, ``may_commit_alone`` exclude the caller's id). Peers whose
+        own records agree in every field those functions read (epoch, phase epoch, state, liveness) therefore see
+        the same records but for an id: the same votes, the same counts. ``tests/sim/test_sharing.py`` checks it.
+        """
+        st, board = self.sim.state, self.sim.board
+        left = float(st.f["ready_since"][slot]) + self.avg.round_timeout_s - now > 0
+        own: tuple = ()
+        if board.published[slot]:
+            live = now - board.cols["updated_at"][slot] <= self.sim.sc.schedule.stale_after_s
+            own = (bool(live), int(board.cols["epoch"][slot]), int(board.cols["phase_epoch"][slot]),
+                   board.state_hash[slot])  # fmt: skip
+        return (st.state_hash[slot], int(st.i["attempt"][slot]), left, own)
 
     def _apply_policy(self, slots: list[int], epoch: int, policy, now: float) -> None:
         st = self.sim.state
@@ -311,9 +398,9 @@ class RoundEngine:
         for slot in slots:
             st.i["status"][slot] = AVERAGING  # not training, not yet announced
         yield self.sim.env.timeout(backoff_s)
-        for slot in slots:
-            if st.i["status"][slot] == AVERAGING:
-                self.announce(slot, self.sim.env.now)
+        back = [slot for slot in slots if st.i["status"][slot] == AVERAGING]
+        if back:
+            self.announce(back, self.sim.env.now)
 
     # ---- downloads -----------------------------------------------------------------------------------------------
     def download_cost(self, slot: int, donors: np.ndarray, concurrent: np.ndarray) -> Transfer:

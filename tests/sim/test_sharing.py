@@ -1,0 +1,100 @@
+"""Shared decision calls equal the individual calls they stand for (``sim.rounds.decide_fresh`` / ``share_key``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from hivetrain.averaging.matchmaking import GroupDeclaration, decide, make_round_id
+from hivetrain.diloco.sync_policy import decide_after_round
+from hivetrain.sim import dht as simdht
+from hivetrain.sim.dataparallel import DataParallelSim
+from hivetrain.sim.rounds import PREFIX, RoundKey
+from hivetrain.sim.swarm_state import ABSENT, TRAINING
+from tests.sim.conftest import tiny
+
+
+def _swarm(num_peers: int) -> DataParallelSim:
+    sim = DataParallelSim(tiny(sim={"num_peers": num_peers}))
+    for _ in range(num_peers):
+        sim.state.start_phase(sim._new_peer(TRAINING), 0, 0.0)
+    return sim
+
+
+def _individual(sim: DataParallelSim, key: RoundKey, slot: int, now: float):
+    avg = sim.sc.averaging
+    return decide(key.waiting[slot], key.entries.values(), key.declarations, now,
+                  target_group_size=avg.target_group_size, min_group_size=avg.min_group_size,
+                  declare_grace_s=avg.declare_grace_s, declaration_ttl_s=avg.round_timeout_s)  # fmt: skip
+
+
+def _window_declaration(sim: DataParallelSim, slots: list[int], at: float) -> GroupDeclaration:
+    key = sim.rounds.keys[0]
+    members = tuple(sorted((key.entries[sim.state.peer_ids[s]] for s in slots), key=lambda e: e.peer_id))
+    return GroupDeclaration.model_construct(
+        leader=members[0].peer_id, round_key="e0", round_id=make_round_id(PREFIX, "e0", members), members=members,
+        declared_at=at, reason="window", signature=b"s" * 256,
+    )  # fmt: skip
+
+
+def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer() -> None:
+    """A late storm (a live window group); a member announcing again (its group is over: all wait, one leads);
+    the group's declaration expired, with another member among the callers."""
+    sim = _swarm(24)
+    rounds, ids = sim.rounds, sim.state.peer_ids
+    rounds.store([0, 1, 2], 0.0)
+    rounds.keys[0].declare(_window_declaration(sim, [0, 1, 2], 3.0))
+    key = rounds.keys[0]
+    # at 6 s peer 1, a member, announces again: its group's round is over for everyone (``over_because``)
+    cases = {
+        5.0: list(range(3, 12)),
+        6.0: [1, *range(12, 16)],
+        5.0 + sim.sc.averaging.round_timeout_s: [2, *range(16, 24)],
+    }
+    seen = set()
+    for now, slots in cases.items():
+        rounds.store(slots, now)
+        shared = rounds.decide_fresh(key, slots, now)
+        for slot in slots:
+            assert shared[slot] == _individual(sim, key, slot, now), ids[slot]
+            seen.add(shared[slot].action)
+    assert {"late", "wait"} <= seen  # both the storm and the open group were compared
+    assert sim.metrics.decisions["decide.shared"] == (9 - 2) + (5 - 2) + (9 - 2)
+
+
+def test_failed_peers_share_decide_after_round_only_with_equal_answers() -> None:
+    """On the end state of a churned run with small groups, every member of a ``share_key`` group gets the
+    policy its group's first member got, for several failures and attempts."""
+    sim = DataParallelSim(tiny(sim={"num_peers": 30}, churn={"session": "exponential", "mean_session_s": 200.0},
+                               averaging={"target_group_size": 8}))  # fmt: skip
+    sim.run()
+    st, now = sim.state, sim.env.now
+    alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
+    compared = 0
+    for attempt in (0, 4):
+        st.i["attempt"][alive] = attempt
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for slot in alive:
+            groups[sim.rounds.share_key(slot, now)].append(slot)
+        for group in groups.values():
+            epoch = int(st.i["phase_epoch"][group[0]])
+            policies = [
+                decide_after_round(st.peer_ids[s], sim.rounds.failed_view(s, epoch, "late", now), sim.board.records(),
+                                   now, max_retries=sim.sc.averaging.max_retries,
+                                   stale_after_s=sim.sc.schedule.stale_after_s,
+                                   dht_lost_after_s=sim.sc.schedule.record_ttl_s, exact_average=sim.exact)
+                for s in group
+            ]  # fmt: skip
+            assert all(p == policies[0] for p in policies), policies
+            compared += len(group) - 1
+    assert compared >= 10  # the sharing was exercised, not vacuous
+
+
+def test_dht_keeps_one_entry_per_peer_per_round_key() -> None:
+    sim = _swarm(4)
+    sim.rounds.store([0, 1], 0.0)
+    sim.rounds.store([0], 2.0)
+    key = sim.rounds.keys[0]
+    assert len(key.entries) == 2 and key.entries[sim.state.peer_ids[0]].announced_at == 2.0
+    assert key.declarations_bytes == 0
+    key.declare(_window_declaration(sim, [0, 1], 3.0))
+    assert key.declarations_bytes == simdht.declaration_bytes(2)
