@@ -16,17 +16,7 @@ from hivetrain.swarm.reports import (
     rebalances_key,
     trainer_reports_key,
 )
-from tests.peers.test_validators import NOW, Signer, _check, _node_validator, _signed, _signer
-
-
-@pytest.fixture(scope="module")
-def alice() -> Signer:
-    return _signer()
-
-
-@pytest.fixture(scope="module")
-def mallory() -> Signer:
-    return _signer()
+from tests.peers.test_validators import NOW, Signer, _check, _node_validator, _signed
 
 
 def _trainer(signer: Signer, **fields) -> dict:

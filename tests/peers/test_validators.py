@@ -35,16 +35,6 @@ def _signer() -> Signer:
     return Signer(key, marker, peer_id_of_owner(marker))
 
 
-@pytest.fixture(scope="module")
-def alice() -> Signer:
-    return _signer()
-
-
-@pytest.fixture(scope="module")
-def mallory() -> Signer:
-    return _signer()
-
-
 def _peer(signer: Signer, **fields) -> dict:
     """A good record's JSON with ``fields`` set raw (so a test can break the schema)."""
     return {**peer_record(signer.peer_id, epoch=5, updated_at=NOW).model_dump(mode="json"), **fields}

@@ -143,3 +143,24 @@ def stage_gradients(servers: list[StageServer]) -> tuple[dict[str, torch.Tensor]
         for name, grad in grads.items():
             total[name] = total[name] + grad if name in total else grad
     return total, counts
+
+
+def tiny_pipeline_run(trainer_steps: int) -> RunConfig:
+    """A 3-stage pipelined run of ``tiny`` for local-pipeline e2e tests: phases of 1 inner step x 2 microbatches, so
+    each lone stage server commits outer steps through GroupAverager; trainers stop after ``trainer_steps``."""
+    from hivetrain.swarm.local import default_run
+
+    run = default_run("tiny", seed=0)
+    return dataclasses.replace(
+        run,
+        data=DataConfig(seq_len=64, batch_size=4, max_corpus_bytes=2**20, num_eval_windows=4),
+        diloco=dataclasses.replace(run.diloco, inner_steps=1),
+        swarm=SwarmConfig(
+            num_stages=3,
+            microbatch_size=2,
+            microbatches_per_inner_step=2,
+            announce_interval_s=0.5,
+            record_ttl_s=3.0,
+            trainer_steps=trainer_steps,
+        ),
+    )

@@ -4,7 +4,6 @@ finished, exactly the microbatches its own summary file counts; Prometheus expor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import time
@@ -12,9 +11,9 @@ import urllib.request
 
 import pytest
 
-from hivetrain.config import DataConfig
-from hivetrain.swarm.config import SwarmConfig
-from hivetrain.swarm.local import LocalPipeline, default_run
+from hivetrain.swarm.local import LocalPipeline
+
+from .conftest import tiny_pipeline_run
 
 pytestmark = pytest.mark.slow
 
@@ -35,19 +34,7 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 
 def test_the_dashboard_reports_a_real_pipeline(tmp_path):
-    run = dataclasses.replace(
-        default_run("tiny", seed=0),
-        data=DataConfig(seq_len=64, batch_size=4, max_corpus_bytes=2**20, num_eval_windows=4),
-        diloco=dataclasses.replace(default_run("tiny", 0).diloco, inner_steps=1),
-        swarm=SwarmConfig(
-            num_stages=3,
-            microbatch_size=2,
-            microbatches_per_inner_step=2,
-            announce_interval_s=0.5,
-            record_ttl_s=3.0,
-            trainer_steps=4,
-        ),
-    )
+    run = tiny_pipeline_run(trainer_steps=4)
     pipeline = LocalPipeline(tmp_path, run, coordinator_args=["--http-port", "0"])
     try:
         pipeline.start_bootstrap()
