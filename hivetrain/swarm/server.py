@@ -128,6 +128,7 @@ class StageServer:
         self.rebalance_reasons: list[str] = []
         self.moves: deque[Move] = deque(maxlen=MAX_MOVES)
         self.last_decision, self.last_decision_at = "", 0.0  # decide_move's last reason, unix time (s)
+        self._report_sent: tuple[RebalanceReport | None, float] = (None, 0.0)  # (content, monotonic s) last stored
         self.started_at = time.time()
         self.state_downloads = 0
         self.outer_steps: Counter[int] = Counter()
@@ -339,8 +340,13 @@ class StageServer:
         )
         if ok:
             self._last_announce_ok = time.monotonic()
+        report = self.rebalance_report()
+        content = report.model_copy(update={"updated_at": 0.0})
+        if content == self._report_sent[0] and time.monotonic() - self._report_sent[1] < self.swarm.record_ttl_s / 2:
+            return  # unchanged and not near expiry: no second DHT store every announce interval
         try:  # display-only: a failure here must not count against the announcement
-            publish_report(self.node.dht, self.node.owner_marker, self.rebalance_report(), self.swarm.record_ttl_s)
+            if publish_report(self.node.dht, self.node.owner_marker, report, self.swarm.record_ttl_s):
+                self._report_sent = (content, time.monotonic())
         except Exception as exc:  # noqa: BLE001
             logger.debug("could not publish the rebalance report: %r", exc)
 
