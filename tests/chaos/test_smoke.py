@@ -59,19 +59,16 @@ def _check_nat_peer(out, outer_steps: int) -> None:
     events = {i: read_events(out / f"peer{i}.jsonl") for i in range(4)}
     steps = {i: [e for e in evs if e["event"] == "outer_step"] for i, evs in events.items()}
     starts = {i: next(e["time"] for e in evs if e["event"] == "start") for i, evs in events.items()}
-    first_phase_end = min(next(e["time"] for e in evs if e["event"] == "inner_phase") for evs in events.values())
     # A first inner phase is ~1.3 s: a peer whose first record was not yet in the DHT when the others' first phases
     # ended (5 processes importing torch on 2 CI cores) misses the first group(s) through no fault of the NAT logic and
     # catches up by state download. Its start time does not tell: a fresh-clone run had reachable peer0 start 0.2 s
     # before the first phase ended, the others' epoch-1 group closed "complete" without it, and it joined at epoch 2.
-    # So: once every peer has committed a round, every group holds all 4; each NAT peer commits every epoch from its
-    # first to the end; and unless a peer started after the first phase ended, everyone is in by epoch 2.
-    late_start = any(t > first_phase_end for t in starts.values())
+    # (A loop of 19 runs had two reachable peers miss epochs 1-2 this way while the NAT pair grouped alone.) So: once
+    # every peer has committed a round, every group holds all 4, and each NAT peer commits every epoch from its first
+    # to the end; how soon everyone is in is startup speed, not NAT.
     all_in = max(s[0]["time"] for s in steps.values())
     for i, peer_steps in steps.items():
         assert all(e["group_size"] == 4 for e in peer_steps if e["time"] >= all_in), (i, peer_steps, starts)
-        if not late_start:
-            assert peer_steps[0]["epoch"] <= 2, (i, peer_steps, starts)
     for nat in (1, 2):
         epochs = [e["epoch"] for e in steps[nat]]
         assert epochs == list(range(epochs[0], outer_steps + 1)), (nat, epochs)
