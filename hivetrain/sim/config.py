@@ -206,7 +206,7 @@ class PipelineSettings:
         Defaults of these timings are ``swarm.config.SwarmConfig``'s (request_timeout_s, record_ttl_s, ...).
         hop_latency_s: one-way network latency per hop (activations' transfer time is not modelled), seconds.
         rebalance / rebalance_interval_s / rebalance_margin / min_servers_per_stage: every interval each serving
-            server asks ``swarm.rebalance.decide_move`` (margin as a fraction: 0.2 = 20%).
+            server asks ``swarm.rebalance.decide_move`` (margin as a fraction of the mover's throughput: 0.2 = 20%).
         move_s: a moving or joining server fetches its stage's state for this long before it serves, seconds.
         warmup_s: throughput is measured after this, seconds.
     """

@@ -110,6 +110,7 @@ class StageServer:
         self.requested_stage = stage
         self.device = resolve_device(swarm.device)
         self._status = ServerStatus("joining")
+        self._moving_to: int | None = None  # the stage a move in progress goes to (announced as moving_to)
         self.loop: LoopThread | None = None
         self.p2p = None
         self.runtime: StageRuntime | None = None
@@ -303,6 +304,7 @@ class StageServer:
             open_window=rt.phase,
             phase_microbatches=rt.phase_microbatches,
             abandoned=tuple(rt.abandoned),
+            moving_to=self._moving_to if self.status == "moving" else None,
             served_total=rt.num_backward,
             rebalances=self.rebalances,
             updated_at=time.time(),
@@ -448,6 +450,7 @@ class StageServer:
         if not moving:
             logger.info("not moving to stage %d now: %s", target, reason)
             return False
+        self._moving_to = target
         try:
             self._announce()
             rt.reject_queued("moving to another stage")
@@ -459,6 +462,8 @@ class StageServer:
         except BaseException:
             self._status.leave("moving", "serving")  # back to the stage it still holds (or the new one, if replaced)
             raise
+        finally:
+            self._moving_to = None
         self._checked_phase = _phase_key(rt)
         self.rebalances += 1
         self._last_move = time.monotonic()
