@@ -108,6 +108,29 @@ class DataParallelSim:
         self.metrics.dht.value_size(simdht.PEERS_KEY, value_bytes)
         self.metrics.dht.ops(len(slots), 2, value_bytes)  # one store of our record and one get of everyone's
 
+    def publish_now(self, slots: np.ndarray, now: float) -> None:
+        """Publish the records of ``slots`` at once (the trainer's ``request_publish`` after a phase ends, a round
+        commits or a download), and restart their heartbeat from now."""
+        if len(slots):
+            self.next_publish[slots] = now
+            self._publish(slots, now)
+
+    def after_commit(self, slots: np.ndarray, epoch: int, now: float) -> set[int]:
+        """What a trainer does between a committed round and its next phase (``DilocoTrainer.run``): publish its
+        record, then ``sync_state``: download if the records show it behind or forked (each butterfly group of an
+        epoch with several groups commits its own state). Members of one group share state and epoch, so one
+        ``decide_sync`` call stands for all of them (their own records, which alone differ, are excluded by it).
+        Returns the slots that download instead of training."""
+        self.publish_now(slots, now)
+        by_hash: dict[str, list[int]] = {}
+        for slot in slots.tolist():
+            by_hash.setdefault(self.state.state_hash[slot], []).append(slot)
+        downloading: set[int] = set()
+        for state_hash, group in by_hash.items():
+            if self.sync_or_download(group, epoch, state_hash, now):
+                downloading.update(group)
+        return downloading
+
     # ---- processes -----------------------------------------------------------------------------------------------
     def _arrivals(self):
         churn = self.sc.churn
@@ -208,6 +231,7 @@ class DataParallelSim:
         st.theta[slot], st.state_hash[slot], st.i["epoch"][slot] = theta, hash_, src_epoch
         st.f["carried_samples"][slot] = 0
         st.start_phase(slot, src_epoch, self.env.now)
+        self.publish_now(np.array([slot]), self.env.now)
 
     # ---- the schedule --------------------------------------------------------------------------------------------
     def _schedule(self, now: float) -> None:
@@ -237,6 +261,7 @@ class DataParallelSim:
         for k in np.flatnonzero(ends):
             st.end_phase(int(slots[k]), int(steps[k] * B), float(steps[k] * step_s[k]), self.noise_rng)
         if ending:
+            self.publish_now(np.array(ending), now)  # others stop counting on our progress (``request_publish``)
             self.rounds.announce(ending, now)
 
     # ---- run -----------------------------------------------------------------------------------------------------

@@ -90,11 +90,14 @@ class SwarmState:
         return batch_size / self.f["samples_per_s"][slots]
 
     def steps_done(self, slots: np.ndarray, now: float, batch_size: int) -> np.ndarray:
-        """Inner steps completed since each slot's phase started."""
-        return np.floor((now - self.f["phase_start"][slots]) / self.step_s(slots, batch_size) + 1e-9)
+        """Inner steps completed since each slot's phase started (0 before a phase that starts later: a peer still
+        applying its outer step, ``peers.outer_step_s``)."""
+        elapsed = np.maximum(now - self.f["phase_start"][slots], 0.0)
+        return np.floor(elapsed / self.step_s(slots, batch_size) + 1e-9)
 
     def start_phase(self, slot: int, epoch: int, now: float) -> None:
-        """Begin an inner phase computing a pseudo-gradient for round key ``epoch``."""
+        """Begin an inner phase computing a pseudo-gradient for round key ``epoch``; its first step starts at ``now``
+        (which may lie ahead: the peer counts as training with 0 steps done until then)."""
         self.i["status"][slot] = TRAINING
         self.i["phase_epoch"][slot] = epoch
         self.f["phase_start"][slot] = now
