@@ -117,11 +117,12 @@ class DataParallelSim:
 
     def after_commit(self, slots: np.ndarray, epoch: int, now: float) -> set[int]:
         """What a trainer does between a committed round and its next phase (``DilocoTrainer.run``): publish its
-        record, then ``sync_state``: download if the records show it behind or forked (each butterfly group of an
+        record, and ``sync_state``: download if the records show it behind or forked (each butterfly group of an
         epoch with several groups commits its own state). Members of one group share state and epoch, so one
-        ``decide_sync`` call stands for all of them (their own records, which alone differ, are excluded by it).
-        Returns the slots that download instead of training."""
-        self.publish_now(slots, now)
+        ``decide_sync`` call stands for all of them (their own records, which alone differ, are excluded by it). It
+        reads the records as they were before the group's own are republished: a real member's check races with its
+        group mates' stores (on a real swarm of 6 with groups of 3, the first members of the second group to commit
+        saw the first group's 3 records against their own 2 and downloaded). Returns the slots that download."""
         by_hash: dict[str, list[int]] = {}
         for slot in slots.tolist():
             by_hash.setdefault(self.state.state_hash[slot], []).append(slot)
@@ -129,6 +130,7 @@ class DataParallelSim:
         for state_hash, group in by_hash.items():
             if self.sync_or_download(group, epoch, state_hash, now):
                 downloading.update(group)
+        self.publish_now(slots, now)
         return downloading
 
     # ---- processes -----------------------------------------------------------------------------------------------
@@ -272,6 +274,9 @@ class DataParallelSim:
             slot = self._new_peer(TRAINING)
             self.state.start_phase(slot, 0, 0.0)
             self.state.state_hash[slot] = "genesis"
+        # a trainer publishes its record as its first phase begins: a group that closes "complete" on the records it
+        # sees must not miss a starting peer whose first heartbeat is still due (it would be "late")
+        self.publish_now(self.state.alive(), 0.0)
         self.env.process(self._ticks())
         self.env.process(self._arrivals())
         self.env.process(self._flash_crowd())
