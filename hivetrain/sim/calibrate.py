@@ -8,7 +8,8 @@ module holds its pure parts, so that they are tested without a swarm:
   (``peerK.jsonl``); the script builds the simulated one from observers on the simulation.
 - ``figures``: the compared figures over the first ``num_rounds`` round keys (later rounds of a real run are distorted
   by peers that reached their last outer step and left).
-- ``fit_speeds`` / ``fit_outer_step_s`` / ``fit_round_s``: what the simulation cannot know, taken from the real run.
+- ``fit_speeds`` / ``fit_speed_jitter`` / ``fit_outer_step_s`` / ``fit_round_s``: what the simulation cannot know,
+  taken from the real run.
 - ``compare``: real against simulated, one row per figure, each with its stated tolerance and a verdict.
 
 Peer ``k`` of the simulation is given the speed measured for real ``peerK`` (``peers.compute = "list"``), so per-peer
@@ -17,6 +18,7 @@ figures are compared index by index.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -71,6 +73,14 @@ class RunLog:
     downloads: list[tuple[int, float]] = field(default_factory=list)  # (peer, time_s)
 
 
+def failure_reason(event: dict) -> str:
+    """The matchmaking verdict or failure of a ``round_failed`` event, as the simulation names it: the averaging
+    engine reports ``decide``'s "late" as reason "not_in_group" (``averaging.engine._FAILURES``); its detail keeps
+    ``decide``'s text, "... closed at T before we announced", which only "late" says."""
+    reason = str(event.get("reason", ""))
+    return "late" if "before we announced" in str(event.get("detail", "")) else reason
+
+
 def real_log(events_by_peer: list[list[dict]]) -> RunLog:
     """A ``RunLog`` from each real peer's metrics events (``peerK.jsonl`` as dicts, in peer order).
 
@@ -98,7 +108,7 @@ def real_log(events_by_peer: list[list[dict]]) -> RunLog:
                 log.commits.append(Commit(k, int(e["epoch"]) - 1, t, float(e["samples"]), int(e["group_size"]),
                                           str(e["state_hash"]), float(e.get("round_s", 0.0))))  # fmt: skip
             elif kind == "round_failed":
-                log.failures.append(Failure(k, int(e["epoch"]), t, str(e.get("reason", ""))))
+                log.failures.append(Failure(k, int(e["epoch"]), t, failure_reason(e)))
             elif kind == "state_downloaded":
                 log.downloads.append((k, t))
     return log
@@ -154,7 +164,8 @@ def figures(log: RunLog, num_rounds: int) -> dict[str, float | list[float]]:
 
 
 def fit_speeds(log: RunLog) -> list[float]:
-    """Each peer's measured speed, samples/s: its samples over its compute seconds, over all its inner phases.
+    """Each peer's measured speed, samples/s: its samples over the wall seconds of its inner phases (a duty cycle's
+    sleeps count: the simulation has no duty cycle, only speeds), over all its phases.
 
     Raises:
         ValueError: a peer that computed nothing.
@@ -162,10 +173,19 @@ def fit_speeds(log: RunLog) -> list[float]:
     samples, compute = [0.0] * log.num_peers, [0.0] * log.num_peers
     for p in log.phases:
         samples[p.peer] += p.samples
-        compute[p.peer] += p.compute_s
+        compute[p.peer] += max(p.wall_s, p.compute_s)
     if any(c <= 0 or s <= 0 for s, c in zip(samples, compute, strict=True)):
         raise ValueError("every peer must have run inner steps to measure its speed")
     return [s / c for s, c in zip(samples, compute, strict=True)]
+
+
+def fit_speed_jitter(log: RunLog) -> float:
+    """Standard deviation of log(a phase's speed / its peer's speed, ``fit_speeds``) over every inner phase: how much
+    a peer's speed varies from phase to phase (``peers.speed_jitter``). 0 with fewer than 2 phases."""
+    speeds = fit_speeds(log)
+    logs = [math.log(p.samples / max(p.wall_s, p.compute_s) / speeds[p.peer]) for p in log.phases
+            if p.samples > 0 and max(p.wall_s, p.compute_s) > 0]  # fmt: skip
+    return statistics.pstdev(logs) if len(logs) >= 2 else 0.0
 
 
 def fit_outer_step_s(log: RunLog) -> float:

@@ -93,6 +93,8 @@ class PeerDistribution:
             (``averaging.libp2p_fallback``), modelled as their bandwidth times ``relay_efficiency`` (uncalibrated).
         outer_step_s: seconds a peer spends after its round committed before its next inner phase starts (applying
             the outer step, evaluating, publishing); 0 = none. Fitted from a real swarm by ``sim_calibrate.py``.
+        speed_jitter: each inner phase runs at the peer's speed x exp(speed_jitter x N(0, 1)) (a volunteer's other
+            work, a shared machine's load); 0 = constant speed. Fitted from a real swarm's phase speeds.
     """
 
     compute: Literal["lognormal", "classes", "list"] = "lognormal"
@@ -111,6 +113,7 @@ class PeerDistribution:
     nat_share: float = Field(default=0.3, ge=0.0, le=1.0)
     relay_efficiency: float = Field(default=0.5, gt=0.0, le=1.0)
     outer_step_s: float = Field(default=0.0, ge=0.0)
+    speed_jitter: float = Field(default=0.0, ge=0.0, le=3.0)
 
     def __post_init__(self) -> None:
         if (self.compute == "list") != bool(self.samples_per_s):

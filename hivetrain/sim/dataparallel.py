@@ -47,6 +47,8 @@ class DataParallelSim:
         self.noise_rng = np.random.default_rng(scenario.sim.seed + 1)
         n = scenario.sim.num_peers
         self.state = SwarmState(max(16, 2 * n), scenario.sim.vector_size, self.rng)
+        self.state.speed_jitter = scenario.peers.speed_jitter
+        self.state.jitter_rng = np.random.default_rng(scenario.sim.seed + 2)
         self.board = simdht.RecordBoard(self.state.capacity)
         self.metrics = SimMetrics(num_peers=n)
         s = scenario.schedule

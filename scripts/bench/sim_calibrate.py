@@ -7,11 +7,12 @@ per peer), failed rounds, "late" verdicts, state downloads, mean group size, tim
 with its tolerance (``hivetrain.sim.calibrate.TOLERANCES``) and PASS/FAIL.
 
 What the simulation takes from the real run (printed as "fit"):
-- measured: each peer's speed (samples / compute seconds of its inner phases; ``peers.compute = "list"``) and the
-  model's bytes (4 x its parameters);
-- fitted: ``peers.outer_step_s`` (median time from a round's end to the next phase: outer step, evaluation, state
-  check) and the per-round fixed cost on loopback (median over groups of the last arriver's averaging call), put in
-  as the links' one-way latency (the all-reduce costs 4 latencies plus its bytes over an assumed 8 Gbit/s);
+- measured: each peer's speed (samples / wall seconds of its inner phases, duty-cycle sleeps included;
+  ``peers.compute = "list"``) and the model's bytes (4 x its parameters);
+- fitted: ``peers.speed_jitter`` (spread of the phases' log-speeds), ``peers.outer_step_s`` (median time from a
+  round's end to the next phase: outer step, evaluation, state check) and the per-round fixed cost on loopback
+  (median over groups of the last arriver's averaging call), put in as the links' one-way latency (the all-reduce
+  costs 4 latencies plus its bytes over an assumed 8 Gbit/s);
 - not modelled: start-up (every simulated peer starts at 0), the run's coordinator as evidence for a resync.
 
     nice -n 10 python scripts/bench/sim_calibrate.py --peers 4 --target-group-size 4 --out /tmp/simcal/a
@@ -50,7 +51,8 @@ def run_real(args: argparse.Namespace, out: Path) -> Path:
     config.write_text(
         f'run_id = "simcal"\nmodel = "tiny"\n[data]\nseq_len = 64\nbatch_size = {args.batch_size}\n'
         f"num_eval_windows = 4\nmax_corpus_bytes = 2_000_000\n[diloco]\ninner_steps = {args.inner_steps}\n"
-        f"inner_lr = 0.003\nwarmup_steps = 5\nouter_steps = {args.outer_steps}\n[averaging]\n"
+        f'inner_lr = 0.003\nwarmup_steps = 5\nouter_steps = {args.outer_steps}\nschedule = "{args.schedule}"\n'
+        "[averaging]\n"
         f'strategy = "butterfly"\ntarget_group_size = {args.target_group_size}\n'
         f"matchmaking_time_s = {args.matchmaking_time_s}\nround_timeout_s = {args.round_timeout_s}\n"
     )
@@ -58,6 +60,8 @@ def run_real(args: argparse.Namespace, out: Path) -> Path:
     hivetrain = Path(sys.executable).parent / "hivetrain"
     cmd = ["nice", "-n", "10", str(hivetrain), "local-swarm", "--peers", str(args.peers), "--out", str(real),
            "--config", str(config), "--threads-per-peer", "1", "--timeout", "900"]  # fmt: skip
+    if args.duty_cycles:
+        cmd += ["--duty-cycles", args.duty_cycles]
     print("uptime before:", os.getloadavg(), flush=True)
     started = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -109,6 +113,7 @@ def scenario_for(real: Path, log: cal.RunLog, seed: int) -> tuple[Scenario, dict
     latency_s = max(0.0, (round_s - transfer_s) / 4)
     fit = {"samples_per_s": [round(s, 2) for s in speeds], "model_bytes": model_bytes,
            "outer_step_s": round(cal.fit_outer_step_s(log), 4), "round_s": round(round_s, 4),
+           "speed_jitter": round(cal.fit_speed_jitter(log), 4),
            "latency_s": round(latency_s, 4)}  # fmt: skip
     avg = {k: v for k, v in run.to_dict()["averaging"].items()}
     raw = {
@@ -117,7 +122,8 @@ def scenario_for(real: Path, log: cal.RunLog, seed: int) -> tuple[Scenario, dict
                 "max_sim_s": 3600.0, "tick_s": 0.05, "model_bytes": model_bytes, "schedule_model": "real"},
         "peers": {"compute": "list", "samples_per_s": speeds, "datacenter_share": 1.0, "nat_share": 0.0,
                   "dc_upload_mbps": [LOOPBACK_MBPS] * 2, "dc_download_mbps": [LOOPBACK_MBPS] * 2,
-                  "dc_latency_s": [latency_s] * 2, "outer_step_s": fit["outer_step_s"]},
+                  "dc_latency_s": [latency_s] * 2, "outer_step_s": fit["outer_step_s"],
+                  "speed_jitter": fit["speed_jitter"]},
         "schedule": {"schedule": run.diloco.schedule, "inner_steps": run.diloco.inner_steps,
                      "batch_size": run.diloco.samples_per_inner_step(run.data.batch_size),
                      "target_samples_per_epoch": run.diloco.target_samples_per_epoch,
@@ -136,6 +142,8 @@ def main() -> None:
     parser.add_argument("--outer-steps", type=int, default=6, help="K of the real run; K - 1 rounds are compared")
     parser.add_argument("--inner-steps", type=int, default=30, help="H (the swarm schedule's per-peer share)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--schedule", choices=("swarm", "steps"), default="swarm", help="diloco.schedule")
+    parser.add_argument("--duty-cycles", default="", help="local-swarm --duty-cycles F1,F2,... (slower peers)")
     parser.add_argument("--matchmaking-time-s", type=float, default=2.0)
     parser.add_argument("--round-timeout-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0, help="the simulation's seed")

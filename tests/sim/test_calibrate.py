@@ -27,7 +27,10 @@ def _events(peer: int, speed: float) -> list[dict]:
                        "compute_s": compute_s, "wall_s": wall_s})  # fmt: skip
         events.append({"event": "outer_step", "time": end + round_s + 0.1, "epoch": r + 1, "samples": 80,
                        "group_size": 2, "state_hash": f"h{r}", "round_s": round_s})  # fmt: skip
-    events.append({"event": "round_failed", "time": T0 + 25, "epoch": 2, "reason": "late"})
+    events.append({"event": "round_failed", "time": T0 + 25, "epoch": 2, "reason": "not_in_group",
+                   "detail": "not_in_group (group of Qm1 closed at 1024.00 before we announced)"})  # fmt: skip
+    events.append({"event": "round_failed", "time": T0 + 25.5, "epoch": 2, "reason": "not_in_group",
+                   "detail": "not_in_group (Qm1 closed its window at 1025.00 without us)"})  # fmt: skip
     events.append({"event": "state_downloaded", "time": T0 + 26, "epoch": 3})
     return events
 
@@ -37,7 +40,8 @@ def test_real_log_reads_round_keys_and_times_after_the_first_start() -> None:
     assert log.starts_s == [0.0, 1.0]
     assert [(c.peer, c.round_key, c.group) for c in log.commits[:2]] == [(0, 0, "h0"), (0, 1, "h1")]
     assert [c.time_s for c in log.commits[:2]] == pytest.approx([10.6, 20.6])
-    assert (log.failures[0].round_key, log.failures[0].reason) == (2, "late")
+    # the engine reports decide's "late" as "not_in_group"; its detail tells them apart
+    assert [(f.round_key, f.reason) for f in log.failures[:2]] == [(2, "late"), (2, "not_in_group")]
     assert [t for _, t in log.downloads] == pytest.approx([26.0, 26.0])
     with pytest.raises(ValueError, match="peer0 has no start"):
         cal.real_log([[{"event": "inner_phase", "time": 1.0}]])
@@ -55,12 +59,13 @@ def test_figures_over_the_compared_rounds() -> None:
     assert f["failed_rounds"] == 0 and f["state_downloads"] == 0  # both after the window / past its rounds
     assert f["utilization"] == pytest.approx(((4.0 / end) + (8.0 / (end - 1.0))) / 2)  # 2 x 80 / speed each
     later = cal.figures(log, num_rounds=3)  # round key 2 has no commit: the window runs to the last commit
-    assert later["failed_rounds"] == 2 and later["late_verdicts"] == 2
+    assert later["failed_rounds"] == 4 and later["late_verdicts"] == 2
 
 
 def test_fits_speed_outer_step_and_round_cost() -> None:
     log = cal.real_log([_events(0, 40.0), _events(1, 20.0)])
-    assert cal.fit_speeds(log) == pytest.approx([40.0, 20.0])
+    busy = [80 / speed + 10 - round_s - 0.4 for speed, round_s in ((40.0, 0.5), (20.0, 0.2))]  # phases' wall_s
+    assert cal.fit_speeds(log) == pytest.approx([160 / b for b in busy])
     assert cal.fit_outer_step_s(log) == pytest.approx(0.4)  # 0.1 s to the commit event + 0.3 s to the next phase
     assert cal.fit_round_s(log) == pytest.approx(0.2)  # the shorter call of each group
     empty = cal.RunLog(1, [0.0])
@@ -95,3 +100,16 @@ def test_speed_list_is_validated_and_given_to_peers_in_order() -> None:
     sim = DataParallelSim(tiny(peers={"compute": "list", "samples_per_s": speeds, "outer_step_s": 0.5}))
     sim.run()
     np.testing.assert_array_equal(sim.state.f["samples_per_s"][:20], speeds)
+
+
+def test_speed_jitter_is_fitted_from_phase_speeds_and_varies_simulated_phases() -> None:
+    log = cal.RunLog(1, [0.0], phases=[cal.Phase(0, 0, 8.0, 80, 8.0, 8.0), cal.Phase(0, 1, 10.0, 80, 2.0, 2.0)])
+    assert cal.fit_speed_jitter(log) == pytest.approx(np.log(4) / 2)  # speeds 10 and 40 around 160 / 10 = 16
+    speeds = [4.0] * 20
+    steady = DataParallelSim(tiny(peers={"compute": "list", "samples_per_s": speeds}))
+    steady.run()
+    np.testing.assert_array_equal(steady.state.f["samples_per_s"][:20], speeds)
+    jittery = DataParallelSim(tiny(peers={"compute": "list", "samples_per_s": speeds, "speed_jitter": 0.3}))
+    jittery.run()
+    np.testing.assert_array_equal(jittery.state.f["base_samples_per_s"][:20], speeds)
+    assert len(set(jittery.state.f["samples_per_s"][:20].tolist())) == 20  # each phase drew its own speed
