@@ -10,7 +10,8 @@ module holds its pure parts, so that they are tested without a swarm:
   by peers that reached their last outer step and left).
 - ``fit_speeds`` / ``fit_speed_jitter`` / ``fit_outer_step_s`` / ``fit_round_s``: what the simulation cannot know,
   taken from the real run.
-- ``compare``: real against simulated, one row per figure, each with its stated tolerance and a verdict.
+- ``compare``: real against simulated (``median_figures`` over seeds), one row per figure, each with its stated
+  tolerance and a verdict.
 
 Peer ``k`` of the simulation is given the speed measured for real ``peerK`` (``peers.compute = "list"``), so per-peer
 figures are compared index by index.
@@ -161,6 +162,23 @@ def figures(log: RunLog, num_rounds: int) -> dict[str, float | list[float]]:
         "utilization": statistics.fmean(utilization) if utilization else 0.0,
         "window_s": end,
     }
+
+
+def median_figures(runs: list[dict]) -> dict:
+    """The median of each figure over several simulated runs (seeds); lists element by element.
+
+    Raises:
+        ValueError: no runs.
+    """
+    if not runs:
+        raise ValueError("no runs to take the median of")
+    out: dict = {}
+    for name, first in runs[0].items():
+        if isinstance(first, list):
+            out[name] = [statistics.median(r[name][k] for r in runs) for k in range(len(first))]
+        else:
+            out[name] = statistics.median(r[name] for r in runs)
+    return out
 
 
 def fit_speeds(log: RunLog) -> list[float]:

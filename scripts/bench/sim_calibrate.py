@@ -2,9 +2,10 @@
 
 Runs ``hivetrain local-swarm`` (tiny model, one torch thread per peer, loopback) and then ``hivetrain.sim`` with the
 same peers, inner steps, batch size, model bytes, schedule and ``[averaging]`` table, and compares them over the first
-K - 1 round keys (the last is distorted by peers that reached K and left): outer steps, committed samples (total and
-per peer), failed rounds, "late" verdicts, state downloads, mean group size, time per outer step, utilization, each
-with its tolerance (``hivetrain.sim.calibrate.TOLERANCES``) and PASS/FAIL.
+K - 1 round keys (the last is distorted by peers that reached K and left), the simulation's figures as medians over
+``--sim-seeds`` seeds: outer steps, committed samples (total and per peer), failed rounds, "late" verdicts, state
+downloads, mean group size, time per outer step, utilization, each with its tolerance
+(``hivetrain.sim.calibrate.TOLERANCES``) and PASS/FAIL.
 
 What the simulation takes from the real run (printed as "fit"):
 - measured: each peer's speed (samples / wall seconds of its inner phases, duty-cycle sleeps included;
@@ -100,8 +101,9 @@ def sim_log(sim: DataParallelSim) -> cal.RunLog:
     return log
 
 
-def scenario_for(real: Path, log: cal.RunLog, seed: int) -> tuple[Scenario, dict]:
-    """The simulated twin of the real run in ``real`` (its run.toml and summary.json), and the fit."""
+def scenario_for(real: Path, log: cal.RunLog, seed: int, jitter: bool = True) -> tuple[Scenario, dict]:
+    """The simulated twin of the real run in ``real`` (its run.toml and summary.json), and the fit (``jitter``:
+    the fitted per-phase speed jitter, else 0)."""
     run = load_run_config(real / "run.toml")
     summary = json.loads((real / "summary.json").read_text())
     model_bytes = 4 * int(summary["num_parameters"])
@@ -113,7 +115,7 @@ def scenario_for(real: Path, log: cal.RunLog, seed: int) -> tuple[Scenario, dict
     latency_s = max(0.0, (round_s - transfer_s) / 4)
     fit = {"samples_per_s": [round(s, 2) for s in speeds], "model_bytes": model_bytes,
            "outer_step_s": round(cal.fit_outer_step_s(log), 4), "round_s": round(round_s, 4),
-           "speed_jitter": round(cal.fit_speed_jitter(log), 4),
+           "speed_jitter": round(cal.fit_speed_jitter(log), 4) if jitter else 0.0,
            "latency_s": round(latency_s, 4)}  # fmt: skip
     avg = {k: v for k, v in run.to_dict()["averaging"].items()}
     raw = {
@@ -146,36 +148,42 @@ def main() -> None:
     parser.add_argument("--duty-cycles", default="", help="local-swarm --duty-cycles F1,F2,... (slower peers)")
     parser.add_argument("--matchmaking-time-s", type=float, default=2.0)
     parser.add_argument("--round-timeout-s", type=float, default=30.0)
-    parser.add_argument("--seed", type=int, default=0, help="the simulation's seed")
+    parser.add_argument("--sim-seeds", type=int, default=5, help="simulated runs (seeds 0..N-1); medians compared")
+    parser.add_argument("--jitter", choices=("fit", "off"), default="fit", help="peers.speed_jitter: fitted or 0")
     args = parser.parse_args()
     out = Path(args.out)
     real = Path(args.real_dir) if args.real_dir else run_real(args, out)
     out.mkdir(parents=True, exist_ok=True)
     names = sorted((p for p in real.glob("peer*.jsonl")), key=lambda p: int(p.stem[4:]))
     rlog = cal.real_log([read_events(p) for p in names])
-    scenario, fit = scenario_for(real, rlog, args.seed)
-    num_rounds = scenario.sim.outer_steps - 2  # K - 1
-    sim = DataParallelSim(scenario)
-    slog = sim_log(sim)
-    metrics = sim.run()
-    real_figs, sim_figs = cal.figures(rlog, num_rounds), cal.figures(slog, num_rounds)
+    runs, logs, decisions = [], [], []
+    for seed in range(args.sim_seeds):
+        scenario, fit = scenario_for(real, rlog, seed, jitter=args.jitter == "fit")
+        num_rounds = scenario.sim.outer_steps - 2  # K - 1
+        sim = DataParallelSim(scenario)
+        logs.append(sim_log(sim))
+        decisions.append(sim.run().summary["decisions"])
+        runs.append(cal.figures(logs[-1], num_rounds))
+    real_figs, sim_figs = cal.figures(rlog, num_rounds), cal.median_figures(runs)
     rows = cal.compare(real_figs, sim_figs)
     print(f"fit: {json.dumps(fit)}")
-    print(f"compared round keys 0..{num_rounds - 1}; windows real {real_figs['window_s']:.1f} s, "
-          f"sim {sim_figs['window_s']:.1f} s")  # fmt: skip
+    print(f"compared round keys 0..{num_rounds - 1}; sim: median of {args.sim_seeds} seeds; windows real "
+          f"{real_figs['window_s']:.1f} s, sim {sim_figs['window_s']:.1f} s")  # fmt: skip
     fmt = lambda v: "[" + ", ".join(f"{x:.0f}" for x in v) + "]" if isinstance(v, list) else f"{v:.3g}"  # noqa: E731
     print(f"| {'figure':<27} | {'real':>28} | {'sim':>28} | {'tolerance':>10} | verdict |")
     for r in rows:
         verdict = "PASS" if r.ok else "FAIL"
         print(f"| {r.name:<27} | {fmt(r.real):>28} | {fmt(r.sim):>28} | {r.tolerance:>10} | {verdict} |")
+    for name in ("failed_rounds", "late_verdicts", "state_downloads"):
+        print(f"sim {name} per seed: {[int(r[name]) for r in runs]}")
     print("real failures:", dict(Counter((f.round_key, f.reason) for f in rlog.failures)))
-    print("sim failures: ", dict(Counter((f.round_key, f.reason) for f in slog.failures)))
+    print("sim failures (seed 0):", dict(Counter((f.round_key, f.reason) for f in logs[0].failures)))
     print("real group sizes by round:", dict(Counter((c.round_key, c.group_size) for c in rlog.commits)))
-    print("sim group sizes by round: ", dict(Counter((c.round_key, c.group_size) for c in slog.commits)))
-    print("sim decisions:", metrics.summary["decisions"])
+    print("sim group sizes by round (seed 0):", dict(Counter((c.round_key, c.group_size) for c in logs[0].commits)))
+    print("sim decisions (seed 0):", decisions[0])
     table = [{"figure": r.name, "real": r.real, "sim": r.sim, "tolerance": r.tolerance, "ok": r.ok} for r in rows]
     result = {"real_dir": str(real), "fit": fit, "num_rounds": num_rounds, "real": real_figs, "sim": sim_figs,
-              "table": table, "sim_decisions": metrics.summary["decisions"]}  # fmt: skip
+              "sim_runs": runs, "table": table, "sim_decisions": decisions}  # fmt: skip
     (out / "calibration.json").write_text(json.dumps(result, indent=1))
 
 

@@ -113,3 +113,10 @@ def test_speed_jitter_is_fitted_from_phase_speeds_and_varies_simulated_phases() 
     jittery.run()
     np.testing.assert_array_equal(jittery.state.f["base_samples_per_s"][:20], speeds)
     assert len(set(jittery.state.f["samples_per_s"][:20].tolist())) == 20  # each phase drew its own speed
+
+
+def test_median_figures_over_seeds() -> None:
+    runs = [{"a": 1.0, "l": [1.0, 9.0]}, {"a": 5.0, "l": [2.0, 7.0]}, {"a": 3.0, "l": [3.0, 8.0]}]
+    assert cal.median_figures(runs) == {"a": 3.0, "l": [2.0, 8.0]}
+    with pytest.raises(ValueError):
+        cal.median_figures([])
