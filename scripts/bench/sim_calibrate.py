@@ -18,6 +18,8 @@ What the simulation takes from the real run (printed as "fit"):
 
     nice -n 10 python scripts/bench/sim_calibrate.py --peers 4 --target-group-size 4 --out /tmp/simcal/a
     nice -n 10 python scripts/bench/sim_calibrate.py --peers 6 --target-group-size 3 --out /tmp/simcal/b
+    nice -n 10 python scripts/bench/sim_calibrate.py --peers 6 --target-group-size 3 --schedule steps \
+        --duty-cycles 1,1,1,1,1,0.5 --out /tmp/simcal/c      (a slow peer: the "late" storm)
     ... --real-dir DIR   (compare an existing local-swarm output instead of running one)
 
 Writes OUT/calibration.json (figures, fit, table). Exit code 0 whatever the verdicts (a benchmark, not a test).
