@@ -315,8 +315,12 @@ class RoundEngine:
         st.f["ready_since"][slots] = 0
         for k, slot in enumerate(slots):
             st.state_hash[int(slot)] = state_hash if isinstance(state_hash, str) else state_hash[k]
-            st.start_phase(int(slot), epoch + 1, now)
         self.sim.metrics.record_commit(epoch, now, len(slots))
+        downloading = self.sim.after_commit(slots, epoch + 1, now)
+        start = now + self.sim.sc.peers.outer_step_s  # applying the outer step, evaluating
+        for slot in slots.tolist():
+            if slot not in downloading:
+                st.start_phase(slot, epoch + 1, start)
 
     # ---- failures ------------------------------------------------------------------------------------------------
     def _fail_after(self, slots: list[int], epoch: int, failure: str, delay_s: float):
