@@ -154,14 +154,13 @@ class RecordBoard:
         return int(self.published.sum())
 
     def record(self, slot: int) -> PeerRecord:
-        """The real ``PeerRecord`` of ``slot``: a copy of a template record (built once with ``model_construct``) with
-        this slot's values (``model_copy(update=...)``, 8x cheaper than ``model_construct``; neither validates: the
-        values are ours and valid)."""
+        """The real ``PeerRecord`` of ``slot``: the template record's fields with this slot's values (``_record_of``;
+        not validated: the values are ours and valid)."""
         rec = self.objects[slot]
         if rec is None:
             c = self.cols
-            rec = _template_record().model_copy(
-                update={
+            rec = _record_of(
+                {
                     "peer_id": self.peer_ids[slot], "epoch": int(c["epoch"][slot]),
                     "throughput": float(c["throughput"][slot]), "state_hash": self.state_hash[slot],
                     "phase_epoch": int(c["phase_epoch"][slot]), "phase_samples": int(c["phase_samples"][slot]),
@@ -176,7 +175,12 @@ class RecordBoard:
         """Every stored record, as a DHT get of the peers key returns them. The same list object is returned until a
         record is published or expires (callers must not mutate it): every decision in one tick reads one list."""
         if self._records is None:
-            self._records = [self.record(s) for s in np.flatnonzero(self.published).tolist()]
+            slots = np.flatnonzero(self.published).tolist()
+            objects = self.objects
+            for slot in slots:
+                if objects[slot] is None:
+                    self.record(slot)
+            self._records = [objects[s] for s in slots]
         return self._records
 
 
@@ -187,3 +191,22 @@ def _template_record() -> PeerRecord:
         throughput=0.0, state_hash="", phase_epoch=0, phase_samples=0, done_epoch=0, done_samples=0, updated_at=0.0,
         left_reason="", paused=False,
     )  # fmt: skip
+
+
+_object_setattr = object.__setattr__
+
+
+def _record_of(values: dict) -> PeerRecord:
+    """A ``PeerRecord`` with the template's fields updated by ``values``, built the way pydantic's
+    ``model_construct`` builds one (``__dict__`` and the fields-set, no validation) without its per-field default
+    lookup: 3.6 us against ``model_copy(update=...)``'s 8 us. ``tests/sim/test_models.py`` checks it equals a
+    validated record."""
+    template = _template_record()
+    fields = template.__dict__.copy()
+    fields.update(values)
+    rec = PeerRecord.__new__(PeerRecord)
+    _object_setattr(rec, "__dict__", fields)
+    _object_setattr(rec, "__pydantic_fields_set__", template.__pydantic_fields_set__)
+    _object_setattr(rec, "__pydantic_extra__", None)
+    _object_setattr(rec, "__pydantic_private__", None)
+    return rec

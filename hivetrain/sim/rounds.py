@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hivetrain.averaging.codecs import payload_num_bytes, scales_num_bytes
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import (
     MAX_MEMBERS,
@@ -71,6 +72,7 @@ class RoundEngine:
         self.avg = sim.sc.averaging
         self.keys: dict[int, RoundKey] = {}
         self.sessions = 0
+        self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
 
     # ---- matchmaking ---------------------------------------------------------------------------------------------
     def announce(self, slots: list[int], now: float) -> None:
@@ -220,7 +222,7 @@ class RoundEngine:
     def _cost(self, slots: np.ndarray) -> Transfer:
         st = self.sim.state
         ids = [st.peer_ids[int(s)] for s in slots]
-        return allreduce_cost(ids, self.sim.sc.sim.model_bytes, st.f["up_bps"][slots], st.f["down_bps"][slots],
+        return allreduce_cost(ids, self.wire_bytes, st.f["up_bps"][slots], st.f["down_bps"][slots],
                               st.f["latency_s"][slots])  # fmt: skip
 
     def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
@@ -408,6 +410,16 @@ class RoundEngine:
         return download_cost(sc.sim.resolved_state_bytes(), sc.download.chunk_bytes, float(st.f["down_bps"][slot]),
                              float(st.f["latency_s"][slot]), st.f["up_bps"][donors], st.f["latency_s"][donors],
                              concurrent)  # fmt: skip
+
+
+def wire_bytes(model_bytes: int, compression: str, codec_block_size: int) -> int:
+    """Bytes of a ``model_bytes`` fp32 pseudo-gradient once ``averaging.compression`` encodes it (parts and averaged
+    results alike, as ``averaging.allreduce`` sends both), with the production codec sizes (``averaging.codecs``:
+    fp16 halves it, int8/int4 add one fp32 scale per ``codec_block_size`` elements). Frame headers are ignored."""
+    num_elements = model_bytes // 4
+    return payload_num_bytes(compression, num_elements) + scales_num_bytes(
+        compression, num_elements, codec_block_size, "fp32"
+    )
 
 
 def state_hash_of(*parts: object) -> str:
