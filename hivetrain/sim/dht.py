@@ -112,6 +112,7 @@ class RecordBoard:
         self.peer_ids: list[str] = []
         self.objects: list[PeerRecord | None] = []
         self._records: list[PeerRecord] | None = None  # the last ``records()``, until a record changes
+        self.version = 0  # incremented whenever a record is published or expires (``records()`` changes)
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -142,6 +143,7 @@ class RecordBoard:
             self.state_hash[slot] = state_hashes[k]
             self.objects[slot] = None  # rebuilt on demand
         self._records = None
+        self.version += 1
 
     def expire(self, now: float, record_ttl_s: float) -> None:
         """Drop records not refreshed for ``record_ttl_s`` seconds (the DHT forgets them)."""
@@ -149,27 +151,40 @@ class RecordBoard:
         if gone.any():
             self.published[gone] = False
             self._records = None
+            self.version += 1
+
+    def num_live(self, now: float, stale_after_s: float) -> int:
+        """Stored records with ``now - updated_at <= stale_after_s`` (the decision functions' liveness test, in the
+        same float64 arithmetic). Within one ``version`` the records are fixed, so a record only ever goes from live
+        to stale as ``now`` grows: two times with the same count see the same live records."""
+        return int((self.published & (now - self.cols["updated_at"] <= stale_after_s)).sum())
 
     def num_stored(self) -> int:
         return int(self.published.sum())
 
     def record(self, slot: int) -> PeerRecord:
-        """The real ``PeerRecord`` of ``slot``: the template record's fields with this slot's values (``_record_of``;
-        not validated: the values are ours and valid)."""
-        rec = self.objects[slot]
-        if rec is None:
-            c = self.cols
-            rec = _record_of(
+        """The real ``PeerRecord`` of ``slot`` (built by ``_build`` once per publication)."""
+        if self.objects[slot] is None:
+            self._build([slot])
+        return self.objects[slot]
+
+    def _build(self, slots: list[int]) -> None:
+        """Build the records of ``slots``: the template record's fields with each slot's values (``_record_of``; not
+        validated: the values are ours and valid). Columns are read for all of them at once (``tolist``): numpy
+        scalar reads, one per field and record, cost more than the record itself."""
+        c, index = self.cols, np.array(slots, np.int64)
+        ints = {k: c[k][index].astype(np.int64).tolist() for k in ("epoch", "phase_epoch", "phase_samples",
+                                                                     "done_epoch", "done_samples")}  # fmt: skip
+        throughput, updated_at = c["throughput"][index].tolist(), c["updated_at"][index].tolist()
+        for k, slot in enumerate(slots):
+            self.objects[slot] = _record_of(
                 {
-                    "peer_id": self.peer_ids[slot], "epoch": int(c["epoch"][slot]),
-                    "throughput": float(c["throughput"][slot]), "state_hash": self.state_hash[slot],
-                    "phase_epoch": int(c["phase_epoch"][slot]), "phase_samples": int(c["phase_samples"][slot]),
-                    "done_epoch": int(c["done_epoch"][slot]), "done_samples": int(c["done_samples"][slot]),
-                    "updated_at": float(c["updated_at"][slot]),
+                    "peer_id": self.peer_ids[slot], "epoch": ints["epoch"][k], "throughput": throughput[k],
+                    "state_hash": self.state_hash[slot], "phase_epoch": ints["phase_epoch"][k],
+                    "phase_samples": ints["phase_samples"][k], "done_epoch": ints["done_epoch"][k],
+                    "done_samples": ints["done_samples"][k], "updated_at": updated_at[k],
                 }
             )  # fmt: skip
-            self.objects[slot] = rec
-        return rec
 
     def records(self) -> list[PeerRecord]:
         """Every stored record, as a DHT get of the peers key returns them. The same list object is returned until a
@@ -177,9 +192,9 @@ class RecordBoard:
         if self._records is None:
             slots = np.flatnonzero(self.published).tolist()
             objects = self.objects
-            for slot in slots:
-                if objects[slot] is None:
-                    self.record(slot)
+            missing = [s for s in slots if objects[s] is None]
+            if missing:
+                self._build(missing)
             self._records = [objects[s] for s in slots]
         return self._records
 

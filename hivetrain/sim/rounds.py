@@ -72,6 +72,8 @@ class RoundEngine:
         self.avg = sim.sc.averaging
         self.keys: dict[int, RoundKey] = {}
         self.sessions = 0
+        self._policies: dict[tuple, object] = {}  # ``policy_key`` -> decide_after_round's answer
+        self._policies_version = -1  # the board version ``_policies`` holds answers for
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
 
     # ---- matchmaking ---------------------------------------------------------------------------------------------
@@ -349,10 +351,32 @@ class RoundEngine:
         for slot in slots:
             if st.i["status"][slot] != ABSENT:
                 by_view[self.share_key(slot, now)].append(slot)
-        for group in by_view.values():
-            policy = self._after_round(group[0], self.failed_view(group[0], epoch, failure, now), now)
+        for share, group in by_view.items():
+            key = self.policy_key(share, epoch, failure, now)
+            policy = self._policies.get(key)
+            if policy is None:
+                policy = self._after_round(group[0], self.failed_view(group[0], epoch, failure, now), now)
+                self._policies[key] = policy
+            else:
+                self.sim.metrics.count("after_round." + policy.action)
+                self.sim.metrics.count("after_round.cached")
             self.sim.metrics.count("after_round.shared", len(group) - 1)
             self._apply_policy(group, epoch, policy, now)
+
+    def policy_key(self, share: tuple, epoch: int, failure: str, now: float) -> tuple:
+        """Failed peers with equal keys get the same ``decide_after_round`` answer, also at different times.
+
+        ``decide_after_round`` reads ``now`` only through records' liveness (``now - updated_at <= stale_after_s``)
+        and the view's ``time_left_s > 0`` (in ``share_key``); it reads no clock otherwise. Within one board version
+        (no record published or expired) the records are fixed and live ones only go stale as time passes, so the
+        number of live records tells the live set: equal keys mean equal inputs but the caller's id (``share_key``).
+        The cache is dropped when the board changes. ``tests/sim/test_sharing.py`` compares cached and fresh calls.
+        """
+        board = self.sim.board
+        if board.version != self._policies_version:
+            self._policies.clear()
+            self._policies_version = board.version
+        return (board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
 
     def failed_view(self, slot: int, epoch: int, failure: str, now: float) -> RoundView:
         """What ``slot`` knows after a failed attempt at ``epoch``."""

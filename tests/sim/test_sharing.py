@@ -98,3 +98,34 @@ def test_dht_keeps_one_entry_per_peer_per_round_key() -> None:
     assert key.declarations_bytes == 0
     key.declare(_window_declaration(sim, [0, 1], 3.0))
     assert key.declarations_bytes == simdht.declaration_bytes(2)
+
+
+def test_cached_after_round_policies_equal_fresh_calls_at_later_times() -> None:
+    """``policy_key`` reuses an answer across times within one board version: on the end state of a churned run,
+    at times as records go stale one by one, every slot's fresh ``decide_after_round`` equals the answer cached
+    under its key by whichever slot and time filled it first."""
+    sim = DataParallelSim(tiny(sim={"num_peers": 30}, churn={"session": "exponential", "mean_session_s": 200.0},
+                               averaging={"target_group_size": 8}))  # fmt: skip
+    sim.run()
+    st, board, end = sim.state, sim.board, sim.env.now
+    alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
+    updated = sorted(board.cols["updated_at"][board.published])
+    stale_s = sim.sc.schedule.stale_after_s
+    times = [end, end + 0.25] + [u + stale_s + 0.01 for u in updated[:: max(1, len(updated) // 6)]]
+    cached: dict[tuple, tuple] = {}
+    hits, counts = 0, set()
+    for now in times:
+        for slot in alive:
+            epoch = int(st.i["phase_epoch"][slot])
+            key = sim.rounds.policy_key(sim.rounds.share_key(slot, now), epoch, "late", now)
+            fresh = decide_after_round(st.peer_ids[slot], sim.rounds.failed_view(slot, epoch, "late", now),
+                                       board.records(), now, max_retries=sim.sc.averaging.max_retries,
+                                       stale_after_s=stale_s, dht_lost_after_s=sim.sc.schedule.record_ttl_s,
+                                       exact_average=sim.exact)  # fmt: skip
+            if key in cached:
+                assert cached[key][0] == fresh, (now, slot)
+                hits += cached[key][1] != now
+            else:
+                cached[key] = (fresh, now)
+            counts.add(key[0])
+    assert hits >= 20 and len(counts) >= 3  # answers filled at another time were reused, for several live sets
