@@ -72,6 +72,7 @@ class RoundEngine:
         self.avg = sim.sc.averaging
         self.keys: dict[int, RoundKey] = {}
         self.sessions = 0
+        self._retries: dict[float, list[int]] = {}  # announce time -> slots retrying then (``_retry``)
         self._policies: dict[tuple, object] = {}  # ``policy_key`` -> decide_after_round's answer
         self._policies_version = -1  # the board version ``_policies`` holds answers for
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
@@ -411,7 +412,7 @@ class RoundEngine:
                 st.f["carried_samples"][slot] = 0  # ``keep_carried`` with max_staleness 0: lost across a download
             return
         if policy.action in ("retry", "lost"):
-            self.sim.env.process(self._retry(slots, policy.backoff_s))
+            self._retry(slots, now + policy.backoff_s)
             return
         for slot in slots:  # carry (or resync without donors): train on at this epoch, send both later
             st.f["carried_samples"][slot] = st.f["weight"][slot]
@@ -419,12 +420,25 @@ class RoundEngine:
             st.i["attempt"][slot] = 0
             st.start_phase(slot, epoch, now)
 
-    def _retry(self, slots: list[int], backoff_s: float):
+    def _retry(self, slots: list[int], at: float) -> None:
+        """``slots`` announce again at ``at``. Retries due at the same instant announce as one batch (one
+        ``announce``, so ``decide_fresh`` shares its calls among all of them): peers acting at the same simulated
+        instant are concurrent, and the batch stores every entry before deciding, as for peers ending their phases
+        in one tick."""
         st = self.sim.state
         for slot in slots:
             st.i["status"][slot] = AVERAGING  # not training, not yet announced
-        yield self.sim.env.timeout(backoff_s)
-        back = [slot for slot in slots if st.i["status"][slot] == AVERAGING]
+        batch = self._retries.get(at)
+        if batch is not None:
+            batch.extend(slots)
+            return
+        self._retries[at] = list(slots)
+        self.sim.env.process(self._announce_at(at))
+
+    def _announce_at(self, at: float):
+        yield self.sim.env.timeout(at - self.sim.env.now)
+        st = self.sim.state
+        back = [slot for slot in self._retries.pop(at) if st.i["status"][slot] == AVERAGING]
         if back:
             self.announce(back, self.sim.env.now)
 
