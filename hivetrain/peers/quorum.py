@@ -37,6 +37,7 @@ run.
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -127,15 +128,18 @@ class Backing:
 def distinct_voters(claims: Iterable[Claim]) -> list[Claim]:
     """One claim per peer ID (a peer publishes one record per key; of duplicates the newest epoch is kept, then the
     largest hash), claims without a state hash dropped, sorted by peer ID."""
-    best: dict[str, Claim] = {}
-    for claim in claims:
-        state_hash = claim.state_hash
-        if not state_hash:
-            continue
-        seen = best.get(claim.peer_id)
-        if seen is None or (claim.epoch, state_hash) > (seen.epoch, seen.state_hash):
-            best[claim.peer_id] = claim
+    held = [c for c in claims if c.state_hash]
+    best: dict[str, Claim] = {c.peer_id: c for c in held}
+    if len(best) < len(held):  # duplicates (rare): keep the newest epoch, then the largest hash
+        best = {}
+        for claim in held:
+            seen = best.get(claim.peer_id)
+            if seen is None or (claim.epoch, claim.state_hash) > (seen.epoch, seen.state_hash):
+                best[claim.peer_id] = claim
     return [best[p] for p in sorted(best)]
+
+
+_state_hash = operator.attrgetter("state_hash")
 
 
 def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = True) -> dict[int, Backing]:
@@ -159,17 +163,17 @@ def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = T
     for epoch in sorted(by_epoch):
         at = by_epoch[epoch]
         population = trained if epoch >= 1 and not config.count_untrained else len(voters)
+        hashes = list(map(_state_hash, at))
         if exact:
-            counts = Counter(v.state_hash for v in at)
-            state_hash, count = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+            state_hash, count = max(Counter(hashes).items(), key=lambda kv: (kv[1], kv[0]))
         else:
-            state_hash, count = max(v.state_hash for v in at), len(at)
-        holders = tuple(v.peer_id for v in at if v.state_hash == state_hash)
+            state_hash, count = max(hashes), len(at)
         if (
             count >= config.min_peers
             and count > config.min_fraction * len(at)
             and passed >= config.min_fraction * population
         ):
+            holders = tuple(v.peer_id for v, h in zip(at, hashes, strict=True) if h == state_hash)
             result[epoch] = Backing(epoch, state_hash, holders, len(at), passed, population)
         passed -= len(at)
     return result

@@ -20,6 +20,7 @@ O(N) call of each per peer per retry. ``tests/sim/test_sharing.py`` compares sha
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -72,7 +73,7 @@ class RoundEngine:
         self.avg = sim.sc.averaging
         self.keys: dict[int, RoundKey] = {}
         self.sessions = 0
-        self._retries: dict[float, list[int]] = {}  # announce time -> slots retrying then (``_retry``)
+        self._retries: dict[float, list[int]] = {}  # tick -> slots that announce again then (``_retry``)
         self._policies: dict[tuple, object] = {}  # ``policy_key`` -> decide_after_round's answer
         self._policies_version = -1  # the board version ``_policies`` holds answers for
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
@@ -421,26 +422,26 @@ class RoundEngine:
             st.start_phase(slot, epoch, now)
 
     def _retry(self, slots: list[int], at: float) -> None:
-        """``slots`` announce again at ``at``. Retries due at the same instant announce as one batch (one
-        ``announce``, so ``decide_fresh`` shares its calls among all of them): peers acting at the same simulated
-        instant are concurrent, and the batch stores every entry before deciding, as for peers ending their phases
-        in one tick."""
+        """``slots`` announce again at the first tick at or after ``at`` (``announce_retries``): like every other
+        decision of the simulation, a retry is taken on the tick grid (a backoff of 0.25 s becomes up to one
+        ``tick_s``). Retries due at one tick announce as one batch, so ``decide_fresh`` and ``share_key`` share calls
+        among all of them; peers acting in one tick are concurrent, as peers ending their phases in one tick are."""
         st = self.sim.state
         for slot in slots:
             st.i["status"][slot] = AVERAGING  # not training, not yet announced
-        batch = self._retries.get(at)
-        if batch is not None:
-            batch.extend(slots)
-            return
-        self._retries[at] = list(slots)
-        self.sim.env.process(self._announce_at(at))
+        tick_s = self.sim.sc.sim.tick_s
+        due = math.ceil(at / tick_s - 1e-9) * tick_s
+        self._retries.setdefault(due, []).extend(slots)
 
-    def _announce_at(self, at: float):
-        yield self.sim.env.timeout(at - self.sim.env.now)
+    def announce_retries(self, now: float) -> None:
+        """Announce every retry due by ``now`` (called once per tick, before matchmaking)."""
+        due = [at for at in self._retries if at <= now + 1e-9]
+        if not due:
+            return
         st = self.sim.state
-        back = [slot for slot in self._retries.pop(at) if st.i["status"][slot] == AVERAGING]
+        back = [slot for at in sorted(due) for slot in self._retries.pop(at) if st.i["status"][slot] == AVERAGING]
         if back:
-            self.announce(back, self.sim.env.now)
+            self.announce(back, now)
 
     # ---- downloads -----------------------------------------------------------------------------------------------
     def download_cost(self, slot: int, donors: np.ndarray, concurrent: np.ndarray) -> Transfer:
