@@ -13,8 +13,10 @@ with ``sim.consensus.group_means``; failures go through ``diloco.sync_policy.dec
 
 Shared calls (the functions are pure, so a call whose answer is provably the same for several peers is made once):
 peers that announce together are decided by two ``decide`` calls (``decide_fresh``), and failed peers whose views and
-own records agree share one ``decide_after_round`` (``share_key``). At 10,000 peers a "late" storm otherwise costs an
-O(N) call of each per peer per retry. ``tests/sim/test_sharing.py`` compares shared with individual calls.
+own records agree share one ``decide_after_round`` (``share_key``), also at later times while the board holds the
+same records and the same of them are live (``policy_key``). Retries announce on the tick grid, all those due at a
+tick in one batch (``_retry``). At 10,000 peers a "late" storm otherwise costs an O(N) call of each per peer per
+retry. ``tests/sim/test_sharing.py`` compares shared and cached with individual calls.
 """
 
 from __future__ import annotations

@@ -129,3 +129,19 @@ def test_cached_after_round_policies_equal_fresh_calls_at_later_times() -> None:
                 cached[key] = (fresh, now)
             counts.add(key[0])
     assert hits >= 20 and len(counts) >= 3  # answers filled at another time were reused, for several live sets
+
+
+def test_retries_announce_at_the_next_tick_in_one_batch() -> None:
+    """Backoffs of 0.25 s and 0.5 s both announce at the next tick (1 s), together; a peer that left meanwhile
+    does not."""
+    sim = _swarm(6)
+    rounds, st = sim.rounds, sim.state
+    rounds._retry([0, 1], 0.25)
+    rounds._retry([2, 3], 0.5)
+    st.i["status"][3] = ABSENT
+    rounds.announce_retries(0.75)
+    assert not rounds.keys  # nothing due before the tick
+    announced = []
+    rounds.announce = lambda slots, now: announced.append((list(slots), now))
+    rounds.announce_retries(1.0)
+    assert announced == [([0, 1, 2], 1.0)] and not rounds._retries
