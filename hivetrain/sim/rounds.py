@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,7 @@ from hivetrain.averaging.matchmaking import (
 )
 from hivetrain.diloco.rounds import expected_peers
 from hivetrain.diloco.sync_policy import RoundView, decide_after_round
+from hivetrain.peers.quorum import QuorumConfig
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.network import Transfer, allreduce_cost, download_cost
@@ -352,9 +353,10 @@ class RoundEngine:
         st = self.sim.state
         self.sim.metrics.count("round_failed." + failure)
         by_view: dict[tuple, list[int]] = defaultdict(list)
+        unbacked = epoch if self.unbackable(epoch, now) else None
         for slot in slots:
             if st.i["status"][slot] != ABSENT:
-                by_view[self.share_key(slot, now)].append(slot)
+                by_view[self.share_key(slot, now, unbacked)].append(slot)
         for share, group in by_view.items():
             key = self.policy_key(share, epoch, failure, now)
             policy = self._policies.get(key)
@@ -389,22 +391,49 @@ class RoundEngine:
         return RoundView(epoch, st.state_hash[slot], int(st.i["attempt"][slot]) + 1, committed=False,
                          failure=failure, time_left_s=deadline - now)  # fmt: skip
 
-    def share_key(self, slot: int, now: float) -> tuple:
+    def share_key(self, slot: int, now: float, unbacked_epoch: int | None = None) -> tuple:
         """Failed peers with equal keys get the same ``decide_after_round`` answer, so one call stands for them.
 
         The policy reads of the caller: its view (state hash, attempt; ``time_left_s`` only as "> 0"), and the
         swarm's records without its own (``decide_sync``, ``may_commit_alone`` exclude the caller's id). Peers whose
         own records agree in every field those functions read (epoch, phase epoch, state, liveness) therefore see
         the same records but for an id: the same votes, the same counts. ``tests/sim/test_sharing.py`` checks it.
+
+        ``unbacked_epoch`` (from ``unbackable``): no state of that epoch can be backed whatever the caller's vote and
+        whichever record it excludes, so the caller's state hash (and its own record's, at that epoch) is read only
+        where it changes nothing: ``backed_states`` counts it at that epoch alone, which stays unbacked, so
+        ``decide_sync`` finds no fork there and its reasons do not name it. Butterfly groups of 16 among 10,000
+        peers each commit their own hash: without this, a late storm split into one call per group's hash.
         """
         st, board = self.sim.state, self.sim.board
         left = float(st.f["ready_since"][slot]) + self.avg.round_timeout_s - now > 0
+        free = unbacked_epoch is not None
         own: tuple = ()
         if board.published[slot]:
             live = now - board.cols["updated_at"][slot] <= self.sim.sc.schedule.stale_after_s
-            own = (bool(live), int(board.cols["epoch"][slot]), int(board.cols["phase_epoch"][slot]),
-                   board.state_hash[slot])  # fmt: skip
-        return (st.state_hash[slot], int(st.i["attempt"][slot]), left, own)
+            own_epoch, own_hash = int(board.cols["epoch"][slot]), board.state_hash[slot]
+            if free and own_epoch == unbacked_epoch and own_hash:
+                own_hash = "*"
+            own = (bool(live), own_epoch, int(board.cols["phase_epoch"][slot]), own_hash)
+        mine = "*" if free and st.state_hash[slot] else st.state_hash[slot]
+        return (mine, int(st.i["attempt"][slot]), left, own)
+
+    def unbackable(self, epoch: int, now: float) -> bool:
+        """True when, for any caller, no state at ``epoch`` can pass the quorum's agreement rule
+        (``peers.quorum.backed_states``: holders more than ``min_fraction`` of the voters at the epoch) even with the
+        caller's own vote added: the most common hash among the live records at ``epoch``, plus one, is at most
+        ``min_fraction`` of them. A caller excludes at most its own record (one voter fewer) and adds its vote (one
+        more), so its count stays at or below the bound. Only for exact averaging (``decide_sync``'s fork check)."""
+        if not self.sim.exact:
+            return False
+        board, schedule = self.sim.board, self.sim.sc.schedule
+        for stale_s in {schedule.stale_after_s, schedule.record_ttl_s}:  # after_round's, and a resync's download
+            live = board.published & (now - board.cols["updated_at"] <= stale_s)
+            hashes = [board.state_hash[s] for s in np.flatnonzero(live & (board.cols["epoch"] == epoch)).tolist()]
+            counts = Counter(h for h in hashes if h)
+            if max(counts.values(), default=0) + 1 > QuorumConfig().min_fraction * sum(counts.values()):
+                return False
+        return True
 
     def _apply_policy(self, slots: list[int], epoch: int, policy, now: float) -> None:
         st = self.sim.state
