@@ -168,15 +168,17 @@ def decide(
     newest = _newest_sessions(me.round_key, [*entries, me], declarations)
     over = {id(d): over_because(d, newest, now, declaration_ttl_s) for d in declarations}
     live = [d for d in declarations if not over[id(d)]]
-    mine = sorted((d for d in live if d.includes(me)), key=lambda d: d.leader)
-    if mine:
-        return Decision("joined", f"declared by {mine[0].leader} ({len(mine[0].members)} members)", declaration=mine[0])
-    for d in declarations:  # our session was declared into a round that is already over: waiting would only time out
-        if d.includes(me):
-            return Decision("no_group", f"the group of {d.leader} that lists us is over: {over[id(d)]}")
     # Entries are single-use sessions: one listed by any declaration, over or not, was matched (its owner joined that
     # group, or another that listed it, or gave up) and never forms another group.
     consumed = {(m.peer_id, m.session) for d in declarations for m in d.members}
+    if (me.peer_id, me.session) in consumed:  # a declaration lists us (``includes``): one set lookup when none does
+        mine = sorted((d for d in live if d.includes(me)), key=lambda d: d.leader)
+        if mine:
+            decl = mine[0]
+            return Decision("joined", f"declared by {decl.leader} ({len(decl.members)} members)", declaration=decl)
+        for d in declarations:  # our session was declared into a round that is already over: waiting would time out
+            if d.includes(me):
+                return Decision("no_group", f"the group of {d.leader} that lists us is over: {over[id(d)]}")
     # A live window closed without us: after we announced (its leader did not see us in time), or before (we are late
     # for a group that formed). Either way the epoch's group formed without us: fail fast so the caller resyncs.
     # ("full" groups leave room for a next group; a lone peer's window is no group to be late for: its caller may

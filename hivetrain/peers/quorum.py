@@ -37,7 +37,8 @@ run.
 from __future__ import annotations
 
 import math
-from collections import Counter
+import operator
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -127,14 +128,18 @@ class Backing:
 def distinct_voters(claims: Iterable[Claim]) -> list[Claim]:
     """One claim per peer ID (a peer publishes one record per key; of duplicates the newest epoch is kept, then the
     largest hash), claims without a state hash dropped, sorted by peer ID."""
-    best: dict[str, Claim] = {}
-    for claim in claims:
-        if not claim.state_hash:
-            continue
-        seen = best.get(claim.peer_id)
-        if seen is None or (claim.epoch, claim.state_hash) > (seen.epoch, seen.state_hash):
-            best[claim.peer_id] = claim
+    held = [c for c in claims if c.state_hash]
+    best: dict[str, Claim] = {c.peer_id: c for c in held}
+    if len(best) < len(held):  # duplicates (rare): keep the newest epoch, then the largest hash
+        best = {}
+        for claim in held:
+            seen = best.get(claim.peer_id)
+            if seen is None or (claim.epoch, claim.state_hash) > (seen.epoch, seen.state_hash):
+                best[claim.peer_id] = claim
     return [best[p] for p in sorted(best)]
+
+
+_state_hash = operator.attrgetter("state_hash")
 
 
 def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = True) -> dict[int, Backing]:
@@ -149,25 +154,28 @@ def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = T
         Only epochs whose state passes the rule; an epoch nobody backs enough is absent.
     """
     voters = distinct_voters(claims)
-    trained = sum(1 for v in voters if v.epoch >= 1)
+    by_epoch: dict[int, list[Claim]] = defaultdict(list)  # one pass: O(voters), not O(voters x epochs)
+    for v in voters:
+        by_epoch[v.epoch].append(v)  # each list stays sorted by peer ID, as ``voters`` is
+    trained = sum(len(at) for epoch, at in by_epoch.items() if epoch >= 1)
+    passed = len(voters)  # voters at ``epoch`` or later, for the epochs in ascending order
     result: dict[int, Backing] = {}
-    for epoch in sorted({v.epoch for v in voters}):
-        at = [v for v in voters if v.epoch == epoch]
+    for epoch in sorted(by_epoch):
+        at = by_epoch[epoch]
         population = trained if epoch >= 1 and not config.count_untrained else len(voters)
-        passed = sum(1 for v in voters if v.epoch >= epoch)
+        hashes = list(map(_state_hash, at))
         if exact:
-            counts = Counter(v.state_hash for v in at)
-            state_hash, count = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-            holders = tuple(v.peer_id for v in at if v.state_hash == state_hash)
+            state_hash, count = max(Counter(hashes).items(), key=lambda kv: (kv[1], kv[0]))
         else:
-            state_hash, count = max(v.state_hash for v in at), len(at)
-            holders = tuple(v.peer_id for v in at if v.state_hash == state_hash)
+            state_hash, count = max(hashes), len(at)
         if (
             count >= config.min_peers
             and count > config.min_fraction * len(at)
             and passed >= config.min_fraction * population
         ):
+            holders = tuple(v.peer_id for v, h in zip(at, hashes, strict=True) if h == state_hash)
             result[epoch] = Backing(epoch, state_hash, holders, len(at), passed, population)
+        passed -= len(at)
     return result
 
 

@@ -43,7 +43,8 @@ class SimSettings:
             delays a decision by at most ``tick_s``), seconds.
         vector_size: elements of each peer's stand-in parameter vector (a small vector that averaging really
             averages; drift and consensus are measured on it).
-        model_bytes: bytes of one pseudo-gradient on the wire (4 x parameters for fp32); what the all-reduce moves.
+        model_bytes: bytes of one fp32 pseudo-gradient (4 x parameters); the all-reduce moves it as
+            ``averaging.compression`` encodes it (``sim.rounds.wire_bytes``).
         state_bytes: bytes of the state a joiner downloads (θ plus outer momentum: 2 x model_bytes by default).
         schedule_model: "real" = every simulated peer calls ``diloco.schedule.decide_phase_end`` with every record
             (O(N) per call, O(N^2) per tick: for N up to a few hundred); "aggregate" = a vectorised model of the same

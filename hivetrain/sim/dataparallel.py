@@ -170,6 +170,7 @@ class DataParallelSim:
             self.board.expire(now, self.sc.schedule.record_ttl_s)
             self._first_views(now)
             self._schedule(now)
+            self.rounds.announce_retries(now)
             self.rounds.poll(now)
             self.metrics.sample_drift(st, now)
             if (

@@ -13,19 +13,23 @@ with ``sim.consensus.group_means``; failures go through ``diloco.sync_policy.dec
 
 Shared calls (the functions are pure, so a call whose answer is provably the same for several peers is made once):
 peers that announce together are decided by two ``decide`` calls (``decide_fresh``), and failed peers whose views and
-own records agree share one ``decide_after_round`` (``share_key``). At 10,000 peers a "late" storm otherwise costs an
-O(N) call of each per peer per retry. ``tests/sim/test_sharing.py`` compares shared with individual calls.
+own records agree share one ``decide_after_round`` (``share_key``), also at later times while the board holds the
+same records and the same of them are live (``policy_key``). Retries announce on the tick grid, all those due at a
+tick in one batch (``_retry``). At 10,000 peers a "late" storm otherwise costs an O(N) call of each per peer per
+retry. ``tests/sim/test_sharing.py`` compares shared and cached with individual calls.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
+import math
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hivetrain.averaging.codecs import payload_num_bytes, scales_num_bytes
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import (
     MAX_MEMBERS,
@@ -37,6 +41,7 @@ from hivetrain.averaging.matchmaking import (
 )
 from hivetrain.diloco.rounds import expected_peers
 from hivetrain.diloco.sync_policy import RoundView, decide_after_round
+from hivetrain.peers.quorum import QuorumConfig
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.network import Transfer, allreduce_cost, download_cost
@@ -71,6 +76,10 @@ class RoundEngine:
         self.avg = sim.sc.averaging
         self.keys: dict[int, RoundKey] = {}
         self.sessions = 0
+        self._retries: dict[float, list[int]] = {}  # tick -> slots that announce again then (``_retry``)
+        self._policies: dict[tuple, object] = {}  # ``policy_key`` -> decide_after_round's answer
+        self._policies_version = -1  # the board version ``_policies`` holds answers for
+        self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
 
     # ---- matchmaking ---------------------------------------------------------------------------------------------
     def announce(self, slots: list[int], now: float) -> None:
@@ -220,7 +229,7 @@ class RoundEngine:
     def _cost(self, slots: np.ndarray) -> Transfer:
         st = self.sim.state
         ids = [st.peer_ids[int(s)] for s in slots]
-        return allreduce_cost(ids, self.sim.sc.sim.model_bytes, st.f["up_bps"][slots], st.f["down_bps"][slots],
+        return allreduce_cost(ids, self.wire_bytes, st.f["up_bps"][slots], st.f["down_bps"][slots],
                               st.f["latency_s"][slots])  # fmt: skip
 
     def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
@@ -348,13 +357,36 @@ class RoundEngine:
         st = self.sim.state
         self.sim.metrics.count("round_failed." + failure)
         by_view: dict[tuple, list[int]] = defaultdict(list)
+        unbacked = epoch if self.unbackable(epoch, now) else None
         for slot in slots:
             if st.i["status"][slot] != ABSENT:
-                by_view[self.share_key(slot, now)].append(slot)
-        for group in by_view.values():
-            policy = self._after_round(group[0], self.failed_view(group[0], epoch, failure, now), now)
+                by_view[self.share_key(slot, now, unbacked)].append(slot)
+        for share, group in by_view.items():
+            key = self.policy_key(share, epoch, failure, now)
+            policy = self._policies.get(key)
+            if policy is None:
+                policy = self._after_round(group[0], self.failed_view(group[0], epoch, failure, now), now)
+                self._policies[key] = policy
+            else:
+                self.sim.metrics.count("after_round." + policy.action)
+                self.sim.metrics.count("after_round.cached")
             self.sim.metrics.count("after_round.shared", len(group) - 1)
             self._apply_policy(group, epoch, policy, now)
+
+    def policy_key(self, share: tuple, epoch: int, failure: str, now: float) -> tuple:
+        """Failed peers with equal keys get the same ``decide_after_round`` answer, also at different times.
+
+        ``decide_after_round`` reads ``now`` only through records' liveness (``now - updated_at <= stale_after_s``)
+        and the view's ``time_left_s > 0`` (in ``share_key``); it reads no clock otherwise. Within one board version
+        (no record published or expired) the records are fixed and live ones only go stale as time passes, so the
+        number of live records tells the live set: equal keys mean equal inputs but the caller's id (``share_key``).
+        The cache is dropped when the board changes. ``tests/sim/test_sharing.py`` compares cached and fresh calls.
+        """
+        board = self.sim.board
+        if board.version != self._policies_version:
+            self._policies.clear()
+            self._policies_version = board.version
+        return (board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
 
     def failed_view(self, slot: int, epoch: int, failure: str, now: float) -> RoundView:
         """What ``slot`` knows after a failed attempt at ``epoch``."""
@@ -363,22 +395,49 @@ class RoundEngine:
         return RoundView(epoch, st.state_hash[slot], int(st.i["attempt"][slot]) + 1, committed=False,
                          failure=failure, time_left_s=deadline - now)  # fmt: skip
 
-    def share_key(self, slot: int, now: float) -> tuple:
+    def share_key(self, slot: int, now: float, unbacked_epoch: int | None = None) -> tuple:
         """Failed peers with equal keys get the same ``decide_after_round`` answer, so one call stands for them.
 
         The policy reads of the caller: its view (state hash, attempt; ``time_left_s`` only as "> 0"), and the
         swarm's records without its own (``decide_sync``, ``may_commit_alone`` exclude the caller's id). Peers whose
         own records agree in every field those functions read (epoch, phase epoch, state, liveness) therefore see
         the same records but for an id: the same votes, the same counts. ``tests/sim/test_sharing.py`` checks it.
+
+        ``unbacked_epoch`` (from ``unbackable``): no state of that epoch can be backed whatever the caller's vote and
+        whichever record it excludes, so the caller's state hash (and its own record's, at that epoch) is read only
+        where it changes nothing: ``backed_states`` counts it at that epoch alone, which stays unbacked, so
+        ``decide_sync`` finds no fork there and its reasons do not name it. Butterfly groups of 16 among 10,000
+        peers each commit their own hash: without this, a late storm split into one call per group's hash.
         """
         st, board = self.sim.state, self.sim.board
         left = float(st.f["ready_since"][slot]) + self.avg.round_timeout_s - now > 0
+        free = unbacked_epoch is not None
         own: tuple = ()
         if board.published[slot]:
             live = now - board.cols["updated_at"][slot] <= self.sim.sc.schedule.stale_after_s
-            own = (bool(live), int(board.cols["epoch"][slot]), int(board.cols["phase_epoch"][slot]),
-                   board.state_hash[slot])  # fmt: skip
-        return (st.state_hash[slot], int(st.i["attempt"][slot]), left, own)
+            own_epoch, own_hash = int(board.cols["epoch"][slot]), board.state_hash[slot]
+            if free and own_epoch == unbacked_epoch and own_hash:
+                own_hash = "*"
+            own = (bool(live), own_epoch, int(board.cols["phase_epoch"][slot]), own_hash)
+        mine = "*" if free and st.state_hash[slot] else st.state_hash[slot]
+        return (mine, int(st.i["attempt"][slot]), left, own)
+
+    def unbackable(self, epoch: int, now: float) -> bool:
+        """True when, for any caller, no state at ``epoch`` can pass the quorum's agreement rule
+        (``peers.quorum.backed_states``: holders more than ``min_fraction`` of the voters at the epoch) even with the
+        caller's own vote added: the most common hash among the live records at ``epoch``, plus one, is at most
+        ``min_fraction`` of them. A caller excludes at most its own record (one voter fewer) and adds its vote (one
+        more), so its count stays at or below the bound. Only for exact averaging (``decide_sync``'s fork check)."""
+        if not self.sim.exact:
+            return False
+        board, schedule = self.sim.board, self.sim.sc.schedule
+        for stale_s in {schedule.stale_after_s, schedule.record_ttl_s}:  # after_round's, and a resync's download
+            live = board.published & (now - board.cols["updated_at"] <= stale_s)
+            hashes = [board.state_hash[s] for s in np.flatnonzero(live & (board.cols["epoch"] == epoch)).tolist()]
+            counts = Counter(h for h in hashes if h)
+            if max(counts.values(), default=0) + 1 > QuorumConfig().min_fraction * sum(counts.values()):
+                return False
+        return True
 
     def _apply_policy(self, slots: list[int], epoch: int, policy, now: float) -> None:
         st = self.sim.state
@@ -389,7 +448,7 @@ class RoundEngine:
                 st.f["carried_samples"][slot] = 0  # ``keep_carried`` with max_staleness 0: lost across a download
             return
         if policy.action in ("retry", "lost"):
-            self.sim.env.process(self._retry(slots, policy.backoff_s))
+            self._retry(slots, now + policy.backoff_s)
             return
         for slot in slots:  # carry (or resync without donors): train on at this epoch, send both later
             st.f["carried_samples"][slot] = st.f["weight"][slot]
@@ -397,14 +456,27 @@ class RoundEngine:
             st.i["attempt"][slot] = 0
             st.start_phase(slot, epoch, now)
 
-    def _retry(self, slots: list[int], backoff_s: float):
+    def _retry(self, slots: list[int], at: float) -> None:
+        """``slots`` announce again at the first tick at or after ``at`` (``announce_retries``): like every other
+        decision of the simulation, a retry is taken on the tick grid (a backoff of 0.25 s becomes up to one
+        ``tick_s``). Retries due at one tick announce as one batch, so ``decide_fresh`` and ``share_key`` share calls
+        among all of them; peers acting in one tick are concurrent, as peers ending their phases in one tick are."""
         st = self.sim.state
         for slot in slots:
             st.i["status"][slot] = AVERAGING  # not training, not yet announced
-        yield self.sim.env.timeout(backoff_s)
-        back = [slot for slot in slots if st.i["status"][slot] == AVERAGING]
+        tick_s = self.sim.sc.sim.tick_s
+        due = math.ceil(at / tick_s - 1e-9) * tick_s
+        self._retries.setdefault(due, []).extend(slots)
+
+    def announce_retries(self, now: float) -> None:
+        """Announce every retry due by ``now`` (called once per tick, before matchmaking)."""
+        due = [at for at in self._retries if at <= now + 1e-9]
+        if not due:
+            return
+        st = self.sim.state
+        back = [slot for at in sorted(due) for slot in self._retries.pop(at) if st.i["status"][slot] == AVERAGING]
         if back:
-            self.announce(back, self.sim.env.now)
+            self.announce(back, now)
 
     # ---- downloads -----------------------------------------------------------------------------------------------
     def download_cost(self, slot: int, donors: np.ndarray, concurrent: np.ndarray) -> Transfer:
@@ -412,6 +484,16 @@ class RoundEngine:
         return download_cost(sc.sim.resolved_state_bytes(), sc.download.chunk_bytes, float(st.f["down_bps"][slot]),
                              float(st.f["latency_s"][slot]), st.f["up_bps"][donors], st.f["latency_s"][donors],
                              concurrent)  # fmt: skip
+
+
+def wire_bytes(model_bytes: int, compression: str, codec_block_size: int) -> int:
+    """Bytes of a ``model_bytes`` fp32 pseudo-gradient once ``averaging.compression`` encodes it (parts and averaged
+    results alike, as ``averaging.allreduce`` sends both), with the production codec sizes (``averaging.codecs``:
+    fp16 halves it, int8/int4 add one fp32 scale per ``codec_block_size`` elements). Frame headers are ignored."""
+    num_elements = model_bytes // 4
+    return payload_num_bytes(compression, num_elements) + scales_num_bytes(
+        compression, num_elements, codec_block_size, "fp32"
+    )
 
 
 def state_hash_of(*parts: object) -> str:

@@ -2,7 +2,7 @@
 
 Acceptance of issue 15: under 10 minutes on the 2-core machine. Run it alone (it is CPU-bound, one core):
 
-    nice -n 10 python scripts/bench/sim_scale.py [--scenario scenarios/sim/dp-10000-churn.toml] [--out DIR]
+    nice -n 10 python scripts/bench/sim_scale.py [--scenario scenarios/sim/dp-10000-moderate.toml] [--out DIR]
         [--outer-steps N] [--time-limit-s 600] [--num-peers N] [--max-sim-s S]
 
 ``--num-peers`` and ``--max-sim-s`` measure the scaling curve: the same scenario at N peers for a fixed simulated
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", default=str(ROOT / "scenarios/sim/dp-10000-churn.toml"))
+    parser.add_argument("--scenario", default=str(ROOT / "scenarios/sim/dp-10000-moderate.toml"))
     parser.add_argument("--out", default="/tmp/sim-scale")
     parser.add_argument("--outer-steps", type=int, default=None, help="override [sim].outer_steps")
     parser.add_argument("--time-limit-s", type=float, default=0.0, help="wall seconds; 0 = no limit")

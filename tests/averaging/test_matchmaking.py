@@ -512,3 +512,15 @@ def test_a_window_closes_on_a_dht_view_read_after_it_closed(keys) -> None:
     decision, reason = outcome[0]
     assert decision.action == "joined", reason
     assert decision.declaration.member_ids() == (leader_id, other_id), reason
+
+
+def test_only_a_declaration_of_our_current_session_joins_us() -> None:
+    """``decide`` looks for declarations listing us only when our (peer id, session) is among the declared entries:
+    a full group that listed our older session neither joins nor fails our new one, which leads the next group."""
+    a1, b, c = entry("A", 1), entry("B"), entry("C")
+    old = declaration([a1, b], 100.5, reason="full")
+    a2 = entry("A", 2, at=101.0)
+    d = run(a2, [a2, b, c], [old], now=105.5)
+    assert d.action == "declare" and ids(d) == ["A", "C"]
+    joined = run(a1, [a1, b, c], [old], now=101.0)
+    assert joined.action == "joined" and joined.declaration == old

@@ -1,8 +1,18 @@
 """The quorum rule (pure): holders, agreement, progress; θ₀ holders; moshpit; the run-age bound."""
 
+import random
+
 import pytest
 
-from hivetrain.peers.quorum import QuorumConfig, Vote, backed_states, implausible, max_plausible_epoch
+from hivetrain.peers.quorum import (
+    Backing,
+    QuorumConfig,
+    Vote,
+    backed_states,
+    distinct_voters,
+    implausible,
+    max_plausible_epoch,
+)
 
 Q = QuorumConfig()
 
@@ -82,3 +92,37 @@ def test_the_run_age_bounds_epochs():
 def test_bad_quorum_configs_are_refused(kwargs):
     with pytest.raises(ValueError, match="QuorumConfig"):
         QuorumConfig(**kwargs)
+
+
+def _rule_per_epoch(claims, config, exact):
+    """The quorum rule of the module docstring, evaluated epoch by epoch over every voter (the O(voters x epochs)
+    form ``backed_states`` had before it grouped voters by epoch in one pass)."""
+    voters = distinct_voters(claims)
+    trained = sum(1 for v in voters if v.epoch >= 1)
+    result = {}
+    for epoch in sorted({v.epoch for v in voters}):
+        at = [v for v in voters if v.epoch == epoch]
+        population = trained if epoch >= 1 and not config.count_untrained else len(voters)
+        passed = sum(1 for v in voters if v.epoch >= epoch)
+        hashes = sorted({v.state_hash for v in at}, key=lambda h: (sum(v.state_hash == h for v in at), h))
+        state_hash = hashes[-1] if exact else max(v.state_hash for v in at)
+        count = sum(v.state_hash == state_hash for v in at) if exact else len(at)
+        agreed = count >= config.min_peers and count > config.min_fraction * len(at)
+        if agreed and passed >= config.min_fraction * population:
+            holders = tuple(v.peer_id for v in at if v.state_hash == state_hash)
+            result[epoch] = Backing(epoch, state_hash, holders, len(at), passed, population)
+    return result
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("count_untrained", [False, True])
+def test_backed_states_in_one_pass_equals_the_rule_evaluated_per_epoch(exact, count_untrained):
+    rng = random.Random(7)
+    config = QuorumConfig(count_untrained=count_untrained)
+    for trial in range(200):
+        num_epochs = rng.randint(1, 12)
+        claims = [
+            Vote(f"p{rng.randrange(60):02d}", rng.randrange(num_epochs), rng.choice(["", "a", "b", "c"]))
+            for _ in range(rng.randint(0, 80))
+        ]  # duplicate peer IDs and claims without a state included
+        assert backed_states(claims, config, exact) == _rule_per_epoch(claims, config, exact), trial

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from hivetrain.averaging.groups import max_relative_deviation, moshpit_groups
+from hivetrain.peers.records import PeerRecord
+from hivetrain.sim import dht as simdht
 from hivetrain.sim.config import load_scenario, parse_scenario
 from hivetrain.sim.consensus import group_means, labels_for, relative_deviation
 from hivetrain.sim.network import allreduce_cost, download_cost
@@ -73,3 +75,20 @@ def test_unknown_keys_are_refused_and_bundled_scenarios_load() -> None:
     assert len(paths) >= 4
     for path in paths:
         assert load_scenario(path).name == path.stem
+
+
+def test_board_records_equal_validated_records_with_the_same_values() -> None:
+    board = simdht.RecordBoard(4)
+    board.publish(2, "QmPeer2", "h" * 16, epoch=3, phase_epoch=4, phase_samples=40, throughput=2.5, done_epoch=3,
+                  done_samples=80, updated_at=12.5)  # fmt: skip
+    (rec,) = board.records()
+    fields = simdht._template_record().__dict__ | {
+        "peer_id": "QmPeer2", "epoch": 3, "phase_epoch": 4, "phase_samples": 40, "throughput": 2.5,
+        "done_epoch": 3, "done_samples": 80, "updated_at": 12.5, "state_hash": "h" * 16,
+    }  # fmt: skip
+    assert rec == PeerRecord.model_validate(fields)
+    assert rec.model_dump() == PeerRecord.model_validate(fields).model_dump()
+    assert board.records() is board.records()  # one list until a record changes
+    board.publish(1, "QmPeer1", "", epoch=0, phase_epoch=0, phase_samples=0, throughput=0.0, done_epoch=0,
+                  done_samples=0, updated_at=13.0)  # fmt: skip
+    assert [r.peer_id for r in board.records()] == ["QmPeer1", "QmPeer2"]

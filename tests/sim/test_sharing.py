@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 from hivetrain.averaging.matchmaking import GroupDeclaration, decide, make_round_id
 from hivetrain.diloco.sync_policy import decide_after_round
 from hivetrain.sim import dht as simdht
@@ -64,19 +66,28 @@ def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer() -
 def test_failed_peers_share_decide_after_round_only_with_equal_answers() -> None:
     """On the end state of a churned run with small groups, every member of a ``share_key`` group gets the
     policy its group's first member got, for several failures and attempts."""
-    sim = DataParallelSim(tiny(sim={"num_peers": 30}, churn={"session": "exponential", "mean_session_s": 200.0},
-                               averaging={"target_group_size": 8}))  # fmt: skip
+    sim = DataParallelSim(tiny(sim={"num_peers": 40}, churn={"session": "exponential", "mean_session_s": 200.0},
+                               averaging={"target_group_size": 4}))  # fmt: skip
     sim.run()
     st, now = sim.state, sim.env.now
     alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
-    compared = 0
-    for attempt in (0, 4):
+    compared, mixed_hashes = 0, 0
+    top = int(np.bincount(sim.board.cols["epoch"][sim.board.published].astype(np.int64)).argmax())
+    at_top = [s for s in np.flatnonzero(sim.board.published).tolist() if sim.board.cols["epoch"][s] == top]
+    for attempt, forked in ((0, False), (4, False), (1, True)):
+        if forked:  # 3 of 4 at the most common epoch now agree: a backed state, the others are forked
+            for s in at_top[: 3 * len(at_top) // 4]:
+                sim.board.state_hash[s] = st.state_hash[s] = "majority"
+            sim.board.objects[:] = [None] * len(sim.board.objects)
+            sim.board._records = None
         st.i["attempt"][alive] = attempt
         groups: dict[tuple, list[int]] = defaultdict(list)
-        for slot in alive:
-            groups[sim.rounds.share_key(slot, now)].append(slot)
-        for group in groups.values():
-            epoch = int(st.i["phase_epoch"][group[0]])
+        for epoch in {int(st.i["phase_epoch"][s]) for s in alive}:
+            unbacked = epoch if sim.rounds.unbackable(epoch, now) else None
+            for slot in alive:
+                if st.i["phase_epoch"][slot] == epoch:
+                    groups[(epoch, sim.rounds.share_key(slot, now, unbacked))].append(slot)
+        for (epoch, _), group in groups.items():
             policies = [
                 decide_after_round(st.peer_ids[s], sim.rounds.failed_view(s, epoch, "late", now), sim.board.records(),
                                    now, max_retries=sim.sc.averaging.max_retries,
@@ -86,7 +97,10 @@ def test_failed_peers_share_decide_after_round_only_with_equal_answers() -> None
             ]  # fmt: skip
             assert all(p == policies[0] for p in policies), policies
             compared += len(group) - 1
+            mixed_hashes += len({st.state_hash[s] for s in group}) > 1
     assert compared >= 10  # the sharing was exercised, not vacuous
+    assert mixed_hashes >= 1  # peers of different groups' states shared a call (``unbackable``)
+    assert not sim.rounds.unbackable(top, now)  # and the forked case was compared with hashes apart
 
 
 def test_dht_keeps_one_entry_per_peer_per_round_key() -> None:
@@ -98,3 +112,50 @@ def test_dht_keeps_one_entry_per_peer_per_round_key() -> None:
     assert key.declarations_bytes == 0
     key.declare(_window_declaration(sim, [0, 1], 3.0))
     assert key.declarations_bytes == simdht.declaration_bytes(2)
+
+
+def test_cached_after_round_policies_equal_fresh_calls_at_later_times() -> None:
+    """``policy_key`` reuses an answer across times within one board version: on the end state of a churned run,
+    at times as records go stale one by one, every slot's fresh ``decide_after_round`` equals the answer cached
+    under its key by whichever slot and time filled it first."""
+    sim = DataParallelSim(tiny(sim={"num_peers": 30}, churn={"session": "exponential", "mean_session_s": 200.0},
+                               averaging={"target_group_size": 8}))  # fmt: skip
+    sim.run()
+    st, board, end = sim.state, sim.board, sim.env.now
+    alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
+    updated = sorted(board.cols["updated_at"][board.published])
+    stale_s = sim.sc.schedule.stale_after_s
+    times = [end, end + 0.25] + [u + stale_s + 0.01 for u in updated[:: max(1, len(updated) // 6)]]
+    cached: dict[tuple, tuple] = {}
+    hits, counts = 0, set()
+    for now in times:
+        for slot in alive:
+            epoch = int(st.i["phase_epoch"][slot])
+            key = sim.rounds.policy_key(sim.rounds.share_key(slot, now), epoch, "late", now)
+            fresh = decide_after_round(st.peer_ids[slot], sim.rounds.failed_view(slot, epoch, "late", now),
+                                       board.records(), now, max_retries=sim.sc.averaging.max_retries,
+                                       stale_after_s=stale_s, dht_lost_after_s=sim.sc.schedule.record_ttl_s,
+                                       exact_average=sim.exact)  # fmt: skip
+            if key in cached:
+                assert cached[key][0] == fresh, (now, slot)
+                hits += cached[key][1] != now
+            else:
+                cached[key] = (fresh, now)
+            counts.add(key[0])
+    assert hits >= 20 and len(counts) >= 3  # answers filled at another time were reused, for several live sets
+
+
+def test_retries_announce_at_the_next_tick_in_one_batch() -> None:
+    """Backoffs of 0.25 s and 0.5 s both announce at the next tick (1 s), together; a peer that left meanwhile
+    does not."""
+    sim = _swarm(6)
+    rounds, st = sim.rounds, sim.state
+    rounds._retry([0, 1], 0.25)
+    rounds._retry([2, 3], 0.5)
+    st.i["status"][3] = ABSENT
+    rounds.announce_retries(0.75)
+    assert not rounds.keys  # nothing due before the tick
+    announced = []
+    rounds.announce = lambda slots, now: announced.append((list(slots), now))
+    rounds.announce_retries(1.0)
+    assert announced == [([0, 1, 2], 1.0)] and not rounds._retries
