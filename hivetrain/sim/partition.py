@@ -15,7 +15,8 @@ decision functions (``decide_phase_end``, ``matchmaking.decide``, ``decide_after
 the two histories. To measure it, each peer's *lineage* is tracked: at the split a peer holds its side's model; a
 download copies the donor's lineage; averaging never changes it (butterfly, Moshpit and gossip average
 pseudo-gradients, and each member applies them to its own parameters). The swarm has reconverged when every live peer
-holding a model holds one lineage.
+holding a model holds one lineage (``reconverged_s_after_heal``; ``reconverged95_s_after_heal``: 95% of them).
+Peers that start from a fresh model during or after the split (no donor) count in their side's lineage.
 
 What is simplified: the cut is total (no peer is reachable from both sides), instantaneous, and the DHT of each side
 is complete at once (no routing tables to repair).
@@ -71,6 +72,7 @@ class PartitionTracker:
     split_sizes: tuple[int, int] | None = None
     heal_epochs: tuple[float, float] | None = None
     reconverged_at: float | None = None
+    mostly_at: float | None = None  # first time after the heal that one lineage holds >= 95% of the live models
     cut_groups: int = 0
     cut_downloads: int = 0
     heal_downloads: list[int] = field(default_factory=list)  # lineage of each download's donor after the heal
@@ -143,6 +145,8 @@ class PartitionTracker:
         one = len(known) > 0 and (share0 in (0.0, 1.0)) and len(known) == len(lin)
         if now >= p.heal_s and self.reconverged_at is None and one:
             self.reconverged_at = now
+        if now >= p.heal_s and self.mostly_at is None and len(known) and max(share0, 1 - share0) >= 0.95:
+            self.mostly_at = now
 
     def on_download(self, slot: int, donor: int, now: float) -> None:
         """``slot`` took ``donor``'s state: it now holds the donor's lineage (or its side's, if the donor had none)."""
@@ -186,6 +190,7 @@ class PartitionTracker:
             "lineage0_share_end": last[3] if last else None,
             "winning_lineage": wins,
             "reconverged_s_after_heal": None if self.reconverged_at is None else self.reconverged_at - p.heal_s,
+            "reconverged95_s_after_heal": None if self.mostly_at is None else self.mostly_at - p.heal_s,
             "drift_all_end": last[4] if last else None,
             "sim_end_s": end_s,
         }

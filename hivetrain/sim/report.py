@@ -99,17 +99,20 @@ def plot_partition(history: Sequence[tuple[float, ...]], summary: dict[str, Any]
             share, drift). summary: the report's ``partition`` dict (``at_s``, ``heal_s``).
     """
     plt = _pyplot()
-    t, e0, e1, _, drift = (list(c) for c in zip(*history, strict=True))
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    t, e0, e1, share0, drift = (list(c) for c in zip(*history, strict=True))
+    fig, (ax, ax3, ax2) = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True)
     ax.plot(t, e0, label="side 0 (median epoch)")
     ax.plot(t, e1, label="side 1 (cut off)")
-    for a in (ax, ax2):
+    for a in (ax, ax3, ax2):
         a.axvspan(summary["at_s"], min(summary["heal_s"], t[-1]), color="0.9")
+    ax3.plot(t, share0)
+    ax3.set_ylim(0, 1.05)
+    ax3.set_ylabel("share holding\nside 0's model")
     ax.set_ylabel("outer step (epoch)")
     ax.legend(fontsize=7)
     ax.set_title(f"{title}: split at {summary['at_s']:.0f} s, healed at {summary['heal_s']:.0f} s")
     ax2.plot(t, drift)
-    ax2.set_ylabel("drift, all live peers")
+    ax2.set_ylabel("drift, all live\npeers (any epoch)")
     ax2.set_xlabel("simulated time, s")
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -105,3 +105,25 @@ def test_no_partition_report_has_none():
     sim.run()
     assert sim.metrics.summary["partition"] is None
     assert not sim.partition.enabled
+
+
+def test_lineage_follows_downloads_and_reconvergence_is_timed():
+    t = PartitionTracker(PartitionSettings(share=0.5, at_s=10.0, heal_s=20.0), seed=1)
+    for slot in range(6):
+        t.add(slot)
+    t.side[:6] = [0, 0, 0, 1, 1, 1]
+    alive, holding = np.arange(6), np.ones(6, bool)
+    t.sample(10.0, alive, holding, np.array([2, 2, 2, 2, 2, 2]), 0.0)
+    assert t.lineage[:6].tolist() == [0, 0, 0, 1, 1, 1]  # at the split each holds its side's model
+    t.sample(20.0, alive, holding, np.array([5, 5, 5, 4, 4, 4]), 0.1)
+    t.on_download(3, 0, 25.0)  # after the heal, side-1 peers take side 0's state
+    t.on_download(4, 1, 26.0)
+    t.sample(26.0, alive, holding, np.array([5, 5, 5, 5, 5, 4]), 0.1)
+    assert t.reconverged_at is None
+    t.on_download(5, 2, 30.0)
+    t.sample(30.0, alive, holding, np.array([6, 6, 6, 6, 6, 6]), 0.0)
+    s = t.summary(30.0)
+    assert s["outer_steps_during_split"] == [3.0, 2.0] and s["diverged_outer_steps"] == 2.0
+    assert s["downloads_after_heal_by_lineage"] == [3, 0]
+    assert s["reconverged_s_after_heal"] == 10.0 and s["reconverged95_s_after_heal"] == 10.0
+    assert s["winning_lineage"] == 0 and s["side_sizes_at_split"] == [3, 3]
