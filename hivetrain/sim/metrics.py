@@ -13,7 +13,8 @@ Definitions (units in the names):
 - ``round_s_median``: median duration of one group all-reduce (or one Moshpit/gossip group round) that finished.
 - ``flash_*``: the flash crowd's downloads only: catch-up = a joiner's state download time (mean, p90, max),
   ``flash_all_caught_up_s`` = from the crowd's arrival until its last joiner holds the state, and
-  ``flash_max_donor_bytes`` = the most bytes one donor served to the crowd.
+  ``flash_max_donor_bytes`` = the most bytes one donor served to the crowd; ``flash_still_syncing`` = joiners still
+  waiting for or in their download when the run ended (their time is not in the means).
 - ``partition``: ``sim.partition.PartitionTracker.summary`` (only with a ``[partition]``).
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 from hivetrain.sim.consensus import relative_deviation
 from hivetrain.sim.dht import DhtStats
 from hivetrain.sim.network import Transfer
-from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
+from hivetrain.sim.swarm_state import ABSENT, AVERAGING, DOWNLOADING, READY, SYNCING
 
 if TYPE_CHECKING:
     from hivetrain.sim.dataparallel import DataParallelSim
@@ -134,6 +135,10 @@ class SimMetrics:
             "flash_catchup_s_p90": float(np.percentile(flash_s, 90)) if flash else None,
             "flash_catchup_s_max": float(max(flash_s)) if flash else None,
             "flash_downloads": len(flash),
+            "flash_joiners": len(self.flash_slots),
+            "flash_still_syncing": int(np.isin(st.i["status"][self.flash_slots], (SYNCING, DOWNLOADING)).sum())
+            if self.flash_slots
+            else 0,
             "flash_all_caught_up_s": (max(d["ended_at"] for d in flash) - sim.sc.flash_crowd.at_s) if flash else None,
             "flash_max_donor_bytes": int(max(self.flash_donor_bytes.values(), default=0)),
             "download_donors": sim.sc.download.num_donors,

@@ -173,7 +173,8 @@ def plot_pipeline(reports: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def plot_sweep(reports: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
-    """Figures against the number of peers, one line per (strategy, churn label) of ``reports``."""
+    """Figures against the number of peers, one line per (strategy, churn label) of ``reports``. Runs that committed
+    no outer step are left out; runs a time limit stopped (``stopped_by_limit``) are drawn with a cross."""
     plt = _pyplot()
 
     out = Path(out_dir)
@@ -193,13 +194,19 @@ def plot_sweep(reports: Sequence[dict[str, Any]], out_dir: str | Path) -> list[P
     paths = []
     for key, label in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
-        lines: dict[str, list[tuple[int, float]]] = {}
+        lines: dict[str, list[tuple[int, float, bool]]] = {}
         for r in reports:
-            if r.get(key) is not None:
-                lines.setdefault(r.get("label", r["scenario"]), []).append((r["peers"], r[key]))
+            if r.get(key) is not None and r.get("outer_steps_done", 1) > 0:
+                point = (r["peers"], r[key], bool(r.get("stopped_by_limit")))
+                lines.setdefault(r.get("label", r["scenario"]), []).append(point)
         for name, points in sorted(lines.items()):
             points.sort()
-            ax.plot(*zip(*points, strict=True), marker="o", label=name)
+            line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            cut = [p for p in points if p[2]]
+            if cut:
+                ax.plot([p[0] for p in cut], [p[1] for p in cut], "x", color=line[0].get_color(), markersize=11)
+        if any(r.get("stopped_by_limit") for r in reports):
+            ax.plot([], [], "x", color="0.3", label="stopped by the time limit (partial)")
         ax.set_xscale("log")
         if key.endswith("bytes") or key.endswith("_step") and "bytes" in key:
             ax.set_yscale("log")

@@ -10,13 +10,18 @@ Parts:
   Each run's ``report.json`` goes to ``OUT/runs/``; ``report.plot_sweep`` draws ``OUT/plots/<figure>.png``.
 - ``consensus``: Moshpit (groups of 4, 16, 64) and gossip rounds to 1% drift against N (sizes and 10,000), also
   with 5% of the members leaving during each round, next to ceil(log_g N) (``OUT/plots/consensus_rounds.png``).
-- ``flash``: ``scenarios/sim/dp-1000-flash.toml`` with K donors per joiner (``OUT/plots/flash_crowd.png``).
+- ``flash``: ``scenarios/sim/dp-1000-flash.toml`` with K donors per joiner (``OUT/plots/flash_crowd.png``), averaging
+  with ``--flash-strategy`` (default moshpit, groups of 16) and the crowd arriving at ``--flash-at-s``. With
+  butterfly averaging in several groups per epoch no joiner downloads: each group's state has its own hash, so no
+  state has the quorum ``decide_sync`` asks for, and joiners start from the initial model (dev/LOG.md, session 7).
 - ``swarm``: ``scenarios/sim/swarm-100.toml`` at each server count (4 stages; trainers scale with servers), with
   churn, without churn, and without rebalancing (``OUT/plots/swarm_throughput.png``).
 
 A run that hits ``--time-limit-s`` (wall seconds) stops at that tick and its report says how far it got
 (``outer_steps_done``, ``sim_s``); the summary table marks it. ``--docs DIR`` copies the PNGs there (the README shows
 ``docs/sim/*.png``). Prints one line per run (wall and CPU seconds) and writes ``OUT/sweep.json``.
+``--from-runs DIR,DIR`` draws the figures from the ``runs/*/report.json`` of earlier sweeps instead of running
+(a later folder's run replaces an earlier one's of the same name: rerun a few sizes longer, then redraw).
 """
 
 from __future__ import annotations
@@ -87,12 +92,16 @@ def sweep_dp(args, out: Path) -> list[dict[str, Any]]:
 def sweep_flash(args, out: Path) -> list[dict[str, Any]]:
     base = load_scenario(ROOT / "scenarios/sim/dp-1000-flash.toml")
     reports = []
+    avg = replace(base.averaging, strategy=args.flash_strategy, target_group_size=args.flash_group_size)
+    crowd = replace(base.flash_crowd, at_s=args.flash_at_s)
     for k in _ints(args.flash_donors):
-        sc = replace(base, name=f"dp-1000-flash-k{k}", download=replace(base.download, num_donors=k),
-                     sim=replace(base.sim, outer_steps=min(base.sim.outer_steps, args.flash_outer_steps)))  # fmt: skip
+        sc = replace(base, name=f"dp-1000-flash-k{k}", download=replace(base.download, num_donors=k), averaging=avg,
+                     flash_crowd=crowd, sim=replace(base.sim, outer_steps=10_000,
+                                                    max_sim_s=args.flash_at_s + args.flash_window_s))  # fmt: skip
         r = run_dp(sc, out / "runs" / sc.name, args.time_limit_s, f"flash K={k}")
-        print(_line(r), f"flash: mean {r['flash_catchup_s_mean']} max {r['flash_catchup_s_max']} all "
-              f"{r['flash_all_caught_up_s']} donor_max_bytes {r['flash_max_donor_bytes']}", flush=True)  # fmt: skip
+        print(_line(r), f"flash: {r['flash_downloads']} of {r['flash_joiners']} downloaded, mean "
+              f"{r['flash_catchup_s_mean']} max {r['flash_catchup_s_max']} all {r['flash_all_caught_up_s']} "
+              f"still syncing {r['flash_still_syncing']} donor_max_bytes {r['flash_max_donor_bytes']}")  # fmt: skip
         reports.append(r)
     return reports
 
@@ -113,12 +122,27 @@ def sweep_swarm(args, out: Path) -> list[dict[str, Any]]:
             trainers = max(1, round(base.pipeline.num_trainers * n / base.pipeline.num_servers))
             pipe = replace(base.pipeline, num_servers=n, num_trainers=trainers, rebalance=rebalance)
             sc = replace(base, name=f"swarm-{n}", churn=churn, pipeline=pipe)
-            r = write_pipeline_report(PipelineSim(sc).run(), out / "runs" / f"swarm-{n}-{len(reports)}")
+            run_dir = out / "runs" / f"swarm-{n}-{len(reports)}"
+            r = write_pipeline_report(PipelineSim(sc).run(), run_dir)
             r["label"] = label
+            (run_dir / "report.json").write_text(json.dumps(r, indent=2, sort_keys=True) + "\n")
             print(f"swarm N={n} {label}: ratio {r['throughput_ratio']:.2f} rerouted {r['rerouted_share']:.3f} "
                   f"moves {r['moves']} wall_s {r['wall_s']:.0f}", flush=True)  # fmt: skip
             reports.append(r)
     return reports
+
+
+def load_runs(dirs: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Reports under ``DIR/runs/*/report.json``, by part ("dp", "flash", "swarm"); later folders win per run name."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for d in dirs:
+        for path in sorted(Path(d).glob("runs/*/report.json")):
+            by_name[path.parent.name] = json.loads(path.read_text())
+    parts: dict[str, list[dict[str, Any]]] = {"dp": [], "flash": [], "swarm": []}
+    for r in by_name.values():
+        part = "swarm" if r.get("mode") == "swarm" else "flash" if "flash" in r["scenario"] else "dp"
+        parts[part].append(r)
+    return parts
 
 
 def main() -> None:
@@ -129,17 +153,31 @@ def main() -> None:
     parser.add_argument("--outer-steps", type=int, default=6, help="outer steps per data-parallel run")
     parser.add_argument("--time-limit-s", type=float, default=600.0, help="wall seconds per run; 0 = no limit")
     parser.add_argument("--flash-donors", default="1,2,4,8", help="donors per joiner K, comma-separated")
-    parser.add_argument("--flash-outer-steps", type=int, default=4, help="outer steps of the flash-crowd runs")
+    parser.add_argument("--flash-window-s", type=float, default=2400.0, help="simulated s after the crowd arrives")
+    parser.add_argument("--flash-at-s", type=float, default=1500.0, help="when the crowd arrives, simulated s")
+    parser.add_argument("--flash-strategy", default="moshpit", help="averaging of the flash-crowd runs")
+    parser.add_argument("--flash-group-size", type=int, default=16, help="target group size of the flash runs")
     parser.add_argument("--swarm-servers", default="20,50,100,200", help="SWARM stage servers, comma-separated")
     parser.add_argument("--consensus-sizes", default="100,300,1000,3000,10000", help="N of the consensus figure")
     parser.add_argument("--parts", default="dp,consensus,flash,swarm", help="which parts to run")
     parser.add_argument("--docs", default="", help="also copy the PNGs into this folder (e.g. docs/sim)")
+    parser.add_argument("--from-runs", default="", help="redraw from these sweeps' runs/ (comma-separated); no runs")
     args = parser.parse_args()
     out = Path(args.out)
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
     summary: dict[str, Any] = {}
+    if args.from_runs:
+        loaded = load_runs(args.from_runs.split(","))
+        parts -= {p for p in ("dp", "flash", "swarm") if p in parts}
+        if loaded["dp"]:
+            plot_sweep(loaded["dp"], plots)
+        if loaded["flash"]:
+            plot_flash(loaded["flash"], plots / "flash_crowd.png")
+        if loaded["swarm"]:
+            plot_pipeline(loaded["swarm"], plots / "swarm_throughput.png")
+        summary.update(loaded)
     if "consensus" in parts:
         runs = [rounds_to_consensus(s, n, g, seed=1, leave_prob=p)
                 for s, g in (("moshpit", 4), ("moshpit", 16), ("moshpit", 64), ("gossip", 2))

@@ -51,7 +51,8 @@ def test_flash_crowd_figures(tmp_path):
     assert r["flash_catchup_s_max"] == max(d["duration_s"] for d in flash)
     assert r["flash_all_caught_up_s"] == pytest.approx(max(d["ended_at"] for d in flash) - 20.0)
     assert 0 < r["flash_max_donor_bytes"] <= r["max_donor_bytes"]
-    assert r["download_donors"] == 2
+    assert r["download_donors"] == 2 and r["flash_joiners"] == 10
+    assert r["flash_downloads"] + r["flash_still_syncing"] <= 10
     assert all(d["num_donors"] <= 2 for d in flash)
     assert plot_flash([r], tmp_path / "flash.png").stat().st_size > 0
 
