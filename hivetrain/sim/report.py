@@ -121,25 +121,28 @@ def plot_partition(history: Sequence[tuple[float, ...]], summary: dict[str, Any]
 
 
 def plot_flash(reports: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """A flash crowd against the number of donors K per joiner (``download_donors``): catch-up time (mean, max, until
-    the last joiner holds the state) and the most bytes one donor served."""
+    """A flash crowd against the number of donors K per joiner (``download_donors``): catch-up time of the finished
+    downloads (mean, p90), the joiners still waiting or downloading when the run ended, and the most bytes one donor
+    served."""
     plt = _pyplot()
     rs = sorted((r for r in reports if r.get("flash_downloads")), key=lambda r: r["download_donors"])
     k = [r["download_donors"] for r in rs]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for key, label in (("flash_catchup_s_mean", "mean"), ("flash_catchup_s_max", "slowest joiner"),
-                       ("flash_all_caught_up_s", "crowd arrival to last caught up")):  # fmt: skip
+    fig, (ax, ax1, ax2) = plt.subplots(1, 3, figsize=(11, 3.6))
+    for key, label in (("flash_catchup_s_mean", "mean"), ("flash_catchup_s_p90", "p90")):
         ax.plot(k, [r[key] for r in rs], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("donors per joiner K")
     ax.set_ylabel("catch-up (state download), s")
     ax.legend(fontsize=7)
+    ax1.plot(k, [r.get("flash_still_syncing", 0) for r in rs], marker="o")
+    ax1.set_ylabel("joiners not caught up at the end")
     ax2.plot(k, [r["flash_max_donor_bytes"] / 1e9 for r in rs], marker="o")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("donors per joiner K")
     ax2.set_ylabel("most bytes one donor served, GB")
+    for a in (ax, ax1, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("donors per joiner K")
     if rs:
-        fig.suptitle(f"flash crowd: {rs[0]['flash_downloads']} joiners onto {rs[0]['peers']} peers", fontsize=9)
+        r0 = rs[0]
+        fig.suptitle(f"flash crowd: {r0.get('flash_joiners', r0['flash_downloads'])} joiners onto {r0['peers']} peers"
+                     f" (run ends at {r0['sim_s']:.0f} simulated s)", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -162,8 +165,11 @@ def plot_pipeline(reports: Sequence[dict[str, Any]], path: str | Path) -> Path:
     ax.axhline(1.0, color="0.5", linestyle=":", label="ideal (slowest stage)")
     ax.set_ylabel("throughput / ideal")
     ax2.set_ylabel("share of microbatches rerouted")
+    ticks = sorted({r["peers"] for r in reports})
     for a in (ax, ax2):
         a.set_xscale("log")
+        a.set_xticks(ticks, [str(n) for n in ticks])
+        a.minorticks_off()
         a.set_xlabel("stage servers")
         a.legend(fontsize=6)
     fig.tight_layout()
@@ -199,6 +205,9 @@ def plot_sweep(reports: Sequence[dict[str, Any]], out_dir: str | Path) -> list[P
             if r.get(key) is not None and r.get("outer_steps_done", 1) > 0:
                 point = (r["peers"], r[key], bool(r.get("stopped_by_limit")))
                 lines.setdefault(r.get("label", r["scenario"]), []).append(point)
+        if not lines:  # no run committed an outer step: nothing to draw
+            plt.close(fig)
+            continue
         for name, points in sorted(lines.items()):
             points.sort()
             line = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)

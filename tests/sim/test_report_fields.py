@@ -9,7 +9,14 @@ import pytest
 
 from hivetrain.sim.consensus import rounds_to_consensus
 from hivetrain.sim.dataparallel import DataParallelSim
-from hivetrain.sim.report import leave_prob_per_round, plot_consensus, plot_flash, plot_pipeline, write_report
+from hivetrain.sim.report import (
+    leave_prob_per_round,
+    plot_consensus,
+    plot_flash,
+    plot_pipeline,
+    plot_sweep,
+    write_report,
+)
 
 from .conftest import tiny
 
@@ -68,3 +75,10 @@ def test_partition_plot_and_sweep_plots(tmp_path):
     pipe = [{"scenario": "s", "peers": n, "throughput_ratio": 0.9, "rerouted_share": 0.01, "label": "x"}
             for n in (20, 50)]  # fmt: skip
     assert plot_pipeline(pipe, tmp_path / "p.png").stat().st_size > 0
+
+
+def test_sweep_plots_skip_runs_without_an_outer_step(tmp_path):
+    base = {"scenario": "s", "label": "x", "utilization_mean": 0.5, "committed_sample_share": 0.0}
+    assert plot_sweep([{**base, "peers": 3000, "outer_steps_done": 0}], tmp_path) == []
+    drawn = plot_sweep([{**base, "peers": 100, "outer_steps_done": 2, "stopped_by_limit": True}], tmp_path)
+    assert {p.name for p in drawn} == {"utilization_mean.png", "committed_sample_share.png"}
