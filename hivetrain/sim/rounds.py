@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -159,10 +160,10 @@ class RoundEngine:
         side = self.sim.partition.side
         return [p for p in ([s for s in slots if side[s] == k] for k in (0, 1)) if p]
 
-    def _visible(self, key: RoundKey, me: ReadyEntry) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
+    def _visible(self, key: RoundKey, me: ReadyEntry) -> tuple[Iterable[ReadyEntry], list[GroupDeclaration]]:
         """The entries and declarations at ``key`` that ``me`` can read: all, or its side's while split."""
         if self.sim.views is None:
-            return list(key.entries.values()), key.declarations
+            return key.entries.values(), key.declarations
         side, index_of = self.sim.partition.side, self.sim.state.index_of
         mine = side[index_of[me.peer_id]]
         entries = [e for e in key.entries.values() if side[index_of[e.peer_id]] == mine]
