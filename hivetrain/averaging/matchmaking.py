@@ -157,7 +157,8 @@ def decide(
         banned: peer ids we refuse to group with.
         expected: peer ids the caller expects to average at this round key (e.g. the live trainers its DHT records
             show at this epoch; ours may be in it or not). Once every one of them that is not banned is a candidate,
-            the group closes at once ("complete") instead of at the window (if it has ``min_group_size``). Empty =
+            the group closes at once ("complete") instead of at the window (if it has ``min_group_size``); an
+            expected peer listed in another live group of this round key counts as accounted for. Empty =
             no such knowledge: wait for the window or a full group.
 
     Returns:
@@ -200,7 +201,10 @@ def decide(
             by_id[e.peer_id] = e
     candidates = sorted(by_id.values(), key=lambda e: e.peer_id)
     group_deadline = min(e.deadline for e in candidates)
-    missing = (expected - banned - {me.peer_id}) - by_id.keys() if expected else None
+    # an expected peer already in a live group of this round key (a "full" group when the epoch needs several) will not
+    # join ours: it is accounted for, so the last group closes "complete" instead of waiting out the window
+    grouped = {m.peer_id for d in live for m in d.members}
+    missing = (expected - banned - {me.peer_id}) - by_id.keys() - grouped if expected else None
     closed_by: ClosedBy
     if len(candidates) >= target_group_size:
         group, closed_by = tuple(candidates[:target_group_size]), "full"

@@ -82,19 +82,27 @@ class PeerDistribution:
 
     Args:
         compute: "lognormal" = samples/s log-normal with median ``samples_per_s_median`` and 90% of peers within a
-            factor ``compute_spread`` (p95 / p5); "classes" = ``gpu_classes`` (samples/s) drawn with ``gpu_shares``.
+            factor ``compute_spread`` (p95 / p5); "classes" = ``gpu_classes`` (samples/s) drawn with ``gpu_shares``;
+            "list" = peer k computes ``samples_per_s[k % len(samples_per_s)]`` (speeds measured on a real swarm, e.g.
+            by ``scripts/bench/sim_calibrate.py``; joiners after the initial peers wrap around).
+        samples_per_s: the speeds of ``compute = "list"``, samples/s, each > 0 (only with "list").
         datacenter_share: fraction of peers on datacenter links (``dc_*``); the rest are home links (``home_*``).
         home_upload_mbps / home_download_mbps / dc_upload_mbps / dc_download_mbps: [low, high], drawn log-uniform.
         home_latency_s / dc_latency_s: [low, high] one-way latency, drawn uniform, seconds.
         nat_share: fraction of peers behind NAT: their data-plane links go through a libp2p relay
             (``averaging.libp2p_fallback``), modelled as their bandwidth times ``relay_efficiency`` (uncalibrated).
+        outer_step_s: seconds a peer spends after its round committed before its next inner phase starts (applying
+            the outer step, evaluating, publishing); 0 = none. Fitted from a real swarm by ``sim_calibrate.py``.
+        speed_jitter: each inner phase runs at the peer's speed x exp(speed_jitter x N(0, 1)) (a volunteer's other
+            work, a shared machine's load); 0 = constant speed. Fitted from a real swarm's phase speeds.
     """
 
-    compute: Literal["lognormal", "classes"] = "lognormal"
+    compute: Literal["lognormal", "classes", "list"] = "lognormal"
     samples_per_s_median: float = Field(default=4.0, gt=0.0)
     compute_spread: float = Field(default=10.0, ge=1.0)
     gpu_classes: tuple[float, ...] = (1.0, 4.0, 10.0)
     gpu_shares: tuple[float, ...] = (0.5, 0.4, 0.1)
+    samples_per_s: tuple[float, ...] = ()
     datacenter_share: float = Field(default=0.1, ge=0.0, le=1.0)
     home_upload_mbps: tuple[float, float] = (10.0, 100.0)
     home_download_mbps: tuple[float, float] = (50.0, 300.0)
@@ -104,8 +112,14 @@ class PeerDistribution:
     dc_latency_s: tuple[float, float] = (0.001, 0.01)
     nat_share: float = Field(default=0.3, ge=0.0, le=1.0)
     relay_efficiency: float = Field(default=0.5, gt=0.0, le=1.0)
+    outer_step_s: float = Field(default=0.0, ge=0.0)
+    speed_jitter: float = Field(default=0.0, ge=0.0, le=3.0)
 
     def __post_init__(self) -> None:
+        if (self.compute == "list") != bool(self.samples_per_s):
+            raise ValueError('peers.samples_per_s is required with compute = "list" and only allowed with it')
+        if any(not s > 0 for s in self.samples_per_s):  # also refuses NaN
+            raise ValueError(f"peers.samples_per_s must all be > 0 samples/s, got {self.samples_per_s}")
         if len(self.gpu_classes) != len(self.gpu_shares) or not self.gpu_classes:
             raise ValueError("peers.gpu_classes and peers.gpu_shares must be non-empty and of equal length")
         if any(s < 0 for s in self.gpu_shares) or abs(sum(self.gpu_shares) - 1.0) > 1e-6:
@@ -229,7 +243,7 @@ class PipelineSettings:
         Defaults of these timings are ``swarm.config.SwarmConfig``'s (request_timeout_s, record_ttl_s, ...).
         hop_latency_s: one-way network latency per hop (activations' transfer time is not modelled), seconds.
         rebalance / rebalance_interval_s / rebalance_margin / min_servers_per_stage: every interval each serving
-            server asks ``swarm.rebalance.decide_move`` (margin as a fraction: 0.2 = 20%).
+            server asks ``swarm.rebalance.decide_move`` (margin as a fraction of the mover's throughput: 0.2 = 20%).
         move_s: a moving or joining server fetches its stage's state for this long before it serves, seconds.
         warmup_s: throughput is measured after this, seconds.
     """
@@ -283,6 +297,11 @@ class Scenario:
     download: DownloadSettings = DownloadSettings()
     averaging: AveragingConfig = AveragingConfig()
     pipeline: PipelineSettings = PipelineSettings()
+
+    def __post_init__(self) -> None:
+        given = len(self.peers.samples_per_s)
+        if given and given != self.sim.num_peers:
+            raise ValueError(f"peers.samples_per_s has {given} speed(s) for sim.num_peers = {self.sim.num_peers}")
 
 
 def parse_scenario(raw: dict[str, Any], where: str = "scenario") -> Scenario:

@@ -50,6 +50,8 @@ class DataParallelSim:
         self.noise_rng = np.random.default_rng(scenario.sim.seed + 1)
         n = scenario.sim.num_peers
         self.state = SwarmState(max(16, 2 * n), scenario.sim.vector_size, self.rng)
+        self.state.speed_jitter = scenario.peers.speed_jitter
+        self.state.jitter_rng = np.random.default_rng(scenario.sim.seed + 2)
         self.board = simdht.RecordBoard(self.state.capacity)
         self.metrics = SimMetrics(num_peers=n)
         s = scenario.schedule
@@ -114,6 +116,31 @@ class DataParallelSim:
         value_bytes = stored * simdht.record_bytes()
         self.metrics.dht.value_size(simdht.PEERS_KEY, value_bytes)
         self.metrics.dht.ops(len(slots), 2, value_bytes)  # one store of our record and one get of everyone's
+
+    def publish_now(self, slots: np.ndarray, now: float) -> None:
+        """Publish the records of ``slots`` at once (the trainer's ``request_publish`` after a phase ends, a round
+        commits or a download), and restart their heartbeat from now."""
+        if len(slots):
+            self.next_publish[slots] = now
+            self._publish(slots, now)
+
+    def after_commit(self, slots: np.ndarray, epoch: int, now: float) -> set[int]:
+        """What a trainer does between a committed round and its next phase (``DilocoTrainer.run``): publish its
+        record, and ``sync_state``: download if the records show it behind or forked (each butterfly group of an
+        epoch with several groups commits its own state). Members of one group share state and epoch, so one
+        ``decide_sync`` call stands for all of them (their own records, which alone differ, are excluded by it). It
+        reads the records as they were before the group's own are republished: a real member's check races with its
+        group mates' stores (on a real swarm of 6 with groups of 3, the first members of the second group to commit
+        saw the first group's 3 records against their own 2 and downloaded). Returns the slots that download."""
+        by_hash: dict[str, list[int]] = {}
+        for slot in slots.tolist():
+            by_hash.setdefault(self.state.state_hash[slot], []).append(slot)
+        downloading: set[int] = set()
+        for state_hash, group in by_hash.items():
+            if self.sync_or_download(group, epoch, state_hash, now):
+                downloading.update(group)
+        self.publish_now(slots, now)
+        return downloading
 
     # ---- processes -----------------------------------------------------------------------------------------------
     def _arrivals(self):
@@ -256,6 +283,7 @@ class DataParallelSim:
         st.f["carried_samples"][slot] = 0
         st.start_phase(slot, src_epoch, self.env.now)
         self.partition.on_download(slot, source, self.env.now)
+        self.publish_now(np.array([slot]), self.env.now)
 
     # ---- the schedule --------------------------------------------------------------------------------------------
     def _schedule(self, now: float) -> None:
@@ -281,6 +309,7 @@ class DataParallelSim:
         for k in np.flatnonzero(ends):
             st.end_phase(int(slots[k]), int(steps[k] * B), float(steps[k] * step_s[k]), self.noise_rng)
         if ending:
+            self.publish_now(np.array(ending), now)  # others stop counting on our progress (``request_publish``)
             self.rounds.announce(ending, now)
 
     def _phase_ends(self, slots: np.ndarray, steps: np.ndarray, now: float) -> np.ndarray:
@@ -307,6 +336,9 @@ class DataParallelSim:
             slot = self._new_peer(TRAINING)
             self.state.start_phase(slot, 0, 0.0)
             self.state.state_hash[slot] = "genesis"
+        # a trainer publishes its record as its first phase begins: a group that closes "complete" on the records it
+        # sees must not miss a starting peer whose first heartbeat is still due (it would be "late")
+        self.publish_now(self.state.alive(), 0.0)
         self.env.process(self._ticks())
         self.env.process(self._arrivals())
         self.env.process(self._flash_crowd())

@@ -24,6 +24,7 @@ is complete at once (no routing tables to repair).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,23 +37,35 @@ NO_LINEAGE = -1  # joined before the split or holds no model yet
 
 
 class SideBoard:
-    """The record board as one side of a split sees it: ``published`` masked to that side's slots.
+    """The record board as one side of a split sees it: the board with the other side's slots masked out.
 
     Offers what the decision code reads of a ``RecordBoard``: ``records()``, ``cols``, ``published``, ``peer_ids``,
-    ``state_hash`` (``sim.schedule_model`` reads the columns). Valid until the board changes (the simulation rebuilds
-    the views every tick, after the board's heartbeats and expiries)."""
+    ``state_hash`` (``sim.schedule_model`` reads the columns). It follows the board: a record published between
+    ticks (``DataParallelSim.publish_now``) is seen at once, as on the board itself."""
 
-    def __init__(self, board: RecordBoard, visible: np.ndarray):
+    def __init__(self, board: RecordBoard, sides: Callable[[], np.ndarray], side: int):
         self.board = board
+        self._sides = sides  # the side of every slot so far (grows with the swarm)
+        self.side = side
         self.cols = board.cols
         self.peer_ids = board.peer_ids
         self.state_hash = board.state_hash
-        self.published = board.published & visible
-        self._records: list[PeerRecord] | None = None
+        self._source: list[PeerRecord] | None = None  # the board's list our filtered copy was built from
+        self._records: list[PeerRecord] = []
+
+    @property
+    def published(self) -> np.ndarray:
+        sides = self._sides()
+        visible = np.zeros(len(self.board.published), bool)
+        n = min(len(sides), len(visible))
+        visible[:n] = sides[:n] == self.side
+        return self.board.published & visible
 
     def records(self) -> list[PeerRecord]:
-        if self._records is None:
+        everyone = self.board.records()  # the same list object until a record is published or expires
+        if everyone is not self._source:
             self._records = [self.board.record(s) for s in np.flatnonzero(self.published).tolist()]
+            self._source = everyone
         return self._records
 
 
@@ -99,10 +112,7 @@ class PartitionTracker:
         """Each side's view of ``board`` while split, else None (everyone reads the whole board)."""
         if not self.active(now):
             return None
-        side = self.side[: board.capacity]
-        if len(side) < board.capacity:
-            side = np.concatenate([side, np.zeros(board.capacity - len(side), np.int8)])
-        return {s: SideBoard(board, side == s) for s in (0, 1)}
+        return {s: SideBoard(board, lambda: self.side, s) for s in (0, 1)}
 
     def same_side(self, slots: np.ndarray) -> bool:
         sides = self.side[np.asarray(slots, np.int64)]

@@ -40,8 +40,11 @@ def _log_uniform(rng: np.random.Generator, low: float, high: float) -> float:
     return float(math.exp(rng.uniform(math.log(low), math.log(high)))) if high > low else float(low)
 
 
-def draw_samples_per_s(rng: np.random.Generator, dist: PeerDistribution) -> float:
-    """Compute speed: log-normal with p95/p5 = ``compute_spread`` around the median, or a GPU class."""
+def draw_samples_per_s(rng: np.random.Generator, dist: PeerDistribution, index: int = 0) -> float:
+    """Compute speed of peer number ``index``: log-normal with p95/p5 = ``compute_spread`` around the median, a GPU
+    class, or the ``index``-th of a given list (no draw: the other draws of a seed stay the same)."""
+    if dist.compute == "list":
+        return float(dist.samples_per_s[index % len(dist.samples_per_s)])
     if dist.compute == "classes":
         return float(dist.gpu_classes[int(rng.choice(len(dist.gpu_classes), p=dist.gpu_shares))])
     sigma = math.log(dist.compute_spread) / (2 * _Z95)
@@ -61,7 +64,7 @@ def draw_session_s(rng: np.random.Generator, churn: ChurnConfig) -> float:
 
 def draw_peer(rng: np.random.Generator, seed: int, index: int, dist: PeerDistribution, churn: ChurnConfig) -> PeerDraw:
     """Draw peer number ``index`` (the draws' order is fixed: speed, link class, links, latency, NAT, session)."""
-    speed = draw_samples_per_s(rng, dist)
+    speed = draw_samples_per_s(rng, dist, index)
     datacenter = rng.random() < dist.datacenter_share
     up, down, lat = (
         (dist.dc_upload_mbps, dist.dc_download_mbps, dist.dc_latency_s)

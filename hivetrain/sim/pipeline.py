@@ -59,6 +59,7 @@ class Server:
     leaves_at: float
     stage: int
     status: str = "joining"  # StageRecord's ServerState
+    moving_to: int | None = None  # while moving: the target stage (StageRecord.moving_to)
     free_at: float = 0.0  # when its FIFO queue drains
     ends: deque = field(default_factory=deque)  # finish times of the microbatches it holds
     gone: bool = False
@@ -115,7 +116,7 @@ class PipelineSim:
             peer_id=s.peer_id, run_id="sim", model_fingerprint="f", stage=s.stage, num_stages=self.p.num_stages,
             status=s.status, throughput=self._throughput(s), queue_len=len(s.ends), load=0.0, epoch=0, state_hash="",
             incarnation="", open_window=0, phase_microbatches=0, abandoned=(), served_total=0, rebalances=0,
-            updated_at=now,
+            updated_at=now, moving_to=s.moving_to,
         )  # fmt: skip
         self._view = None
 
@@ -185,10 +186,10 @@ class PipelineSim:
                     self.env.process(self._move(s, target))
 
     def _move(self, s: Server, target: int):
-        s.status = "moving"
+        s.status, s.moving_to = "moving", target
         self._announce(s)
         yield self.env.timeout(self.p.move_s)
-        s.stage, s.status = target, "serving"
+        s.stage, s.status, s.moving_to = target, "serving", None
         self._announce(s)
 
     def _measure_ideal(self):

@@ -353,8 +353,12 @@ class RoundEngine:
             st.state_hash[int(slot)] = state_hash if isinstance(state_hash, str) else state_hash[k]
             if forked:  # members of different lineages hold different parameters after the same outer step
                 st.state_hash[int(slot)] += f"/L{int(lineage[k])}"
-            st.start_phase(int(slot), epoch + 1, now)
         self.sim.metrics.record_commit(epoch, now, len(slots))
+        downloading = self.sim.after_commit(slots, epoch + 1, now)
+        start = now + self.sim.sc.peers.outer_step_s  # applying the outer step, evaluating
+        for slot in slots.tolist():
+            if slot not in downloading:
+                st.start_phase(slot, epoch + 1, start)
 
     # ---- failures ------------------------------------------------------------------------------------------------
     def _fail_after(self, slots: list[int], epoch: int, failure: str, delay_s: float):

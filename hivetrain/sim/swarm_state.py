@@ -23,8 +23,8 @@ STEP_SCALE = 1e-4  # Δ per sample, relative to |θ₀| ~ 3 sqrt(D)
 class SwarmState:
     """Columns per slot (see the module docstring); ``grow`` doubles the capacity when slots run out."""
 
-    FLOAT = ("joined_at", "leaves_at", "samples_per_s", "up_bps", "down_bps", "latency_s", "phase_start",
-             "carried_samples", "compute_s", "live_s", "samples_computed", "samples_committed", "weight",
+    FLOAT = ("joined_at", "leaves_at", "samples_per_s", "base_samples_per_s", "up_bps", "down_bps", "latency_s",
+             "phase_start", "carried_samples", "compute_s", "live_s", "samples_computed", "samples_committed", "weight",
              "bytes_sent", "bytes_received", "last_decided_step", "ready_since", "trained_at")  # fmt: skip
     INT = ("status", "epoch", "phase_epoch", "done_epoch", "done_samples", "attempt", "nat")
 
@@ -40,6 +40,8 @@ class SwarmState:
         self.peer_ids: list[str] = []
         self.state_hash: list[str] = []
         self.index_of: dict[str, int] = {}
+        self.speed_jitter = 0.0  # sigma of a phase's log-speed around the peer's (``peers.speed_jitter``)
+        self.jitter_rng = np.random.default_rng(0)  # its own stream: jitter leaves the other draws of a seed alone
         self.common = rng.standard_normal(vector_size)
         self.theta0 = 3.0 + rng.standard_normal(vector_size)
         self.grow(capacity)
@@ -64,6 +66,7 @@ class SwarmState:
         self.size += 1
         f, i = self.f, self.i
         f["joined_at"][s], f["leaves_at"][s] = now, now + draw.session_s
+        f["base_samples_per_s"][s] = draw.samples_per_s
         f["samples_per_s"][s], f["up_bps"][s], f["down_bps"][s] = (
             draw.samples_per_s,
             draw.upload_bytes_per_s,
@@ -90,14 +93,21 @@ class SwarmState:
         return batch_size / self.f["samples_per_s"][slots]
 
     def steps_done(self, slots: np.ndarray, now: float, batch_size: int) -> np.ndarray:
-        """Inner steps completed since each slot's phase started."""
-        return np.floor((now - self.f["phase_start"][slots]) / self.step_s(slots, batch_size) + 1e-9)
+        """Inner steps completed since each slot's phase started (0 before a phase that starts later: a peer still
+        applying its outer step, ``peers.outer_step_s``)."""
+        elapsed = np.maximum(now - self.f["phase_start"][slots], 0.0)
+        return np.floor(elapsed / self.step_s(slots, batch_size) + 1e-9)
 
     def start_phase(self, slot: int, epoch: int, now: float) -> None:
-        """Begin an inner phase computing a pseudo-gradient for round key ``epoch``."""
+        """Begin an inner phase computing a pseudo-gradient for round key ``epoch``; its first step starts at ``now``
+        (which may lie ahead: the peer counts as training with 0 steps done until then). With ``speed_jitter`` the
+        phase runs at a fresh speed around the peer's own."""
         self.i["status"][slot] = TRAINING
         self.i["phase_epoch"][slot] = epoch
         self.f["phase_start"][slot] = now
+        if self.speed_jitter > 0:
+            factor = np.exp(self.speed_jitter * self.jitter_rng.standard_normal())
+            self.f["samples_per_s"][slot] = self.f["base_samples_per_s"][slot] * factor
         self.f["last_decided_step"][slot] = 0
         if self.f["trained_at"][slot] == 0:
             self.f["trained_at"][slot] = now

@@ -40,6 +40,8 @@ class StageRecord(BaseModel):
         open_window: the server's current phase; lower phases are closed (committed unless listed in ``abandoned``).
         phase_microbatches: microbatches accumulated in the open phase (the stage's servers end their phase together
             once their sum reaches the stage's target).
+        moving_to: while ``status`` is "moving", the stage it is moving to (rebalancing counts it there, so that
+            other servers do not move to the same bottleneck while it downloads the stage; None otherwise).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -59,6 +61,7 @@ class StageRecord(BaseModel):
     open_window: int = Field(default=0, ge=0)
     phase_microbatches: int = Field(default=0, ge=0)
     abandoned: tuple[int, ...] = Field(default=(), max_length=256)
+    moving_to: int | None = Field(default=None, ge=0, le=1024)
     served_total: int = Field(default=0, ge=0)
     rebalances: int = Field(default=0, ge=0)
     updated_at: float = Field(ge=0.0)

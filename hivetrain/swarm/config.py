@@ -42,7 +42,8 @@ class SwarmConfig:
         announce_interval_s: a server refreshes its DHT record this often, seconds.
         record_ttl_s: records expire after this many seconds (a dead server disappears from routing).
         rebalance_interval_s: a server considers moving to another stage this often, seconds; 0 = never.
-        rebalance_margin: move only if the pipeline throughput estimate improves by more than this fraction.
+        rebalance_margin: move only if the pipeline throughput estimate improves by more than this fraction of the
+            moving server's own estimated throughput at the target stage (``swarm.rebalance.decide_move``).
         rebalance_cooldown_s: a server does not move again within this many seconds of joining or moving.
         microbatches_per_inner_step: a server applies an inner AdamW step after accumulating this many
             microbatches' gradients; 0 = never (gradients only accumulate; tests read them).

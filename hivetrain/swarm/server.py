@@ -13,14 +13,15 @@ throughput, registers its RPC handlers and starts a background thread that every
 
 Per-stage DiLoCo (Douillard et al. 2023, run per stage as in SWARM's per-stage optimizers): every ``diloco.inner_steps``
 inner steps the stage's servers average their pseudo-gradients through an ``Averager`` (``prefix`` per stage) and apply
-the outer Nesterov step (``hivetrain.diloco.outer.outer_step``); a failed round abandons the phase (trainers replay
-it). Consistency: servers of one stage that committed epoch e hold bit-identical θ_e; different stages advance their
-epochs independently (no lockstep across stages, as in SWARM), and within a phase a stage's replicas drift apart
-by their own inner steps. A backward pass is recomputed with the server's current parameters, so a stage's
-parameter gradients are exact for its input, while the output gradient it receives may come from a downstream
-replica that has taken an inner step since (bounded staleness of at most one microbatch's round trip).
-
-Run one with ``python -m hivetrain.swarm.server --config FILE --initial-peers ADDR [--stage N]``.
+the outer Nesterov step (``hivetrain.diloco.outer.outer_step``); a round that failed all-or-nothing keeps the phase
+open and retries after a backoff (``swarm.phase.StagePhase.kept``), anything else abandons it (trainers replay it).
+Downloading, serving and hashing stage states is ``swarm.stage_state.StageStates``. Consistency: servers of one stage
+that committed epoch e hold bit-identical θ_e; different stages advance their epochs independently (no lockstep across
+stages, as in SWARM), and within a phase a stage's replicas drift apart by their own inner steps. A backward pass is
+recomputed with the server's current parameters, so a stage's parameter gradients are exact for its input, while the
+output gradient it receives may come from a downstream replica that has taken an inner step since (bounded staleness of
+at most one microbatch's round trip). Volunteers run one with ``join-swarm ADDRESS`` (``--role server`` to force it;
+``hivetrain.cli.swarm_roles``).
 """
 
 from __future__ import annotations
@@ -39,12 +40,9 @@ from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
-from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
-from hivetrain.peers.quorum import QuorumConfig, backed_states
 from hivetrain.peers.records import publish_record
 from hivetrain.preflight import resolve_device
 from hivetrain.swarm.announce import ServerState, StageRecord, fetch_stage_records, publish_stage_record
@@ -54,7 +52,8 @@ from hivetrain.swarm.phase import ServerStatus
 from hivetrain.swarm.rebalance import choose_stage, decide_move
 from hivetrain.swarm.reports import MAX_MOVES, Move, RebalanceReport, clip_reason, publish_report
 from hivetrain.swarm.runtime import StageRuntime
-from hivetrain.swarm.stages import PipelineStage, StageSpec, build_stage, plan_stages
+from hivetrain.swarm.stage_state import StageStates
+from hivetrain.swarm.stages import StageSpec, plan_stages
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +109,13 @@ class StageServer:
         self.requested_stage = stage
         self.device = resolve_device(swarm.device)
         self._status = ServerStatus("joining")
+        self._moving_to: int | None = None  # the stage a move in progress goes to (announced as moving_to)
         self.loop: LoopThread | None = None
         self.p2p = None
         self.runtime: StageRuntime | None = None
         self.handler: StageHandler | None = None
         self._averagers: dict[int, Averager] = {}
-        self._state_stages: set[int] = set()
+        self.states = StageStates(node, run, swarm, model_config, self.specs, faults, fetch_records=self._fetch_records)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_announce_ok = time.monotonic()
@@ -130,15 +130,16 @@ class StageServer:
         self.last_decision, self.last_decision_at = "", 0.0  # decide_move's last reason, unix time (s)
         self._report_sent: tuple[RebalanceReport | None, float] = (None, 0.0)  # (content, monotonic s) last stored
         self.started_at = time.time()
-        self.state_downloads = 0
         self.outer_steps: Counter[int] = Counter()
-        self._hashed_state: TrainingState | None = None
-        self._hash = ""
 
     @property
     def status(self) -> ServerState:
         """What the server announces; changed only through ``ServerStatus.transition`` (one lock, one table)."""
         return self._status.value
+
+    @property
+    def state_downloads(self) -> int:
+        return self.states.downloads
 
     @property
     def stage(self) -> int:
@@ -156,12 +157,13 @@ class StageServer:
         """
         self.loop = LoopThread(name=f"swarm-server-{self.node.peer_id[-6:]}")
         self.p2p = self.loop.run(self.node.dht.replicate_p2p(), timeout_s)
+        self.states.attach(self.loop, self.p2p)
         records = self._fetch_records()
         stage = self.requested_stage
         if stage is None:
             stage, reason = choose_stage(records, self.swarm.num_stages, time.time(), self.swarm.record_ttl_s)
             logger.info("joining %s", reason)
-        module, state = self._obtain_stage(stage, records, timeout_s)
+        module, state = self.states.obtain(stage, records, timeout_s)
         self.runtime = StageRuntime(
             module,
             state,
@@ -218,67 +220,14 @@ class StageServer:
             r for r in fetch_stage_records(self.node.dht, self.run.run_id) if r.model_fingerprint == self.fingerprint
         ]
 
-    def _obtain_stage(
-        self, stage: int, records: list[StageRecord], timeout_s: float, attempts: int = 4
-    ) -> tuple[PipelineStage, TrainingState]:
-        """The stage module and committed state: downloaded from the stage's servers, or θ₀ from the seed.
-
-        A donor that committed a newer phase since its last announcement offers a state whose hash no record
-        names yet; the download is then retried with fresh records, up to ``attempts`` times.
-
-        Raises:
-            StateDownloadFailed: the stage has servers but none served a state matching the announced hashes.
-        """
-        spec = self.specs[stage]
-        for attempt in range(attempts):
-            donors = [
-                r
-                for r in records
-                if r.stage == stage and r.peer_id != self.node.peer_id and r.state_hash and r.status != "moving"
-            ]
-            if not donors:
-                module = build_stage(self.model_config, spec, self.run.seed)
-                return module, TrainingState.from_model(module)
-            module = PipelineStage(self.model_config, spec)
-            try:
-                state = self.loop.run(
-                    download_state(
-                        self.p2p,
-                        self._state_name(stage),
-                        [r.peer_id for r in donors],
-                        _majority_hashes(donors),
-                        TrainingState.from_model(module),
-                        timeout_s=self.swarm.request_timeout_s,
-                        faults=self.faults,
-                    ),
-                    timeout_s,
-                )
-            except StateDownloadFailed as exc:
-                if attempt + 1 == attempts:
-                    raise
-                logger.info("stage %d state download failed (%s); retrying with fresh records", stage, exc)
-                time.sleep(self.swarm.announce_interval_s)
-                records = self._fetch_records()
-                continue
-            self.state_downloads += 1
-            logger.info("downloaded stage %d state of epoch %d from %d peer(s)", stage, state.epoch, len(donors))
-            return module, state
-        raise AssertionError("unreachable")
-
-    def _state_name(self, stage: int) -> str:
-        return f"{self.run.run_id}.swarm.stage{stage}"
-
     def _serve_state(self, stage: int, timeout_s: float) -> None:
-        """Serve this stage's committed state to joiners (one handler per stage ever served)."""
-        if stage in self._state_stages:
-            return
+        """Serve this stage's committed state to joiners while we hold it (not while moving away)."""
         runtime = self.runtime
 
         def current(stage=stage):
             return runtime.state if runtime.spec.index == stage and self.status != "moving" else None
 
-        self.loop.run(StateServer(current, faults=self.faults).register(self.p2p, self._state_name(stage)), timeout_s)
-        self._state_stages.add(stage)
+        self.states.serve(stage, current, timeout_s)
 
     # ---- announcing and background duties --------------------------------------------------------------------------
 
@@ -298,21 +247,16 @@ class StageServer:
             queue_len=rt.queue_len(),
             load=load,
             epoch=rt.state.epoch,
-            state_hash=self._state_hash(rt.state),
+            state_hash=self.states.hash(rt.state),
             incarnation=rt.incarnation,
             open_window=rt.phase,
             phase_microbatches=rt.phase_microbatches,
             abandoned=tuple(rt.abandoned),
+            moving_to=self._moving_to if self.status == "moving" else None,
             served_total=rt.num_backward,
             rebalances=self.rebalances,
             updated_at=time.time(),
         )
-
-    def _state_hash(self, state: TrainingState) -> str:
-        """sha256 of the committed state, computed once per state object (states are replaced, never mutated)."""
-        if self._hashed_state is not state:
-            self._hashed_state, self._hash = state, state.state_hash()
-        return self._hash
 
     def rebalance_report(self) -> RebalanceReport:
         """Our moves and last rebalance decision, for the coordinator's dashboard (under its own DHT key)."""
@@ -448,17 +392,20 @@ class StageServer:
         if not moving:
             logger.info("not moving to stage %d now: %s", target, reason)
             return False
+        self._moving_to = target
         try:
             self._announce()
             rt.reject_queued("moving to another stage")
             records = self._fetch_records()
-            module, state = self._obtain_stage(target, records, timeout_s)
+            module, state = self.states.obtain(target, records, timeout_s)
             rt.call(lambda: rt.replace(module, state), timeout_s)
             rt.call(lambda: rt.benchmark((self.swarm.microbatch_size, self.run.data.seq_len)), timeout_s)
             self._serve_state(target, timeout_s)
         except BaseException:
             self._status.leave("moving", "serving")  # back to the stage it still holds (or the new one, if replaced)
             raise
+        finally:
+            self._moving_to = None
         self._checked_phase = _phase_key(rt)
         self.rebalances += 1
         self._last_move = time.monotonic()
@@ -472,22 +419,12 @@ class StageServer:
         or hold another state (a kept phase whose peers committed without us is abandoned by ``adopt_state``)."""
         rt = self.runtime
         peers = [r for r in self._fetch_records() if r.stage == rt.spec.index and r.status == "serving"]
-        peer_records = [r.as_peer_record(__version__, self.swarm.microbatch_size) for r in peers]
-        decision = decide_sync(
-            self.node.peer_id,
-            rt.state.epoch,
-            rt.state.state_hash(),
-            peer_records,
-            time.time(),
-            self.swarm.record_ttl_s,
-            trust=STAGE_TRUST,
-            my_vote=False,
-        )
+        decision = self.states.resync(rt.state, peers)
         if decision.action != "download":
             return
         logger.info("stage %d: %s; downloading", rt.spec.index, decision.reason)
         donors = [r for r in peers if r.peer_id in decision.donors]
-        _, state = self._obtain_stage(rt.spec.index, donors, self.run.averaging.round_timeout_s)
+        _, state = self.states.obtain(rt.spec.index, donors, self.run.averaging.round_timeout_s)
         rt.call(lambda: rt.adopt_state(state), self.swarm.request_timeout_s)
         self._checked_phase = _phase_key(rt)
 
@@ -524,16 +461,3 @@ class StageServer:
 
     def diloco_phase_microbatches(self) -> int:
         return self.run.diloco.inner_steps * max(self.swarm.microbatches_per_inner_step, 1)
-
-
-STAGE_QUORUM = QuorumConfig(min_peers=1, min_fraction=0.51)  # 0.51: a strict majority (rule 3 is "at least")
-"""A stage server adopts the state a strict majority of its stage's other servers hold, even a majority of one: a
-stage served by one server must be joinable, and a stage's replicas must reconverge after one missed a commit. A
-liar is outvoted only where it faces two or more honest servers of its stage (the quorum rule of item 1 of issue 12,
-``hivetrain.peers.quorum``, applied to stage records)."""
-STAGE_TRUST = SyncTrust(quorum=STAGE_QUORUM)
-
-
-def _majority_hashes(records: list[StageRecord]) -> dict[int, str]:
-    """epoch -> the state hash a quorum of ``records`` (other servers of one stage) backs (``STAGE_QUORUM``)."""
-    return {epoch: b.state_hash for epoch, b in backed_states(records, STAGE_QUORUM).items()}

@@ -217,6 +217,19 @@ def test_a_complete_group_below_min_group_size_waits_for_the_window() -> None:
     assert run(a, [a], now=105.0, min_size=2, expected=frozenset("A")).action == "too_small"
 
 
+def test_the_last_group_of_an_epoch_closes_complete_once_the_others_formed() -> None:
+    # 5 expected, groups of 3: A, B, C formed a full group; D and E are everyone left, so they need not wait out the
+    # window (and a window-closed group would make any later arrival "late")
+    a, b, c, d_, e = (entry(p) for p in "ABCDE")
+    full = declaration([a, b, c], 100.1, reason="full")
+    d = run(d_, [a, b, c, d_, e], [full], now=100.2, target=3, expected=frozenset("ABCDE"))
+    assert d.action == "declare" and ids(d) == ["D", "E"] and d.closed_by == "complete", d.reason
+    # a group whose round is over accounts for nobody: its members will announce again
+    old = declaration([a, b, c], 100.1 - TTL - 1, reason="full")  # older than the round timeout: over
+    over = run(d_, [a, b, c, d_, e], [old], now=100.2, target=3, expected=frozenset("ABCDE"))
+    assert over.action == "wait" and "3 expected peer(s) not ready" in over.reason
+
+
 def test_a_full_group_closes_before_a_complete_one() -> None:
     entries = [entry(p) for p in "ABC"]
     d = run(entries[0], entries, now=100.1, target=2, expected=frozenset("ABC"))

@@ -32,9 +32,15 @@ def test_side_board_shows_only_its_side():
         board.publish(slot, f"p{slot}", "h", epoch=1, phase_epoch=1, phase_samples=0, throughput=1.0, done_epoch=0,
                       done_samples=0, updated_at=5.0)  # fmt: skip
     side = np.array([0, 1, 0, 1], np.int8)
-    assert [r.peer_id for r in SideBoard(board, side == 1).records()] == ["p1", "p3"]
-    assert [r.peer_id for r in SideBoard(board, side == 0).records()] == ["p0", "p2"]
+    one, zero = SideBoard(board, lambda: side, 1), SideBoard(board, lambda: side, 0)
+    assert [r.peer_id for r in one.records()] == ["p1", "p3"]
+    assert [r.peer_id for r in zero.records()] == ["p0", "p2"]
     assert len(board.records()) == 4  # the board itself is unchanged
+    board.publish(1, "p1", "h2", epoch=2, phase_epoch=2, phase_samples=0, throughput=1.0, done_epoch=1,
+                  done_samples=8, updated_at=6.0)  # fmt: skip
+    assert [r.epoch for r in one.records()] == [2, 1]  # a view follows the board between ticks
+    board.grow(6)  # the swarm grew; slots without a side yet are seen by nobody
+    assert one.published.tolist() == [False, True, False, True, False, False]
 
 
 def test_cut_time_of_transfers():

@@ -65,7 +65,7 @@ def test_rebalancing_moves_one_server_to_the_bottleneck_with_that_stages_paramet
     assert sorted(moves, key=str) == [1, None, None], moves
     mover = stage0[moves.index(1)]
     assert mover.stage == 1 and mover.rebalances == 1 and mover.status == "serving"
-    assert "10.00 to 20.00" in mover.rebalance_reasons[0]
+    assert "from 10.00 to 20.00" in mover.rebalance_reasons[0]
     assert mover.runtime.state.state_hash() == stage1.runtime.state.state_hash()
     assert mover.runtime.incarnation != old_incarnations[mover.node.peer_id]  # trainers replay its stage-0 phase
     assert set(mover.runtime.params) == set(stage1.runtime.params)
