@@ -150,23 +150,26 @@ def plot_flash(reports: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def plot_pipeline(reports: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """SWARM-mode runs against the number of servers, one line per ``label``: throughput next to the ideal (the
-    slowest stage's summed speed) and the share of microbatches rerouted."""
+    """SWARM-mode runs against the number of servers, one line per ``label``: pipeline throughput, its ratio to the
+    ideal (the slowest stage's summed speed under the placement of the moment) and the share of microbatches
+    rerouted."""
     plt = _pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (ax0, ax, ax2) = plt.subplots(1, 3, figsize=(12, 3.6))
     lines: dict[str, list[dict[str, Any]]] = {}
     for r in reports:
         lines.setdefault(r.get("label", r["scenario"]), []).append(r)
     for name, rs in sorted(lines.items()):
         rs.sort(key=lambda r: r["peers"])
         n = [r["peers"] for r in rs]
+        ax0.plot(n, [r["pipeline_throughput_mb_per_s"] for r in rs], marker="o", label=name)
         ax.plot(n, [r["throughput_ratio"] or 0.0 for r in rs], marker="o", label=name)
         ax2.plot(n, [r["rerouted_share"] for r in rs], marker="o", label=name)
     ax.axhline(1.0, color="0.5", linestyle=":", label="ideal (slowest stage)")
+    ax0.set_ylabel("pipeline throughput, microbatches/s")
     ax.set_ylabel("throughput / ideal")
     ax2.set_ylabel("share of microbatches rerouted")
     ticks = sorted({r["peers"] for r in reports})
-    for a in (ax, ax2):
+    for a in (ax0, ax, ax2):
         a.set_xscale("log")
         a.set_xticks(ticks, [str(n) for n in ticks])
         a.minorticks_off()

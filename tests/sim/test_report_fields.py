@@ -72,8 +72,8 @@ def test_partition_plot_and_sweep_plots(tmp_path):
     assert (tmp_path / "partition.png").stat().st_size > 0
     runs = [rounds_to_consensus("moshpit", n, 4, seed=1, leave_prob=p) for n in (16, 64) for p in (0.0, 0.1)]
     assert plot_consensus(runs, tmp_path / "c.png").stat().st_size > 0
-    pipe = [{"scenario": "s", "peers": n, "throughput_ratio": 0.9, "rerouted_share": 0.01, "label": "x"}
-            for n in (20, 50)]  # fmt: skip
+    pipe = [{"scenario": "s", "peers": n, "throughput_ratio": 0.9, "rerouted_share": 0.01, "label": "x",
+             "pipeline_throughput_mb_per_s": 3.0} for n in (20, 50)]  # fmt: skip
     assert plot_pipeline(pipe, tmp_path / "p.png").stat().st_size > 0
 
 
