@@ -12,8 +12,9 @@ Parts:
   with 5% of the members leaving during each round, next to ceil(log_g N) (``OUT/plots/consensus_rounds.png``).
 - ``flash``: ``scenarios/sim/dp-1000-flash.toml`` with K donors per joiner (``OUT/plots/flash_crowd.png``), averaging
   with ``--flash-strategy`` (default moshpit, groups of 16) and the crowd arriving at ``--flash-at-s``. With
-  butterfly averaging in several groups per epoch no joiner downloads: each group's state has its own hash, so no
-  state has the quorum ``decide_sync`` asks for, and joiners start from the initial model (dev/LOG.md, session 7).
+  butterfly averaging in several groups per epoch, each group's state has its own hash and a joiner downloads only
+  once one state holds the quorum ``decide_sync`` asks for; else it starts from the initial model (dev/LOG.md,
+  session 7).
 - ``swarm``: ``scenarios/sim/swarm-100.toml`` at each server count (4 stages; trainers scale with servers), with
   churn, without churn, and without rebalancing (``OUT/plots/swarm_throughput.png``).
 
