@@ -54,4 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("peers", "outer_steps_done", "consensus_rounds", "utilization_mean", "committed_sample_share",
             "peak_dht_value_bytes", "wall_s")  # fmt: skip
     print(json.dumps({k: report[k] for k in keys}))
+    if report.get("partition"):
+        print(json.dumps({"partition": report["partition"]}))
     return 0

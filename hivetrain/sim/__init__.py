@@ -2,6 +2,7 @@
 
 Roles: ``config`` (scenario TOML), ``peers`` (draws), ``network`` (link costs), ``dht`` (record board, sizes),
 ``schedule_model`` (phase ends), ``swarm_state`` (per-peer columns), ``rounds`` (matchmaking and averaging),
-``dataparallel`` (the SimPy processes), ``consensus`` (group averaging), ``metrics`` and ``report``.
+``dataparallel`` (the SimPy processes), ``partition`` (network split and heal), ``consensus`` (group averaging),
+``metrics`` and ``report``.
 Importing this package does nothing.
 """

@@ -1,11 +1,11 @@
 """A simulation scenario: one frozen config per part, read from one TOML file (``scenarios/sim/*.toml``).
 
 Tables: ``[sim]`` (size, length, seed, tick), ``[peers]`` (compute, links, NAT), ``[churn]`` (session lengths and
-arrivals), ``[flash_crowd]`` (optional burst of joiners), ``[schedule]`` (the outer-step schedule, as
-``diloco.schedule.PhasePlan``), ``[download]`` (late joiners' state download), ``[pipeline]`` (SWARM mode: stages,
-servers, trainers, routing and rebalancing timings) and ``[averaging]``, which is the production
-``averaging.config.AveragingConfig`` itself: the simulated swarm averages with the same settings a run would.
-Unknown keys are errors; cross-field checks raise ``ValueError`` naming the field.
+arrivals), ``[flash_crowd]`` (optional burst of joiners), ``[partition]`` (optional network split and heal),
+``[schedule]`` (the outer-step schedule, as ``diloco.schedule.PhasePlan``), ``[download]`` (late joiners' state
+download), ``[pipeline]`` (SWARM mode: stages, servers, trainers, routing and rebalancing timings) and
+``[averaging]``, which is the production ``averaging.config.AveragingConfig`` itself: the simulated swarm averages
+with the same settings a run would. Unknown keys are errors; cross-field checks raise ``ValueError`` naming the field.
 
 Units are in the names: seconds (``_s``), samples, bytes, megabits per second (``_mbps``, 10^6 bit/s).
 """
@@ -163,6 +163,29 @@ class FlashCrowd:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class PartitionSettings:
+    """A network partition (``sim.partition``): from ``at_s`` until ``heal_s`` a random ``share`` of the peers (side 1;
+    joiners during the split too, with the same probability) can neither reach nor see the others (side 0): each side
+    reads only its own side's DHT records, groups form and state downloads go only within a side, and a group that
+    spans both sides when the split begins fails. ``share = 0`` = no partition.
+
+    Raises ValueError when ``heal_s <= at_s`` with a partition configured.
+    """
+
+    share: float = Field(default=0.0, ge=0.0, lt=1.0)
+    at_s: float = Field(default=0.0, ge=0.0)
+    heal_s: float = Field(default=float("inf"), gt=0.0)
+
+    def __post_init__(self) -> None:
+        if self.share > 0 and self.heal_s <= self.at_s:
+            raise ValueError(f"partition.heal_s ({self.heal_s}) must be > partition.at_s ({self.at_s})")
+
+    def active(self, now: float) -> bool:
+        """Whether the network is split at time ``now`` (seconds)."""
+        return self.share > 0 and self.at_s <= now < self.heal_s
+
+
+@dataclass(frozen=True, config=_STRICT)
 class ScheduleSettings:
     """The outer-step schedule (``diloco.schedule.PhasePlan``) and the record heartbeat (``diloco.options``).
 
@@ -270,6 +293,7 @@ class Scenario:
     peers: PeerDistribution = PeerDistribution()
     churn: ChurnConfig = ChurnConfig()
     flash_crowd: FlashCrowd = FlashCrowd()
+    partition: PartitionSettings = PartitionSettings()
     schedule: ScheduleSettings = ScheduleSettings()
     download: DownloadSettings = DownloadSettings()
     averaging: AveragingConfig = AveragingConfig()

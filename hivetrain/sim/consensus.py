@@ -6,6 +6,8 @@ runs rounds of the production group functions (``averaging.groups.moshpit_groups
 ``gossip_pairs``) on random vectors until max_p ||x_p - mean|| / ||mean|| falls below ``fraction`` of its start:
 Moshpit SGD (Ryabinin et al. 2021, Sec. 3.1) reaches the exact mean in d = ceil(log_g N) rounds on a full grid, and
 contracts geometrically on a partial one; gossip pairs contract by ~1/2 in expectation per round (Boyd et al. 2006).
+Under churn (``leave_prob`` > 0) each member of a group leaves during a round with that probability, and a group with
+a leaver fails all-or-nothing (its members keep their values; the leaver comes back in the next round, so N stays).
 """
 
 from __future__ import annotations
@@ -81,14 +83,32 @@ class ConsensusRun:
     bound_rounds: int
     start_deviation: float
     end_deviation: float
+    leave_prob: float = 0.0
 
 
 def rounds_to_consensus(
-    strategy: str, num_peers: int, group_size: int, seed: int, fraction: float = 0.01, max_rounds: int = 60
+    strategy: str,
+    num_peers: int,
+    group_size: int,
+    seed: int,
+    fraction: float = 0.01,
+    max_rounds: int = 60,
+    leave_prob: float = 0.0,
 ) -> ConsensusRun:
     """Average random vectors (mean offset from 0) in rounds of the production groups until the drift is below
-    ``fraction`` of its start. Equal weights, no failures."""
+    ``fraction`` of its start. Equal weights.
+
+    Args:
+        leave_prob: probability that one member leaves during one round (0 = no failures); a group with a leaver
+            keeps its inputs (all-or-nothing).
+
+    Raises:
+        ValueError: ``leave_prob`` outside [0, 1).
+    """
+    if not 0.0 <= leave_prob < 1.0:
+        raise ValueError(f"leave_prob must be in [0, 1), got {leave_prob}")
     rng = np.random.default_rng(seed)
+    churn_rng = np.random.default_rng(seed + 1)
     ids = [f"c{i:06d}" for i in range(num_peers)]
     index_of = {p: i for i, p in enumerate(ids)}
     x = rng.standard_normal((num_peers, 8)) + 3.0
@@ -101,9 +121,14 @@ def rounds_to_consensus(
             groups, _ = moshpit_groups(ids, grid, r, seed)
         else:
             groups, _ = gossip_pairs(ids, r, seed)
-        x, _ = group_means(x, weights, labels_for(groups, index_of, num_peers))
+        labels = labels_for(groups, index_of, num_peers)
+        if leave_prob > 0 and (labels >= 0).any():
+            left = churn_rng.random(num_peers) < leave_prob
+            failed = np.unique(labels[left & (labels >= 0)])
+            labels[np.isin(labels, failed)] = -1
+        x, _ = group_means(x, weights, labels)
         dev = relative_deviation(x)
         r += 1
     rounds = r if dev <= fraction * start else max_rounds + 1
     bound = max(1, math.ceil(math.log(num_peers) / math.log(group_size))) if num_peers > 1 else 0
-    return ConsensusRun(strategy, num_peers, group_size, rounds, bound, start, dev)
+    return ConsensusRun(strategy, num_peers, group_size, rounds, bound, start, dev, leave_prob)

@@ -13,7 +13,8 @@ Production functions called with simulated inputs (records, entries, time):
 - ``diloco.sync_policy.decide_sync``, ``may_commit_alone``, ``decide_after_round``: downloads, solo commits, retries.
 
 Where the simulation simplifies (each also said where it happens): decisions are taken on the tick grid; every peer
-reads the same DHT (the newest stored records: no propagation delay, no partition); a group's all-reduce fails as a
+reads the same DHT (the newest stored records: no propagation delay), except across a ``[partition]`` while it lasts
+(``sim.partition``: each side reads only its own side's records); a group's all-reduce fails as a
 whole when a member is gone before it ends (all-or-nothing, as ``averaging.allreduce``), it is not retried in
 sub-rounds; peers that share a view and a state share one ``decide_sync`` / ``decide_after_round`` call per tick
 (their own record, which is all that differs, is excluded by the function and their own vote is the same).
@@ -30,7 +31,9 @@ from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.sync_policy import decide_sync
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.config import Scenario
+from hivetrain.sim.consensus import relative_deviation
 from hivetrain.sim.metrics import SimMetrics
+from hivetrain.sim.partition import PartitionTracker, SideBoard
 from hivetrain.sim.peers import draw_peer
 from hivetrain.sim.rounds import RoundEngine
 from hivetrain.sim.schedule_model import aggregate_phase_ends, check_against_real, real_phase_ends
@@ -57,6 +60,8 @@ class DataParallelSim:
         self.schedule_model = scenario.sim.resolved_schedule_model()
         self.exact = scenario.averaging.strategy == "butterfly"
         self.rounds = RoundEngine(self)
+        self.partition = PartitionTracker(scenario.partition, scenario.sim.seed)
+        self.views: dict[int, SideBoard] | None = None  # each side's view of the board while split, else None
         self.next_publish = np.zeros(self.state.capacity)
         self.num_drawn = 0
         self.done = False
@@ -68,6 +73,8 @@ class DataParallelSim:
         draw = draw_peer(self.rng, self.sc.sim.seed, self.num_drawn, self.sc.peers, self.sc.churn)
         self.num_drawn += 1
         slot = self.state.add(draw, self.env.now, self.rng, status)
+        if self.partition.enabled:
+            self.partition.add(slot)
         if self.state.capacity > self.board.capacity:
             self.board.grow(self.state.capacity)
             extra = np.zeros(self.state.capacity - len(self.next_publish))
@@ -168,11 +175,14 @@ class DataParallelSim:
             if len(publishing):
                 self._publish(publishing, now)
             self.board.expire(now, self.sc.schedule.record_ttl_s)
+            self.views = self.partition.views(self.board, now)
             self._first_views(now)
             self._schedule(now)
             self.rounds.announce_retries(now)
             self.rounds.poll(now)
             self.metrics.sample_drift(st, now)
+            if self.partition.enabled:
+                self._sample_partition(now)
             if (
                 st.i["epoch"][: st.size].max(initial=0) >= self.sc.sim.outer_steps
                 or now >= self.sc.sim.max_sim_s
@@ -191,19 +201,48 @@ class DataParallelSim:
         due = syncing[self.next_publish[syncing] <= now + self.sc.sim.tick_s]
         if len(due) == 0:
             return
-        records = self.board.records()
-        # a joiner holds no state (epoch 0, no hash) and has no record yet: the inputs differ only in its own id
-        d = decide_sync(st.peer_ids[int(due[0])], 0, "", records, now, self.sc.schedule.record_ttl_s, self.exact)
-        self.metrics.count("decide_sync." + d.action)
-        for slot in due:
-            if d.action == "download" and d.donors:
-                self.env.process(self._download(int(slot), d.target_epoch, d.donors))
-            else:
-                st.start_phase(int(slot), 0, now)
+        for side_due in self._by_side(due):
+            # a joiner holds no state (epoch 0, no hash) and has no record yet: the inputs differ only in its own id
+            first = int(side_due[0])
+            d = decide_sync(st.peer_ids[first], 0, "", self.records_for(first), now, self.sc.schedule.record_ttl_s,
+                            self.exact)  # fmt: skip
+            self.metrics.count("decide_sync." + d.action)
+            for slot in side_due:
+                if d.action == "download" and d.donors:
+                    self.env.process(self._download(int(slot), d.target_epoch, d.donors))
+                else:
+                    st.start_phase(int(slot), 0, now)
+                    self.partition.on_fresh_model(int(slot), now)
+
+    # ---- partition (``sim.partition``) ------------------------------------------------------------------------------
+    def records_for(self, slot: int) -> list:
+        """The records ``slot`` reads from the DHT: everyone's, or its side's while the network is split."""
+        return self.board_for(slot).records()
+
+    def board_for(self, slot: int) -> simdht.RecordBoard | SideBoard:
+        return self.board if self.views is None else self.views[int(self.partition.side[slot])]
+
+    def _by_side(self, slots: np.ndarray) -> list[np.ndarray]:
+        """``slots`` split by side while the network is split (non-empty parts only), else ``[slots]``."""
+        if self.views is None:
+            return [slots]
+        sides = self.partition.side[slots]
+        return [slots[sides == s] for s in (0, 1) if (sides == s).any()]
+
+    def _sample_partition(self, now: float) -> None:
+        st = self.state
+        alive = st.alive()
+        if len(alive) == 0:
+            return
+        status = st.i["status"][alive]
+        holding = (status != SYNCING) & (status != DOWNLOADING)
+        held = alive[holding]
+        drift = relative_deviation(st.theta[held]) if len(held) >= 2 else 0.0
+        self.partition.sample(now, alive, holding, st.i["epoch"][alive], drift)
 
     def sync_or_download(self, slots: list[int], epoch: int, state_hash: str, now: float) -> bool:
         """Peers that failed a round at ``epoch`` with state ``state_hash``: download if ``decide_sync`` says so."""
-        d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.board.records(), now,
+        d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.records_for(slots[0]), now,
                         self.sc.schedule.record_ttl_s, self.exact)  # fmt: skip
         self.metrics.count("decide_sync." + d.action)
         if d.action != "download" or not d.donors:
@@ -228,6 +267,14 @@ class DataParallelSim:
         source = int(donor_slots[0])
         theta, hash_, src_epoch = st.theta[source].copy(), st.state_hash[source], int(st.i["epoch"][source])
         started = self.env.now
+        cut_s = self.partition.cut_s(np.append(donor_slots, slot), started)
+        if cut_s < started + cost.duration_s:  # donors across a split: the fetch fails, the joiner looks again
+            yield self.env.timeout(cut_s - started + self.sc.averaging.part_timeout_s)
+            self.metrics.serving[donor_slots] -= 1
+            self.partition.cut_downloads += 1
+            if st.i["status"][slot] == DOWNLOADING:
+                st.i["status"][slot] = SYNCING
+            return
         yield self.env.timeout(cost.duration_s)
         self.metrics.serving[donor_slots] -= 1
         self.metrics.record_download(slot, donor_slots, cost, started, self.env.now, slot in self.metrics.flash_set)
@@ -236,6 +283,7 @@ class DataParallelSim:
         st.theta[slot], st.state_hash[slot], st.i["epoch"][slot] = theta, hash_, src_epoch
         st.f["carried_samples"][slot] = 0
         st.start_phase(slot, src_epoch, self.env.now)
+        self.partition.on_download(slot, source, self.env.now)
         self.publish_now(np.array([slot]), self.env.now)
 
     # ---- the schedule --------------------------------------------------------------------------------------------
@@ -250,17 +298,13 @@ class DataParallelSim:
         if len(slots) == 0:
             return
         st.f["last_decided_step"][slots] = steps
-        samples = steps * B + st.f["carried_samples"][slots]
-        epochs = st.i["phase_epoch"][slots]
-        rates = st.f["samples_per_s"][slots]
-        args = (self.plan, self.board, slots, epochs, samples, rates, now)
-        if self.schedule_model == "real":
-            ends = real_phase_ends(*args)
-        else:
-            ends = aggregate_phase_ends(*args)
-            picks = self.rng.choice(len(slots), size=min(self.sc.sim.schedule_probes, len(slots)), replace=False)
-            self.metrics.schedule_probes += len(picks)
-            self.metrics.schedule_divergences += check_against_real(*args, ends, picks)
+        if self.views is None:
+            ends = self._phase_ends(slots, steps, now)
+        else:  # each side decides on its own side's records
+            ends, sides = np.zeros(len(slots), bool), self.partition.side[slots]
+            for side in (0, 1):
+                if (sides == side).any():
+                    ends[sides == side] = self._phase_ends(slots[sides == side], steps[sides == side], now)
         step_s = st.step_s(slots, B)
         ending = [int(slots[k]) for k in np.flatnonzero(ends)]
         for k in np.flatnonzero(ends):
@@ -268,6 +312,22 @@ class DataParallelSim:
         if ending:
             self.publish_now(np.array(ending), now)  # others stop counting on our progress (``request_publish``)
             self.rounds.announce(ending, now)
+
+    def _phase_ends(self, slots: np.ndarray, steps: np.ndarray, now: float) -> np.ndarray:
+        """Which of ``slots`` (one side's, while split) end their phase now, after ``steps`` inner steps."""
+        st, B = self.state, self.sc.schedule.batch_size
+        samples = steps * B + st.f["carried_samples"][slots]
+        epochs = st.i["phase_epoch"][slots]
+        rates = st.f["samples_per_s"][slots]
+        board = self.board if self.views is None else self.views[int(self.partition.side[slots[0]])]
+        args = (self.plan, board, slots, epochs, samples, rates, now)
+        if self.schedule_model == "real":
+            return real_phase_ends(*args)
+        ends = aggregate_phase_ends(*args)
+        picks = self.rng.choice(len(slots), size=min(self.sc.sim.schedule_probes, len(slots)), replace=False)
+        self.metrics.schedule_probes += len(picks)
+        self.metrics.schedule_divergences += check_against_real(*args, ends, picks)
+        return ends
 
     # ---- run -----------------------------------------------------------------------------------------------------
     def run(self) -> SimMetrics:

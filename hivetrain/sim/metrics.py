@@ -10,6 +10,12 @@ Definitions (units in the names):
   announcements, matchmaking polls), per committed (peer, round).
 - ``peak_dht_value_bytes``: the largest value stored under one DHT key (``peak_dht_value_bytes_by_key`` per key).
 - ``drift``: max_p ||θ_p - mean|| / ||mean|| over the live peers at the most common epoch, sampled every tick.
+- ``round_s_median``: median duration of one group all-reduce (or one Moshpit/gossip group round) that finished.
+- ``flash_*``: the flash crowd's downloads only: catch-up = a joiner's state download time (mean, p90, max),
+  ``flash_all_caught_up_s`` = from the crowd's arrival until its last joiner holds the state, and
+  ``flash_max_donor_bytes`` = the most bytes one donor served to the crowd; ``flash_still_syncing`` = joiners still
+  waiting for or in their download when the run ended (their time is not in the means).
+- ``partition``: ``sim.partition.PartitionTracker.summary`` (only with a ``[partition]``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import numpy as np
 from hivetrain.sim.consensus import relative_deviation
 from hivetrain.sim.dht import DhtStats
 from hivetrain.sim.network import Transfer
-from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
+from hivetrain.sim.swarm_state import ABSENT, AVERAGING, DOWNLOADING, READY, SYNCING
 
 if TYPE_CHECKING:
     from hivetrain.sim.dataparallel import DataParallelSim
@@ -41,9 +47,12 @@ class SimMetrics:
     commits: dict[int, list[float]] = field(default_factory=dict)  # epoch -> commit time of each member
     downloads: list[dict[str, float]] = field(default_factory=list)
     donor_bytes: dict[int, int] = field(default_factory=dict)
+    flash_donor_bytes: dict[int, int] = field(default_factory=dict)
+    round_s: list[float] = field(default_factory=list)
     flash_slots: list[int] = field(default_factory=list)
     serving: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     drift: list[tuple[float, int, float]] = field(default_factory=list)  # (time, epoch, deviation)
+    partition_history: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     schedule_probes: int = 0
     schedule_divergences: int = 0
     arrivals: int = 0
@@ -64,8 +73,11 @@ class SimMetrics:
                         flash: bool) -> None:  # fmt: skip
         for d, b in zip(donors, cost.sent_bytes, strict=True):
             self.donor_bytes[int(d)] = self.donor_bytes.get(int(d), 0) + int(b)
+            if flash:
+                self.flash_donor_bytes[int(d)] = self.flash_donor_bytes.get(int(d), 0) + int(b)
         self.downloads.append({"slot": slot, "duration_s": now - started, "num_donors": int((cost.sent_bytes > 0)
-                               .sum()), "max_donor_bytes": int(cost.sent_bytes.max()), "flash": flash})  # fmt: skip
+                               .sum()), "max_donor_bytes": int(cost.sent_bytes.max()), "flash": flash,
+                               "ended_at": now})  # fmt: skip
 
     def sample_drift(self, st: SwarmState, now: float) -> None:
         alive = st.alive()
@@ -90,10 +102,12 @@ class SimMetrics:
             gaps = [medians[epochs[0]]] + gaps  # the first step starts at time 0
         catchup = [d["duration_s"] for d in self.downloads]
         flash = [d for d in self.downloads if d["flash"]]
+        flash_s = [d["duration_s"] for d in flash]
         final_drift = self.drift[-1][2] if self.drift else 0.0
         alive = np.flatnonzero(st.i["status"][:n] != ABSENT)
         in_flight = alive[np.isin(st.i["status"][alive], (READY, AVERAGING))]  # rounds cut off by the end
         computed = float(f["samples_computed"][:n].sum() - f["weight"][in_flight].sum())
+        self.partition_history = sim.partition.history
         self.summary = {
             "scenario": sim.sc.name,
             "strategy": sim.sc.averaging.strategy,
@@ -117,8 +131,23 @@ class SimMetrics:
             "downloads": len(self.downloads),
             "catchup_s_mean": float(np.mean(catchup)) if catchup else None,
             "catchup_s_p90": float(np.percentile(catchup, 90)) if catchup else None,
-            "flash_catchup_s_mean": float(np.mean([d["duration_s"] for d in flash])) if flash else None,
+            "flash_catchup_s_mean": float(np.mean(flash_s)) if flash else None,
+            "flash_catchup_s_p90": float(np.percentile(flash_s, 90)) if flash else None,
+            "flash_catchup_s_max": float(max(flash_s)) if flash else None,
+            "flash_downloads": len(flash),
+            "flash_joiners": len(self.flash_slots),
+            "flash_still_syncing": int(np.isin(st.i["status"][self.flash_slots], (SYNCING, DOWNLOADING)).sum())
+            if self.flash_slots
+            else 0,
+            "flash_all_caught_up_s": (max(d["ended_at"] for d in flash) - sim.sc.flash_crowd.at_s) if flash else None,
+            "flash_max_donor_bytes": int(max(self.flash_donor_bytes.values(), default=0)),
+            "download_donors": sim.sc.download.num_donors,
             "max_donor_bytes": int(max(self.donor_bytes.values(), default=0)),
+            "round_s_median": float(np.median(self.round_s)) if self.round_s else None,
+            "mean_session_s": sim.sc.churn.mean_session_s if sim.sc.churn.session != "none" else None,
+            "churn": sim.sc.churn.session,
+            "group_size_target": sim.sc.averaging.target_group_size,
+            "partition": sim.partition.summary(now),
             "arrivals": self.arrivals + len(self.flash_slots),
             "departures": self.departures,
             "schedule_model": sim.schedule_model,

@@ -17,6 +17,9 @@ own records agree share one ``decide_after_round`` (``share_key``), also at late
 same records and the same of them are live (``policy_key``). Retries announce on the tick grid, all those due at a
 tick in one batch (``_retry``). At 10,000 peers a "late" storm otherwise costs an O(N) call of each per peer per
 retry. ``tests/sim/test_sharing.py`` compares shared and cached with individual calls.
+
+While the network is split (``sim.partition``) each side sees only its own side's entries, declarations and
+records: matchmaking runs per side, and a group that spans both sides when the split begins fails at that moment.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,10 +95,11 @@ class RoundEngine:
             if not any(d.reason == "window" for d in key.declarations):
                 continue
             failed: dict[str, list[int]] = defaultdict(list)
-            for slot, d in self.decide_fresh(key, group, now).items():
-                if d.action not in ("wait", "declare", "joined"):
-                    del key.waiting[slot]
-                    failed[d.action].append(slot)
+            for part in self._by_side(group):  # callers of one side see the same entries
+                for slot, d in self.decide_fresh(key, part, now).items():
+                    if d.action not in ("wait", "declare", "joined"):
+                        del key.waiting[slot]
+                        failed[d.action].append(slot)
             for action, failing in failed.items():
                 self.fail(failing, epoch, action, now)
 
@@ -157,9 +162,26 @@ class RoundEngine:
         self.sim.metrics.dht.value_size("matchmaking", size)
         return size
 
+    def _by_side(self, slots: list[int]) -> list[list[int]]:
+        """``slots`` split by partition side while the network is split, else ``[slots]``."""
+        if self.sim.views is None:
+            return [slots]
+        side = self.sim.partition.side
+        return [p for p in ([s for s in slots if side[s] == k] for k in (0, 1)) if p]
+
+    def _visible(self, key: RoundKey, me: ReadyEntry) -> tuple[Iterable[ReadyEntry], list[GroupDeclaration]]:
+        """The entries and declarations at ``key`` that ``me`` can read: all, or its side's while split."""
+        if self.sim.views is None:
+            return key.entries.values(), key.declarations
+        side, index_of = self.sim.partition.side, self.sim.state.index_of
+        mine = side[index_of[me.peer_id]]
+        entries = [e for e in key.entries.values() if side[index_of[e.peer_id]] == mine]
+        return entries, [d for d in key.declarations if side[index_of[d.leader]] == mine]
+
     def _decide(self, key: RoundKey, me: ReadyEntry, now: float, expected: frozenset[str] = frozenset()):
         target = self.avg.target_group_size if self.avg.strategy == "butterfly" else MAX_MEMBERS
-        d = decide(me, key.entries.values(), key.declarations, now, target_group_size=target,
+        entries, declarations = self._visible(key, me)
+        d = decide(me, entries, declarations, now, target_group_size=target,
                    min_group_size=self.avg.min_group_size, declare_grace_s=self.avg.declare_grace_s,
                    declaration_ttl_s=self.avg.round_timeout_s, expected=expected)  # fmt: skip
         self.sim.metrics.count("decide." + d.action)
@@ -167,7 +189,7 @@ class RoundEngine:
 
     def poll(self, now: float) -> None:
         """One matchmaking tick for every round key with waiting peers (see the module docstring)."""
-        st, m = self.sim.state, self.sim.metrics
+        m = self.sim.metrics
         for epoch in sorted(self.keys):
             key = self.keys[epoch]
             expired = [p for p, e in key.entries.items() if now - e.announced_at > self.avg.round_timeout_s]
@@ -180,26 +202,33 @@ class RoundEngine:
             size = self._key_size(key)
             polls = max(1, round(self.sim.sc.sim.tick_s / self.avg.poll_interval_s))
             m.dht.ops(len(key.waiting), polls, polls * size)
-            # computed with no peer excluded: ``decide`` removes the caller itself, so this is every caller's set
-            expected = expected_peers(self.sim.board.records(), "", epoch, now, self.sim.sc.schedule.stale_after_s)
-            # the waiting peer with the smallest id is asked first; nobody starts waiting during this loop
-            for slot in sorted(key.waiting, key=lambda s: st.peer_ids[s]):
-                if slot not in key.waiting:
-                    continue  # consumed by a group declared earlier in this loop
-                d = self._decide(key, key.waiting[slot], now, expected)
-                if d.action == "wait":
-                    break
-                if d.action == "declare":
-                    decl = GroupDeclaration.model_construct(
-                        leader=st.peer_ids[slot], round_key=f"e{epoch}",
-                        round_id=make_round_id(PREFIX, f"e{epoch}", d.members), members=d.members,
-                        declared_at=now, reason="full" if d.closed_by == "full" else "window", signature=b"s" * 256,
-                    )  # fmt: skip
-                    key.declare(decl)
-                    self._start_group(key, decl, now)
-                    continue
-                del key.waiting[slot]
-                self.fail([slot], epoch, d.action, now)
+            for part in self._by_side(list(key.waiting)):  # each side of a split matches on its own
+                self._poll_key(key, part, now)
+
+    def _poll_key(self, key: RoundKey, waiting: list[int], now: float) -> None:
+        """One tick at ``key`` for the ``waiting`` slots (all of them, or one side's while split)."""
+        st, epoch = self.sim.state, key.epoch
+        # computed with no peer excluded: ``decide`` removes the caller itself, so this is every caller's set
+        records = self.sim.records_for(waiting[0])
+        expected = expected_peers(records, "", epoch, now, self.sim.sc.schedule.stale_after_s)
+        # the waiting peer with the smallest id is asked first; nobody starts waiting during this loop
+        for slot in sorted(waiting, key=lambda s: st.peer_ids[s]):
+            if slot not in key.waiting:
+                continue  # consumed by a group declared earlier in this loop
+            d = self._decide(key, key.waiting[slot], now, expected)
+            if d.action == "wait":
+                break
+            if d.action == "declare":
+                decl = GroupDeclaration.model_construct(
+                    leader=st.peer_ids[slot], round_key=f"e{epoch}",
+                    round_id=make_round_id(PREFIX, f"e{epoch}", d.members), members=d.members,
+                    declared_at=now, reason="full" if d.closed_by == "full" else "window", signature=b"s" * 256,
+                )  # fmt: skip
+                key.declare(decl)
+                self._start_group(key, decl, now)
+                continue
+            del key.waiting[slot]
+            self.fail([slot], epoch, d.action, now)
 
     # ---- groups --------------------------------------------------------------------------------------------------
     def _start_group(self, key: RoundKey, decl: GroupDeclaration, now: float) -> None:
@@ -236,8 +265,9 @@ class RoundEngine:
         st = self.sim.state
         cost = self._cost(slots)
         finish = now + cost.duration_s
-        first_gone = float(st.f["leaves_at"][slots].min())
+        first_gone = min(float(st.f["leaves_at"][slots].min()), self.sim.partition.cut_s(slots, now))
         if first_gone < finish:  # all-or-nothing: the others notice the silence after part_timeout_s
+            self.sim.partition.cut_groups += int(first_gone < float(st.f["leaves_at"][slots].min()))
             yield self.sim.env.timeout(first_gone - now + self.avg.part_timeout_s)
             self.fail([int(s) for s in slots if st.i["status"][s] == AVERAGING], epoch, "member died", self.sim.env.now)
             return
@@ -257,6 +287,7 @@ class RoundEngine:
         final_group = np.zeros(len(slots), np.int64)
         grid = grid_for(len(ids), self.avg.target_group_size) if len(ids) > 1 else (2,)
         leaves = st.f["leaves_at"][slots]
+        cut = self.sim.partition
         for r in range(self.avg.moshpit_rounds):
             index = epoch * self.avg.moshpit_rounds + r
             if self.avg.strategy == "moshpit":
@@ -272,8 +303,10 @@ class RoundEngine:
                 start = float(t[idx].max())
                 cost = self._cost(slots[idx])
                 end = start + cost.duration_s
-                if (leaves[idx] < end).any():  # a member gone: this group's round fails, values kept
-                    t[idx] = max(start, float(leaves[idx].min())) + self.avg.part_timeout_s
+                gone = min(float(leaves[idx].min()), cut.cut_s(slots[idx], start))
+                if gone < end:  # a member gone (or across a split): this group's round fails, values kept
+                    t[idx] = max(start, gone) + self.avg.part_timeout_s
+                    cut.cut_groups += int(gone < float(leaves[idx].min()))
                     continue
                 t[idx] = end
                 labels[idx] = g
@@ -311,6 +344,7 @@ class RoundEngine:
         st = self.sim.state
         st.f["bytes_sent"][slots] += cost.sent_bytes
         st.f["bytes_received"][slots] += cost.received_bytes
+        self.sim.metrics.round_s.append(cost.duration_s)
 
     def _commit(self, slots: np.ndarray, averaged: np.ndarray, epoch: int, state_hash, now: float) -> None:
         """Members apply the averaged pseudo-gradient (outer step), move to epoch + 1 and start their next phase."""
@@ -322,8 +356,12 @@ class RoundEngine:
         st.i["epoch"][slots] = epoch + 1
         st.i["attempt"][slots] = 0
         st.f["ready_since"][slots] = 0
+        lineage = self.sim.partition.lineage[slots] if self.sim.partition.enabled else None
+        forked = lineage is not None and len(np.unique(lineage)) > 1
         for k, slot in enumerate(slots):
             st.state_hash[int(slot)] = state_hash if isinstance(state_hash, str) else state_hash[k]
+            if forked:  # members of different lineages hold different parameters after the same outer step
+                st.state_hash[int(slot)] += f"/L{int(lineage[k])}"
         self.sim.metrics.record_commit(epoch, now, len(slots))
         downloading = self.sim.after_commit(slots, epoch + 1, now)
         start = now + self.sim.sc.peers.outer_step_s  # applying the outer step, evaluating
@@ -341,7 +379,7 @@ class RoundEngine:
         policy = decide_after_round(
             self.sim.state.peer_ids[slot],
             view,
-            self.sim.board.records(),
+            self.sim.records_for(slot),
             now,
             max_retries=self.avg.max_retries,
             stale_after_s=sc.schedule.stale_after_s,
@@ -420,7 +458,8 @@ class RoundEngine:
                 own_hash = "*"
             own = (bool(live), own_epoch, int(board.cols["phase_epoch"][slot]), own_hash)
         mine = "*" if free and st.state_hash[slot] else st.state_hash[slot]
-        return (mine, int(st.i["attempt"][slot]), left, own)
+        side = -1 if self.sim.views is None else int(self.sim.partition.side[slot])  # views differ per side
+        return (mine, int(st.i["attempt"][slot]), left, own, side)
 
     def unbackable(self, epoch: int, now: float) -> bool:
         """True when, for any caller, no state at ``epoch`` can pass the quorum's agreement rule
@@ -428,7 +467,7 @@ class RoundEngine:
         caller's own vote added: the most common hash among the live records at ``epoch``, plus one, is at most
         ``min_fraction`` of them. A caller excludes at most its own record (one voter fewer) and adds its vote (one
         more), so its count stays at or below the bound. Only for exact averaging (``decide_sync``'s fork check)."""
-        if not self.sim.exact:
+        if not self.sim.exact or self.sim.views is not None:  # split: each side votes on its own records
             return False
         board, schedule = self.sim.board, self.sim.sc.schedule
         for stale_s in {schedule.stale_after_s, schedule.record_ttl_s}:  # after_round's, and a resync's download
