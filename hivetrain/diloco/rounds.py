@@ -101,6 +101,28 @@ def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: 
     )
 
 
+def split_warning(strategy: str, num_peers: int, target_group_size: int) -> str:
+    """Why ``num_peers`` trainers at one epoch cannot keep one model with butterfly groups of ``target_group_size``
+    ("" when they can).
+
+    A butterfly group averages the pseudo-gradient Δ exactly and every member applies it to the state it holds; with
+    more trainers than one group, each group commits its own state. With two groups the smaller one finds itself
+    forked and downloads the larger one's state (its round's samples are lost: 39% of them for 20 simulated peers
+    in groups of 12 over 3 epochs); with three or more no state is a majority and the states drift apart for good,
+    as averaging Δ never averages θ (20 simulated peers in groups of 8: relative drift 0.0045 after 3 epochs, 0.019
+    after 8; dev/LOG.md 2026-11-26 session 8). Moshpit averages θ in changing groups (Ryabinin et al. 2021, "Moshpit
+    SGD") and keeps the swarm together.
+    """
+    if strategy != "butterfly" or num_peers <= target_group_size:
+        return ""
+    return (
+        f"{num_peers} trainers at this epoch, butterfly groups of at most {target_group_size}: each group commits its "
+        "own state, so the swarm no longer holds one model (2 groups: the smaller one's round is discarded; 3 or "
+        "more: the states drift apart). Raise averaging.target_group_size above the swarm's size, or set "
+        'averaging.strategy = "moshpit" for a swarm this large'
+    )
+
+
 class RoundRunner:
     """Runs rounds for one trainer (see the module docstring). ``run`` from one thread at a time.
 
@@ -143,6 +165,7 @@ class RoundRunner:
         self.exact_average = config.averaging.strategy == "butterfly"
         self.rounds_failed = 0
         self.last_failure = ""
+        self.split = ""  # ``split_warning`` at the last round: said once each time it starts to hold
 
     def run(self, state: TrainingState, state_hash: str, contribution: Contribution) -> RoundOutcome:
         """Average ``contribution`` at ``state.epoch`` and build the next shared state; never modifies ``state``.
@@ -174,6 +197,8 @@ class RoundRunner:
             sent, weight = given["tensors"], float(given["weight"])
             result, failure = None, ""
             expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
+            if attempt == 1:
+                self._warn_split(len(expected) + 1)
             try:
                 result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s, expected_peers=expected)
             except RoundFailed as exc:
@@ -225,6 +250,14 @@ class RoundRunner:
             if policy.action != "retry":
                 return RoundOutcome(policy, attempt)
             self.stop.wait(policy.backoff_s)  # back off: failures must not spin
+
+    def _warn_split(self, num_peers: int) -> None:
+        cfg = self.config.averaging
+        split = split_warning(cfg.strategy, num_peers, cfg.target_group_size)
+        if split and not self.split:
+            logger.warning("averaging: %s", split)
+            self.emit("averaging_split", peers=num_peers, target_group_size=cfg.target_group_size, detail=split)
+        self.split = split
 
     def _committed_without_us(
         self, state: TrainingState, voted: RoundResult, failure: str

@@ -28,7 +28,7 @@ import numpy as np
 import simpy
 
 from hivetrain.diloco.schedule import PhasePlan
-from hivetrain.diloco.sync_policy import decide_sync
+from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.config import Scenario
 from hivetrain.sim.consensus import relative_deviation
@@ -59,6 +59,7 @@ class DataParallelSim:
                               s.max_samples_per_peer, s.stale_after_s, s.max_extrapolation_s)  # fmt: skip
         self.schedule_model = scenario.sim.resolved_schedule_model()
         self.exact = scenario.averaging.strategy == "butterfly"
+        self.trust = SyncTrust()  # what a trainer weighs records with (``diloco.evidence``: the default quorum rule)
         self.rounds = RoundEngine(self)
         self.partition = PartitionTracker(scenario.partition, scenario.sim.seed)
         self.views: dict[int, SideBoard] | None = None  # each side's view of the board while split, else None
@@ -139,6 +140,7 @@ class DataParallelSim:
         for state_hash, group in by_hash.items():
             if self.sync_or_download(group, epoch, state_hash, now):
                 downloading.update(group)
+                self.metrics.samples_discarded += float(self.state.f["weight"][group].sum())  # the round just applied
         self.publish_now(slots, now)
         return downloading
 
@@ -205,7 +207,7 @@ class DataParallelSim:
             # a joiner holds no state (epoch 0, no hash) and has no record yet: the inputs differ only in its own id
             first = int(side_due[0])
             d = decide_sync(st.peer_ids[first], 0, "", self.records_for(first), now, self.sc.schedule.record_ttl_s,
-                            self.exact)  # fmt: skip
+                            self.exact, trust=self.trust)  # fmt: skip
             self.metrics.count("decide_sync." + d.action)
             for slot in side_due:
                 if d.action == "download" and d.donors:
@@ -243,7 +245,7 @@ class DataParallelSim:
     def sync_or_download(self, slots: list[int], epoch: int, state_hash: str, now: float) -> bool:
         """Peers that failed a round at ``epoch`` with state ``state_hash``: download if ``decide_sync`` says so."""
         d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.records_for(slots[0]), now,
-                        self.sc.schedule.record_ttl_s, self.exact)  # fmt: skip
+                        self.sc.schedule.record_ttl_s, self.exact, trust=self.trust)  # fmt: skip
         self.metrics.count("decide_sync." + d.action)
         if d.action != "download" or not d.donors:
             return False

@@ -4,6 +4,9 @@ Definitions (units in the names):
 - ``utilization_mean``: seconds peers spent in inner steps / seconds they were in the swarm, over all peers.
 - ``committed_sample_share``: samples that went into a committed round / samples computed (a peer that leaves
   mid-phase, or whose contribution is dropped across a state download, loses them).
+- ``discarded_sample_share``: samples of committed rounds whose members then found themselves forked and downloaded
+  another group's state (butterfly with several groups per epoch) / samples computed: counted as committed above
+  (as the real trainers' summaries count them), yet not in the model the swarm keeps.
 - ``time_per_outer_step_s``: median over epochs of the time between the median commits of consecutive epochs.
 - ``bytes_per_peer_per_step``: all-reduce bytes sent + received, per committed (peer, round).
 - ``dht_ops_per_peer_per_step`` / ``dht_read_bytes_per_peer_per_step``: DHT gets and stores (heartbeats,
@@ -57,6 +60,7 @@ class SimMetrics:
     schedule_divergences: int = 0
     arrivals: int = 0
     departures: int = 0
+    samples_discarded: float = 0.0  # committed, then replaced by another group's state (``discarded_sample_share``)
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -118,6 +122,7 @@ class SimMetrics:
             "outer_steps_done": int(st.i["epoch"][:n].max(initial=0)),
             "utilization_mean": float(f["compute_s"][:n].sum() / live_s) if live_s > 0 else 0.0,
             "committed_sample_share": float(f["samples_committed"][:n].sum() / max(computed, 1.0)),
+            "discarded_sample_share": float(self.samples_discarded / max(computed, 1.0)),
             "time_per_outer_step_s": float(np.median(gaps)) if gaps else None,
             "bytes_per_peer_per_step": float((f["bytes_sent"][:n].sum() + f["bytes_received"][:n].sum()) / per_step),
             "dht_ops_per_peer_per_step": float(self.dht.ops_total / per_step),

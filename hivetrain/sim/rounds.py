@@ -13,10 +13,10 @@ with ``sim.consensus.group_means``; failures go through ``diloco.sync_policy.dec
 
 Shared calls (the functions are pure, so a call whose answer is provably the same for several peers is made once):
 peers that announce together are decided by two ``decide`` calls (``decide_fresh``), and failed peers whose views and
-own records agree share one ``decide_after_round`` (``share_key``), also at later times while the board holds the
-same records and the same of them are live (``policy_key``). Retries announce on the tick grid, all those due at a
-tick in one batch (``_retry``). At 10,000 peers a "late" storm otherwise costs an O(N) call of each per peer per
-retry. ``tests/sim/test_sharing.py`` compares shared and cached with individual calls.
+own records agree share one ``decide_after_round`` (``sim.sharing``: ``share_key``), also at later times while the
+board holds the same records and the same of them are live (``policy_key``). Retries announce on the tick grid, all
+those due at a tick in one batch (``_retry``). At 10,000 peers a "late" storm otherwise costs an O(N) call of each
+per peer per retry. ``tests/sim/test_sharing.py`` compares shared and cached with individual calls.
 
 While the network is split (``sim.partition``) each side sees only its own side's entries, declarations and
 records: matchmaking runs per side, and a group that spans both sides when the split begins fails at that moment.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,10 +45,10 @@ from hivetrain.averaging.matchmaking import (
 )
 from hivetrain.diloco.rounds import expected_peers
 from hivetrain.diloco.sync_policy import RoundView, decide_after_round
-from hivetrain.peers.quorum import QuorumConfig
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.network import Transfer, allreduce_cost, download_cost
+from hivetrain.sim.sharing import SharedCalls
 from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
 
 if TYPE_CHECKING:
@@ -81,8 +81,7 @@ class RoundEngine:
         self.keys: dict[int, RoundKey] = {}
         self.sessions = 0
         self._retries: dict[float, list[int]] = {}  # tick -> slots that announce again then (``_retry``)
-        self._policies: dict[tuple, object] = {}  # ``policy_key`` -> decide_after_round's answer
-        self._policies_version = -1  # the board version ``_policies`` holds answers for
+        self.shared = SharedCalls(sim)  # which failed peers share one ``decide_after_round`` call
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
 
     # ---- matchmaking ---------------------------------------------------------------------------------------------
@@ -274,7 +273,11 @@ class RoundEngine:
         yield self.sim.env.timeout(cost.duration_s)
         avg, _ = group_means(st.delta[slots], st.f["weight"][slots], np.zeros(len(slots), np.int64))
         self._account(slots, cost)
-        self._commit(slots, avg, epoch, decl.round_id, self.sim.env.now)
+        # every member applies the same averaged pseudo-gradient to the state it held: members that came from
+        # different groups of the last epoch (several groups per epoch) still hold different states after it
+        held = [st.state_hash[int(s)] for s in slots]
+        hashes = decl.round_id if len(set(held)) == 1 else [state_hash_of(decl.round_id, h) for h in held]
+        self._commit(slots, avg, epoch, hashes, self.sim.env.now)
 
     def _mixing(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
         """Moshpit / gossip (``averaging.engine._mixing``): rounds in derived groups, each all-or-nothing."""
@@ -385,98 +388,33 @@ class RoundEngine:
             stale_after_s=sc.schedule.stale_after_s,
             dht_lost_after_s=sc.schedule.record_ttl_s,
             exact_average=self.sim.exact,
+            trust=self.sim.trust,
         )
         self.sim.metrics.count("after_round." + policy.action)
         return policy
 
     def fail(self, slots: list[int], epoch: int, failure: str, now: float) -> None:
-        """A round failed for ``slots``: one ``decide_after_round`` per group of them that ``share_key`` puts
-        together."""
+        """A round failed for ``slots``: one ``decide_after_round`` per group of them that ``sim.sharing`` puts
+        together (``share_key``), or its cached answer (``policy_key``)."""
         st = self.sim.state
         self.sim.metrics.count("round_failed." + failure)
         by_view: dict[tuple, list[int]] = defaultdict(list)
-        unbacked = epoch if self.unbackable(epoch, now) else None
+        shared = self.shared
+        free = shared.free_hashes(epoch, now)
         for slot in slots:
             if st.i["status"][slot] != ABSENT:
-                by_view[self.share_key(slot, now, unbacked)].append(slot)
+                by_view[shared.share_key(slot, now, free, epoch)].append(slot)
         for share, group in by_view.items():
-            key = self.policy_key(share, epoch, failure, now)
-            policy = self._policies.get(key)
+            key = shared.policy_key(share, epoch, failure, now)
+            policy = shared.cached(key)
             if policy is None:
-                policy = self._after_round(group[0], self.failed_view(group[0], epoch, failure, now), now)
-                self._policies[key] = policy
+                policy = self._after_round(group[0], shared.failed_view(group[0], epoch, failure, now), now)
+                shared.store(key, policy)
             else:
                 self.sim.metrics.count("after_round." + policy.action)
                 self.sim.metrics.count("after_round.cached")
             self.sim.metrics.count("after_round.shared", len(group) - 1)
             self._apply_policy(group, epoch, policy, now)
-
-    def policy_key(self, share: tuple, epoch: int, failure: str, now: float) -> tuple:
-        """Failed peers with equal keys get the same ``decide_after_round`` answer, also at different times.
-
-        ``decide_after_round`` reads ``now`` only through records' liveness (``now - updated_at <= stale_after_s``)
-        and the view's ``time_left_s > 0`` (in ``share_key``); it reads no clock otherwise. Within one board version
-        (no record published or expired) the records are fixed and live ones only go stale as time passes, so the
-        number of live records tells the live set: equal keys mean equal inputs but the caller's id (``share_key``).
-        The cache is dropped when the board changes. ``tests/sim/test_sharing.py`` compares cached and fresh calls.
-        """
-        board = self.sim.board
-        if board.version != self._policies_version:
-            self._policies.clear()
-            self._policies_version = board.version
-        return (board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
-
-    def failed_view(self, slot: int, epoch: int, failure: str, now: float) -> RoundView:
-        """What ``slot`` knows after a failed attempt at ``epoch``."""
-        st = self.sim.state
-        deadline = float(st.f["ready_since"][slot]) + self.avg.round_timeout_s
-        return RoundView(epoch, st.state_hash[slot], int(st.i["attempt"][slot]) + 1, committed=False,
-                         failure=failure, time_left_s=deadline - now)  # fmt: skip
-
-    def share_key(self, slot: int, now: float, unbacked_epoch: int | None = None) -> tuple:
-        """Failed peers with equal keys get the same ``decide_after_round`` answer, so one call stands for them.
-
-        The policy reads of the caller: its view (state hash, attempt; ``time_left_s`` only as "> 0"), and the
-        swarm's records without its own (``decide_sync``, ``may_commit_alone`` exclude the caller's id). Peers whose
-        own records agree in every field those functions read (epoch, phase epoch, state, liveness) therefore see
-        the same records but for an id: the same votes, the same counts. ``tests/sim/test_sharing.py`` checks it.
-
-        ``unbacked_epoch`` (from ``unbackable``): no state of that epoch can be backed whatever the caller's vote and
-        whichever record it excludes, so the caller's state hash (and its own record's, at that epoch) is read only
-        where it changes nothing: ``backed_states`` counts it at that epoch alone, which stays unbacked, so
-        ``decide_sync`` finds no fork there and its reasons do not name it. Butterfly groups of 16 among 10,000
-        peers each commit their own hash: without this, a late storm split into one call per group's hash.
-        """
-        st, board = self.sim.state, self.sim.board
-        left = float(st.f["ready_since"][slot]) + self.avg.round_timeout_s - now > 0
-        free = unbacked_epoch is not None
-        own: tuple = ()
-        if board.published[slot]:
-            live = now - board.cols["updated_at"][slot] <= self.sim.sc.schedule.stale_after_s
-            own_epoch, own_hash = int(board.cols["epoch"][slot]), board.state_hash[slot]
-            if free and own_epoch == unbacked_epoch and own_hash:
-                own_hash = "*"
-            own = (bool(live), own_epoch, int(board.cols["phase_epoch"][slot]), own_hash)
-        mine = "*" if free and st.state_hash[slot] else st.state_hash[slot]
-        side = -1 if self.sim.views is None else int(self.sim.partition.side[slot])  # views differ per side
-        return (mine, int(st.i["attempt"][slot]), left, own, side)
-
-    def unbackable(self, epoch: int, now: float) -> bool:
-        """True when, for any caller, no state at ``epoch`` can pass the quorum's agreement rule
-        (``peers.quorum.backed_states``: holders more than ``min_fraction`` of the voters at the epoch) even with the
-        caller's own vote added: the most common hash among the live records at ``epoch``, plus one, is at most
-        ``min_fraction`` of them. A caller excludes at most its own record (one voter fewer) and adds its vote (one
-        more), so its count stays at or below the bound. Only for exact averaging (``decide_sync``'s fork check)."""
-        if not self.sim.exact or self.sim.views is not None:  # split: each side votes on its own records
-            return False
-        board, schedule = self.sim.board, self.sim.sc.schedule
-        for stale_s in {schedule.stale_after_s, schedule.record_ttl_s}:  # after_round's, and a resync's download
-            live = board.published & (now - board.cols["updated_at"] <= stale_s)
-            hashes = [board.state_hash[s] for s in np.flatnonzero(live & (board.cols["epoch"] == epoch)).tolist()]
-            counts = Counter(h for h in hashes if h)
-            if max(counts.values(), default=0) + 1 > QuorumConfig().min_fraction * sum(counts.values()):
-                return False
-        return True
 
     def _apply_policy(self, slots: list[int], epoch: int, policy, now: float) -> None:
         st = self.sim.state

@@ -52,6 +52,17 @@ def test_two_butterfly_groups_fork_and_the_later_group_downloads() -> None:
     assert s["drift_max"] > 1e-6
     assert s["decisions"]["decide_sync.download"] > 0 and s["downloads"] > 0
     assert s["drift_final"] < 1e-12
+    # the price: the smaller group's round, committed, is not in the model the swarm keeps (8 of 20 peers)
+    assert s["committed_sample_share"] == 1.0 and 0.3 < s["discarded_sample_share"] < 0.45
+
+
+def test_three_butterfly_groups_per_epoch_drift_apart_for_good() -> None:
+    """Groups of 8 for 20 peers: no group's state is a majority, so nobody downloads, and averaging Δ never
+    averages θ: peers drawn from different groups into one group stay apart after its commit (their hashes
+    differ), and the drift grows epoch after epoch (``diloco.rounds.split_warning`` says so on a real trainer)."""
+    short = _summary(tiny(averaging={"target_group_size": 8}, sim={"outer_steps": 3}))
+    long = _summary(tiny(averaging={"target_group_size": 8}, sim={"outer_steps": 8}))
+    assert short["drift_final"] > 1e-3 and long["drift_final"] > 2 * short["drift_final"]
 
 
 def test_churn_removes_and_adds_peers() -> None:

@@ -1,10 +1,11 @@
-"""Shared decision calls equal the individual calls they stand for (``sim.rounds.decide_fresh`` / ``share_key``)."""
+"""Shared decision calls equal the individual calls they stand for (``sim.rounds.decide_fresh``, ``sim.sharing``)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
 import numpy as np
+import pytest
 
 from hivetrain.averaging.matchmaking import GroupDeclaration, decide, make_round_id
 from hivetrain.diloco.sync_policy import decide_after_round
@@ -63,13 +64,15 @@ def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer() -
     assert sim.metrics.decisions["decide.shared"] == (9 - 2) + (5 - 2) + (9 - 2)
 
 
-def test_failed_peers_share_decide_after_round_only_with_equal_answers() -> None:
-    """On the end state of a churned run with small groups, every member of a ``share_key`` group gets the
-    policy its group's first member got, for several failures and attempts."""
+@pytest.mark.parametrize("group_size", [4, 64])
+def test_failed_peers_share_decide_after_round_only_with_equal_answers(group_size: int) -> None:
+    """On the end state of a churned run, every member of a ``share_key`` group gets the policy its group's first
+    member got, for several failures and attempts: groups of 4 among 40 peers (many states per epoch, none backed)
+    and of 64 (one group per epoch: the fork check)."""
     sim = DataParallelSim(tiny(sim={"num_peers": 40}, churn={"session": "exponential", "mean_session_s": 200.0},
-                               averaging={"target_group_size": 4}))  # fmt: skip
+                               averaging={"target_group_size": group_size}))  # fmt: skip
     sim.run()
-    st, now = sim.state, sim.env.now
+    st, now, shared = sim.state, sim.env.now, sim.rounds.shared
     alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
     compared, mixed_hashes = 0, 0
     top = int(np.bincount(sim.board.cols["epoch"][sim.board.published].astype(np.int64)).argmax())
@@ -83,24 +86,25 @@ def test_failed_peers_share_decide_after_round_only_with_equal_answers() -> None
         st.i["attempt"][alive] = attempt
         groups: dict[tuple, list[int]] = defaultdict(list)
         for epoch in {int(st.i["phase_epoch"][s]) for s in alive}:
-            unbacked = epoch if sim.rounds.unbackable(epoch, now) else None
+            free = shared.free_hashes(epoch, now)
             for slot in alive:
                 if st.i["phase_epoch"][slot] == epoch:
-                    groups[(epoch, sim.rounds.share_key(slot, now, unbacked))].append(slot)
+                    groups[(epoch, shared.share_key(slot, now, free, epoch))].append(slot)
         for (epoch, _), group in groups.items():
             policies = [
-                decide_after_round(st.peer_ids[s], sim.rounds.failed_view(s, epoch, "late", now), sim.board.records(),
+                decide_after_round(st.peer_ids[s], shared.failed_view(s, epoch, "late", now), sim.board.records(),
                                    now, max_retries=sim.sc.averaging.max_retries,
                                    stale_after_s=sim.sc.schedule.stale_after_s,
-                                   dht_lost_after_s=sim.sc.schedule.record_ttl_s, exact_average=sim.exact)
+                                   dht_lost_after_s=sim.sc.schedule.record_ttl_s, exact_average=sim.exact,
+                                   trust=sim.trust)
                 for s in group
             ]  # fmt: skip
             assert all(p == policies[0] for p in policies), policies
             compared += len(group) - 1
             mixed_hashes += len({st.state_hash[s] for s in group}) > 1
     assert compared >= 10  # the sharing was exercised, not vacuous
-    assert mixed_hashes >= 1  # peers of different groups' states shared a call (``unbackable``)
-    assert not sim.rounds.unbackable(top, now)  # and the forked case was compared with hashes apart
+    assert mixed_hashes >= (group_size == 4)  # peers of different groups' states shared a call (``free_hashes``)
+    assert shared.free_hashes(top, now) is None  # and the forked case was compared with hashes apart
 
 
 def test_dht_keeps_one_entry_per_peer_per_round_key() -> None:
@@ -121,7 +125,7 @@ def test_cached_after_round_policies_equal_fresh_calls_at_later_times() -> None:
     sim = DataParallelSim(tiny(sim={"num_peers": 30}, churn={"session": "exponential", "mean_session_s": 200.0},
                                averaging={"target_group_size": 8}))  # fmt: skip
     sim.run()
-    st, board, end = sim.state, sim.board, sim.env.now
+    st, board, end, shared = sim.state, sim.board, sim.env.now, sim.rounds.shared
     alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
     updated = sorted(board.cols["updated_at"][board.published])
     stale_s = sim.sc.schedule.stale_after_s
@@ -131,11 +135,11 @@ def test_cached_after_round_policies_equal_fresh_calls_at_later_times() -> None:
     for now in times:
         for slot in alive:
             epoch = int(st.i["phase_epoch"][slot])
-            key = sim.rounds.policy_key(sim.rounds.share_key(slot, now), epoch, "late", now)
-            fresh = decide_after_round(st.peer_ids[slot], sim.rounds.failed_view(slot, epoch, "late", now),
+            key = shared.policy_key(shared.share_key(slot, now), epoch, "late", now)
+            fresh = decide_after_round(st.peer_ids[slot], shared.failed_view(slot, epoch, "late", now),
                                        board.records(), now, max_retries=sim.sc.averaging.max_retries,
                                        stale_after_s=stale_s, dht_lost_after_s=sim.sc.schedule.record_ttl_s,
-                                       exact_average=sim.exact)  # fmt: skip
+                                       exact_average=sim.exact, trust=sim.trust)  # fmt: skip
             if key in cached:
                 assert cached[key][0] == fresh, (now, slot)
                 hits += cached[key][1] != now
