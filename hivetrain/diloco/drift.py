@@ -23,9 +23,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
+
+from hivetrain.peers.records import PeerRecord
 
 SKETCH_SIZE = 512
 SKETCH_NUM_BYTES = 4 * SKETCH_SIZE
@@ -186,3 +188,63 @@ def drift_by_epoch(sketches: dict[int, dict[str, bytes]]) -> dict[int, tuple[flo
         except ValueError:
             continue
     return out
+
+
+def sketch_outlier(
+    candidate: torch.Tensor,
+    published: Sequence[torch.Tensor],
+    *,
+    spread_factor: float = 3.0,
+    floor_fraction: float = 0.05,
+    min_sketches: int = 3,
+) -> str:
+    """Why a downloaded θ is too far from the swarm's to adopt ("" = close enough, or too few sketches to tell).
+
+    With moshpit or gossip groups the peers of an epoch hold different states, so a joiner cannot check the state it
+    downloads against a hash others hold too: the donor's own hash only says the donor served what it claimed, and
+    one identity with a fabricated state at the current epoch could otherwise become every joiner's donor. The
+    evidence from more than one source is the θ sketches (``ParamSketcher``) the epoch's other peers published: their
+    coordinate-wise median m cannot be moved far by fewer than half of them lying, and the honest spread is the
+    median of their distances to it. The candidate passes when ‖s − m‖ ≤ ``spread_factor`` × that spread +
+    ``floor_fraction`` × ‖m‖. Real moshpit drift stayed at or below 0.084 of ‖θ̄‖ (``moshpit_drift.py``, θ averaged,
+    dev/LOG.md 2026-11-21), inside the 0.05 floor plus the spread term; θ from another run or random weights are
+    about ‖θ̄‖ away.
+
+    Args:
+        candidate: sketch of the downloaded θ, shape ``(n,)``, any float dtype.
+        published: sketches of the same epoch from other peers (the donors' own left out), shape ``(n,)`` each.
+        min_sketches: below this many published sketches nothing can be told: "" is returned.
+
+    Raises:
+        ValueError: sketch sizes differ.
+    """
+    if len(published) < min_sketches:
+        return ""
+    if any(s.numel() != candidate.numel() for s in published):
+        raise ValueError("sketches have different sizes (peers of different models or hivetrain versions?)")
+    stacked = torch.stack([s.to(torch.float64).reshape(-1) for s in published])
+    median = stacked.median(dim=0).values
+    spread = float((stacked - median).norm(dim=1).median())
+    bound = spread_factor * spread + floor_fraction * float(median.norm())
+    distance = float((candidate.to(torch.float64).reshape(-1) - median).norm())
+    if distance <= bound:
+        return ""
+    return (
+        f"the downloaded state is {distance:.4g} from the median of {len(published)} peers' published θ sketches, "
+        f"more than the bound {bound:.4g} ({spread_factor} x their spread {spread:.4g} + {floor_fraction} x its norm)"
+    )
+
+
+def epoch_sketches(records: Iterable[PeerRecord], epoch: int, exclude: Collection[str]) -> list[torch.Tensor]:
+    """The θ sketches trainers published for ``epoch`` (``PeerRecord.param_sketch``), one per peer, the peers in
+    ``exclude`` (ourselves, the donors, banned peers) left out; undecodable or non-finite sketches are skipped (a
+    hostile record must not stop the check, only fail to count)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in records:
+        if r.role != "trainer" or r.epoch != epoch or not r.param_sketch or r.peer_id in exclude or r.left_reason:
+            continue
+        try:
+            out[r.peer_id] = decode_sketch(sketch_from_text(r.param_sketch))
+        except ValueError:
+            continue
+    return [out[p] for p in sorted(out)]

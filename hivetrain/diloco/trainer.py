@@ -24,7 +24,7 @@ from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
 from hivetrain.diloco.background import BackgroundRound
-from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
+from hivetrain.diloco.drift import ParamSketcher, epoch_sketches, sketch_outlier, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.evidence import Evidence
 from hivetrain.diloco.inner import InnerOptimizer
@@ -267,6 +267,16 @@ class DilocoTrainer:
         self.view.publish()
         return self.stats
 
+    def _sketches_ready(self, records: list[PeerRecord], epoch: int, exclude: set[str]) -> bool:
+        """Moshpit/gossip: may a state of ``epoch`` be downloaded and checked now (``drift.sketch_outlier``)? Not while
+        3 or more other trainers are at that epoch but fewer than 3 of them have published their θ sketch yet."""
+        at = {r.peer_id for r in records if r.role == "trainer" and r.epoch == epoch and not r.left_reason} - exclude
+        published = len(epoch_sketches(records, epoch, exclude))
+        if len(at) >= 3 and published < 3:
+            logger.info("state download of epoch %d waits for θ sketches (%d of %d peers)", epoch, published, len(at))
+            return False
+        return True
+
     def _done(self) -> bool:
         return bool(self.target_epoch and self.state.epoch >= self.target_epoch)
 
@@ -291,6 +301,10 @@ class DilocoTrainer:
         if decision.action == "train":
             return True
         logger.info("state download: %s", decision.reason)
+        exclude = {self.node.peer_id, *decision.donors, *self.evidence.trust.banned}
+        if not self._exact_average and not self._sketches_ready(records, decision.target_epoch, exclude):
+            self._stop.wait(1.0)  # the epoch's peers publish their θ sketches a few seconds after its commit
+            return False
 
         def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
             fresh = fetch_records(self.node.dht, self.config.run_id)
@@ -319,6 +333,14 @@ class DilocoTrainer:
             self._stop.wait(1.0)
             return False
         self.evidence.ban(bad, "served state chunks that contradict its own manifest")
+        if not self._exact_average:  # moshpit/gossip: no other peer holds the donor's hash; check θ against sketches
+            outlier = sketch_outlier(self.sketcher.sketch(state.params), epoch_sketches(records, state.epoch, exclude))
+            if outlier:
+                logger.warning("state download refused: %s", outlier)
+                self._emit("state_download_failed", reason=outlier)
+                self.evidence.ban(decision.donors, f"served a state far from the swarm's: {outlier}")
+                self._stop.wait(1.0)
+                return False
         self.state = state
         self.evidence.anchor(state.epoch)
         self.background.forget()

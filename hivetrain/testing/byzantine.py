@@ -30,6 +30,10 @@ State and record modes (issue 12, findings 1 and 3):
     drip_donor   serves its honest state one byte every 3 s (``hostile_donors.Dripper``)
     epoch_liar   publishes a signed record claiming epoch ``LIE_EPOCH`` with the hash of random weights, and serves
                  those weights under that claim (a takeover attempt by one valid identity)
+    hash_liar    claims its own, current epoch with the hash of random weights, drawn until the hash sorts first
+                 (starts with "ff"), and serves them: in a moshpit or gossip run, where no two peers of an epoch
+                 hold one hash, the quorum rule publishes the largest hash of the epoch, so without the joiners' θ
+                 sketch check (``diloco.drift.sketch_outlier``) it was every joiner's only donor
 
 Admission mode (issue 12 item 6):
 
@@ -56,7 +60,7 @@ from hivetrain.testing.hostile_donors import Dripper, NaNChunks
 
 MODES = (
     "nan", "inf", "sign_flip", "huge_norm", "inflated_weight", "negative_weight", "wrong_shape", "bad_donor",
-    "nan_donor", "drip_donor", "epoch_liar", "uninvited",
+    "nan_donor", "drip_donor", "epoch_liar", "hash_liar", "uninvited",
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -85,8 +89,8 @@ WIRE_MODES = ("nan", "inf", "inflated_weight", "negative_weight", "wrong_shape")
 """Modes applied to what goes on the wire (the engine validates local input, so these cannot go through average())."""
 INPUT_MODES = ("sign_flip", "huge_norm")
 """Modes that change what the peer averages (finite values that pass local validation)."""
-SERVER_MODES = ("bad_donor", "nan_donor", "drip_donor", "epoch_liar", "uninvited")
-"""Modes that change the state server (and, for ``epoch_liar``, the record)."""
+SERVER_MODES = ("bad_donor", "nan_donor", "drip_donor", "epoch_liar", "hash_liar", "uninvited")
+"""Modes that change the state server (and, for ``epoch_liar`` and ``hash_liar``, the record)."""
 
 
 def arm_byzantine(mode: str, faults: FaultInjector, environ: Mapping[str, str] = os.environ) -> list[Fault]:
@@ -110,7 +114,7 @@ def arm_byzantine(mode: str, faults: FaultInjector, environ: Mapping[str, str] =
     chunk_text = environ.get(CHUNK_BYTES_ENV, "")
     if chunk_text and not chunk_text.isdigit():
         raise ValueError(f"${CHUNK_BYTES_ENV} = {chunk_text!r}: give the state chunk size in bytes, or unset it")
-    lie = _LieState() if mode == "epoch_liar" else None
+    lie = _LieState() if mode == "epoch_liar" else _CurrentLie() if mode == "hash_liar" else None
     if mode in SERVER_MODES or chunk_text:
         build = _server_builder(mode, int(chunk_text or 0), lie)
         armed.append(Fault(HookPoint.DILOCO_STATE_SERVER, "call", callback=build, times=0))
@@ -193,6 +197,33 @@ class _LieState:
             ctx["record"] = ctx["record"].model_copy(
                 update={**claim, "phase_epoch": LIE_EPOCH, "done_epoch": LIE_EPOCH}
             )
+
+
+class _CurrentLie(_LieState):
+    """The state a ``hash_liar`` claims and serves: random weights at the epoch its honest state is at, rebuilt at
+    each new epoch, drawn until their hash starts with "ff" (about 256 draws of the tiny model: a second or two)."""
+
+    def get(self) -> tuple[TrainingState, str] | None:
+        with self._lock:
+            honest = self._get_state()
+            if honest is None:
+                return None
+            if self._built is None or self._built[0].epoch != honest.epoch:
+                gen = torch.Generator().manual_seed(13 + honest.epoch)
+                while True:
+                    params = {n: torch.randn(p.shape, generator=gen) * 3.0 for n, p in honest.params.items()}
+                    lie = TrainingState(honest.epoch, params, {n: torch.zeros_like(p) for n, p in params.items()})
+                    digest = lie.state_hash()
+                    if digest.startswith("ff"):
+                        break
+                self._built = (lie, digest)
+            return self._built
+
+    def record(self, ctx: dict[str, Any]) -> None:
+        """The ``diloco.record`` callback: our real epoch, the random state's hash; the honest θ sketch is kept."""
+        built = self.get()
+        if built is not None and ctx["record"].epoch == built[0].epoch:
+            ctx["record"] = ctx["record"].model_copy(update={"state_hash": built[1]})
 
 
 class AnyoneServer(StateServer):

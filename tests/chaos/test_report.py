@@ -75,6 +75,17 @@ def test_diverged_survivor_breaks_hash_invariants():
     assert report["hash_disagreements"] == {"2": ["X", "h2"]}
 
 
+def test_moshpit_peers_holding_different_states_are_not_diverged():
+    """With moshpit groups peers of an epoch hold different states by design: no hash invariant applies there."""
+    raw = SCENARIO.model_dump(mode="json")
+    moshpit = parse_scenario({**raw, "run": {**raw["run"], "averaging": {"strategy": "moshpit"}}})
+    apart = honest_peer("peer1", 1, hashes={"0": "h0", "1": "Y1", "2": "Y2", "3": "Y3"})
+    peers = [honest_peer("peer0", 0), apart, honest_peer("peer3", 3)]
+    report = build_report(moshpit, peers, fault_log(), wall_s=35.0, timed_out=False, leftover_pids=[], checkpoints=[])
+    assert "state_hashes_agree" not in report["invariants"] and report["diverged_peers"] == []
+    assert report_of(peers)["diverged_peers"] == ["peer1"]  # the same peers in a butterfly run: diverged
+
+
 def test_byzantine_peer_is_not_counted_as_diverged():
     bad = honest_peer("peer2", 2, hashes={"0": "h0", "1": "bad", "2": "bad", "3": "bad"})
     bad.byzantine = "nan"

@@ -10,13 +10,16 @@ from hivetrain.diloco.drift import (
     decode_sketch,
     drift_by_epoch,
     encode_sketch,
+    epoch_sketches,
     relative_drift,
     sketch_buckets,
     sketch_from_text,
+    sketch_outlier,
     sketch_seed,
     sketch_to_text,
 )
 from hivetrain.model import build_config, build_model
+from tests.records import peer_record
 
 
 def exact_drift(states):
@@ -96,3 +99,45 @@ def test_bad_sketches_are_rejected_and_left_out_of_the_figure():
         relative_drift([torch.ones(3)])
     with pytest.raises(ValueError):
         relative_drift([torch.zeros(3), torch.zeros(3)])
+
+
+def _peers_at_drift(base, drift, count, seed):
+    """``count`` θ off ``base`` by about ``drift`` of its norm each (moshpit peers of one epoch)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = drift / (sum(t.numel() for t in base.values()) ** 0.5)
+    norm = sum(float(t.double().pow(2).sum()) for t in base.values()) ** 0.5
+    return [{n: t + scale * norm * torch.randn(t.shape, generator=gen) for n, t in base.items()} for _ in range(count)]
+
+
+def test_a_downloaded_state_far_from_the_epochs_published_sketches_is_an_outlier():
+    """Moshpit peers about 3% apart accept each other's states; a state of random weights (what an ``epoch_liar``
+    serves) and θ pushed 30% off are refused, also with 2 of 7 published sketches lying (the liar's own)."""
+    base = tiny_params()
+    sketcher = ParamSketcher({n: t.shape for n, t in base.items()}, sketch_seed("run-x", 0))
+    honest = [sketcher.sketch(s) for s in _peers_at_drift(base, 0.03, 6, seed=2)]
+    own = sketcher.sketch(_peers_at_drift(base, 0.03, 1, seed=3)[0])
+    assert sketch_outlier(own, honest) == ""
+    gen = torch.Generator().manual_seed(4)
+    garbage = sketcher.sketch({n: torch.randn(t.shape, generator=gen) * 3.0 for n, t in base.items()})
+    pushed = sketcher.sketch(_peers_at_drift(base, 0.30, 1, seed=5)[0])
+    colluding = honest[:5] + [garbage, garbage]
+    for far in (garbage, pushed):
+        assert "from the median of" in sketch_outlier(far, honest)
+        assert sketch_outlier(far, colluding) != ""
+    assert sketch_outlier(garbage, honest[:2]) == ""  # 2 sketches tell nothing: the caller waits for more
+    with pytest.raises(ValueError, match="different sizes"):
+        sketch_outlier(own, [h[:100] for h in honest])
+
+
+def test_epoch_sketches_keeps_one_valid_sketch_per_trainer_of_the_epoch():
+    good = sketch_to_text(encode_sketch(torch.ones(SKETCH_SIZE)))
+    records = [
+        peer_record("a", 5, 0.0, param_sketch=good),
+        peer_record("b", 5, 0.0, param_sketch="!!not base64"),
+        peer_record("c", 4, 0.0, param_sketch=good),
+        peer_record("d", 5, 0.0, param_sketch=good),
+        peer_record("e", 5, 0.0, param_sketch=""),
+        peer_record("f", 5, 0.0, param_sketch=good, role="coordinator"),
+    ]
+    assert len(epoch_sketches(records, 5, exclude=set())) == 2
+    assert len(epoch_sketches(records, 5, exclude={"a"})) == 1
