@@ -110,16 +110,17 @@ def _peers_at_drift(base, drift, count, seed):
 
 
 def test_a_downloaded_state_far_from_the_epochs_published_sketches_is_an_outlier():
-    """Moshpit peers about 3% apart accept each other's states; a state of random weights (what an ``epoch_liar``
-    serves) and θ pushed 30% off are refused, also with 2 of 7 published sketches lying (the liar's own)."""
+    """Moshpit peers 3% and 8% apart (the most drift measured) accept each other's states; a state of random weights
+    (what an ``epoch_liar`` serves) and θ pushed 60% off are refused, also with 2 of 7 published sketches lying."""
     base = tiny_params()
     sketcher = ParamSketcher({n: t.shape for n, t in base.items()}, sketch_seed("run-x", 0))
     honest = [sketcher.sketch(s) for s in _peers_at_drift(base, 0.03, 6, seed=2)]
     own = sketcher.sketch(_peers_at_drift(base, 0.03, 1, seed=3)[0])
     assert sketch_outlier(own, honest) == ""
+    assert sketch_outlier(sketcher.sketch(_peers_at_drift(base, 0.084, 1, seed=6)[0]), honest) == ""
     gen = torch.Generator().manual_seed(4)
     garbage = sketcher.sketch({n: torch.randn(t.shape, generator=gen) * 3.0 for n, t in base.items()})
-    pushed = sketcher.sketch(_peers_at_drift(base, 0.30, 1, seed=5)[0])
+    pushed = sketcher.sketch(_peers_at_drift(base, 0.60, 1, seed=5)[0])
     colluding = honest[:5] + [garbage, garbage]
     for far in (garbage, pushed):
         assert "from the median of" in sketch_outlier(far, honest)
