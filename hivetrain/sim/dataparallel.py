@@ -128,17 +128,19 @@ class DataParallelSim:
     def after_commit(self, slots: np.ndarray, epoch: int, now: float) -> set[int]:
         """What a trainer does between a committed round and its next phase (``DilocoTrainer.run``): publish its
         record, and ``sync_state``: download if the records show it behind or forked (each butterfly group of an
-        epoch with several groups commits its own state). Members of one group share state and epoch, so one
-        ``decide_sync`` call stands for all of them (their own records, which alone differ, are excluded by it). It
+        epoch with several groups commits its own state). It
         reads the records as they were before the group's own are republished: a real member's check races with its
         group mates' stores (on a real swarm of 6 with groups of 3, the first members of the second group to commit
-        saw the first group's 3 records against their own 2 and downloaded). Returns the slots that download."""
-        by_hash: dict[str, list[int]] = {}
+        saw the first group's 3 records against their own 2 and downloaded). Members whose ``commit_key`` agrees
+        (``sim.sharing``) share one call: after the second epoch of several groups every member holds its own hash.
+        Returns the slots that download."""
+        by_view: dict[tuple, list[int]] = {}
+        free = self.rounds.shared.free_hashes(epoch, now, self.sc.schedule.record_ttl_s)
         for slot in slots.tolist():
-            by_hash.setdefault(self.state.state_hash[slot], []).append(slot)
+            by_view.setdefault(self.rounds.shared.commit_key(slot, now, free), []).append(slot)
         downloading: set[int] = set()
-        for state_hash, group in by_hash.items():
-            if self.sync_or_download(group, epoch, state_hash, now):
+        for group in by_view.values():
+            if self.sync_or_download(group, epoch, self.state.state_hash[group[0]], now):
                 downloading.update(group)
                 self.metrics.samples_discarded += float(self.state.f["weight"][group].sum())  # the round just applied
         self.publish_now(slots, now)

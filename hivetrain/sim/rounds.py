@@ -134,22 +134,34 @@ class RoundEngine:
         sessions. ``decide`` then reads of the caller only its ``announced_at`` (the same for all) and whether it is
         the smallest-id candidate (the leader: "declare", "too_small" or a "leading" wait). Hence every caller but
         the one with the smallest id gets the answer of the one with the largest id: two calls stand for them all.
-        (A caller listed with an entry announced at ``now`` itself would break the argument: it is decided alone.)
-        ``tests/sim/test_sharing.py`` checks the shared answers equal individual calls.
+        The expected peers (``diloco.rounds.expected_peers``, as every real caller passes them) are read through
+        the caller only by whether it is one of them (the "several groups" count leaves the caller out), so callers
+        in and out of that set are shared separately. (A caller listed with an entry announced at ``now`` itself
+        would break the argument: it is decided alone.) ``tests/sim/test_sharing.py`` checks the shared answers
+        equal individual calls.
         """
         same_instant = {m.peer_id for d in key.declarations for m in d.members if m.announced_at >= now}
         ids = self.sim.state.peer_ids
+        expected = self._expected(key, slots[0], now)
         sharable = sorted((s for s in slots if ids[s] not in same_instant), key=lambda s: ids[s])
         out: dict[int, Decision] = {}
-        if len(sharable) > 2:
-            shared = self._decide(key, key.waiting[sharable[-1]], now)
-            out = dict.fromkeys(sharable[1:], shared)
-            self.sim.metrics.count("decide." + shared.action, len(sharable) - 2)  # verdicts, one per peer
-            self.sim.metrics.count("decide.shared", len(sharable) - 2)
+        for inside in (True, False):  # the smallest id of all may lead: decided alone
+            part = [s for s in sharable[1:] if (ids[s] in expected) == inside]
+            if len(part) > 1:
+                shared = self._decide(key, key.waiting[part[-1]], now, expected)
+                out.update(dict.fromkeys(part, shared))
+                self.sim.metrics.count("decide." + shared.action, len(part) - 1)  # verdicts, one per peer
+                self.sim.metrics.count("decide.shared", len(part) - 1)
         for slot in slots:
             if slot not in out:
-                out[slot] = self._decide(key, key.waiting[slot], now)
+                out[slot] = self._decide(key, key.waiting[slot], now, expected)
         return out
+
+    def _expected(self, key: RoundKey, slot: int, now: float) -> frozenset[str]:
+        """The peers every caller at ``key`` on ``slot``'s side expects (``expected_peers`` with nobody left out:
+        ``decide`` removes the caller itself)."""
+        records = self.sim.records_for(slot)
+        return expected_peers(records, "", key.epoch, now, self.sim.sc.schedule.stale_after_s)
 
     def forget(self, slot: int) -> None:
         """A departed peer stops waiting (its entry stays in the DHT until it expires)."""
@@ -207,9 +219,7 @@ class RoundEngine:
     def _poll_key(self, key: RoundKey, waiting: list[int], now: float) -> None:
         """One tick at ``key`` for the ``waiting`` slots (all of them, or one side's while split)."""
         st, epoch = self.sim.state, key.epoch
-        # computed with no peer excluded: ``decide`` removes the caller itself, so this is every caller's set
-        records = self.sim.records_for(waiting[0])
-        expected = expected_peers(records, "", epoch, now, self.sim.sc.schedule.stale_after_s)
+        expected = self._expected(key, waiting[0], now)
         # the waiting peer with the smallest id is asked first; nobody starts waiting during this loop
         for slot in sorted(waiting, key=lambda s: st.peer_ids[s]):
             if slot not in key.waiting:

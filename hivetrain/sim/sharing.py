@@ -91,7 +91,26 @@ class SharedCalls:
         side = -1 if self.sim.views is None else int(self.sim.partition.side[slot])  # views differ per side
         return (mine, int(st.i["attempt"][slot]), left, own, side)
 
-    def free_hashes(self, epoch: int, now: float) -> HashTest | None:
+    def commit_key(self, slot: int, now: float, free: HashTest | None) -> tuple:
+        """Members of groups that just committed with equal keys get the same post-commit ``decide_sync`` answer.
+
+        The caller votes at the new epoch with its new state and excludes its own record, which is still at the old
+        epoch (``after_commit`` reads the records before the group's own are republished). ``decide_sync`` reads
+        nothing of an epoch older than the caller's (no "behind" or "fork" there, no reason names it) but the counts
+        of voters, which that record's liveness and epoch tell; its own hash only where ``free`` does not clear it.
+        """
+        st, board = self.sim.state, self.sim.board
+        own: tuple = ()
+        if board.published[slot]:
+            live = now - board.cols["updated_at"][slot] <= self.sim.sc.schedule.record_ttl_s
+            own_epoch = int(board.cols["epoch"][slot])
+            own_hash = board.state_hash[slot] if own_epoch >= int(st.i["epoch"][slot]) else "*"
+            own = (bool(live), own_epoch, int(board.cols["phase_epoch"][slot]), own_hash)
+        mine = st.state_hash[slot]
+        side = -1 if self.sim.views is None else int(self.sim.partition.side[slot])
+        return ("*" if free is not None and mine and free(mine) else mine, int(st.i["epoch"][slot]), own, side)
+
+    def free_hashes(self, epoch: int, now: float, stale_s: float | None = None) -> HashTest | None:
         """The state hashes at ``epoch`` that no caller's vote or own record can make matter, or None (all matter).
 
         ``backed_states`` (``peers.quorum``) reads a caller's hash at ``epoch`` only through the counts of each hash
@@ -108,7 +127,8 @@ class SharedCalls:
         if not sim.exact or sim.views is not None:
             return None
         board, schedule, quorum = sim.board, sim.sc.schedule, sim.trust.quorum
-        for stale_s in {schedule.stale_after_s, schedule.record_ttl_s}:  # after_round's, and a resync's download
+        views = {schedule.stale_after_s, schedule.record_ttl_s} if stale_s is None else {stale_s}
+        for stale_s in views:  # after_round's, and a resync's download (or only the one given)
             live = board.published & (now - board.cols["updated_at"] <= stale_s)
             at = np.flatnonzero(live & (board.cols["epoch"] == epoch)).tolist()
             counts = Counter(h for h in (board.state_hash[s] for s in at) if h)

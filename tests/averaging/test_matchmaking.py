@@ -104,6 +104,21 @@ def test_a_peer_arriving_after_a_group_closed_its_window_is_late_but_not_after_a
     assert run(entry("C", at=106.0), [a], [alone], now=106.0).action == "wait"
 
 
+def test_when_the_epoch_needs_several_groups_a_closed_window_is_no_reason_to_fail() -> None:
+    """Groups of at most 2 and 4 peers expected: {A, B} closed by its window; C and D form the next group instead of
+    being "late" (or "not_in_group"); with only the group's worth expected, C is late as before."""
+    a, b = entry("A"), entry("B")
+    closed = declaration([a, b], 105.0)
+    c, d_ = entry("C", at=106.0), entry("D", at=106.5)
+    many = frozenset("ABCD")
+    assert run(c, [a, b, c], [closed], now=106.0, target=2, expected=many).action == "wait"
+    d = run(c, [a, b, c, d_], [closed], now=106.6, target=2, expected=many)
+    assert d.action == "declare" and ids(d) == ["C", "D"]
+    after = entry("E", at=104.0)  # announced before the declaration its leader made without it
+    assert run(after, [a, b, after], [closed], now=106.0, target=2, expected=frozenset("ABE") | many).action == "wait"
+    assert run(c, [a, b, c], [closed], now=106.0, target=2, expected=frozenset("ABC") - {"A"}).action == "late"
+
+
 # ---- a declared group whose round is over blocks nobody (no livelock after a failed round) -----------------------
 
 
