@@ -140,7 +140,7 @@ class DataParallelSim:
             by_view.setdefault(self.rounds.shared.commit_key(slot, now, free), []).append(slot)
         downloading: set[int] = set()
         for group in by_view.values():
-            if self.sync_or_download(group, epoch, self.state.state_hash[group[0]], now):
+            if self.sync_or_download(group, epoch, self.state.state_hash[group[0]], now, top=free is not None):
                 downloading.update(group)
                 self.metrics.samples_discarded += float(self.state.f["weight"][group].sum())  # the round just applied
         self.publish_now(slots, now)
@@ -244,16 +244,29 @@ class DataParallelSim:
         drift = relative_deviation(st.theta[held]) if len(held) >= 2 else 0.0
         self.partition.sample(now, alive, holding, st.i["epoch"][alive], drift)
 
-    def sync_or_download(self, slots: list[int], epoch: int, state_hash: str, now: float) -> bool:
-        """Peers that failed a round at ``epoch`` with state ``state_hash``: download if ``decide_sync`` says so."""
-        d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.records_for(slots[0]), now,
-                        self.sc.schedule.record_ttl_s, self.exact, trust=self.trust)  # fmt: skip
+    def sync_or_download(self, slots: list[int], epoch: int, state_hash: str, now: float, top: bool = False) -> bool:
+        """Peers at ``epoch`` with state ``state_hash`` (after a failed round, or a commit): download if ``decide_sync``
+        says so. ``top``: reuse the answer of an earlier call under ``SharedCalls.top_key`` when there is one."""
+        d = self.sync_decision(slots, epoch, state_hash, now, self.rounds.shared.top_key(epoch, now) if top else None)
         self.metrics.count("decide_sync." + d.action)
         if d.action != "download" or not d.donors:
             return False
         for slot in slots:
             self.env.process(self._download(slot, d.target_epoch, d.donors))
         return True
+
+    def sync_decision(self, slots: list[int], epoch: int, state_hash: str, now: float, key: tuple | None = None):
+        """``decide_sync`` for ``slots`` (one call stands for them: ``sim.sharing``), or the answer cached under
+        ``key``."""
+        cached = self.rounds.shared.cached(key) if key is not None else None
+        if cached is not None:
+            self.metrics.count("decide_sync.cached")
+            return cached
+        d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.records_for(slots[0]), now,
+                        self.sc.schedule.record_ttl_s, self.exact, trust=self.trust)  # fmt: skip
+        if key is not None:
+            self.rounds.shared.store(key, d)
+        return d
 
     def _download(self, slot: int, epoch: int, donors: tuple[str, ...]):
         st, dl = self.state, self.sc.download

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,13 +33,36 @@ class SharedCalls:
     def __init__(self, sim: DataParallelSim):
         self.sim = sim
         self._policies: dict[tuple, RoundPolicy] = {}  # ``policy_key`` -> decide_after_round's answer
+        self._tops: dict[tuple, Any] = {}  # ``top_key`` -> decide_sync's answer (kept: the key holds its inputs)
         self._version = -1  # the board version ``_policies`` holds answers for
 
-    def cached(self, key: tuple) -> RoundPolicy | None:
-        return self._policies.get(key)
+    def cached(self, key: tuple) -> Any:
+        return self._policies.get(key) if key[0] == "policy" else self._tops.get(key)
 
-    def store(self, key: tuple, policy: RoundPolicy) -> None:
-        self._policies[key] = policy
+    def store(self, key: tuple, answer: Any) -> None:
+        (self._policies if key[0] == "policy" else self._tops)[key] = answer
+
+    def top_key(self, epoch: int, now: float) -> tuple | None:
+        """A key under which every post-commit ``decide_sync`` at ``epoch`` has one answer, or None.
+
+        ``decide_sync`` downloads only for a state backed at our epoch or a newer one (behind, forked) and its reason
+        names only newer epochs; the simulation has no coordinator records and no run-age bound. When no live record
+        (within ``record_ttl_s``, the download's staleness) is past ``epoch`` and no state can be backed at
+        ``epoch`` whatever the caller's vote (``free_hashes`` clears every hash), nothing it reads differs between
+        callers: the answer is one for the epoch, whoever asks and whatever else the records hold.
+        """
+        sim = self.sim
+        ttl = sim.sc.schedule.record_ttl_s
+        if sim.views is not None or sim.trust.coordinator_id or sim.trust.run_started_at is not None:
+            return None
+        board = sim.board
+        live = board.published & (now - board.cols["updated_at"] <= ttl)
+        if (
+            int(board.cols["epoch"][live].max(initial=0)) > epoch
+            or self.free_hashes(epoch, now, ttl) is not _every_hash
+        ):
+            return None
+        return ("top", epoch)
 
     def policy_key(self, share: tuple, epoch: int, failure: str, now: float) -> tuple:
         """Failed peers with equal keys get the same ``decide_after_round`` answer, also at different times.
@@ -54,7 +77,7 @@ class SharedCalls:
         if board.version != self._version:
             self._policies.clear()
             self._version = board.version
-        return (board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
+        return ("policy", board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
 
     def failed_view(self, slot: int, epoch: int, failure: str, now: float) -> RoundView:
         """What ``slot`` knows after a failed attempt at ``epoch``."""

@@ -156,7 +156,7 @@ def test_cached_after_round_policies_equal_fresh_calls_at_later_times() -> None:
                 hits += cached[key][1] != now
             else:
                 cached[key] = (fresh, now)
-            counts.add(key[0])
+            counts.add(key[1])
     assert hits >= 20 and len(counts) >= 3  # answers filled at another time were reused, for several live sets
 
 
@@ -177,25 +177,28 @@ def test_retries_announce_at_the_next_tick_in_one_batch() -> None:
 
 
 def test_members_of_committed_groups_share_decide_sync_only_with_equal_answers() -> None:
-    """Every post-commit ``decide_sync`` the simulation shares (``commit_key``) is compared, at that moment, with the
-    individual call of each member it stands for; several groups per epoch, so members hold their own hashes."""
+    """Every ``decide_sync`` answer the simulation shares (``commit_key``, ``share_key``) or reuses (``top_key``) is
+    compared, at that moment, with the individual call of each peer it stands for; several groups per epoch, so
+    members hold their own hashes."""
     sim = DataParallelSim(tiny(sim={"num_peers": 40, "outer_steps": 4}, averaging={"target_group_size": 4},
                                churn={"session": "exponential", "mean_session_s": 300.0}))  # fmt: skip
-    real, compared, mixed = sim.sync_or_download, [0], [0]
+    real, compared, mixed = sim.sync_decision, [0], [0]
 
-    def checked(slots, epoch, state_hash, now):
+    def checked(slots, epoch, state_hash, now, key=None):
+        d = real(slots, epoch, state_hash, now, key)
         st, ttl = sim.state, sim.sc.schedule.record_ttl_s
-        answers = {_answer(decide_sync(st.peer_ids[s], epoch, st.state_hash[s], sim.records_for(s), now, ttl,
-                                       sim.exact, trust=sim.trust))
-                   for s in slots}  # fmt: skip
-        assert len(answers) == 1, answers
+        for s in slots:
+            alone = decide_sync(st.peer_ids[s], epoch, st.state_hash[s], sim.records_for(s), now, ttl, sim.exact,
+                                trust=sim.trust)  # fmt: skip
+            assert _answer(alone) == _answer(d), (key, s)
         compared[0] += len(slots) - 1
         mixed[0] += len({st.state_hash[s] for s in slots}) > 1
-        return real(slots, epoch, state_hash, now)
+        return d
 
-    sim.sync_or_download = checked
+    sim.sync_decision = checked
     sim.run()
     assert compared[0] >= 20 and mixed[0] >= 1  # shared, also across different states
+    assert sim.metrics.decisions["decide_sync.cached"] >= 10  # and reused across groups and times
 
 
 def _answer(d):
