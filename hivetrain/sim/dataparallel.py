@@ -128,12 +128,12 @@ class DataParallelSim:
     def after_commit(self, slots: np.ndarray, epoch: int, now: float) -> set[int]:
         """What a trainer does between a committed round and its next phase (``DilocoTrainer.run``): publish its
         record, and ``sync_state``: download if the records show it behind or forked (each butterfly group of an
-        epoch with several groups commits its own state). It
-        reads the records as they were before the group's own are republished: a real member's check races with its
-        group mates' stores (on a real swarm of 6 with groups of 3, the first members of the second group to commit
-        saw the first group's 3 records against their own 2 and downloaded). Members whose ``commit_key`` agrees
-        (``sim.sharing``) share one call: after the second epoch of several groups every member holds its own hash.
-        Returns the slots that download."""
+        epoch with several groups commits its own state). It reads the records as they were before the group's own
+        are republished: a real member's check races with its group mates' stores (on a real swarm of 6 with groups
+        of 3, the first members of the second group to commit saw the first group's 3 records against their own 2
+        and downloaded). Members whose ``commit_key`` agrees (``sim.sharing``) share one call, and an answer under
+        ``top_key`` is reused: after the second epoch of several groups every member holds its own hash. Returns the
+        slots that download."""
         by_view: dict[tuple, list[int]] = {}
         free = self.rounds.shared.free_hashes(epoch, now, self.sc.schedule.record_ttl_s)
         for slot in slots.tolist():
@@ -258,14 +258,14 @@ class DataParallelSim:
     def sync_decision(self, slots: list[int], epoch: int, state_hash: str, now: float, key: tuple | None = None):
         """``decide_sync`` for ``slots`` (one call stands for them: ``sim.sharing``), or the answer cached under
         ``key``."""
-        cached = self.rounds.shared.cached(key) if key is not None else None
-        if cached is not None:
+        tops = self.rounds.shared.tops
+        if key is not None and key in tops:
             self.metrics.count("decide_sync.cached")
-            return cached
+            return tops[key]
         d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.records_for(slots[0]), now,
                         self.sc.schedule.record_ttl_s, self.exact, trust=self.trust)  # fmt: skip
         if key is not None:
-            self.rounds.shared.store(key, d)
+            tops[key] = d
         return d
 
     def _download(self, slot: int, epoch: int, donors: tuple[str, ...]):

@@ -81,7 +81,7 @@ class RoundEngine:
         self.keys: dict[int, RoundKey] = {}
         self.sessions = 0
         self._retries: dict[float, list[int]] = {}  # tick -> slots that announce again then (``_retry``)
-        self.shared = SharedCalls(sim)  # which failed peers share one ``decide_after_round`` call
+        self.shared = SharedCalls(sim)  # which peers share one decision call (``sim.sharing``)
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
 
     # ---- matchmaking ---------------------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hivetrain.diloco.sync_policy import RoundPolicy, RoundView
+from hivetrain.diloco.sync_policy import RoundPolicy, RoundView, SyncDecision
 
 if TYPE_CHECKING:
     from hivetrain.sim.dataparallel import DataParallelSim
@@ -28,19 +28,21 @@ def _every_hash(state_hash: str) -> bool:
 
 
 class SharedCalls:
-    """``share_key`` / ``policy_key`` for one ``DataParallelSim``, and the cached answers of ``policy_key``."""
+    """``share_key`` / ``commit_key`` / ``policy_key`` / ``top_key`` for one ``DataParallelSim``, and the answers cached
+    under ``policy_key`` (dropped when the board changes) and ``top_key`` (``tops``: kept)."""
 
     def __init__(self, sim: DataParallelSim):
         self.sim = sim
         self._policies: dict[tuple, RoundPolicy] = {}  # ``policy_key`` -> decide_after_round's answer
-        self._tops: dict[tuple, Any] = {}  # ``top_key`` -> decide_sync's answer (kept: the key holds its inputs)
+        self.tops: dict[tuple, SyncDecision] = {}  # ``top_key`` -> decide_sync's answer (kept: the key says it all)
         self._version = -1  # the board version ``_policies`` holds answers for
 
-    def cached(self, key: tuple) -> Any:
-        return self._policies.get(key) if key[0] == "policy" else self._tops.get(key)
+    def cached(self, key: tuple) -> RoundPolicy | None:
+        """The ``decide_after_round`` answer stored under a ``policy_key``, if any."""
+        return self._policies.get(key)
 
-    def store(self, key: tuple, answer: Any) -> None:
-        (self._policies if key[0] == "policy" else self._tops)[key] = answer
+    def store(self, key: tuple, policy: RoundPolicy) -> None:
+        self._policies[key] = policy
 
     def top_key(self, epoch: int, now: float) -> tuple | None:
         """A key under which every post-commit ``decide_sync`` at ``epoch`` has one answer, or None.
@@ -77,7 +79,7 @@ class SharedCalls:
         if board.version != self._version:
             self._policies.clear()
             self._version = board.version
-        return ("policy", board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
+        return (board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
 
     def failed_view(self, slot: int, epoch: int, failure: str, now: float) -> RoundView:
         """What ``slot`` knows after a failed attempt at ``epoch``."""

@@ -61,13 +61,13 @@ def state() -> TrainingState:
     return TrainingState(epoch=4, params=params, momentum={"w": torch.zeros(3, 2)})
 
 
-def runner(averager, records, events=None, view_ok=True, faults=NO_FAULTS):
+def runner(averager, records, events=None, view_ok=True, faults=NO_FAULTS, config=CONFIG):
     emit = (lambda event, **f: events.append((event, f))) if events is not None else (lambda event, **f: None)
     return RoundRunner(
         "me",
         averager,
         FakeView(records, view_ok),
-        CONFIG,
+        config,
         faults,
         emit,
         threading.Event(),
@@ -230,8 +230,7 @@ def test_more_trainers_than_one_butterfly_group_is_said_once_with_the_fix():
     config = RunConfig.from_dict({"averaging": {"max_retries": 1, "round_timeout_s": 20.0, "target_group_size": 2}})
     done = RoundResult(tensors=[torch.zeros(3, 2)], group=("a", "me"), total_weight=160.0, round_id="x")
     events, records = [], [rec("a", 4), rec("b", 4)]
-    r = runner(ScriptedAverager(*[done] * 4), records, events)
-    r.config = config
+    r = runner(ScriptedAverager(*[done] * 4), records, events, config=config)
     for peers in (["a", "b"], ["a", "b"], ["a"], ["a", "b"]):
         records[:] = [rec(p, 4) for p in peers]
         s = state()
