@@ -37,7 +37,7 @@ from hivetrain.sim.partition import PartitionTracker, SideBoard
 from hivetrain.sim.peers import draw_peer
 from hivetrain.sim.rounds import RoundEngine
 from hivetrain.sim.schedule_model import aggregate_phase_ends, check_against_real, real_phase_ends
-from hivetrain.sim.swarm_state import ABSENT, DOWNLOADING, SYNCING, TRAINING, SwarmState
+from hivetrain.sim.swarm_state import ABSENT, AVERAGING, DOWNLOADING, READY, SYNCING, TRAINING, SwarmState
 
 
 class DataParallelSim:
@@ -91,10 +91,14 @@ class DataParallelSim:
         st = self.state
         for slot in slots:
             slot = int(slot)
-            if st.i["status"][slot] == TRAINING:  # the phase's samples so far are lost
+            status = st.i["status"][slot]
+            if status == TRAINING:  # the phase's samples so far are lost, and those it carried
                 steps = st.steps_done(np.array([slot]), now, self.sc.schedule.batch_size)[0]
                 st.f["samples_computed"][slot] += steps * self.sc.schedule.batch_size
                 st.f["compute_s"][slot] += steps * st.step_s(np.array([slot]), self.sc.schedule.batch_size)[0]
+                self.metrics.lose("left mid-phase", steps * self.sc.schedule.batch_size + st.f["carried_samples"][slot])
+            elif status in (READY, AVERAGING):
+                self.metrics.lose("left before its round", st.f["weight"][slot])
             st.f["live_s"][slot] = now - st.f["joined_at"][slot]
             st.i["status"][slot] = ABSENT
             self.rounds.forget(slot)

@@ -4,6 +4,11 @@ Definitions (units in the names):
 - ``utilization_mean``: seconds peers spent in inner steps / seconds they were in the swarm, over all peers.
 - ``committed_sample_share``: samples that went into a committed round / samples computed (a peer that leaves
   mid-phase, or whose contribution is dropped across a state download, loses them).
+- ``lost_sample_shares``: where the computed samples that no committed round took went, each a share of the
+  samples computed: ``left mid-phase`` (a peer left while training), ``left before its round`` (it left with a
+  finished phase, waiting for or inside its round), ``dropped by a resync`` (a failed round sent it to download
+  state: ``keep_carried`` with staleness 0 drops its pseudo-gradient); ``unaccounted`` is what is left of
+  computed - committed after those (0 when the accounting closes).
 - ``discarded_sample_share``: samples of committed rounds whose members then found themselves forked and downloaded
   another group's state (butterfly with several groups per epoch) / samples computed: counted as committed above
   (as the real trainers' summaries count them), yet not in the model the swarm keeps.
@@ -32,7 +37,7 @@ import numpy as np
 from hivetrain.sim.consensus import relative_deviation
 from hivetrain.sim.dht import DhtStats
 from hivetrain.sim.network import Transfer
-from hivetrain.sim.swarm_state import ABSENT, AVERAGING, DOWNLOADING, READY, SYNCING
+from hivetrain.sim.swarm_state import ABSENT, AVERAGING, DOWNLOADING, READY, SYNCING, TRAINING
 
 if TYPE_CHECKING:
     from hivetrain.sim.dataparallel import DataParallelSim
@@ -61,6 +66,7 @@ class SimMetrics:
     arrivals: int = 0
     departures: int = 0
     samples_discarded: float = 0.0  # committed, then replaced by another group's state (``discarded_sample_share``)
+    samples_lost: Counter = field(default_factory=Counter)  # why samples never committed (``lost_sample_shares``)
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -82,6 +88,16 @@ class SimMetrics:
         self.downloads.append({"slot": slot, "duration_s": now - started, "num_donors": int((cost.sent_bytes > 0)
                                .sum()), "max_donor_bytes": int(cost.sent_bytes.max()), "flash": flash,
                                "ended_at": now})  # fmt: skip
+
+    def lose(self, why: str, num_samples: float) -> None:
+        """``num_samples`` computed samples will never be in a committed round, because ``why``."""
+        if num_samples > 0:
+            self.samples_lost[why] += float(num_samples)
+
+    def _lost_shares(self, computed: float, committed: float) -> dict[str, float]:
+        shares = {why: lost / max(computed, 1.0) for why, lost in sorted(self.samples_lost.items())}
+        shares["unaccounted"] = (computed - committed - sum(self.samples_lost.values())) / max(computed, 1.0)
+        return shares
 
     def sample_drift(self, st: SwarmState, now: float) -> None:
         alive = st.alive()
@@ -109,8 +125,11 @@ class SimMetrics:
         flash_s = [d["duration_s"] for d in flash]
         final_drift = self.drift[-1][2] if self.drift else 0.0
         alive = np.flatnonzero(st.i["status"][:n] != ABSENT)
-        in_flight = alive[np.isin(st.i["status"][alive], (READY, AVERAGING))]  # rounds cut off by the end
-        computed = float(f["samples_computed"][:n].sum() - f["weight"][in_flight].sum())
+        # not yet decided when the run ended: rounds cut off by the end, and samples carried into a phase still running
+        in_flight = alive[np.isin(st.i["status"][alive], (READY, AVERAGING))]
+        carrying = alive[st.i["status"][alive] == TRAINING]
+        undecided = f["weight"][in_flight].sum() + f["carried_samples"][carrying].sum()
+        computed = float(f["samples_computed"][:n].sum() - undecided)
         self.partition_history = sim.partition.history
         self.summary = {
             "scenario": sim.sc.name,
@@ -123,6 +142,7 @@ class SimMetrics:
             "utilization_mean": float(f["compute_s"][:n].sum() / live_s) if live_s > 0 else 0.0,
             "committed_sample_share": float(f["samples_committed"][:n].sum() / max(computed, 1.0)),
             "discarded_sample_share": float(self.samples_discarded / max(computed, 1.0)),
+            "lost_sample_shares": self._lost_shares(computed, float(f["samples_committed"][:n].sum())),
             "time_per_outer_step_s": float(np.median(gaps)) if gaps else None,
             "bytes_per_peer_per_step": float((f["bytes_sent"][:n].sum() + f["bytes_received"][:n].sum()) / per_step),
             "dht_ops_per_peer_per_step": float(self.dht.ops_total / per_step),

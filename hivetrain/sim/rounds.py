@@ -433,6 +433,7 @@ class RoundEngine:
         if policy.action == "resync" and self.sim.sync_or_download(slots, epoch, st.state_hash[slots[0]], now):
             for slot in slots:
                 st.f["carried_samples"][slot] = 0  # ``keep_carried`` with max_staleness 0: lost across a download
+                self.sim.metrics.lose("dropped by a resync", st.f["weight"][slot])
             return
         if policy.action in ("retry", "lost"):
             self._retry(slots, now + policy.backoff_s)
