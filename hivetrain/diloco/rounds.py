@@ -111,15 +111,20 @@ def split_warning(strategy: str, num_peers: int, target_group_size: int) -> str:
     in groups of 12 over 3 epochs); with three or more no state is a majority and the states drift apart for good,
     as averaging Δ never averages θ (20 simulated peers in groups of 8: relative drift 0.0045 after 3 epochs, 0.019
     after 8; dev/LOG.md 2026-11-26 session 8). Moshpit averages θ in changing groups (Ryabinin et al. 2021, "Moshpit
-    SGD") and keeps the swarm together.
+    SGD") and keeps the swarm together. One group for the whole swarm is the remedy only while peers stay: a round is
+    all-or-nothing, so a group's chance to commit falls with its size times the round's duration over the mean
+    session. With 1 h sessions the simulator keeps 0.44 of the computed samples in groups of 64 at 100 peers and 0.34
+    at 1,000, against 0.85 / 0.73 with moshpit groups of 16 (``scripts/bench/sim_group_size.py``, dev/LOG.md
+    2026-11-26 session 9).
     """
     if strategy != "butterfly" or num_peers <= target_group_size:
         return ""
     return (
         f"{num_peers} trainers at this epoch, butterfly groups of at most {target_group_size}: each group commits its "
         "own state, so the swarm no longer holds one model (2 groups: the smaller one's round is discarded; 3 or "
-        "more: the states drift apart). Raise averaging.target_group_size above the swarm's size, or set "
-        'averaging.strategy = "moshpit" for a swarm this large'
+        'more: the states drift apart). Set averaging.strategy = "moshpit" for a swarm this large, or raise '
+        "averaging.target_group_size above the swarm's size if its peers stay for hours (one large all-or-nothing "
+        "group fails whenever a member leaves mid-round)"
     )
 
 
