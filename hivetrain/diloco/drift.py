@@ -198,42 +198,76 @@ def sketch_outlier(
     floor_fraction: float = 0.25,
     min_sketches: int = 3,
 ) -> str:
-    """Why a downloaded θ is too far from the swarm's to adopt ("" = close enough, or too few sketches to tell).
+    """Why a downloaded θ is too far from the swarm's to adopt ("" = close enough, or no sketch to tell).
 
     With moshpit or gossip groups the peers of an epoch hold different states, so a joiner cannot check the state it
     downloads against a hash others hold too: the donor's own hash only says the donor served what it claimed, and
     one identity with a fabricated state at the current epoch could otherwise become every joiner's donor. The
-    evidence from more than one source is the θ sketches (``ParamSketcher``) the epoch's other peers published: their
-    coordinate-wise median m cannot be moved far by fewer than half of them lying, and the honest spread is the
-    median of their distances to it. The candidate passes when ‖s − m‖ ≤ ``spread_factor`` × that spread +
-    ``floor_fraction`` × ‖m‖. The floor is there because peers of one final moshpit group publish equal sketches, so
-    the spread can be 0: real moshpit drift with θ averaged stayed at or below 0.084 of ‖θ̄‖ (``moshpit_drift.py``,
-    dev/LOG.md 2026-11-21), 3x under the 0.25 floor, so an honest donor is not refused (and banned) for its drift;
-    random weights (the ``hash_liar`` chaos peer's) were 48x ‖m‖ away.
+    evidence from more than one source is the θ sketches (``ParamSketcher``) the epoch's other peers published.
+
+    - ``min_sketches`` (3) or more: their coordinate-wise median m cannot be moved far by fewer than half of them
+      lying, and the honest spread is the median of their distances to it. The candidate passes when
+      ‖s − m‖ ≤ ``spread_factor`` × that spread + ``floor_fraction`` × ‖m‖.
+    - 1 or 2 (a swarm of 2-3 trainers besides the donor): no median resists a liar, so the candidate passes when it
+      lies within ``floor_fraction`` × ‖p‖ of at least one published sketch p: with one liar among the donor and
+      two publishers, a lying donor is refused by both honest sketches and an honest donor is accepted by the honest
+      one. With a single sketch, donor and publisher disagreeing says that one of them lies, not which: the caller
+      refuses the state but bans nobody (``may_ban_refused_donor``).
+
+    The floor is there because peers of one final moshpit group publish equal sketches, so the spread can be 0: real
+    moshpit drift with θ averaged stayed at or below 0.084 of ‖θ̄‖ (``moshpit_drift.py``, dev/LOG.md 2026-11-21), 3x
+    under the 0.25 floor, so an honest donor is not refused (and banned) for its drift; random weights (the
+    ``hash_liar`` chaos peer's) were 48x ‖m‖ away.
 
     Args:
         candidate: sketch of the downloaded θ, shape ``(n,)``, any float dtype.
         published: sketches of the same epoch from other peers (the donors' own left out), shape ``(n,)`` each.
-        min_sketches: below this many published sketches nothing can be told: "" is returned.
+        min_sketches: from this many published sketches on, the median rule applies.
 
     Raises:
         ValueError: sketch sizes differ.
     """
-    if len(published) < min_sketches:
+    if not published:
         return ""
     if any(s.numel() != candidate.numel() for s in published):
         raise ValueError("sketches have different sizes (peers of different models or hivetrain versions?)")
     stacked = torch.stack([s.to(torch.float64).reshape(-1) for s in published])
+    cand = candidate.to(torch.float64).reshape(-1)
+    if len(published) < min_sketches:
+        distances = (stacked - cand).norm(dim=1)
+        bounds = floor_fraction * stacked.norm(dim=1)
+        if bool((distances <= bounds).any()):
+            return ""
+        return (
+            f"the downloaded state is {float(distances.min()):.4g} from the nearest of {len(published)} peers' "
+            f"published θ sketches, more than {floor_fraction} x that sketch's norm"
+        )
     median = stacked.median(dim=0).values
     spread = float((stacked - median).norm(dim=1).median())
     bound = spread_factor * spread + floor_fraction * float(median.norm())
-    distance = float((candidate.to(torch.float64).reshape(-1) - median).norm())
+    distance = float((cand - median).norm())
     if distance <= bound:
         return ""
     return (
         f"the downloaded state is {distance:.4g} from the median of {len(published)} peers' published θ sketches, "
         f"more than the bound {bound:.4g} ({spread_factor} x their spread {spread:.4g} + {floor_fraction} x its norm)"
     )
+
+
+def wait_for_sketches(num_others: int, num_published: int, waited_s: float, max_wait_s: float) -> bool:
+    """Should a joiner wait before downloading and checking a state (``sketch_outlier``)? Yes while fewer than
+    min(3, ``num_others``) of the other trainers at the state's epoch (donors and banned peers left out) have
+    published their θ sketch, for at most ``max_wait_s`` seconds (``waited_s`` since the first wait at that epoch):
+    honest peers publish a few seconds after their commit, so one that has not by then withholds its sketch, and the
+    check runs on those there are."""
+    return num_published < min(3, num_others) and waited_s <= max_wait_s
+
+
+def may_ban_refused_donor(num_published: int) -> bool:
+    """May a donor whose state ``sketch_outlier`` refused be banned, with ``num_published`` sketches as evidence?
+    Only from 2 on: with 2, both honest-or-lying publishers contradicted it (a single liar among the donor and two
+    publishers cannot make two sketches contradict an honest donor); with 1, the publisher may be the liar."""
+    return num_published >= 2
 
 
 def epoch_sketches(records: Iterable[PeerRecord], epoch: int, exclude: Collection[str]) -> list[torch.Tensor]:

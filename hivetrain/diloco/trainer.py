@@ -24,7 +24,15 @@ from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
 from hivetrain.diloco.background import BackgroundRound
-from hivetrain.diloco.drift import ParamSketcher, epoch_sketches, sketch_outlier, sketch_seed, sketch_to_text
+from hivetrain.diloco.drift import (
+    ParamSketcher,
+    epoch_sketches,
+    may_ban_refused_donor,
+    sketch_outlier,
+    sketch_seed,
+    sketch_to_text,
+    wait_for_sketches,
+)
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.evidence import Evidence
 from hivetrain.diloco.inner import InnerOptimizer
@@ -85,6 +93,7 @@ class DilocoTrainer:
         self.sketcher = ParamSketcher(shapes, sketch_seed(config.run_id, config.seed))
         self._sketcher_pool = ThreadPoolExecutor(1, thread_name_prefix="sketch")  # off the critical path
         self._sketch_text: tuple[int, str] = (-1, "")
+        self._sketch_wait: tuple[int, float] = (-1, 0.0)  # (epoch, monotonic s) of the first wait for its sketches
         self._emit_lock = threading.Lock()
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         self._stop = threading.Event()
@@ -268,13 +277,18 @@ class DilocoTrainer:
         return self.stats
 
     def _sketches_ready(self, records: list[PeerRecord], epoch: int, exclude: set[str]) -> bool:
-        """Moshpit/gossip: may a state of ``epoch`` be downloaded and checked now (``drift.sketch_outlier``)? Not while
-        3 or more other trainers are at that epoch but fewer than 3 of them have published their θ sketch yet."""
+        """Moshpit/gossip: may a state of ``epoch`` be downloaded and checked now (``drift.wait_for_sketches``, at
+        most ``record_ttl_s`` seconds from the first wait at that epoch)?"""
         at = {r.peer_id for r in records if r.role == "trainer" and r.epoch == epoch and not r.left_reason} - exclude
         published = len(epoch_sketches(records, epoch, exclude))
-        if len(at) >= 3 and published < 3:
+        now = time.monotonic()
+        if self._sketch_wait[0] != epoch:
+            self._sketch_wait = (epoch, now)
+        if wait_for_sketches(len(at), published, now - self._sketch_wait[1], self.options.record_ttl_s):
             logger.info("state download of epoch %d waits for θ sketches (%d of %d peers)", epoch, published, len(at))
             return False
+        if published < min(3, len(at)):
+            logger.warning("state download of epoch %d: %d of %d peers published a θ sketch", epoch, published, len(at))
         return True
 
     def _done(self) -> bool:
@@ -334,11 +348,13 @@ class DilocoTrainer:
             return False
         self.evidence.ban(bad, "served state chunks that contradict its own manifest")
         if not self._exact_average:  # moshpit/gossip: no other peer holds the donor's hash; check θ against sketches
-            outlier = sketch_outlier(self.sketcher.sketch(state.params), epoch_sketches(records, state.epoch, exclude))
+            sketches = epoch_sketches(records, state.epoch, exclude)
+            outlier = sketch_outlier(self.sketcher.sketch(state.params), sketches)
             if outlier:
                 logger.warning("state download refused: %s", outlier)
                 self._emit("state_download_failed", reason=outlier)
-                self.evidence.ban(decision.donors, f"served a state far from the swarm's: {outlier}")
+                if may_ban_refused_donor(len(sketches)):
+                    self.evidence.ban(decision.donors, f"served a state far from the swarm's: {outlier}")
                 self._stop.wait(1.0)
                 return False
         self.state = state

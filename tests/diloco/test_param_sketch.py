@@ -11,12 +11,14 @@ from hivetrain.diloco.drift import (
     drift_by_epoch,
     encode_sketch,
     epoch_sketches,
+    may_ban_refused_donor,
     relative_drift,
     sketch_buckets,
     sketch_from_text,
     sketch_outlier,
     sketch_seed,
     sketch_to_text,
+    wait_for_sketches,
 )
 from hivetrain.model import build_config, build_model
 from tests.records import peer_record
@@ -125,9 +127,27 @@ def test_a_downloaded_state_far_from_the_epochs_published_sketches_is_an_outlier
     for far in (garbage, pushed):
         assert "from the median of" in sketch_outlier(far, honest)
         assert sketch_outlier(far, colluding) != ""
-    assert sketch_outlier(garbage, honest[:2]) == ""  # 2 sketches tell nothing: the caller waits for more
+    assert sketch_outlier(garbage, []) == ""  # no sketch tells nothing
     with pytest.raises(ValueError, match="different sizes"):
         sketch_outlier(own, [h[:100] for h in honest])
+
+
+def test_with_one_or_two_sketches_a_donor_must_lie_near_one_of_them_and_a_lone_sketch_bans_nobody():
+    """A swarm of 2-3 trainers besides the donor: no median resists a liar, so a state is taken when it lies within
+    the floor of one published sketch. With one liar among the donor and two publishers, a lying donor is refused by
+    both honest sketches and an honest donor is taken despite a lying one; a single contradicting sketch refuses the
+    state but is no ground to ban the donor (the publisher may be the liar)."""
+    base = tiny_params()
+    sketcher = ParamSketcher({n: t.shape for n, t in base.items()}, sketch_seed("run-x", 0))
+    a, b, donor = (sketcher.sketch(s) for s in _peers_at_drift(base, 0.084, 3, seed=7))
+    gen = torch.Generator().manual_seed(4)
+    garbage = sketcher.sketch({n: torch.randn(t.shape, generator=gen) * 3.0 for n, t in base.items()})
+    assert sketch_outlier(donor, [a, b]) == "" and sketch_outlier(donor, [a]) == ""
+    assert "nearest of 2 peers'" in sketch_outlier(garbage, [a, b])
+    assert sketch_outlier(donor, [a, garbage]) == ""  # the liar publishes; the honest donor is still taken
+    assert "nearest of 1 peers'" in sketch_outlier(garbage, [a])
+    assert sketch_outlier(donor, [garbage]) != ""  # donor and lone publisher disagree: refused...
+    assert not may_ban_refused_donor(1) and may_ban_refused_donor(2) and may_ban_refused_donor(5)  # ...unbanned
 
 
 def test_epoch_sketches_keeps_one_valid_sketch_per_trainer_of_the_epoch():
@@ -142,3 +162,13 @@ def test_epoch_sketches_keeps_one_valid_sketch_per_trainer_of_the_epoch():
     ]
     assert len(epoch_sketches(records, 5, exclude=set())) == 2
     assert len(epoch_sketches(records, 5, exclude={"a"})) == 1
+
+
+def test_a_joiner_waits_for_three_sketches_or_every_other_peers_for_a_bounded_time():
+    """Download waits for min(3, other trainers at the epoch) sketches, and no longer than its bound."""
+    assert wait_for_sketches(num_others=5, num_published=2, waited_s=1.0, max_wait_s=30.0)
+    assert not wait_for_sketches(num_others=5, num_published=3, waited_s=1.0, max_wait_s=30.0)
+    assert wait_for_sketches(num_others=2, num_published=1, waited_s=1.0, max_wait_s=30.0)  # a swarm of 3
+    assert not wait_for_sketches(num_others=2, num_published=2, waited_s=1.0, max_wait_s=30.0)
+    assert not wait_for_sketches(num_others=0, num_published=0, waited_s=0.0, max_wait_s=30.0)
+    assert not wait_for_sketches(num_others=2, num_published=1, waited_s=31.0, max_wait_s=30.0)  # one withholds
