@@ -265,8 +265,9 @@ def wait_for_sketches(num_others: int, num_published: int, waited_s: float, max_
 
 def may_ban_refused_donor(num_published: int) -> bool:
     """May a donor whose state ``sketch_outlier`` refused be banned, with ``num_published`` sketches as evidence?
-    Only from 2 on: with 2, both honest-or-lying publishers contradicted it (a single liar among the donor and two
-    publishers cannot make two sketches contradict an honest donor); with 1, the publisher may be the liar."""
+    Only from 2 on: a refusal on 2 means both publishers contradicted it, which one liar among the donor and the two
+    publishers cannot bring about against an honest donor; with 1, the publisher may be the liar (the joiner then
+    retries, and joins once a second sketch of the epoch agrees with a donor)."""
     return num_published >= 2
 
 

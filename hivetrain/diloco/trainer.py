@@ -24,18 +24,11 @@ from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
 from hivetrain.diloco.background import BackgroundRound
-from hivetrain.diloco.drift import (
-    ParamSketcher,
-    epoch_sketches,
-    may_ban_refused_donor,
-    sketch_outlier,
-    sketch_seed,
-    sketch_to_text,
-    wait_for_sketches,
-)
+from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.evidence import Evidence
 from hivetrain.diloco.inner import InnerOptimizer
+from hivetrain.diloco.join_check import JoinCheck
 from hivetrain.diloco.node_ranks import NodeInner, NodeRanks, current_node
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
@@ -93,7 +86,7 @@ class DilocoTrainer:
         self.sketcher = ParamSketcher(shapes, sketch_seed(config.run_id, config.seed))
         self._sketcher_pool = ThreadPoolExecutor(1, thread_name_prefix="sketch")  # off the critical path
         self._sketch_text: tuple[int, str] = (-1, "")
-        self._sketch_wait: tuple[int, float] = (-1, 0.0)  # (epoch, monotonic s) of the first wait for its sketches
+        self.join_check = JoinCheck(max_wait_s=options.record_ttl_s)  # moshpit/gossip downloads (``join_check``)
         self._emit_lock = threading.Lock()
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         self._stop = threading.Event()
@@ -276,21 +269,6 @@ class DilocoTrainer:
         self.view.publish()
         return self.stats
 
-    def _sketches_ready(self, records: list[PeerRecord], epoch: int, exclude: set[str]) -> bool:
-        """Moshpit/gossip: may a state of ``epoch`` be downloaded and checked now (``drift.wait_for_sketches``, at
-        most ``record_ttl_s`` seconds from the first wait at that epoch)?"""
-        at = {r.peer_id for r in records if r.role == "trainer" and r.epoch == epoch and not r.left_reason} - exclude
-        published = len(epoch_sketches(records, epoch, exclude))
-        now = time.monotonic()
-        if self._sketch_wait[0] != epoch:
-            self._sketch_wait = (epoch, now)
-        if wait_for_sketches(len(at), published, now - self._sketch_wait[1], self.options.record_ttl_s):
-            logger.info("state download of epoch %d waits for θ sketches (%d of %d peers)", epoch, published, len(at))
-            return False
-        if published < min(3, len(at)):
-            logger.warning("state download of epoch %d: %d of %d peers published a θ sketch", epoch, published, len(at))
-        return True
-
     def _done(self) -> bool:
         return bool(self.target_epoch and self.state.epoch >= self.target_epoch)
 
@@ -316,9 +294,13 @@ class DilocoTrainer:
             return True
         logger.info("state download: %s", decision.reason)
         exclude = {self.node.peer_id, *decision.donors, *self.evidence.trust.banned}
-        if not self._exact_average and not self._sketches_ready(records, decision.target_epoch, exclude):
-            self._stop.wait(1.0)  # the epoch's peers publish their θ sketches a few seconds after its commit
-            return False
+        if not self._exact_average:
+            ready, note = self.join_check.ready(records, decision.target_epoch, exclude, time.monotonic())
+            if note:
+                (logger.warning if ready else logger.info)("state download: %s", note)
+            if not ready:
+                self._stop.wait(1.0)  # the epoch's peers publish their θ sketches a few seconds after its commit
+                return False
 
         def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
             fresh = fetch_records(self.node.dht, self.config.run_id)
@@ -348,13 +330,12 @@ class DilocoTrainer:
             return False
         self.evidence.ban(bad, "served state chunks that contradict its own manifest")
         if not self._exact_average:  # moshpit/gossip: no other peer holds the donor's hash; check θ against sketches
-            sketches = epoch_sketches(records, state.epoch, exclude)
-            outlier = sketch_outlier(self.sketcher.sketch(state.params), sketches)
-            if outlier:
-                logger.warning("state download refused: %s", outlier)
-                self._emit("state_download_failed", reason=outlier)
-                if may_ban_refused_donor(len(sketches)):
-                    self.evidence.ban(decision.donors, f"served a state far from the swarm's: {outlier}")
+            verdict = self.join_check.verdict(self.sketcher.sketch(state.params), records, state.epoch, exclude)
+            if verdict.refused:
+                logger.warning("state download refused: %s", verdict.refused)
+                self._emit("state_download_failed", reason=verdict.refused)
+                if verdict.ban_donors:
+                    self.evidence.ban(decision.donors, f"served a state far from the swarm's: {verdict.refused}")
                 self._stop.wait(1.0)
                 return False
         self.state = state

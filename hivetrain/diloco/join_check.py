@@ -1,0 +1,61 @@
+"""Checking a state a moshpit/gossip peer downloads against the θ sketches of the epoch's other peers.
+
+With moshpit or gossip groups no two peers of an epoch hold one state, so the hash quorum that guards butterfly
+downloads cannot vouch for a donor (``diloco.sync_policy.decide_sync`` names the epoch's largest hash). What does is
+the θ count sketches (``drift.ParamSketcher``) the epoch's other peers publish in their records a few seconds after
+their commit: ``drift.sketch_outlier`` refuses a θ far from them. ``JoinCheck`` holds the one piece of state the trainer
+needs for it (when it started waiting for an epoch's sketches); the decisions are the pure functions of ``drift``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hivetrain.diloco.drift import epoch_sketches, may_ban_refused_donor, sketch_outlier, wait_for_sketches
+from hivetrain.peers.records import PeerRecord
+
+
+@dataclass(frozen=True)
+class JoinVerdict:
+    """``refused``: why the downloaded θ is not adopted ("" = adopt it); ``ban_donors``: whether the evidence is enough
+    to ban the donors for it (``drift.may_ban_refused_donor``)."""
+
+    refused: str
+    ban_donors: bool
+
+
+class JoinCheck:
+    """When a downloaded state of an epoch may be checked, and whether it passes.
+
+    Args:
+        max_wait_s: the longest a download waits for min(3, others) sketches of one epoch, seconds (the trainer passes
+            the record TTL: a peer that has not published its sketch by then withholds it).
+    """
+
+    def __init__(self, max_wait_s: float) -> None:
+        self.max_wait_s = max_wait_s
+        self._waiting: tuple[int, float] = (-1, 0.0)  # (epoch, monotonic s) of the first wait for its sketches
+
+    def ready(self, records: Sequence[PeerRecord], epoch: int, exclude: set[str], now: float) -> tuple[bool, str]:
+        """May a state of ``epoch`` be downloaded and checked at ``now`` (monotonic seconds)? Returns (ready, note):
+        the note says how many of the epoch's other trainers published a sketch when it waits or gives up waiting."""
+        at = {r.peer_id for r in records if r.role == "trainer" and r.epoch == epoch and not r.left_reason} - exclude
+        published = len(epoch_sketches(records, epoch, exclude))
+        if self._waiting[0] != epoch:
+            self._waiting = (epoch, now)
+        note = f"{published} of {len(at)} other peers of epoch {epoch} published a θ sketch"
+        if wait_for_sketches(len(at), published, now - self._waiting[1], self.max_wait_s):
+            return False, note
+        return True, note if published < min(3, len(at)) else ""
+
+    def verdict(
+        self, candidate: torch.Tensor, records: Sequence[PeerRecord], epoch: int, exclude: set[str]
+    ) -> JoinVerdict:
+        """Judge the sketch ``candidate`` (shape ``(SKETCH_SIZE,)``) of a downloaded θ of ``epoch`` against the sketches
+        the epoch's trainers outside ``exclude`` (us, the donors, banned peers) published."""
+        sketches = epoch_sketches(records, epoch, exclude)
+        refused = sketch_outlier(candidate, sketches)
+        return JoinVerdict(refused, bool(refused) and may_ban_refused_donor(len(sketches)))
