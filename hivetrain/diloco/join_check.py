@@ -38,12 +38,20 @@ class JoinCheck:
     def __init__(self, max_wait_s: float) -> None:
         self.max_wait_s = max_wait_s
         self._waiting: tuple[int, float] = (-1, 0.0)  # (epoch, monotonic s) of the first wait for its sketches
+        self._unsettled: tuple[int, frozenset[str], int] | None = None  # (epoch, donors, sketches) of a refusal
 
-    def ready(self, records: Sequence[PeerRecord], epoch: int, exclude: set[str], now: float) -> tuple[bool, str]:
-        """May a state of ``epoch`` be downloaded and checked at ``now`` (monotonic seconds)? Returns (ready, note):
-        the note says how many of the epoch's other trainers published a sketch when it waits or gives up waiting."""
+    def ready(
+        self, records: Sequence[PeerRecord], epoch: int, donors: Sequence[str], exclude: set[str], now: float
+    ) -> tuple[bool, str]:
+        """May a state of ``epoch`` from ``donors`` be downloaded and checked at ``now`` (monotonic seconds)? Returns
+        (ready, note): the note says how many of the epoch's other trainers published a sketch when it waits or gives
+        up waiting. After a refusal that banned nobody (one sketch against the donor) the same donors are not asked
+        again for that epoch until another sketch of it is out: the answer could only be the same."""
         at = {r.peer_id for r in records if r.role == "trainer" and r.epoch == epoch and not r.left_reason} - exclude
         published = len(epoch_sketches(records, epoch, exclude))
+        if self._unsettled is not None and self._unsettled[:2] == (epoch, frozenset(donors)):
+            if published <= self._unsettled[2]:
+                return False, f"waiting for a second θ sketch of epoch {epoch}: its only one contradicts the donor"
         if self._waiting[0] != epoch:
             self._waiting = (epoch, now)
         note = f"{published} of {len(at)} other peers of epoch {epoch} published a θ sketch"
@@ -52,10 +60,18 @@ class JoinCheck:
         return True, note if published < min(3, len(at)) else ""
 
     def verdict(
-        self, candidate: torch.Tensor, records: Sequence[PeerRecord], epoch: int, exclude: set[str]
+        self,
+        candidate: torch.Tensor,
+        records: Sequence[PeerRecord],
+        epoch: int,
+        donors: Sequence[str],
+        exclude: set[str],
     ) -> JoinVerdict:
-        """Judge the sketch ``candidate`` (shape ``(SKETCH_SIZE,)``) of a downloaded θ of ``epoch`` against the sketches
-        the epoch's trainers outside ``exclude`` (us, the donors, banned peers) published."""
+        """Judge the sketch ``candidate`` (shape ``(SKETCH_SIZE,)``) of a downloaded θ of ``epoch`` served by
+        ``donors`` against the sketches the epoch's trainers outside ``exclude`` (us, the donors, banned peers)
+        published."""
         sketches = epoch_sketches(records, epoch, exclude)
         refused = sketch_outlier(candidate, sketches)
-        return JoinVerdict(refused, bool(refused) and may_ban_refused_donor(len(sketches)))
+        ban = bool(refused) and may_ban_refused_donor(len(sketches))
+        self._unsettled = (epoch, frozenset(donors), len(sketches)) if refused and not ban else None
+        return JoinVerdict(refused, ban)

@@ -295,7 +295,9 @@ class DilocoTrainer:
         logger.info("state download: %s", decision.reason)
         exclude = {self.node.peer_id, *decision.donors, *self.evidence.trust.banned}
         if not self._exact_average:
-            ready, note = self.join_check.ready(records, decision.target_epoch, exclude, time.monotonic())
+            ready, note = self.join_check.ready(
+                records, decision.target_epoch, decision.donors, exclude, time.monotonic()
+            )
             if note:
                 (logger.warning if ready else logger.info)("state download: %s", note)
             if not ready:
@@ -330,7 +332,8 @@ class DilocoTrainer:
             return False
         self.evidence.ban(bad, "served state chunks that contradict its own manifest")
         if not self._exact_average:  # moshpit/gossip: no other peer holds the donor's hash; check θ against sketches
-            verdict = self.join_check.verdict(self.sketcher.sketch(state.params), records, state.epoch, exclude)
+            sketch = self.sketcher.sketch(state.params)
+            verdict = self.join_check.verdict(sketch, records, state.epoch, decision.donors, exclude)
             if verdict.refused:
                 logger.warning("state download refused: %s", verdict.refused)
                 self._emit("state_download_failed", reason=verdict.refused)

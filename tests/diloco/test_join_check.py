@@ -24,13 +24,14 @@ def test_a_download_waits_for_the_other_peers_sketches_then_gives_up_after_its_b
     base = _sketch(1)
     records = [_record("a", 4, base), _record("b", 4, None), _record("liar", 4, None)]
     exclude = {"me", "liar"}  # the donor
-    assert check.ready(records, 4, exclude, now=100.0) == (False, "1 of 2 other peers of epoch 4 published a θ sketch")
-    assert not check.ready(records, 4, exclude, now=129.0)[0]
-    ready, note = check.ready(records, 4, exclude, now=131.0)  # b withholds its sketch: check on a's alone
+    waiting = (False, "1 of 2 other peers of epoch 4 published a θ sketch")
+    assert check.ready(records, 4, ["liar"], exclude, now=100.0) == waiting
+    assert not check.ready(records, 4, ["liar"], exclude, now=129.0)[0]
+    ready, note = check.ready(records, 4, ["liar"], exclude, now=131.0)  # b withholds its sketch: check on a's alone
     assert ready and note.startswith("1 of 2")
     records[1] = _record("b", 4, base + 0.01 * _sketch(2))
-    assert check.ready(records, 4, exclude, now=132.0) == (True, "")
-    assert check.ready(records, 5, exclude, now=500.0) == (True, "")  # nobody else at epoch 5: nothing to wait for
+    assert check.ready(records, 4, ["liar"], exclude, now=132.0) == (True, "")
+    assert check.ready(records, 5, ["liar"], exclude, now=500.0) == (True, "")  # nobody else at epoch 5
 
 
 def test_a_state_far_from_the_sketches_is_refused_and_its_donor_banned_only_on_two_or_more():
@@ -39,9 +40,27 @@ def test_a_state_far_from_the_sketches_is_refused_and_its_donor_banned_only_on_t
     honest = base + 0.05 * _sketch(3)
     garbage = _sketch(4, scale=50.0)
     two = [_record("a", 4, base), _record("b", 4, base + 0.05 * _sketch(2))]
-    assert check.verdict(honest, two, 4, {"me"}).refused == ""
-    far = check.verdict(garbage, two, 4, {"me"})
+    assert check.verdict(honest, two, 4, ["d"], {"me", "d"}).refused == ""
+    far = check.verdict(garbage, two, 4, ["d"], {"me", "d"})
     assert "nearest of 2 peers'" in far.refused and far.ban_donors
-    lone = check.verdict(garbage, two[:1], 4, {"me"})
+    lone = check.verdict(garbage, two[:1], 4, ["d"], {"me", "d"})
     assert lone.refused and not lone.ban_donors  # the lone publisher may be the liar
-    assert check.verdict(garbage, two, 4, {"me", "a", "b"}).refused == ""  # no sketch: nothing to tell
+    assert check.verdict(garbage, two, 4, ["d"], {"me", "d", "a", "b"}).refused == ""  # no sketch: nothing to tell
+
+
+def test_after_a_refusal_on_one_sketch_the_same_donor_is_asked_again_only_on_new_evidence():
+    """One sketch against the donor bans nobody; downloading the same state again could only give the same answer,
+    so the joiner waits for a second sketch of the epoch (or another donor, or another epoch) instead of looping."""
+    check = JoinCheck(max_wait_s=30.0)
+    base = _sketch(1)
+    records = [_record("a", 4, base), _record("liar", 4, None)]
+    exclude = {"me", "liar"}
+    assert check.ready(records, 4, ["liar"], exclude, now=0.0) == (True, "")
+    assert check.verdict(_sketch(4, scale=50.0), records, 4, ["liar"], exclude).refused
+    ready, note = check.ready(records, 4, ["liar"], exclude, now=1.0)
+    assert not ready and "second θ sketch" in note
+    assert check.ready(records, 4, ["a"], {"me", "a"}, now=40.0)[0]  # another donor may be asked (the liar has no
+    # sketch to wait for past the bound)
+    assert check.ready(records, 5, ["liar"], exclude, now=1.0)[0]  # and the next epoch
+    records.append(_record("b", 4, base + 0.05 * _sketch(2)))
+    assert check.ready(records, 4, ["liar"], exclude, now=2.0) == (True, "")
