@@ -212,7 +212,7 @@ def sketch_outlier(
       lies within ``floor_fraction`` × ‖p‖ of at least one published sketch p: with one liar among the donor and
       two publishers, a lying donor is refused by both honest sketches and an honest donor is accepted by the honest
       one. With a single sketch, donor and publisher disagreeing says that one of them lies, not which: the caller
-      refuses the state but bans nobody (``may_ban_refused_donor``).
+      refuses the state but bans nobody (``join_check.may_ban_refused_donor``).
 
     The floor is there because peers of one final moshpit group publish equal sketches, so the spread can be 0: real
     moshpit drift with θ averaged stayed at or below 0.084 of ‖θ̄‖ (``moshpit_drift.py``, dev/LOG.md 2026-11-21), 3x
@@ -252,23 +252,6 @@ def sketch_outlier(
         f"the downloaded state is {distance:.4g} from the median of {len(published)} peers' published θ sketches, "
         f"more than the bound {bound:.4g} ({spread_factor} x their spread {spread:.4g} + {floor_fraction} x its norm)"
     )
-
-
-def wait_for_sketches(num_others: int, num_published: int, waited_s: float, max_wait_s: float) -> bool:
-    """Should a joiner wait before downloading and checking a state (``sketch_outlier``)? Yes while fewer than
-    min(3, ``num_others``) of the other trainers at the state's epoch (donors and banned peers left out) have
-    published their θ sketch, for at most ``max_wait_s`` seconds (``waited_s`` since the first wait at that epoch):
-    honest peers publish a few seconds after their commit, so one that has not by then withholds its sketch, and the
-    check runs on those there are."""
-    return num_published < min(3, num_others) and waited_s <= max_wait_s
-
-
-def may_ban_refused_donor(num_published: int) -> bool:
-    """May a donor whose state ``sketch_outlier`` refused be banned, with ``num_published`` sketches as evidence?
-    Only from 2 on: a refusal on 2 means both publishers contradicted it, which one liar among the donor and the two
-    publishers cannot bring about against an honest donor; with 1, the publisher may be the liar (the joiner then
-    retries, and joins once a second sketch of the epoch agrees with a donor)."""
-    return num_published >= 2
 
 
 def epoch_sketches(records: Iterable[PeerRecord], epoch: int, exclude: Collection[str]) -> list[torch.Tensor]:

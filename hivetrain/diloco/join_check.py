@@ -3,8 +3,9 @@
 With moshpit or gossip groups no two peers of an epoch hold one state, so the hash quorum that guards butterfly
 downloads cannot vouch for a donor (``diloco.sync_policy.decide_sync`` names the epoch's largest hash). What does is
 the θ count sketches (``drift.ParamSketcher``) the epoch's other peers publish in their records a few seconds after
-their commit: ``drift.sketch_outlier`` refuses a θ far from them. ``JoinCheck`` holds the one piece of state the trainer
-needs for it (when it started waiting for an epoch's sketches); the decisions are the pure functions of ``drift``.
+their commit: ``drift.sketch_outlier`` refuses a θ far from them. ``JoinCheck`` holds what the trainer must remember for
+it (when it began waiting for an epoch's sketches, and which refusal is unsettled); the decisions are the pure
+functions below and ``drift.sketch_outlier``.
 """
 
 from __future__ import annotations
@@ -14,14 +15,31 @@ from dataclasses import dataclass
 
 import torch
 
-from hivetrain.diloco.drift import epoch_sketches, may_ban_refused_donor, sketch_outlier, wait_for_sketches
+from hivetrain.diloco.drift import epoch_sketches, sketch_outlier
 from hivetrain.peers.records import PeerRecord
+
+
+def wait_for_sketches(num_others: int, num_published: int, waited_s: float, max_wait_s: float) -> bool:
+    """Should a joiner wait before downloading and checking a state (``sketch_outlier``)? Yes while fewer than
+    min(3, ``num_others``) of the other trainers at the state's epoch (donors and banned peers left out) have
+    published their θ sketch, for at most ``max_wait_s`` seconds (``waited_s`` since the first wait at that epoch):
+    honest peers publish a few seconds after their commit, so one that has not by then withholds its sketch, and the
+    check runs on those there are."""
+    return num_published < min(3, num_others) and waited_s <= max_wait_s
+
+
+def may_ban_refused_donor(num_published: int) -> bool:
+    """May a donor whose state ``sketch_outlier`` refused be banned, with ``num_published`` sketches as evidence?
+    Only from 2 on: a refusal on 2 means both publishers contradicted it, which one liar among the donor and the two
+    publishers cannot bring about against an honest donor; with 1, the publisher may be the liar (the joiner then
+    retries, and joins once a second sketch of the epoch agrees with a donor)."""
+    return num_published >= 2
 
 
 @dataclass(frozen=True)
 class JoinVerdict:
     """``refused``: why the downloaded θ is not adopted ("" = adopt it); ``ban_donors``: whether the evidence is enough
-    to ban the donors for it (``drift.may_ban_refused_donor``)."""
+    to ban the donors for it (``may_ban_refused_donor``)."""
 
     refused: str
     ban_donors: bool

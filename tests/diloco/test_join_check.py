@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hivetrain.diloco.drift import SKETCH_SIZE, encode_sketch, sketch_to_text
-from hivetrain.diloco.join_check import JoinCheck
+from hivetrain.diloco.join_check import JoinCheck, wait_for_sketches
 from tests.records import peer_record
 
 
@@ -64,3 +64,13 @@ def test_after_a_refusal_on_one_sketch_the_same_donor_is_asked_again_only_on_new
     assert check.ready(records, 5, ["liar"], exclude, now=1.0)[0]  # and the next epoch
     records.append(_record("b", 4, base + 0.05 * _sketch(2)))
     assert check.ready(records, 4, ["liar"], exclude, now=2.0) == (True, "")
+
+
+def test_a_joiner_waits_for_three_sketches_or_every_other_peers_for_a_bounded_time():
+    """Download waits for min(3, other trainers at the epoch) sketches, and no longer than its bound."""
+    assert wait_for_sketches(num_others=5, num_published=2, waited_s=1.0, max_wait_s=30.0)
+    assert not wait_for_sketches(num_others=5, num_published=3, waited_s=1.0, max_wait_s=30.0)
+    assert wait_for_sketches(num_others=2, num_published=1, waited_s=1.0, max_wait_s=30.0)  # a swarm of 3
+    assert not wait_for_sketches(num_others=2, num_published=2, waited_s=1.0, max_wait_s=30.0)
+    assert not wait_for_sketches(num_others=0, num_published=0, waited_s=0.0, max_wait_s=30.0)
+    assert not wait_for_sketches(num_others=2, num_published=1, waited_s=31.0, max_wait_s=30.0)  # one withholds

@@ -11,15 +11,14 @@ from hivetrain.diloco.drift import (
     drift_by_epoch,
     encode_sketch,
     epoch_sketches,
-    may_ban_refused_donor,
     relative_drift,
     sketch_buckets,
     sketch_from_text,
     sketch_outlier,
     sketch_seed,
     sketch_to_text,
-    wait_for_sketches,
 )
+from hivetrain.diloco.join_check import may_ban_refused_donor
 from hivetrain.model import build_config, build_model
 from tests.records import peer_record
 
@@ -162,13 +161,3 @@ def test_epoch_sketches_keeps_one_valid_sketch_per_trainer_of_the_epoch():
     ]
     assert len(epoch_sketches(records, 5, exclude=set())) == 2
     assert len(epoch_sketches(records, 5, exclude={"a"})) == 1
-
-
-def test_a_joiner_waits_for_three_sketches_or_every_other_peers_for_a_bounded_time():
-    """Download waits for min(3, other trainers at the epoch) sketches, and no longer than its bound."""
-    assert wait_for_sketches(num_others=5, num_published=2, waited_s=1.0, max_wait_s=30.0)
-    assert not wait_for_sketches(num_others=5, num_published=3, waited_s=1.0, max_wait_s=30.0)
-    assert wait_for_sketches(num_others=2, num_published=1, waited_s=1.0, max_wait_s=30.0)  # a swarm of 3
-    assert not wait_for_sketches(num_others=2, num_published=2, waited_s=1.0, max_wait_s=30.0)
-    assert not wait_for_sketches(num_others=0, num_published=0, waited_s=0.0, max_wait_s=30.0)
-    assert not wait_for_sketches(num_others=2, num_published=1, waited_s=31.0, max_wait_s=30.0)  # one withholds
