@@ -37,8 +37,19 @@ class ReadyEntry(BaseModel):
     kx_public: bytes = Field(min_length=32, max_length=32, description="X25519 public key for this session")
     announced_at: float = Field(ge=0.0)
     deadline: float = Field(ge=0.0, description="the peer stops waiting for a group at this time")
+    window_closes_at: float = Field(
+        default=0.0, ge=0.0, description="its group's matchmaking window closes at this time; 0 = at ``deadline``"
+    )
     public_key: bytes = Field(min_length=16, max_length=2048, description="RSA public key (hivemind ssh format)")
     signature: bytes = Field(default=b"", max_length=1024)
+
+    @property
+    def closes_at(self) -> float:
+        """When the window this entry opens (or joins) closes: ``window_closes_at``, or ``deadline`` if unset.
+
+        A peer may wait for a group past its window (``deadline``, the call's end) while an expected peer it needs is
+        missing (``matchmaking.decide``); others must not take its entry for stale meanwhile."""
+        return self.window_closes_at or self.deadline
 
 
 def signed_bytes(prefix: str, entry: ReadyEntry) -> bytes:

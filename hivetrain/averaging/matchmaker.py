@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from hivemind.utils import get_dht_time
@@ -34,6 +35,8 @@ FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, second
 FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
 HINT_FANOUT = 2  # we push our entry to this many of the smallest members of our previous group
 ANNOUNCE_DELAY_S = 0.05  # a follower that told its likely leader uses the DHT only if not matched by then, seconds
+LATENCY_SAMPLES = 16  # DHT operations whose durations ``dht_latency_s`` looks at
+LATENCY_FACTOR = 3.0  # windows and graces last at least this many DHT latencies (a store, a read, and slack)
 WITHDRAW_AFTER_S = 1e-3  # a withdrawn entry expires this much later than the entry (a next one comes later), seconds
 
 
@@ -73,6 +76,7 @@ class Matchmaker:
         self._hints: tuple[ReadyEntry, ...] = ()  # our previous group, by peer id
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # recent DHT read / store durations, seconds
 
     def _key(self, round_key: str) -> str:
         return f"{self.prefix}.{round_key}.mm"
@@ -80,11 +84,44 @@ class Matchmaker:
     def _subkey(self, kind: bytes) -> bytes:
         return self.node.owner_marker + b"|" + kind  # still an owner marker: every DHT node checks the signature
 
+    @property
+    def dht_latency_s(self) -> float:
+        """The slowest of our recent DHT reads and stores (the last ``LATENCY_SAMPLES``), seconds; 0 before any.
+
+        Windows and graces scale with it (``window_s``, ``grace_s``): on a loaded machine a DHT operation takes
+        seconds, and a fixed 2 s window then closes before a peer that announced in time is visible (hivemind #676
+        asks for the same: deadlines that adapt to the measured latency)."""
+        with self._lock:
+            return max(self._latencies, default=0.0)
+
+    def _measured(self, seconds: float) -> None:
+        with self._lock:
+            self._latencies.append(seconds)
+
+    def window_s(self, matchmaking_time_s: float) -> float:
+        """Our window: ``matchmaking_time_s``, or ``LATENCY_FACTOR`` x the DHT latency when that is longer, seconds."""
+        return max(matchmaking_time_s, LATENCY_FACTOR * self.dht_latency_s)
+
+    def grace_s(self) -> float:
+        """How long a follower waits for its leader's declaration past the group's close: ``declare_grace_s``, or
+        ``LATENCY_FACTOR`` x the DHT latency when that is longer (the leader reads our entry through the DHT when a
+        push is lost), seconds."""
+        return max(self.declare_grace_s, LATENCY_FACTOR * self.dht_latency_s)
+
     def make_entry(
-        self, round_key: str, session: bytes, host: str, port: int, kx_public: bytes, wait_s: float
+        self,
+        round_key: str,
+        session: bytes,
+        host: str,
+        port: int,
+        kx_public: bytes,
+        wait_s: float,
+        window_s: float | None = None,
     ) -> ReadyEntry:
-        """Our signed entry: ready now, waiting at most ``wait_s`` seconds for a group."""
+        """Our signed entry: ready now, waiting at most ``wait_s`` seconds for a group; the window it opens closes
+        after ``window_s`` seconds (at most ``wait_s``; None = ``wait_s``)."""
         now = get_dht_time()
+        window_s = wait_s if window_s is None else min(window_s, wait_s)
         entry = ReadyEntry(
             peer_id=self.node.peer_id,
             round_key=round_key,
@@ -94,6 +131,7 @@ class Matchmaker:
             kx_public=kx_public,
             announced_at=now,
             deadline=now + wait_s,
+            window_closes_at=now + window_s,
             public_key=self.node.identity.private_key.get_public_key().to_bytes(),
         )
         return sign_entry(self.prefix, entry, self.node.identity.private_key)
@@ -119,7 +157,8 @@ class Matchmaker:
         into the next group by its old entry, and that group would fail). It expires WITHDRAW_AFTER_S later than the
         entry (a DHT node keeps the value that expires last), and earlier than our next entry. Not awaited.
         Returns the DHT's future."""
-        gone = sign_entry(self.prefix, entry.model_copy(update={"deadline": 0.0}), self.node.identity.private_key)
+        gone = entry.model_copy(update={"deadline": 0.0, "window_closes_at": 0.0})
+        gone = sign_entry(self.prefix, gone, self.node.identity.private_key)
         return self.node.dht.store(
             self._key(entry.round_key),
             gone.model_dump(),
@@ -317,19 +356,23 @@ class Matchmaker:
         hinted = [h for h in self._hints if h.peer_id < me.peer_id and h.peer_id not in banned][:HINT_FANOUT]
         self._push_entry(me, hinted, pushed_to)
         announce_at = time.monotonic() + (ANNOUNCE_DELAY_S if hinted else 0.0)
-        stored = None
-        read_timeout_s = max(5.0, 10 * self.poll_interval_s)
+        stored, stored_at = None, 0.0
+        read_timeout_s = max(5.0, 10 * self.poll_interval_s, 2 * self.dht_latency_s)  # a loaded DHT answers late
         dht_entries: list[ReadyEntry] = []
         read, read_started, next_read_at = None, 0.0, announce_at
         read_started_dht = seen_as_of_dht = 0.0  # DHT time the pending / the last collected read started
         while True:
             now_m = time.monotonic()
             if read is not None and (read.done() or now_m > read_started + read_timeout_s):
+                self._measured(now_m - read_started)
                 dht_entries = self._collect(read, me.round_key, 0.0)
                 read, seen_as_of_dht = None, read_started_dht
             if announce_at is not None and now_m >= announce_at:
                 stored, announce_at = self.announce(me, ttl_s), None  # we read meanwhile: our entry is in our view
+                stored_at = now_m
+                stored.add_done_callback(lambda _: self._wake.set())
             if stored is not None and stored.done():
+                self._measured(now_m - stored_at)
                 if not stored.exception() and not stored.result():
                     logger.warning("no DHT node accepted our ready entry for %s", me.round_key)
                 stored = None
@@ -342,7 +385,7 @@ class Matchmaker:
                 get_dht_time(),
                 target_group_size=target_group_size,
                 min_group_size=min_group_size,
-                declare_grace_s=self.declare_grace_s,
+                declare_grace_s=self.grace_s(),
                 declaration_ttl_s=ttl_s,
                 banned=banned,
                 expected=expected,
@@ -351,7 +394,7 @@ class Matchmaker:
             # load) may lack peers that announced in time, and would leave them out of the group (or split it).
             # ("full" and "complete" wait for nobody else: no re-read needed.)
             stale = decision.action == "declare" and decision.closed_by == "window"
-            stale = stale and seen_as_of_dht < min(m.deadline for m in decision.members)
+            stale = stale and seen_as_of_dht < decision.closed_at
             if decision.action == "declare" and not stale:
                 # decide() would have returned "joined" had a smaller leader's declaration listed us; two leaders
                 # that did not see each other yield two groups whose overlap fails at the handshake and retries.

@@ -94,6 +94,8 @@ class Decision:
         closed_by: why our group is closed, once it is ("declare", and "wait" for the leader's declaration):
             "full" (``target_group_size`` ready), "complete" (every expected peer ready), "window" (the first ready
             peer's ``matchmaking_time_s`` ran out); None while the group is still open.
+        closed_at: DHT time the window closed ("window" groups): a leader declares only on a DHT view read after it,
+            or peers that announced in time may be missing from its view (``Matchmaker.match`` re-reads).
     """
 
     action: Literal["wait", "declare", "joined", "late", "not_in_group", "no_group", "too_small"]
@@ -102,6 +104,7 @@ class Decision:
     declaration: GroupDeclaration | None = None
     leader: ReadyEntry | None = None
     closed_by: ClosedBy | None = None
+    closed_at: float = 0.0
 
 
 def _newest_sessions(
@@ -210,29 +213,47 @@ def decide(
         if e.peer_id not in by_id or e.announced_at > by_id[e.peer_id].announced_at:
             by_id[e.peer_id] = e
     candidates = sorted(by_id.values(), key=lambda e: e.peer_id)
-    group_deadline = min(e.deadline for e in candidates)
+    group_deadline = min(e.closes_at for e in candidates)
     # an expected peer already in a live group of this round key (a "full" group when the epoch needs several) will not
     # join ours: it is accounted for, so the last group closes "complete" instead of waiting out the window
     grouped = {m.peer_id for d in live for m in d.members}
     missing = (expected - banned - {me.peer_id}) - by_id.keys() - grouped if expected else None
+    # An expected peer that announced in time may not show yet: on a loaded DHT a store takes seconds to be readable.
+    # While one is missing, the window closes a grace later (the caller scales it with the measured DHT latency).
+    window_closes = group_deadline + (declare_grace_s if missing else 0.0)
     closed_by: ClosedBy
     if len(candidates) >= target_group_size:
         group, closed_by = tuple(candidates[:target_group_size]), "full"
     elif missing is not None and not missing and len(candidates) >= min_group_size:
         group, closed_by = tuple(candidates), "complete"
-    elif now >= group_deadline:
+    elif now >= group_deadline and len(candidates) < max(2, min_group_size) and missing:
+        # Alone (or too few) at the window's close while an expected peer is visible and unaccounted for: a group of
+        # one now would be refused (a solo step beside a live trainer of the epoch forks the run) and re-announcing
+        # changes nothing but our session. Keep our entry up until our deadline instead: two live peers whose
+        # attempts overlap then meet whatever the DHT's latency (issue 22: 2 peers under load failed 11-12 attempts
+        # per round for 5 minutes, each closing a 2 s window alone before the other's entry showed).
+        why = f"alone at the window's close, {len(missing)} expected peer(s) not ready: waiting until our deadline"
+        return Decision("wait", why, leader=candidates[0])
+    elif now >= window_closes:
         group, closed_by = tuple(candidates), "window"
     else:
         role = "leading" if candidates[0].peer_id == me.peer_id else "following"
-        why = f"{role}: {len(candidates)} ready, window closes in {group_deadline - now:.2f}s"
+        why = f"{role}: {len(candidates)} ready, window closes in {window_closes - now:.2f}s"
         if missing:
             why += f", {len(missing)} expected peer(s) not ready"
         return Decision("wait", why, leader=candidates[0])
     if group[0].peer_id == me.peer_id:
         if len(group) < min_group_size:
             return Decision("too_small", f"{len(group)} ready peers, min_group_size is {min_group_size}")
-        return Decision("declare", f"leader of {len(group)} ({closed_by})", members=group, closed_by=closed_by)
-    if now < group_deadline + declare_grace_s:
+        why = f"leader of {len(group)} ({closed_by})"
+        return Decision("declare", why, members=group, closed_by=closed_by, closed_at=window_closes)
+    # the leader can declare only once it has seen every member: the grace runs from the last member's arrival when
+    # that came after the window (a group that completed after an extended wait)
+    closable_at = max(window_closes if closed_by == "window" else group_deadline, max(e.announced_at for e in group))
+    patience = closable_at + declare_grace_s
+    if group[0].peer_id in expected:  # a live trainer we expect: while its entry waits, it has not given up on us
+        patience = max(patience, min(group[0].deadline, me.deadline))
+    if now < patience:
         why = f"waiting for leader {group[0].peer_id}'s declaration ({closed_by})"
         return Decision("wait", why, leader=group[0], closed_by=closed_by)
     others = [d for d in live if d.declared_at >= me.announced_at]

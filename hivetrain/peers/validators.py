@@ -222,6 +222,8 @@ def check_record(
         )
     if kind == "ready" and record.deadline > stamp + ttl_cap:
         return Verdict(False, "time", f"deadline {record.deadline - stamp:.0f}s after announced_at (cap {ttl_cap:g}s)")
+    if kind == "ready" and record.window_closes_at > max(record.deadline, stamp):
+        return Verdict(False, "time", "window_closes_at is after the entry's deadline")
     if kind == "group" and any(m.round_key != record.round_key for m in record.members):
         return Verdict(False, "schema", "a member's entry is for another round key than the declaration")
     for name in _EPOCH_FIELDS.get(kind, ()):
