@@ -8,12 +8,17 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the on
    over ``signed_bytes``) so that it can be embedded in someone else's declaration and still be checked offline.
    It holds the data-plane address, a fresh session id and a fresh X25519 public key (``kx_public``) used to
    authenticate data-plane connections (see ``dataplane``).
-2. Candidates are the announced, live, unbanned entries not yet consumed by a declaration. The group deadline is
-   the earliest candidate ``deadline`` (the first ready peer's arrival + ``matchmaking_time_s``): peers that call
-   ``average`` within ``matchmaking_time_s`` of the first one are grouped together. The group closes earlier when
+2. Candidates are the announced, live, unbanned entries not yet consumed by a declaration (an entry lives until its
+   ``deadline``, the end of its owner's call). The group's window closes at the earliest candidate
+   ``window_closes_at`` (the first ready peer's arrival + ``matchmaking_time_s``, longer on a slow DHT): peers that
+   call ``average`` within the window of the first one are grouped together. The group closes earlier when
    ``target_group_size`` candidates are ready ("full"), or when every peer the caller expects at this round key
    (``expected``: the live trainers its DHT records show at the epoch) is a candidate ("complete"): the window is
-   only for peers not yet visible, nobody idles through it when everyone is there.
+   only for peers not yet visible, nobody idles through it when everyone is there. While an expected peer is
+   missing the window closes a grace later (an entry announced in time can take seconds to show on a loaded DHT),
+   and a peer that would be alone at the close does not declare a group of one: it waits, until its deadline, for
+   the expected peers (a solo step beside a live trainer of the epoch is refused anyway, and each new attempt would
+   only replace its entry; issue 22).
 3. The leader is the smallest peer id among the candidates. It stores a ``GroupDeclaration`` (signed: subkey = its
    owner marker + ``b"|group"``) listing the members' signed entries. Followers accept only a declaration that
    lists their own current session, signed by its leader, whose embedded entries all verify; with several, the one
@@ -24,7 +29,8 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the on
    group holds: the epoch needs several groups, and it forms the next one (without this, in the simulation of
    10,000 peers in groups of 16 every arrival after a window-closed group was "late" until that declaration expired:
    216,630 "late" verdicts in 4 outer steps, dev/LOG.md 2026-11-26 session 8); a follower whose leader declares
-   nothing fails with ``no_group`` after the group deadline + ``declare_grace_s``.
+   nothing fails with ``no_group`` after the group's close (or its last member's arrival) + ``declare_grace_s``, or,
+   when the leader is an expected live trainer, once the leader's entry or ours reaches its deadline.
 5. A declaration whose round is over blocks nobody (``over_because``): once one of its members announced a newer
    session at this round key (its call with that group ended: the round failed, or it would be at the next round
    key), or once it is older than the round timeout. Without this rule a group that was declared and then failed
