@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hivetrain.chaos.report import PeerRun, eval_series
 
-_SPAN_KINDS = {"pause", "kill_coordinator", "partition", "churn"}
+_SPAN_KINDS = {"pause", "cpu_starve", "kill_coordinator", "partition", "churn"}
 
 
 def plot_run(report: dict, peers: list[PeerRun], path: Path, title: str | None = None) -> Path:

@@ -9,6 +9,7 @@ created is deleted before it returns or raises.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from hivetrain.chaos.plot import plot_run
 from hivetrain.chaos.report import PeerRun, build_report, format_summary
 from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, UNREACHABLE_HOST, Scenario
 from hivetrain.chaos.schedule import ChurnStep, Observed, churn_decision, churn_plan, due_faults
+from hivetrain.chaos.starve import DutyCycler
 from hivetrain.peers.identity import Identity, load_or_create_identity
 from hivetrain.peers.membership import make_token
 from hivetrain.testing.byzantine import CHUNK_BYTES_ENV, SERVED_MARKER
@@ -90,6 +92,7 @@ class ChaosRunner:
         self.peer_address: str | None = None
         self.swarm: LocalSwarm | None = None
         self.adversaries: list = []  # Popen of adversary processes (own process groups)
+        self.cyclers: dict[int, DutyCycler] = {}  # fault index -> the duty cycler of a cpu_starve fault
         self.probes: list[dict] = []  # DHT probes after a forged record: {at_s, final, out (path), popen}
         self.p2pds: dict[int, float] = {}
         self.orphans: list[dict] = []  # {peer, exit_code, pids} of processes a peer left behind when it exited
@@ -201,6 +204,8 @@ class ChaosRunner:
         """Stop everything started; returns PIDs still alive afterwards."""
         leftover: list[int] = []
         try:
+            for index in list(self.cyclers):  # first, or a cycler could SIGSTOP a peer after its SIGCONT below
+                self._end_starve(index)
             if self.swarm is not None:
                 for proc in self.swarm.history:
                     proc.signal_group(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
@@ -428,6 +433,8 @@ class ChaosRunner:
             self._fired(index, f"SIGSTOP {target.run.name} for {fault.duration_s:g}s ({reason})")
             self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
             self.timers.append(_Timer(self.now() + fault.duration_s, lambda p=target.proc: process.resume(p)))
+        elif kind == "cpu_starve":
+            self._starve(index, fault, target, reason)
         elif kind == "kill_p2pd":
             # Without its daemon the peer cannot see the swarm: by design it stops (exit 4) rather than train alone
             # and fork the run. It is a casualty of the fault, not a survivor that must finish.
@@ -465,6 +472,38 @@ class ChaosRunner:
             self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
             for step in plan:
                 self.timers.append(_Timer(step.t_s, lambda s=step, f=fault: self._churn_step(s, f)))
+
+    def _starve(self, index: int, fault, target: _Peer, reason: str) -> None:
+        """Start duty cycling ``target``'s process group (SIGSTOP/SIGCONT, ``chaos/starve.py``); it ends after the
+        fault's duration, when the peer exits, or at teardown, and always leaves the group running."""
+        cycler = DutyCycler(
+            target.proc.signal_group,
+            fault.fraction,
+            fault.period_s,
+            duration_s=fault.duration_s,
+            alive=target.proc.alive,
+            name=target.run.name,
+        )
+        self.cyclers[index] = cycler.start()
+        until = f"for {fault.duration_s:g}s" if fault.duration_s else "until it exits"
+        duty = f"{fault.fraction:g} of every {fault.period_s:g}s (SIGSTOP/SIGCONT)"
+        self._fired(index, f"{target.run.name} runs {duty} {until} ({reason})")
+        if fault.duration_s:
+            self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
+            self.timers.append(_Timer(self.now() + fault.duration_s + 0.5, lambda i=index: self._end_starve(i)))
+
+    def _end_starve(self, index: int) -> None:
+        """Stop the duty cycler of fault ``index`` (its target left running) and add what it did to the detail."""
+        cycler = self.cyclers.pop(index, None)
+        if cycler is None:
+            return
+        stats = cycler.stop()
+        record = self.faults[index]
+        if record["ended_at_s"] is None or stats.ended_by != "deadline":
+            record["ended_at_s"] = round(record["fired_at_s"] + stats.wall_s, 2)
+        record["detail"] += f"; {stats.describe()}"
+        record["starve"] = dataclasses.asdict(stats)  # stops, conts, running_s, wall_s, ended_by
+        self.log(f"[{self.now():6.1f}s] cpu_starve ended: {stats.describe()}")
 
     def _attack(self, index: int, fault, target: _Peer, reason: str) -> None:
         python, maddr = adversary.adversary_python(), adversary.peer_maddr(target.proc.log_path)

@@ -60,7 +60,7 @@ EVENTS = ("start", "inner_phase", "outer_step", "round_failed", "state_downloade
 LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency", "unreachable")
 TRIGGERED_KINDS = (
     "kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn", "adversary",
-    "forge_record", "flood",
+    "forge_record", "flood", "cpu_starve",
 )  # fmt: skip
 KINDS = TRIGGERED_KINDS + LAUNCH_TIME_KINDS
 
@@ -110,6 +110,21 @@ class PauseFault(_Fault):
     kind: Literal["pause"]
     peer: int = Field(ge=0)
     duration_s: float = Field(gt=0.0)
+
+    def busy_s(self) -> float:
+        return self.duration_s
+
+
+class CpuStarveFault(_Fault):
+    """Starve a peer of CPU: its process group (the peer, its p2pd and DHT processes) runs ``fraction`` of every
+    ``period_s`` and is SIGSTOPped the rest (``chaos/starve.py``), for ``duration_s`` seconds (0 = until the peer
+    exits or the run ends). A volunteer's busy machine, at its worst: nothing of the peer runs while stopped."""
+
+    kind: Literal["cpu_starve"]
+    peer: int = Field(ge=0)
+    fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
+    period_s: float = Field(default=1.0, ge=0.05, le=60.0)
+    duration_s: float = Field(default=0.0, ge=0.0)
 
     def busy_s(self) -> float:
         return self.duration_s
@@ -284,6 +299,7 @@ class FloodFault(_Fault):
 Fault = Annotated[
     KillFault
     | PauseFault
+    | CpuStarveFault
     | KillP2pdFault
     | KillCoordinatorFault
     | JoinFault

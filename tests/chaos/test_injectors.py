@@ -196,3 +196,21 @@ def test_a_hook_fault_fires_when_its_peer_reports_a_matching_fault_fired_event(t
     runner._read_events(runner.peers[0])
     assert runner.faults[0]["fired_at_s"] == 5.0 and "fault_fired event" in runner.faults[0]["detail"]
     assert runner.faults[1]["fired_at_s"] is None  # its epoch 3 has not come
+
+
+def test_cpu_starve_duty_cycles_the_peers_group_until_teardown_and_leaves_it_running(tmp_path, fake_peer):
+    """The runner starts a duty cycler on the peer's process group (its p2pd stopped with it), records the fault as
+    fired, and at teardown stops the cycler before anything else: the group ends running, the counts in the record."""
+    import psutil
+
+    runner = runner_with(tmp_path, fake_peer, {"kind": "cpu_starve", "peer": 1, "at_s": 1, "period_s": 0.1})
+    (daemon,) = process.p2pd_pids(fake_peer)
+    runner._fire(0, "test")
+    assert runner.faults[0]["fired_at_s"] is not None and "runs 0.2 of every 0.1s" in runner.faults[0]["detail"]
+    assert wait_for(lambda: psutil.Process(daemon).status() == psutil.STATUS_STOPPED)  # the whole group
+    time.sleep(0.5)
+    runner._teardown()  # no swarm here: only the cycler to stop
+    record = runner.faults[0]
+    assert not runner.cyclers and record["starve"]["stops"] >= 3 and record["starve"]["ended_by"] == "stopped"
+    assert record["ended_at_s"] is not None and record["ended_at_s"] > record["fired_at_s"]
+    assert not process.is_stopped(fake_peer) and psutil.Process(daemon).status() != psutil.STATUS_STOPPED

@@ -15,7 +15,7 @@ from hivetrain.testing.summary import read_events
 
 SMOKE = (
     "kill-one-of-four", "pause-mid-round", "pause-mid-allreduce", "nan-peer", "nat-peer", "far-future-record",
-    "dataplane-flood", "lost-vote", "moshpit-hash-liar",
+    "dataplane-flood", "lost-vote", "moshpit-hash-liar", "cpu-starve",
 )  # fmt: skip
 
 
@@ -52,6 +52,11 @@ def test_smoke_scenario_passes(name, tmp_path):
         refused = [e for e in events if e["event"] == "state_download_failed" and "sketches" in e["reason"]]
         assert refused and any(e["event"] == "peers_banned" for e in events)
         assert any(e["event"] == "state_downloaded" for e in events)  # then an honest state (no_unverified_state)
+    if name == "cpu-starve":  # peer2 ran ~20% of each second from its start to its exit, yet committed every epoch
+        starve = report["faults"][0]["starve"]
+        assert starve["ended_by"] == "gone" and starve["stops"] >= 10, starve
+        assert starve["running_s"] / starve["wall_s"] == pytest.approx(0.2, abs=0.05), starve
+        assert report["invariants"]["every_peer_kept_committing"]
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
 
