@@ -60,6 +60,32 @@ def test_choose_server_counts_this_trainers_inflight_work_and_skips_busy_exclude
     assert choose_server(records, 2, NOW, bans, rng)[0] is None
 
 
+def _route_concurrently(records, stage, rng, num_microbatches):
+    """Pick servers for microbatches sent one after another while all earlier ones are still in flight, as the
+    trainer does up to ``max_inflight_microbatches``: each pick counts this trainer's in-flight work."""
+    bans, inflight = BanList(BanConfig(base_duration_s=1.0, max_duration_s=10.0)), Counter()
+    for _ in range(num_microbatches):
+        inflight[choose_server(records, stage, NOW, bans, rng, inflight=inflight)[0].peer_id] += 1
+    return inflight
+
+
+def test_stochastic_wiring_spreads_concurrent_microbatches_over_a_stages_servers():
+    """What the wiring guarantees about spread, with time and randomness fixed (the pipeline e2e test cannot: its
+    weights follow measured throughput). Two equal servers, 4 microbatches in flight at once: all 4 land on one
+    server with probability 1/3 * 1/4 * 1/5 = 1/60 (the in-flight count divides the weight), not 1/8 as with
+    independent draws; and the e2e test's layout (3 stages x 2 servers, 8 microbatches, seed 5) uses every server."""
+    pair = [rec("a", 0, 10.0), rec("b", 0, 10.0)]
+    piled = sum(len(_route_concurrently(pair, 0, random.Random(seed), 4)) == 1 for seed in range(3000))
+    assert piled / 3000 == pytest.approx(1 / 60, abs=0.006)
+    layout = [rec(f"s{stage}{i}", stage, 10.0) for stage in range(3) for i in range(2)]
+    rng = random.Random(5)
+    used = Counter()
+    for _ in range(2):  # 8 microbatches, 4 in flight at a time
+        for stage in range(3):
+            used.update(_route_concurrently(layout, stage, rng, 4))
+    assert len(used) == 6 and sum(used.values()) == 24
+
+
 def test_bans_back_off_exponentially_and_success_clears_strikes():
     bans = BanList(BanConfig(base_duration_s=2.0, max_duration_s=10.0))
     assert bans.ban("p", NOW, reason="x").until == NOW + 2.0
