@@ -226,9 +226,15 @@ class ChaosRunner:
         return leftover
 
     # ---- peers ------------------------------------------------------------------------------------------------
-    def _launch(self, index: int | None) -> _Peer:
+    def _relaunch(self, peer: _Peer) -> None:
+        """Start ``peer`` again (a ``restart`` fault): its index and identity, a new name (``peerNr``)."""
+        self._launch(peer.run.index, name=f"{peer.run.name}r", identity_of=peer.run.name)
+
+    def _launch(self, index: int | None, name: str = "", identity_of: str = "") -> _Peer:
+        """Start a join-swarm peer: ``peer{index}`` (or ``churnN`` for None) unless ``name`` is given; with
+        ``identity_of``, the identity file (and join token) of that earlier peer."""
         assert self.swarm is not None
-        args: list[str] = []
+        args: list[str] = ["--identity-path", str(self.out_dir / f"{identity_of}.key")] if identity_of else []
         hooks, byzantine = [], ""
         for i, fault in enumerate(self.scenario.faults):
             if index is None or getattr(fault, "peer", None) != index:
@@ -241,14 +247,16 @@ class ChaosRunner:
                 byzantine = fault.mode
             elif fault.kind == "unreachable":
                 args += ["--data-announce-host", UNREACHABLE_HOST]
-        if index is None:
+        if name:
+            pass
+        elif index is None:
             self._num_churn += 1
             name = f"churn{self._num_churn}"
         else:
             name = f"peer{index}"
         peer_id = ""
         if self.issuer is not None:
-            peer_id, token_args = self._invite(name, invited=byzantine != "uninvited")
+            peer_id, token_args = self._invite(identity_of or name, invited=byzantine != "uninvited")
             args += token_args
         member = self.topology.add_member() if self.topology is not None else None
         proc = self.swarm.add_peer(
@@ -435,6 +443,11 @@ class ChaosRunner:
             self.timers.append(_Timer(self.now() + fault.duration_s, lambda p=target.proc: process.resume(p)))
         elif kind == "cpu_starve":
             self._starve(index, fault, target, reason)
+        elif kind == "restart":
+            target.run.killed = True
+            process.kill(target.proc)
+            self._fired(index, f"SIGKILL {target.run.name}, back with its identity in {fault.down_s:g}s ({reason})")
+            self.timers.append(_Timer(self.now() + fault.down_s, lambda p=target: self._relaunch(p)))
         elif kind == "kill_p2pd":
             # Without its daemon the peer cannot see the swarm: by design it stops (exit 4) rather than train alone
             # and fork the run. It is a casualty of the fault, not a survivor that must finish.

@@ -60,7 +60,7 @@ EVENTS = ("start", "inner_phase", "outer_step", "round_failed", "state_downloade
 LAUNCH_TIME_KINDS = ("hook", "byzantine", "latency", "unreachable")
 TRIGGERED_KINDS = (
     "kill", "pause", "kill_p2pd", "kill_coordinator", "join", "bandwidth", "partition", "churn", "adversary",
-    "forge_record", "flood", "cpu_starve",
+    "forge_record", "flood", "cpu_starve", "restart",
 )  # fmt: skip
 KINDS = TRIGGERED_KINDS + LAUNCH_TIME_KINDS
 
@@ -128,6 +128,19 @@ class CpuStarveFault(_Fault):
 
     def busy_s(self) -> float:
         return self.duration_s
+
+
+class RestartFault(_Fault):
+    """SIGKILL a peer's process group, then start it again ``down_s`` seconds later with the same identity (a
+    volunteer whose machine rebooted: the same peer ID, a fresh process holding the run's initial θ that must catch up
+    with the swarm). The new process is named ``peerNr`` and takes over the index for later faults."""
+
+    kind: Literal["restart"]
+    peer: int = Field(ge=0)
+    down_s: float = Field(default=5.0, ge=0.0)
+
+    def busy_s(self) -> float:
+        return self.down_s
 
 
 class KillP2pdFault(_Fault):
@@ -301,6 +314,7 @@ Fault = Annotated[
     | PauseFault
     | CpuStarveFault
     | KillP2pdFault
+    | RestartFault
     | KillCoordinatorFault
     | JoinFault
     | BandwidthFault

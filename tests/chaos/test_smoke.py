@@ -15,7 +15,7 @@ from hivetrain.testing.summary import read_events
 
 SMOKE = (
     "kill-one-of-four", "pause-mid-round", "pause-mid-allreduce", "nan-peer", "nat-peer", "far-future-record",
-    "dataplane-flood", "lost-vote", "moshpit-hash-liar", "cpu-starve",
+    "dataplane-flood", "lost-vote", "moshpit-hash-liar", "cpu-starve", "joiner-restart-2peer",
 )  # fmt: skip
 
 
@@ -57,8 +57,32 @@ def test_smoke_scenario_passes(name, tmp_path):
         assert starve["ended_by"] == "gone" and starve["stops"] >= 10, starve
         assert starve["running_s"] / starve["wall_s"] == pytest.approx(0.2, abs=0.05), starve
         assert report["invariants"]["every_peer_kept_committing"]
+    if name == "joiner-restart-2peer":
+        _check_joiner_and_restart(tmp_path)
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
+
+
+def _check_joiner_and_restart(out) -> None:
+    """The late joiner (peer1) and the same identity restarted (peer1r) averaged with peer0 from their second outer
+    step on, and every epoch either committed was committed by peer0 in the same group of 2 (issue 22: before, the
+    joiner failed every round "alone" while peer0 committed solo steps)."""
+    steps = {
+        n: [e for e in read_events(out / f"{n}.jsonl") if e["event"] == "outer_step"]
+        for n in ("peer0", "peer1", "peer1r")
+    }
+    with_peer0 = {e["epoch"] for e in steps["peer0"] if e["group_size"] == 2}
+    for name in ("peer1", "peer1r"):
+        assert steps[name], f"{name} committed no outer step"
+        assert all(e["group_size"] == 2 for e in steps[name][1:]), (
+            name,
+            [(e["epoch"], e["group_size"]) for e in steps[name]],
+        )
+        assert {e["epoch"] for e in steps[name][1:]} <= with_peer0, name
+    restart = [e for e in read_events(out / "peer1r.jsonl") if e["event"] == "start"]
+    assert restart and restart[0]["peer"] == read_events(out / "peer1.jsonl")[0]["peer"], (
+        "peer1r is not peer1's identity"
+    )
 
 
 def _check_nat_peer(out, outer_steps: int) -> None:
