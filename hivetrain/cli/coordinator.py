@@ -273,7 +273,13 @@ def _make_follower(args, config, node, loop, fingerprint):
         store,
         config.to_dict(),
         fingerprint,
-        FollowerOptions(checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints),
+        FollowerOptions(
+            checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep_checkpoints,
+            max_step_ratio=config.averaging.max_update_ratio,
+            step_window=config.averaging.update_norm_window,
+            step_min_history=config.averaging.update_norm_min_history,
+        ),
     )
     restored = follower.restore()
     if restored is not None:

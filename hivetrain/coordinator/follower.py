@@ -17,6 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+import torch
 from hivemind.utils import get_dht_time
 
 from hivetrain.coordinator.checkpoint import CheckpointStore
@@ -24,6 +25,7 @@ from hivetrain.coordinator.dashboard import CheckpointRow
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, published_hashes
+from hivetrain.diloco.update_bound import UpdateNorms, l2_norm, update_bound
 from hivetrain.peers.bans import BanList
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
@@ -45,6 +47,12 @@ class FollowerOptions:
         the run's progress anyway, honest or not, and a single liar beside one honest trainer is no majority.
     run_started_at: DHT time (unix seconds) of the run's epoch 0, for the run-age bound; None = unknown (no
         bound). Must survive restarts (a later value would make honest epochs look implausible).
+    max_step_ratio: a state is adopted only if θ moved from ours by at most this many times the median of the
+        last ``step_window`` per-epoch steps we followed, per epoch jumped (``step_check``; the run's
+        ``averaging.max_update_ratio``); 0 = no bound. The coordinator trains nothing and holds no data: the size of
+        the step is the evidence it can check itself (issue 28: 3 identities one epoch ahead of 2 honest trainers
+        made it follow and checkpoint random weights).
+    step_window: per-epoch step norms remembered; step_min_history: the bound applies once this many are known.
     """
 
     checkpoint_every: int = 1
@@ -56,6 +64,9 @@ class FollowerOptions:
     # and peers still at epoch 0 count against a lone holder: at a run's start a lone liar is otherwise "1 of 1"
     quorum: QuorumConfig = QuorumConfig(min_peers=1, min_fraction=0.51, count_untrained=True)
     run_started_at: float | None = None
+    max_step_ratio: float = 10.0
+    step_window: int = 16
+    step_min_history: int = 3
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
@@ -85,6 +96,7 @@ class StateFollower:
         self.checkpoints_written = 0
         self.downloads = 0
         self.bans = BanList()
+        self.steps = UpdateNorms(options.step_window)  # ‖θ_{e+1} − θ_e‖ of the epochs we followed
 
     def restore(self) -> int | None:
         """Load the newest complete checkpoint, if any. Returns its epoch."""
@@ -153,6 +165,12 @@ class StateFollower:
             except (StateDownloadFailed, TimeoutError, ValueError) as exc:
                 logger.warning("state download failed: %s", exc)
                 return f"download failed: {exc}"
+            ok, why = step_check(state, new, self.steps, self.options)
+            if not ok:
+                for peer_id in decision.donors:
+                    self.bans.ban(peer_id, now, reason=f"served an unbounded step: {why}")
+                logger.warning("refused epoch %d from %s: %s", new.epoch, ", ".join(decision.donors), why)
+                return f"refused epoch {new.epoch}: {why}"
             self._set(new)
             self.downloads += 1
             did = f"downloaded epoch {new.epoch} ({decision.reason})"
@@ -186,3 +204,22 @@ class StateFollower:
         if self.store is None:
             return []
         return [CheckpointRow(c.epoch, c.created_at, c.status, c.reason) for c in self.store.list(verify=True)]
+
+
+def step_check(
+    current: TrainingState, new: TrainingState, steps: UpdateNorms, options: FollowerOptions
+) -> tuple[bool, str]:
+    """May the coordinator move from ``current`` to ``new``? Yes if ‖θ_new − θ_current‖₂ per epoch jumped is within
+    ``options.max_step_ratio`` x the median of the per-epoch steps it followed before (``update_bound``); a state at
+    our own epoch (a fork resolved) counts as one epoch. On yes, the per-epoch step is added to ``steps``.
+
+    A state one outer step from ours moves θ by one averaged update (outer lr 1, no momentum: exactly Δ̄); random
+    weights move it by the norm of θ itself, orders of magnitude more. What it cannot catch: a jump after a restart
+    (no history yet) or one within the bound.
+    """
+    jumped = max(1, new.epoch - current.epoch)
+    norm = l2_norm(torch.sub(new.params[n], current.params[n]) for n in current.params) / jumped
+    ok, why = update_bound(norm, steps.history, options.max_step_ratio, options.step_min_history)
+    if ok:
+        steps.add(norm)
+    return ok, f"per-epoch step to epoch {new.epoch}: {why}"
