@@ -35,6 +35,11 @@ State and record modes (issue 12, findings 1 and 3):
                  hold one hash, the quorum rule publishes the largest hash of the epoch, so without the joiners' θ
                  sketch check (``diloco.drift.sketch_outlier``) it was every joiner's only donor
 
+    ahead_liar   claims one epoch past its honest one with the hash of random weights x5 (seeded by that epoch, so
+                 colluding ``ahead_liar`` identities publish and serve the same poisoned state), and serves them:
+                 two such identities beside two honest peers were "half of the live peers" ahead, and the quorum
+                 rule took every honest peer, their joiner and the coordinator's checkpoints (issue 28)
+
 Admission mode (issue 12 item 6):
 
     uninvited    a valid identity without a join token in an invite-only run that ignores its own refusal
@@ -60,7 +65,7 @@ from hivetrain.testing.hostile_donors import Dripper, NaNChunks
 
 MODES = (
     "nan", "inf", "sign_flip", "huge_norm", "inflated_weight", "negative_weight", "wrong_shape", "bad_donor",
-    "nan_donor", "drip_donor", "epoch_liar", "hash_liar", "uninvited",
+    "nan_donor", "drip_donor", "epoch_liar", "hash_liar", "ahead_liar", "uninvited",
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -89,7 +94,7 @@ WIRE_MODES = ("nan", "inf", "inflated_weight", "negative_weight", "wrong_shape")
 """Modes applied to what goes on the wire (the engine validates local input, so these cannot go through average())."""
 INPUT_MODES = ("sign_flip", "huge_norm")
 """Modes that change what the peer averages (finite values that pass local validation)."""
-SERVER_MODES = ("bad_donor", "nan_donor", "drip_donor", "epoch_liar", "hash_liar", "uninvited")
+SERVER_MODES = ("bad_donor", "nan_donor", "drip_donor", "epoch_liar", "hash_liar", "ahead_liar", "uninvited")
 """Modes that change the state server (and, for ``epoch_liar`` and ``hash_liar``, the record)."""
 
 
@@ -114,7 +119,7 @@ def arm_byzantine(mode: str, faults: FaultInjector, environ: Mapping[str, str] =
     chunk_text = environ.get(CHUNK_BYTES_ENV, "")
     if chunk_text and not chunk_text.isdigit():
         raise ValueError(f"${CHUNK_BYTES_ENV} = {chunk_text!r}: give the state chunk size in bytes, or unset it")
-    lie = _LieState() if mode == "epoch_liar" else _CurrentLie() if mode == "hash_liar" else None
+    lie = {"epoch_liar": _LieState, "hash_liar": _CurrentLie, "ahead_liar": _AheadLie}.get(mode, lambda: None)()
     if mode in SERVER_MODES or chunk_text:
         build = _server_builder(mode, int(chunk_text or 0), lie)
         armed.append(Fault(HookPoint.DILOCO_STATE_SERVER, "call", callback=build, times=0))
@@ -224,6 +229,30 @@ class _CurrentLie(_LieState):
         built = self.get()
         if built is not None and ctx["record"].epoch == built[0].epoch:
             ctx["record"] = ctx["record"].model_copy(update={"state_hash": built[1]})
+
+
+class _AheadLie(_LieState):
+    """The state an ``ahead_liar`` claims and serves: random weights x5 at one epoch past its honest state, seeded by
+    that epoch (colluders agree), rebuilt as the honest epoch moves."""
+
+    def get(self) -> tuple[TrainingState, str] | None:
+        with self._lock:
+            honest = self._get_state()
+            if honest is None:
+                return None
+            if self._built is None or self._built[0].epoch != honest.epoch + 1:
+                gen = torch.Generator().manual_seed(29 + honest.epoch)
+                params = {n: torch.randn(p.shape, generator=gen) * 5.0 for n, p in honest.params.items()}
+                lie = TrainingState(honest.epoch + 1, params, {n: torch.zeros_like(p) for n, p in params.items()})
+                self._built = (lie, lie.state_hash())
+            return self._built
+
+    def record(self, ctx: dict[str, Any]) -> None:
+        """The ``diloco.record`` callback: claim one epoch ahead with the poisoned state's hash."""
+        built = self.get()
+        if built is not None:
+            claim = {"epoch": built[0].epoch, "state_hash": built[1], "param_sketch": ""}
+            ctx["record"] = ctx["record"].model_copy(update=claim)
 
 
 class AnyoneServer(StateServer):

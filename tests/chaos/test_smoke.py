@@ -16,6 +16,7 @@ from hivetrain.testing.summary import read_events
 SMOKE = (
     "kill-one-of-four", "pause-mid-round", "pause-mid-allreduce", "nan-peer", "nat-peer", "far-future-record",
     "dataplane-flood", "lost-vote", "moshpit-hash-liar", "cpu-starve", "joiner-restart-2peer",
+    "ahead-liars-2v2",
 )  # fmt: skip
 
 
@@ -59,6 +60,14 @@ def test_smoke_scenario_passes(name, tmp_path):
         assert report["invariants"]["every_peer_kept_committing"]
     if name == "joiner-restart-2peer":
         _check_joiner_and_restart(tmp_path)
+    if name == "ahead-liars-2v2":  # the poisoned state was served and refused on loss, its donors banned
+        honest = [read_events(tmp_path / f"peer{i}.jsonl") for i in (0, 1, 4)]
+        refused = [
+            [e for e in evs if e["event"] == "state_download_failed" and "refused" in e["reason"]] for evs in honest
+        ]
+        assert any(refused), "no honest peer was offered the poisoned state: the attack did not happen"
+        for evs, got in zip(honest, refused, strict=True):
+            assert not got or any(e["event"] == "peers_banned" for e in evs)
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
 
