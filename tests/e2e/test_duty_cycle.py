@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hivetrain.testing.summary import read_events
-from tests.e2e.conftest import write_config
+from tests.e2e.conftest import LOADED_HOGS, write_config
 
 JOIN = [sys.executable, "-m", "hivetrain.cli.join_swarm"]
 LOCAL_SWARM = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm"]
@@ -34,9 +34,10 @@ def test_local_swarm_wants_one_duty_cycle_per_peer(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_peers_at_duty_cycles_1_half_quarter_all_commit_every_outer_step(tmp_path):
+def test_peers_at_duty_cycles_1_half_quarter_all_commit_every_outer_step(tmp_path, cpu_hogs):
     """Issue 11's acceptance: the 0.25 peer runs 4x slower than the 1.0 peer, yet its samples reach every committed
-    outer step and nobody throws work away or downloads state for having been slow."""
+    outer step and nobody throws work away or downloads state for having been slow; beside 4 CPU hogs (issue 22)."""
+    cpu_hogs(LOADED_HOGS)
     duty_cycles = {"peer0": 1.0, "peer1": 0.5, "peer2": 0.25}
     config = write_config(tmp_path / "run.toml", **{"diloco.inner_steps": 40, "diloco.outer_steps": 3})
     out = tmp_path / "out"
