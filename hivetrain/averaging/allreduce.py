@@ -18,7 +18,12 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` active members sorted
    hash of the full result, MACed with the pair key, to every member, and returns the result only if all votes
    arrived within ``commit_timeout_s`` past that deadline (a member whose link closes or stalls fails the round at
    once), match its own hash, and its own votes left by then. So a round may return up to ``commit_timeout_s``
-   after its deadline.
+   after its deadline. Before voting, a member asks the caller's ``accept`` check about the full result (DiLoCo's
+   bound on the outer step, ``diloco.update_bound``); a member that refuses sends a vote that matches nobody's (a
+   hash of "refused" and the result's hash, MACed as usual), lets it leave, and raises RoundFailed("refused"), so
+   every other member fails with "aborted" (votes differ) and nobody commits, whatever the others' own checks said.
+   A member that aborts on differing votes lets its own votes leave before it closes its links, so no member is left
+   waiting on a closed link (which would fail it "peer_failed" holding a ``voted`` result nobody committed).
 
 Failure handling: any failure (a link closes, no byte for ``part_timeout_s``, a protocol violation, a deadline)
 makes the member close all its links and raise RoundFailed, so the others, blocked on it, fail at once too; a member
@@ -51,7 +56,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import blake3
 import msgpack
@@ -103,12 +108,15 @@ class ButterflyRound:
         max_weight: float | None = None,
         pool: BufferPool | None = None,
         fallback=None,
+        accept: Callable[[torch.Tensor], str] | None = None,
     ):
         self.round_id, self.me = round_id, me
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
         if me not in self.members:
             raise ValueError("we are not a member of this round")
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
+        self.accept = accept  # ``base.Averager.average``: checks the full result before we vote
+        self._votes_left = False  # we failed after our votes left (``_commit``): close gracefully behind them
         max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
         self.codec_config = codecs.CodecConfig(
             config.compression, config.codec_block_size if config.compression in ("int8", "int4") else 64
@@ -152,7 +160,8 @@ class ButterflyRound:
 
         Raises:
             RoundFailed: "peer_failed" (a member closed, reset or stalled), "timeout", "aborted" (members disagree,
-                votes differ, too few honest members left), "excluded" (others found our data bad).
+                votes differ, too few honest members left), "excluded" (others found our data bad), "refused" (our
+                ``accept`` check refused the result: we voted against it).
         """
         self._out = torch.empty_like(flat) if out is None else out
         self._residual_out = residual_out if self.codec is not None else None
@@ -170,6 +179,9 @@ class ButterflyRound:
             if exc.reason == "excluded":  # the others go on without us: let what we queued (results) reach them
                 self.transport.flush(time.monotonic() + min(1.0, self.config.commit_timeout_s))
                 committed = True  # close gracefully
+            elif self._votes_left:  # "refused", or "aborted" on votes that differ: our votes must reach the others
+                committed = True  # before our links close (a reset would discard them unread, and a member still
+                # waiting for our vote would fail "peer_failed" holding a ``voted`` result instead of "aborted")
             raise
         except Exception as exc:
             logger.exception("averaging round %s crashed", self.round_id[:8])
@@ -381,8 +393,11 @@ class ButterflyRound:
         # if all votes match and ours have left. A fixed wait after our own vote made an early voter abort while a
         # late one, which had every vote, committed: a fork (utilization bench, 2.5 Mbit/s links, 2026-11-25). A
         # member that dies or stalls meanwhile is detected by its link (closed, or no byte for part_timeout_s).
+        refusal = self.accept(self.receiver.out(sub)) if self.accept is not None else ""
         if time.monotonic() >= deadline:
             raise RoundFailed("timeout", "the round deadline came before we could vote")
+        if refusal:  # a vote nobody's matches: every member aborts, nobody commits (and nobody holds a ``voted``)
+            full_hash = blake3.blake3(b"refused" + full_hash).digest()
         lost: set[str] = set()
         for p in others:
             try:
@@ -393,6 +408,10 @@ class ButterflyRound:
             vote_mac = mac(self.transport.key(p), b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), full_hash)
             self._send(p, FrameType.VOTE, sub, {"hash": full_hash, "mac": vote_mac})
         votes_deadline = deadline + self.config.commit_timeout_s
+        if refusal:  # let our votes leave before the links close (gracefully: ``run``), so the others abort at once
+            self._flush_votes(votes_deadline)
+            logger.warning("round %s: we refused the result: %s", self.round_id[:8], refusal)
+            raise RoundFailed("refused", refusal)
         inbox = self.transport.inbox
         awaited = lambda: [p for p in others if p not in inbox.votes]  # noqa: E731 - a voter may close after voting
         try:
@@ -400,7 +419,8 @@ class ButterflyRound:
         except RoundFailed as exc:  # members that got every vote may commit: hand the caller what we voted for
             raise self._voted(exc, sub, weights) from None
         disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
-        if disagree:  # nobody can commit: every member needs every vote to match its own hash
+        if disagree:  # nobody can commit: every member needs every vote to match its own hash; ours still must
+            self._flush_votes(votes_deadline)  # reach the others, so that they abort on them too
             raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")
         self.transport.flush(votes_deadline)
         unsent = [p for p in others if p not in lost and not self.transport.has_sent(p, FrameType.VOTE)]
@@ -416,6 +436,12 @@ class ButterflyRound:
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
         )
+
+    def _flush_votes(self, deadline: float) -> None:
+        """We fail after voting, and nobody can commit: let our queued votes leave (until ``deadline``,
+        ``time.monotonic()``) and have ``run`` close our links gracefully behind them."""
+        self.transport.flush(deadline)
+        self._votes_left = True
 
     def _voted(self, exc: RoundFailed, sub: int, weights: dict[str, float]) -> RoundFailed:
         """``exc`` with ``voted`` set to (a copy of) the result we voted for: fp32 (n,) as the single tensor."""

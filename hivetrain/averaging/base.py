@@ -1,14 +1,14 @@
 """The averaging interface the rest of hivetrain uses.
 
-DiLoCo calls ``averager.average(tensors, weight, epoch, timeout_s, expected_peers)`` once per outer step with its
-pseudo-gradient.
+DiLoCo calls ``averager.average(tensors, weight, epoch, timeout_s, expected_peers, accept)`` once per outer step with
+its pseudo-gradient.
 The call either returns a ``RoundResult`` whose tensors are bit-identical on every member of the group, or raises
 ``RoundFailed``; a failed round changes nothing locally (the caller keeps θ and may retry or resync).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,7 +19,8 @@ class RoundFailed(RuntimeError):
     """An averaging round did not commit for us; nothing from it may be applied on this evidence alone.
 
     Attributes:
-        reason: a short machine-readable cause ("no_group", "timeout", "peer_failed", "aborted", "bad_input", ...).
+        reason: a short machine-readable cause ("no_group", "timeout", "peer_failed", "aborted", "bad_input",
+            "refused": our ``accept`` check refused the result, so we voted against it and nobody commits, ...).
         voted: set when the round failed after we voted (the two-phase-commit gap, ``allreduce``): the result we
             voted for, which members that received every vote may have committed. The caller applies it only on
             evidence that a member did (``diloco.sync_policy.committed_without_us``); None otherwise.
@@ -66,6 +67,7 @@ class Averager(Protocol):
         epoch: int,
         timeout_s: float,
         expected_peers: frozenset[str] = frozenset(),
+        accept: Callable[[torch.Tensor], str] | None = None,
     ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight``.
 
@@ -80,13 +82,21 @@ class Averager(Protocol):
                 is only for peers not yet visible. A peer missing from the set is still grouped if it is ready in
                 time; an expected peer that never comes delays the group to the window, no further. An empty set
                 (the default) = no such knowledge: the group closes at the window or when it is full.
+            accept: called once with the full result, a flat fp32 tensor (n,) (the inputs concatenated in order;
+                read-only, valid during the call only), on every member that holds it, before it votes to commit;
+                returns "" to vote normally, or a reason to refuse. A refusing member votes against the result (a
+                vote that matches nobody's), so every member fails with "aborted" and nobody commits, and its own
+                call raises ``RoundFailed("refused", reason)``; neither carries a ``voted`` result. A round of one
+                is checked too. Engines whose members end a call with different values ("moshpit", "gossip")
+                ignore it: there the caller checks its own applied step. None = accept every result.
 
         Returns:
             The committed round.
 
         Raises:
-            RoundFailed: no round committed (no peers, a member died or stalled, bad data, timeout). If a member
-                dies mid-call, the round aborts on every survivor; nothing is applied anywhere.
+            RoundFailed: no round committed (no peers, a member died or stalled, bad data, timeout, a member's
+                ``accept`` refused the result). If a member dies mid-call, the round aborts on every survivor;
+                nothing is applied anywhere.
             ValueError: bad local input (non-finite tensors or weight, wrong dtype).
         """
         ...

@@ -74,6 +74,19 @@ class AveragingConfig:
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of data-plane sockets, bytes (0 = the OS default).
         libp2p_fallback: when a member's data port cannot be dialed over TCP (NAT, firewall), carry the link over a
             libp2p stream of the DHT's p2pd instead (relays, hole punching; slower). False = such members fail.
+        max_update_ratio: k, the bound on every outer step (``diloco.update_bound``): a round whose averaged
+            pseudo-gradient has an L2 norm above k x the median of the last ``update_norm_window`` committed ones is
+            refused by its members before they vote, so it aborts everywhere and nothing is applied (a failed round:
+            retried, then carried). With "moshpit"/"gossip" the norm is that of a peer's own applied step,
+            ‖θ_new − θ_old‖₂, checked by each peer for itself. 0 = no bound. Default 5: in six honest local swarms
+            (tiny and small models, 2-3 peers, uneven and fixed schedules, eager overlap, groups of 1-3) the largest
+            ratio per run was 0.84-1.39x, 1.39x during a warmup over 8 outer steps (dev/LOG.md, 2026-11-28 session
+            10): a 3.6x margin; a long warmup (up to ~2.3x) or a group shrinking from 8 to 1 with noisy pseudo-gradients
+            (up to ~2.8x) stays under it, while six phases' Δ summed from one θ (issue 22) come to √6-6x (2.4x if they
+            were pure noise, 6x if pure signal).
+        update_norm_window: how many recent committed update norms the bound's median is taken over.
+        update_norm_min_history: the bound applies once this many committed norms are known (a peer that just
+            joined has none: the others of its group decide for it).
     """
 
     strategy: Literal["butterfly", "moshpit", "gossip"] = "butterfly"
@@ -104,6 +117,9 @@ class AveragingConfig:
     moshpit_rounds: int = Field(default=2, ge=1, le=32)
     socket_buffer_bytes: int = Field(default=4 * 2**20, ge=0, le=1 << 30)
     libp2p_fallback: bool = True
+    max_update_ratio: float = Field(default=5.0, ge=0.0, le=1e6)
+    update_norm_window: int = Field(default=16, ge=1, le=1024)
+    update_norm_min_history: int = Field(default=3, ge=1, le=1024)
 
     def __post_init__(self) -> None:
         if self.min_group_size > self.target_group_size:
@@ -129,5 +145,10 @@ class AveragingConfig:
             )
         if self.error_feedback and self.compression == "none":
             raise ValueError("averaging.error_feedback needs averaging.compression (fp16, int8 or int4): none is exact")
+        if self.update_norm_min_history > self.update_norm_window:
+            raise ValueError(
+                f"averaging.update_norm_min_history ({self.update_norm_min_history}) must not exceed "
+                f"averaging.update_norm_window ({self.update_norm_window})"
+            )
         if self.strategy != "butterfly" and self.target_group_size < 2:
             raise ValueError(f"averaging.strategy={self.strategy!r} needs averaging.target_group_size >= 2")

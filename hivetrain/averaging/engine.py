@@ -191,6 +191,12 @@ class GroupAverager:
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def dht_latency_s(self) -> float:
+        """The slowest of our recent matchmaking DHT operations, seconds (``Matchmaker.dht_latency_s``): callers'
+        retry backoffs are never shorter."""
+        return self.matchmaker.dht_latency_s
+
     # ---- averaging ----------------------------------------------------------------------------------------------
     def average(
         self,
@@ -199,6 +205,7 @@ class GroupAverager:
         epoch: int,
         timeout_s: float,
         expected_peers: frozenset[str] = frozenset(),
+        accept: Callable[[torch.Tensor], str] | None = None,
     ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight`` (see ``base.Averager``).
 
@@ -211,6 +218,9 @@ class GroupAverager:
             expected_peers: peer ids expected at ``epoch`` (ours may be in it): once all of them (banned ones aside)
                 are ready, the group closes at once instead of after ``matchmaking_time_s``. Empty = wait for the
                 window (or ``target_group_size`` ready peers).
+            accept: "butterfly" only (see ``base.Averager``): checks the flat fp32 (n,) result before we vote (a
+                solo result before it is returned); a non-empty reason refuses it: RoundFailed("refused") here,
+                "aborted" on every other member. "moshpit"/"gossip" ignore it.
 
         Returns:
             RoundResult: the mean (fp32, input shapes), bit-identical on every member for "butterfly".
@@ -220,7 +230,8 @@ class GroupAverager:
                 ``min_group_size``), "peer_failed"/"timeout"/"aborted" (a member died, stalled or misbehaved; nothing
                 was applied anywhere, except in the two-phase-commit gap described in ``allreduce``: then
                 ``voted`` holds the result we voted for, in the shapes of ``tensors``), "excluded" (others found our
-                data bad). If a member dies mid-call, the survivors fail within about ``part_timeout_s``.
+                data bad), "refused" (``accept`` refused the result). If a member dies mid-call, the survivors fail
+                within about ``part_timeout_s``.
             ValueError / TypeError: bad local input.
             RuntimeError: ``start()`` was not called, or the averager is shut down.
         """
@@ -247,7 +258,7 @@ class GroupAverager:
                 residual = self._feedback.apply(flat) if self._feedback is not None and weight > 0 else None
                 args = (flat, float(weight), epoch, deadline, residual, expected_peers)
                 if self.config.strategy == "butterfly":
-                    outcome, round_id, group = self._butterfly(*args)
+                    outcome, round_id, group = self._butterfly(*args, accept=accept)
                 else:
                     outcome, round_id, group = self._mixing(*args)
             except RoundFailed as exc:
@@ -298,9 +309,15 @@ class GroupAverager:
         cfg = self.config
         secret = X25519PrivateKey.generate()
         kx_public = secret.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        wait_s = max(0.0, min(cfg.matchmaking_time_s, deadline - time.monotonic() - cfg.declare_grace_s))
+        # we wait for a group until the call's deadline (less the grace a follower gives its leader); the window we
+        # open closes after matchmaking_time_s (longer on a slow DHT): past it we wait only for expected peers
+        # without whom we would be alone (``matchmaking.decide``)
+        wait_s = max(0.0, deadline - time.monotonic() - self.matchmaker.grace_s())
+        window_s = self.matchmaker.window_s(cfg.matchmaking_time_s)
         assert self.announce_host is not None
-        me = self.matchmaker.make_entry(round_key, os.urandom(16), self.announce_host, self.port, kx_public, wait_s)
+        me = self.matchmaker.make_entry(
+            round_key, os.urandom(16), self.announce_host, self.port, kx_public, wait_s, window_s
+        )
         banned = self._banned_now()
         decision, reason = self.matchmaker.match(
             me,
@@ -336,17 +353,20 @@ class GroupAverager:
                            fallback=self.fallback, **kw)  # fmt: skip
         return r.run(flat, weight, deadline, out=out, residual_out=residual_out)
 
-    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected):
+    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected, accept):
         out = self._outputs
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
         decl, secret, banned = self._match(f"e{epoch}", self.config.target_group_size, deadline, expected)
         ids = decl.member_ids()
         if len(ids) == 1:
+            refusal = accept(flat) if accept is not None else ""
+            if refusal:
+                raise RoundFailed("refused", refusal)
             solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0)
             self._feedback_done(residual, exact=True)
             return solo, decl.round_id, ids
         outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, out.get(), residual,
-                            banned=banned)  # fmt: skip
+                            banned=banned, accept=accept)  # fmt: skip
         self._feedback_done(residual)
         return outcome, decl.round_id, outcome.contributors
 

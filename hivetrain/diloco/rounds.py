@@ -8,7 +8,15 @@ the background while the next inner phase runs (``diloco.overlap``).
 All-or-nothing (``averaging.base``): a round either commits bit-identical results on every member or applies nothing
 anywhere. A contribution that did not commit is never silently dropped: "resync" and "carry" hand it back to the
 trainer, which sends it with its next pseudo-gradient if that is computed against the same state, and otherwise
-counts it as discarded (``sync_policy.keep_carried``).
+counts it as discarded (``sync_policy.keep_carried``). Phases carried at one epoch all start from the same θ, so each
+Δ is an estimate of the same update: a carried contribution is their sample-weighted mean, sent with their summed
+samples as its weight (``Contribution.merged``), never their sum (issue 22: six phases' Δ summed and applied with
+outer lr 1 took the eval loss from 5.54 to 55), and holds at most ``diloco.max_carried_phases`` phases.
+
+Every outer step is bounded (``diloco.update_bound``): the runner keeps the norms of its last committed updates and
+hands the averager an ``accept`` check that refuses a result whose norm exceeds ``averaging.max_update_ratio`` x their
+median. With butterfly the check runs inside the round's two-phase commit on every member, so a refused round
+aborts everywhere and is a failed round like any other ("refused" for us, "aborted" for the others).
 
 With ``averaging.strategy`` "moshpit" or "gossip" a round averages within small groups only, so peers hold different
 θ. Averaging Δ there would leave those differences in place for ever (θ drift then grows like a random walk: 50% of
@@ -34,12 +42,16 @@ from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.diloco.sync_policy import (
+    CatchUp,
     RoundPolicy,
     RoundView,
     SyncTrust,
     committed_without_us,
     decide_after_round,
+    keep_carried,
+    note_behind,
 )
+from hivetrain.diloco.update_bound import UpdateNorms, l2_norm, update_bound
 from hivetrain.faults import FaultInjector, HookPoint
 from hivetrain.peers.records import PeerRecord
 
@@ -53,27 +65,90 @@ class Contribution:
     """What a peer sends to one round: its pseudo-gradient(s) and their weight.
 
     Attributes:
-        delta: Δ per parameter, fp32 CPU, ``state.params`` order (the sum over phases when a contribution was carried).
-        samples: samples behind ``delta`` (the round's weight).
+        delta: Δ per parameter, fp32 CPU, ``state.params`` order; for a carried contribution the sample-weighted mean
+            of its phases' Δ (``merged``).
+        samples: samples behind ``delta``, all its phases together (the round's weight).
         epoch: the epoch whose state the oldest part of ``delta`` was computed from.
+        parts: the single-phase contributions it merges, oldest first; empty = it is one phase itself. Kept so that
+            the oldest can be dropped (``without_oldest``): a carried contribution holds one fp32 copy of the
+            parameters per phase, at most ``diloco.max_carried_phases``.
     """
 
     delta: list[torch.Tensor]
     samples: int
     epoch: int
+    parts: tuple[Contribution, ...] = ()
+
+    @property
+    def phases(self) -> tuple[Contribution, ...]:
+        """The single-phase contributions in this one, oldest first."""
+        return self.parts or (self,)
 
     def merged(self, older: Contribution | None) -> Contribution:
-        """This contribution plus an older carried one: Δ summed, samples summed, the older epoch kept."""
+        """This contribution with an older carried one: their phases' sample-weighted mean Δ.
+
+        DiLoCo's pseudo-gradient (Douillard et al. 2023, Algorithm 1) is one estimate of the update from θ. Phases
+        carried at one epoch all start from the same θ, so their Δ are independent estimates of one update, and the
+        averaging weights each by its samples: merged, Δ = Σ w_i Δ_i / Σ w_i with weight Σ w_i, exactly what the
+        round would compute had each phase been a peer of its own. (Their sum would apply k phases' worth of
+        update from one θ: issue 22.) The older epoch is kept.
+        """
         if older is None:
             return self
-        delta = [torch.add(a, b) for a, b in zip(older.delta, self.delta, strict=True)]
-        return Contribution(delta, older.samples + self.samples, min(older.epoch, self.epoch))
+        return _mean_of((*older.phases, *self.phases))
+
+    def without_oldest(self, num_phases: int) -> Contribution | None:
+        """This contribution without its ``num_phases`` oldest phases (the mean of the rest); None if none is left."""
+        kept = self.phases[num_phases:]
+        if not kept:
+            return None
+        return kept[0] if len(kept) == 1 else _mean_of(kept)
+
+
+def carry(
+    older: Contribution | None, newer: Contribution, *, max_phases: int, max_samples: int, max_staleness: int = 0
+) -> tuple[Contribution, int, str]:
+    """``newer`` with what ``keep_carried`` keeps of the carried ``older`` (``Contribution.merged``).
+
+    Args:
+        max_phases: ``diloco.max_carried_phases``; max_samples: ``averaging.max_samples_per_round``;
+        max_staleness: passed to ``keep_carried`` (epochs).
+
+    Returns:
+        (the contribution to send, samples of the carried phases dropped, why they were dropped: "" if none).
+    """
+    if older is None:
+        return newer, 0, ""
+    decision = keep_carried(
+        older.epoch,
+        newer.epoch,
+        [p.samples for p in older.phases],
+        newer.samples,
+        max_samples=max_samples,
+        max_phases=max_phases,
+        new_phases=len(newer.phases),
+        max_staleness=max_staleness,
+    )
+    dropped = sum(p.samples for p in older.phases[: decision.drop])
+    return newer.merged(older.without_oldest(decision.drop)), dropped, decision.reason if decision.drop else ""
+
+
+def _mean_of(parts: tuple[Contribution, ...]) -> Contribution:
+    """One contribution of several single-phase ones: Δ their sample-weighted mean (fp32), samples their sum."""
+    total = sum(p.samples for p in parts)
+    shares = [p.samples / total for p in parts] if total > 0 else [1.0 / len(parts)] * len(parts)
+    delta = [torch.mul(t, shares[0]) for t in parts[0].delta]
+    for part, share in zip(parts[1:], shares[1:], strict=True):
+        for acc, t in zip(delta, part.delta, strict=True):
+            acc.add_(t, alpha=share)
+    return Contribution(delta, total, min(p.epoch for p in parts), parts)
 
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    """How a round ended. ``policy.action`` "apply": ``state`` (epoch + 1, its hash in ``state_hash``) and ``result``
-    are set; any other action: nothing was applied and the contribution is the caller's to carry or discard."""
+    """How a round ended. ``policy.action`` "apply": ``state`` (epoch + 1, its hash in ``state_hash``), ``result`` and
+    ``update_norm`` (‖Δ̄‖₂ of the applied averaged pseudo-gradient; moshpit/gossip: ‖θ_new − θ_old‖₂) are set; any
+    other action: nothing was applied and the contribution is the caller's to carry or discard."""
 
     policy: RoundPolicy
     attempts: int
@@ -81,6 +156,7 @@ class RoundOutcome:
     state_hash: str = ""
     result: RoundResult | None = None
     sent: list[torch.Tensor] | None = None
+    update_norm: float = 0.0
 
 
 def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: float, stale_after_s: float):
@@ -146,6 +222,8 @@ class RoundRunner:
             member's record showing that the group committed it before retrying, seconds (the run's
             ``commit_timeout_s`` plus a record heartbeat: members commit up to that much later than we fail, then
             publish at once). 0 = look once.
+        catch_up_wait_s: how long a live trainer behind our epoch (a joiner, a restarted peer) holds our solo steps,
+            seconds (``sync_policy.CatchUp``); 0 = solo steps go on past it.
     """
 
     def __init__(
@@ -162,15 +240,21 @@ class RoundRunner:
         dht_lost_after_s: float,
         trust: Callable[[], SyncTrust] = SyncTrust,
         voted_wait_s: float = 0.0,
+        catch_up_wait_s: float = 0.0,
     ):
         self.peer_id, self.averager, self.view, self.config = peer_id, averager, view, config
         self.faults, self.emit, self.stop = faults, emit, stop
         self.stale_after_s, self.dht_lost_after_s = stale_after_s, dht_lost_after_s
         self.trust, self.voted_wait_s = trust, voted_wait_s
         self.exact_average = config.averaging.strategy == "butterfly"
+        # norms of our last committed updates (``update_bound``); a state download keeps them: the run's scale stays
+        self.norms = UpdateNorms(config.averaging.update_norm_window)
+        self._checked_norm: float | None = None  # the norm ``_accept`` computed for the round in progress
         self.rounds_failed = 0
         self.last_failure = ""
         self.split = ""  # ``split_warning`` at the last round: said once each time it starts to hold
+        self.catch_up_wait_s = catch_up_wait_s
+        self.behind_since: dict[str, float] = {}  # live trainers behind our epoch -> first seen so (``CatchUp``)
 
     def run(self, state: TrainingState, state_hash: str, contribution: Contribution) -> RoundOutcome:
         """Average ``contribution`` at ``state.epoch`` and build the next shared state; never modifies ``state``.
@@ -204,14 +288,23 @@ class RoundRunner:
             expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
             if attempt == 1:
                 self._warn_split(len(expected) + 1)
+            self._checked_norm = None
+            accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
-                result = self.averager.average(sent, weight, epoch, cfg.round_timeout_s, expected_peers=expected)
+                result = self.averager.average(
+                    sent, weight, epoch, cfg.round_timeout_s, expected_peers=expected, accept=accept
+                )
             except RoundFailed as exc:
                 failure = exc.reason + (f" ({exc.detail})" if exc.detail else "")
                 if exc.voted is not None and local is None:
                     adopted = self._committed_without_us(state, exc.voted, failure)
                     if adopted is not None:
-                        return RoundOutcome(adopted[2], attempt, adopted[0], adopted[1], exc.voted, list(sent))
+                        norm = self._remember_norm(exc.voted.tensors)
+                        return RoundOutcome(adopted[2], attempt, adopted[0], adopted[1], exc.voted, list(sent), norm)
+            if result is not None and local is not None:  # moshpit/gossip: bound our own step θ_new − θ_old
+                refusal = self._refuse_step(state, result.tensors)
+                if refusal:
+                    result, failure = None, f"refused ({refusal})"
             solo = result is not None and len(result.group) == 1
             records = self.view.refresh() if result is None or solo else self.view.records
             view = RoundView(
@@ -236,6 +329,8 @@ class RoundRunner:
                 dht_lost_after_s=self.dht_lost_after_s,
                 exact_average=self.exact_average,
                 trust=self.trust(),
+                catch_up=self._catch_up(epoch, records),
+                backoff_floor_s=getattr(self.averager, "dht_latency_s", 0.0),
             )
             if policy.action == "apply":
                 assert result is not None
@@ -244,7 +339,8 @@ class RoundRunner:
                 else:
                     theta = {name: t.clone() for name, t in zip(local.params, result.tensors, strict=True)}
                     new_state = TrainingState(epoch=local.epoch, params=theta, momentum=local.momentum)
-                return RoundOutcome(policy, attempt, new_state, new_state.state_hash(), result, list(sent))
+                norm = self._remember_norm(result.tensors)
+                return RoundOutcome(policy, attempt, new_state, new_state.state_hash(), result, list(sent), norm)
             if result is not None or failure:  # a failed attempt, or a round of one we may not apply
                 self.rounds_failed += 1
                 reason = failure or policy.reason
@@ -255,6 +351,34 @@ class RoundRunner:
             if policy.action != "retry":
                 return RoundOutcome(policy, attempt)
             self.stop.wait(policy.backoff_s)  # back off: failures must not spin
+
+    def _accept(self, flat: torch.Tensor) -> str:
+        """``Averager.average``'s ``accept`` (butterfly): "" or why the round's averaged Δ̄ (fp32 (n,)) is refused."""
+        norm = self._checked_norm = l2_norm([flat])
+        cfg = self.config.averaging
+        ok, why = update_bound(norm, self.norms.history, cfg.max_update_ratio, cfg.update_norm_min_history)
+        return "" if ok else why
+
+    def _refuse_step(self, state: TrainingState, theta: list[torch.Tensor]) -> str:
+        """Moshpit/gossip: "" or why our step from ``state`` to the averaged ``theta`` is refused. Each peer decides
+        for itself: the groups end with different θ by design, so one peer keeping its θ forks nothing (the next
+        rounds mix it back in)."""
+        step = [torch.sub(new, old) for new, old in zip(theta, state.params.values(), strict=True)]
+        norm = self._checked_norm = l2_norm(step)
+        cfg = self.config.averaging
+        ok, why = update_bound(norm, self.norms.history, cfg.max_update_ratio, cfg.update_norm_min_history)
+        return "" if ok else why
+
+    def _remember_norm(self, applied: list[torch.Tensor]) -> float:
+        """A round committed: keep its norm in the history (the one the check computed; else computed now)."""
+        norm = self._checked_norm if self._checked_norm is not None else l2_norm(applied)
+        self.norms.add(norm)
+        return norm
+
+    def _catch_up(self, epoch: int, records: list[PeerRecord]) -> CatchUp:
+        """The peers behind ``epoch`` we still hold solo steps for (``sync_policy.may_commit_alone``)."""
+        note_behind(self.behind_since, self.peer_id, epoch, records, get_dht_time())
+        return CatchUp(dict(self.behind_since), self.catch_up_wait_s)
 
     def _warn_split(self, num_peers: int) -> None:
         cfg = self.config.averaging

@@ -13,7 +13,9 @@ their senders returned for banning.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,13 +56,32 @@ class SyncTrust:
 @dataclass(frozen=True)
 class SyncDecision:
     """``action``: "train" or "download" the state of ``target_epoch`` from ``donors``; ``ban``: peers whose claims the
-    run's age rules out (the caller bans them); ``reason`` is for people only."""
+    run's age rules out (the caller bans them); ``reason`` is for people only. A trainer adopts a downloaded state
+    only if its eval loss on the trainer's own held-out windows passes ``loss_check`` (and bans its donors
+    otherwise): a quorum counts identities, which are free in an open run (issue 28), and the "behind, unbacked"
+    rule has no quorum at all."""
 
     action: Action
     target_epoch: int
     donors: tuple[str, ...]
     reason: str
     ban: tuple[str, ...] = field(default=())
+
+
+LOSS_TOLERANCE = 0.1  # an unbacked state may be this fraction worse than ours on our windows (issue 28: +10%)
+
+
+def loss_check(candidate_loss: float, own_loss: float, tolerance: float = LOSS_TOLERANCE) -> tuple[bool, str]:
+    """Whether a state nobody else can vouch for is good enough to adopt: its eval loss on our own held-out windows
+    (nats per token) is finite and at most ``(1 + tolerance)`` x ours. A state a peer trained from the run's is as
+    good as ours or better (it holds more outer steps); a poisoned or random one is far worse (random weights x5 on
+    the tiny model: loss 641 against 2.7). What it cannot catch: a state worse by less than the tolerance."""
+    if not candidate_loss == candidate_loss or candidate_loss == float("inf"):  # NaN or inf
+        return False, f"its eval loss on our windows is {candidate_loss}"
+    bound = own_loss * (1.0 + tolerance)
+    if candidate_loss > bound:
+        return False, f"its eval loss on our windows is {candidate_loss:.3f}, ours {own_loss:.3f} (bound {bound:.3f})"
+    return True, f"its eval loss on our windows is {candidate_loss:.3f}, ours {own_loss:.3f}"
 
 
 @dataclass(frozen=True)
@@ -151,6 +172,7 @@ def decide_sync(
     *,
     trust: SyncTrust = SyncTrust(),
     my_vote: bool = True,
+    unbacked: bool = False,
 ) -> SyncDecision:
     """Decide whether to keep training or download state first, on evidence only.
 
@@ -162,6 +184,11 @@ def decide_sync(
       counting our own vote, is not ours. Every peer counts the same population, its own hash included, so both sides
       of a fork agree on who downloads (a 2-1 fork: the lone peer; a 1-1 tie: nobody, as nothing tells the honest
       side from a liar; with ``min_fraction < 0.5`` ties go to the larger hash string on both sides).
+    - **behind, unbacked** (``unbacked`` only, exact averaging): no other live trainer is at our epoch, so we can
+      average with nobody, and trainers claim newer epochs that no quorum can back (a run of two peers, one of them
+      ahead: issue 22's late joiner and restarted peer, stuck for minutes while the other committed solo steps). We
+      download the newest such state: the caller adopts it only if ``loss_check`` passes on its own windows,
+      evidence a liar cannot fake with random weights, and bans its donors otherwise.
     - otherwise **train**: claims without a quorum are ignored (the reason names them).
 
     Args:
@@ -173,6 +200,7 @@ def decide_sync(
             they differ by design, so only "behind" triggers a download, never a differing hash.
         trust: the quorum's thresholds, the run's coordinator, the run's start, the banned peers.
         my_vote: our state counts as a vote (trainers); False for the coordinator, which trains nothing.
+        unbacked: allow the "behind, unbacked" rule (trainers, which can evaluate a state on their own windows).
 
     Returns:
         The decision; ``ban`` lists the peers whose epochs the run's age rules out.
@@ -206,7 +234,32 @@ def decide_sync(
         if my_hash and theirs != my_hash:
             why = f"forked: {by} state {theirs[:12]} at epoch {my_epoch}, we hold {my_hash[:12]}"
             return SyncDecision("download", my_epoch, holding(my_epoch, theirs), why + notes, ev.ban)
+        if unbacked:
+            lone = _lone_behind(ev, my_epoch)
+            if lone is not None:
+                epoch, state_hash, why = lone
+                return SyncDecision("download", epoch, holding(epoch, state_hash), why + notes, ev.ban)
     return SyncDecision("train", my_epoch, (), "in sync" + _unbacked(ev, my_epoch) + notes, ev.ban)
+
+
+def _lone_behind(ev: _Evidence, my_epoch: int) -> tuple[int, str, str] | None:
+    """(epoch, hash, reason) of the newest state trainers claim ahead of us when nobody else is at our epoch, else
+    None. Of several hashes at that epoch the most held wins, ties to the larger hash string (after a refused download
+    its donors are banned and the next one is tried)."""
+    trainers = [r for r in ev.claims if r.role == "trainer"]
+    if any(r.epoch == my_epoch for r in trainers):
+        return None  # someone to average with: the quorum rule alone moves us
+    ahead = [r for r in trainers if r.epoch > my_epoch]
+    if not ahead:
+        return None
+    newest = max(r.epoch for r in ahead)
+    counts = Counter(r.state_hash for r in ahead if r.epoch == newest)
+    state_hash, holders = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    why = (
+        f"behind, unbacked: {holders} trainer(s) hold epoch {newest} ({state_hash[:12]}), we are at {my_epoch} with "
+        "nobody to average with: adopt it if its loss on our windows passes"
+    )
+    return newest, state_hash, why
 
 
 def _unbacked(ev: _Evidence, my_epoch: int) -> str:
@@ -218,6 +271,38 @@ def _unbacked(ev: _Evidence, my_epoch: int) -> str:
     return f"; no quorum for epoch(s) {shown} claimed by {sum(r.epoch > my_epoch for r in ev.claims)} peer(s)"
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """How long a peer holds its solo steps for live trainers behind it (a joiner downloading, a peer that restarted
+    or fell one epoch behind), so that they can reach its epoch and average with it.
+
+    Attributes:
+        behind_since: peer id -> DHT time (seconds) we first saw it behind our epoch this time (the caller keeps it:
+            ``note_behind``).
+        wait_s: how long each is waited for, seconds (0 = never: solo steps go on past peers behind us).
+    """
+
+    behind_since: Mapping[str, float] = field(default_factory=dict)
+    wait_s: float = 0.0
+
+
+def note_behind(
+    behind_since: dict[str, float], my_peer_id: str, my_epoch: int, records: Iterable[PeerRecord], now: float
+) -> None:
+    """Update ``behind_since`` (``CatchUp``): live trainers behind ``my_epoch`` keep their first time seen behind;
+    those no longer behind are forgotten (a peer that catches up and falls behind again is waited for again)."""
+    behind = {
+        r.peer_id
+        for r in records
+        if r.peer_id != my_peer_id and r.role == "trainer" and not r.left_reason and r.epoch < my_epoch
+    }
+    for peer in list(behind_since):
+        if peer not in behind:
+            del behind_since[peer]
+    for peer in behind:
+        behind_since.setdefault(peer, now)
+
+
 def may_commit_alone(
     my_peer_id: str,
     my_epoch: int,
@@ -225,14 +310,18 @@ def may_commit_alone(
     now: float,
     stale_after_s: float,
     trust: SyncTrust = SyncTrust(),
+    catch_up: CatchUp = CatchUp(),
 ) -> tuple[bool, str]:
     """A round of one peer may be applied only if no other live trainer is at our epoch or later, or computing a
-    pseudo-gradient for it (``phase_epoch``: with overlap a peer's state lags the round its phase is for).
+    pseudo-gradient for it (``phase_epoch``: with overlap a peer's state lags the round its phase is for), and none
+    behind us is still within its ``catch_up`` wait.
 
-    Otherwise applying it would fork the run: the others will average without us, and we must wait or resync.
+    Otherwise applying it would fork the run (the others average without us: we must wait or resync), or run ahead
+    of a peer that is catching up: a joiner that downloads our epoch while we commit solo steps arrives one epoch
+    behind every time, and the two never average (issue 22: 35-60 solo steps while a joiner failed every round).
     Banned peers (``trust.banned``) do not count.
     """
-    others = [
+    live = [
         r
         for r in records
         if r.peer_id != my_peer_id
@@ -240,10 +329,17 @@ def may_commit_alone(
         and not r.left_reason
         and r.peer_id not in trust.banned
         and now - r.updated_at <= stale_after_s
-        and (r.epoch >= my_epoch or r.phase_epoch >= my_epoch)
     ]
+    others = [r for r in live if r.epoch >= my_epoch or r.phase_epoch >= my_epoch]
     if others:
         return False, f"{len(others)} other live trainer(s) at epoch >= {my_epoch}; a solo step would fork the run"
+    waited = catch_up.behind_since
+    catching_up = [r for r in live if now - waited.get(r.peer_id, now) < catch_up.wait_s]
+    if catching_up:
+        return False, (
+            f"{len(catching_up)} live trainer(s) behind us catching up (waited for up to {catch_up.wait_s:g}s); "
+            "a solo step would leave them behind again"
+        )
     return True, "no other live trainer"
 
 
@@ -336,6 +432,8 @@ def decide_after_round(
     dht_lost_after_s: float,
     exact_average: bool = True,
     trust: SyncTrust = SyncTrust(),
+    catch_up: CatchUp = CatchUp(),
+    backoff_floor_s: float = 0.0,
 ) -> RoundPolicy:
     """The retry / solo-commit / resync / lost-DHT policy of the train loop, after one averaging attempt.
 
@@ -350,6 +448,10 @@ def decide_after_round(
     Args:
         records: the swarm's peer records (ours included or not); now: DHT time, seconds.
         trust: passed to ``decide_sync`` and ``may_commit_alone`` (a resync needs the same evidence as a download).
+        catch_up: passed to ``may_commit_alone``: peers behind us we still wait for.
+        backoff_floor_s: the shortest backoff, seconds (the caller's measured DHT latency: retrying faster than the
+            DHT answers only replaces our entry before anyone read it). Each backoff is stretched by up to 50%,
+            differently per peer and attempt, so that two peers that failed together do not retry in lockstep.
     """
     records = list(records)
     if view.stopping:
@@ -363,34 +465,78 @@ def decide_after_round(
         if not view.view_ok:
             failure = "alone: cannot read the swarm's records (DHT unreachable): no solo step"
         else:
-            ok, why = may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust)
+            ok, why = may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust, catch_up)
             if ok:
                 return RoundPolicy("apply", f"alone: {why}")
             failure = f"alone: {why}"
     sync = decide_sync(my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average, trust=trust)
     if sync.action == "download":
         return RoundPolicy("resync", f"{failure}; {sync.reason}")
-    waiting_for_peers = not may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust)[0]
+    waiting_for_peers = not may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust, catch_up)[0]
     if view.attempt > max_retries and not (waiting_for_peers and view.time_left_s > 0):
         why = "round deadline reached" if waiting_for_peers else "no other live peer at our epoch"
         return RoundPolicy("carry", f"{failure}; {why} after {view.attempt} attempts: train on, send both later")
-    return RoundPolicy("retry", failure, backoff_s=min(0.25 * 2 ** (view.attempt - 1), 4.0))
+    backoff = max(min(0.25 * 2 ** (view.attempt - 1), 4.0), backoff_floor_s)
+    backoff *= 1.0 + 0.5 * _jitter(my_peer_id, view.epoch, view.attempt)
+    return RoundPolicy("retry", failure, backoff_s=backoff)
+
+
+def _jitter(peer_id: str, epoch: int, attempt: int) -> float:
+    """A number in [0, 1) fixed by (peer, epoch, attempt): deterministic (tests, the simulator), different per peer."""
+    digest = hashlib.sha256(f"{peer_id}|{epoch}|{attempt}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") / 2**32
+
+
+@dataclass(frozen=True)
+class CarryDecision:
+    """``drop``: how many of the oldest carried phases to drop (0 = keep them all; all of them = start afresh);
+    ``reason`` is for people only."""
+
+    drop: int
+    reason: str
 
 
 def keep_carried(
-    carried_epoch: int, new_epoch: int, carried_samples: int, max_samples: int, max_staleness: int = 0
-) -> tuple[bool, str]:
-    """May a pseudo-gradient computed against the state of ``carried_epoch`` go into the round of ``new_epoch``?
+    carried_epoch: int,
+    new_epoch: int,
+    carried_samples: Sequence[int],
+    new_samples: int,
+    *,
+    max_samples: int,
+    max_phases: int,
+    new_phases: int = 1,
+    max_staleness: int = 0,
+) -> CarryDecision:
+    """Which carried phases computed against the state of ``carried_epoch`` may go into the round of ``new_epoch``?
 
     A contribution whose round failed while nobody moved on is sent again with the next one (same state: nothing is
-    stale). Past ``max_staleness`` epochs it is dropped, as is a contribution whose weight would exceed
-    ``max_samples`` (``averaging.max_samples_per_round``, what other peers accept). The trainer uses 0: in the
-    utilization bench a pseudo-gradient carried across a state download (one epoch stale) with the weight of two
-    phases took the eval loss from 2.72 to 4.39 for one epoch (dev/LOG.md, 2026-11-25), while the swarm's schedule
-    kept every sample without it.
+    stale), as the sample-weighted mean of its phases (``diloco.rounds.Contribution.merged``). Past ``max_staleness``
+    epochs all of it is dropped. Otherwise its oldest phases are dropped until the contribution holds at most
+    ``max_phases`` phases (``diloco.max_carried_phases``) and ``max_samples`` samples
+    (``averaging.max_samples_per_round``, what other peers accept). The trainer uses staleness 0: in the utilization
+    bench a pseudo-gradient carried across a state download (one epoch stale) with the weight of two phases took the
+    eval loss from 2.72 to 4.39 for one epoch (dev/LOG.md, 2026-11-25), while the swarm's schedule kept every sample
+    without it. The simulator calls it too (``sim.dataparallel``).
+
+    Args:
+        carried_samples: samples of each carried phase, oldest first.
+        new_samples: samples of the new contribution (``new_phases`` phases) they would join.
     """
-    if new_epoch - carried_epoch > max_staleness:
-        return False, f"computed at epoch {carried_epoch}, {new_epoch - carried_epoch} epochs stale"
-    if carried_samples > max_samples:
-        return False, f"{carried_samples} samples exceed averaging.max_samples_per_round ({max_samples})"
-    return True, "kept"
+    num = len(carried_samples)
+    if num and new_epoch - carried_epoch > max_staleness:
+        return CarryDecision(num, f"computed at epoch {carried_epoch}, {new_epoch - carried_epoch} epochs stale")
+    drop = 0
+    while drop < num and (
+        num - drop + new_phases > max_phases or sum(carried_samples[drop:]) + new_samples > max_samples
+    ):
+        drop += 1
+    if not drop:
+        return CarryDecision(0, "kept")
+    reasons = []
+    if num + new_phases > max_phases:
+        reasons.append(f"{num + new_phases} phases exceed diloco.max_carried_phases ({max_phases})")
+    if sum(carried_samples) + new_samples > max_samples:
+        reasons.append(
+            f"{sum(carried_samples) + new_samples} samples exceed averaging.max_samples_per_round ({max_samples})"
+        )
+    return CarryDecision(drop, f"the oldest {drop} of {num} carried phase(s) dropped: " + "; ".join(reasons))

@@ -33,12 +33,12 @@ from hivetrain.diloco.node_ranks import NodeInner, NodeRanks, current_node
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
-from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner
+from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
 from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import decide_sync, keep_carried
+from hivetrain.diloco.sync_policy import decide_sync, loss_check
 from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
@@ -161,6 +161,8 @@ class DilocoTrainer:
             dht_lost_after_s=options.dht_lost_after_s,
             trust=lambda: self.evidence.trust,
             voted_wait_s=config.averaging.commit_timeout_s + options.record_interval_s,
+            # a joiner behind us downloads our state (one state timeout) and joins the next round (one round timeout)
+            catch_up_wait_s=options.state_timeout_s + config.averaging.round_timeout_s,
         )
         diloco = config.diloco
         self.background = BackgroundRound(
@@ -288,6 +290,7 @@ class DilocoTrainer:
             stale_after_s=self.options.record_ttl_s,
             exact_average=self._exact_average,
             trust=self.evidence.trust,
+            unbacked=True,
         )
         self.evidence.ban(decision.ban, decision.reason)
         if decision.action == "train":
@@ -341,6 +344,16 @@ class DilocoTrainer:
                     self.evidence.ban(decision.donors, f"served a state far from the swarm's: {verdict.refused}")
                 self._stop.wait(1.0)
                 return False
+        # Evidence of our own, which no number of identities can fake: its loss on our held-out windows. A quorum
+        # counts identities, which are free in an open run (issue 28: 2 identities one epoch ahead took over 2 honest
+        # peers, their joiner and the coordinator with random weights x5), and an unbacked state has no quorum at all.
+        ok, why = loss_check(self._evaluate(state), self._evaluate())
+        if not ok:
+            logger.warning("state download refused: %s", why)
+            self._emit("state_download_failed", reason=f"state refused: {why}")
+            self.evidence.ban(decision.donors, f"served a state far worse than ours: {why}")
+            self._stop.wait(1.0)
+            return False
         self.state = state
         self.evidence.anchor(state.epoch)
         self.background.forget()
@@ -397,13 +410,7 @@ class DilocoTrainer:
             skipped_steps=result.num_skipped_steps,  # fp16: steps the gradient scaler skipped
         )
         fresh = Contribution(pseudo_gradient(start, self.model), result.num_samples, phase_epoch)
-        if self._pending is not None:
-            total = self._pending.samples + fresh.samples
-            ok, why = keep_carried(self._pending.epoch, phase_epoch, total, self.config.averaging.max_samples_per_round)
-            if not ok:
-                self._discard(self._pending.samples, why)
-                self._pending = None
-        self._pending = fresh.merged(self._pending)
+        self._pending = self._carry(self._pending, fresh)
         return self._pending
 
     def outer_phase(self) -> str:
@@ -432,8 +439,9 @@ class DilocoTrainer:
         if policy.action != "apply":
             if policy.action == "stop":
                 self._discard(contribution.samples, "the peer stopped during the round")
-            else:  # resync / carry: sent again with our next pseudo-gradient
-                self._pending = self._pending.merged(contribution) if self._pending else contribution
+            else:  # resync / carry: sent again with our next pseudo-gradient (their sample-weighted mean); with
+                # overlap that one ran while this round was in flight, for the round after it: one epoch "later"
+                self._pending = self._carry(contribution, self._pending, 1) if self._pending else contribution
                 self._emit("contribution_carried", reason=policy.reason, samples=contribution.samples)
             return policy.action
         result = outcome.result
@@ -459,6 +467,7 @@ class DilocoTrainer:
             excluded=list(result.excluded),
             samples=contribution.samples,
             attempts=outcome.attempts,
+            update_norm=outcome.update_norm,  # ‖Δ̄‖₂ applied (moshpit/gossip: ‖θ_new − θ_old‖₂; update_bound)
         )
         return policy.action
 
@@ -496,6 +505,13 @@ class DilocoTrainer:
         self.sync_state()
         return self.state.epoch == epoch
 
+    def _carry(self, older: Contribution | None, newer: Contribution, max_staleness: int = 0) -> Contribution:
+        """``rounds.carry``: the carried phases ``keep_carried`` drops are counted as discarded."""
+        phases, samples = self.config.diloco.max_carried_phases, self.config.averaging.max_samples_per_round
+        merged, dropped, why = carry(older, newer, max_phases=phases, max_samples=samples, max_staleness=max_staleness)
+        self._discard(dropped, why)
+        return merged
+
     def _discard(self, samples: int, reason: str) -> None:
         if samples <= 0:
             return
@@ -503,10 +519,15 @@ class DilocoTrainer:
         logger.warning("discarding %d computed samples: %s", samples, reason)
         self._emit("samples_discarded", samples=samples, reason=reason)
 
-    def _evaluate(self) -> float:
-        load_into_model(self.state, self.model)
+    def _evaluate(self, state: TrainingState | None = None) -> float:
+        """Eval loss of ``state`` (default: ours, recorded in the stats) on our held-out windows; the model is left
+        holding our own θ either way."""
+        load_into_model(state or self.state, self.model)
         loss = evaluate(self.model, self.eval_windows)
-        self.stats.last_eval_loss = loss
+        if state is None:
+            self.stats.last_eval_loss = loss
+        else:
+            load_into_model(self.state, self.model)
         return loss
 
     def _record(self) -> PeerRecord:

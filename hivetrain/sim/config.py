@@ -194,6 +194,8 @@ class ScheduleSettings:
             max_extrapolation_s: as ``PhasePlan``.
         record_interval_s: every peer publishes its record and reads everyone's this often, seconds.
         record_ttl_s: a record not refreshed for this long expires; also the staleness bound of ``decide_sync``.
+        max_carried_phases: as ``diloco.max_carried_phases`` (the same default): the most phases a carried
+            contribution holds; past it the oldest are dropped (``sync_policy.keep_carried``).
     """
 
     schedule: Literal["steps", "swarm"] = "swarm"
@@ -205,6 +207,7 @@ class ScheduleSettings:
     max_extrapolation_s: float = Field(default=15.0, ge=0.0)
     record_interval_s: float = Field(default=5.0, gt=0.0)
     record_ttl_s: float = Field(default=30.0, gt=0.0)
+    max_carried_phases: int = Field(default=4, ge=1, le=64)
 
 
 @dataclass(frozen=True, config=_STRICT)

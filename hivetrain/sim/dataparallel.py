@@ -28,7 +28,7 @@ import numpy as np
 import simpy
 
 from hivetrain.diloco.schedule import PhasePlan
-from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
+from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, keep_carried
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.config import Scenario
 from hivetrain.sim.consensus import relative_deviation
@@ -303,6 +303,7 @@ class DataParallelSim:
             return  # left during the download
         st.theta[slot], st.state_hash[slot], st.i["epoch"][slot] = theta, hash_, src_epoch
         st.f["carried_samples"][slot] = 0
+        st.i["carried_phases"][slot] = 0
         st.start_phase(slot, src_epoch, self.env.now)
         self.partition.on_download(slot, source, self.env.now)
         self.publish_now(np.array([slot]), self.env.now)
@@ -329,10 +330,36 @@ class DataParallelSim:
         step_s = st.step_s(slots, B)
         ending = [int(slots[k]) for k in np.flatnonzero(ends)]
         for k in np.flatnonzero(ends):
+            self._trim_carried(int(slots[k]), int(steps[k] * B))
             st.end_phase(int(slots[k]), int(steps[k] * B), float(steps[k] * step_s[k]), self.noise_rng)
         if ending:
             self.publish_now(np.array(ending), now)  # others stop counting on our progress (``request_publish``)
             self.rounds.announce(ending, now)
+
+    def _trim_carried(self, slot: int, new_samples: int) -> None:
+        """``slot`` ends a phase of ``new_samples`` samples: drop the oldest carried phases past
+        ``schedule.max_carried_phases`` or ``averaging.max_samples_per_round`` (``keep_carried``, as the trainer).
+
+        The simulation keeps a carried contribution's samples and phase count, not each phase's: every carried phase
+        counts for an equal share of the samples, and the mean Δ of the phases kept stands for the mean of all (each
+        is an estimate of the same update). The samples dropped are counted lost, so the accounting still closes.
+        """
+        st = self.state
+        phases = int(st.i["carried_phases"][slot])
+        carried = float(st.f["carried_samples"][slot])
+        if phases == 0 or carried == 0:
+            return
+        share = carried / phases
+        bounds = dict(
+            max_samples=self.sc.averaging.max_samples_per_round, max_phases=self.sc.schedule.max_carried_phases
+        )
+        decision = keep_carried(0, 0, [share] * phases, new_samples, **bounds)
+        if not decision.drop:
+            return
+        kept = phases - decision.drop
+        st.f["carried_samples"][slot] = share * kept if kept else 0.0
+        st.i["carried_phases"][slot] = kept
+        self.metrics.lose("dropped from a carried contribution", carried - st.f["carried_samples"][slot])
 
     def _phase_ends(self, slots: np.ndarray, steps: np.ndarray, now: float) -> np.ndarray:
         """Which of ``slots`` (one side's, while split) end their phase now, after ``steps`` inner steps."""

@@ -433,6 +433,7 @@ class RoundEngine:
         if policy.action == "resync" and self.sim.sync_or_download(slots, epoch, st.state_hash[slots[0]], now):
             for slot in slots:
                 st.f["carried_samples"][slot] = 0  # ``keep_carried`` with max_staleness 0: lost across a download
+                st.i["carried_phases"][slot] = 0
                 self.sim.metrics.lose("dropped by a resync", st.f["weight"][slot])
             return
         if policy.action in ("retry", "lost"):
@@ -440,6 +441,7 @@ class RoundEngine:
             return
         for slot in slots:  # carry (or resync without donors): train on at this epoch, send both later
             st.f["carried_samples"][slot] = st.f["weight"][slot]
+            st.i["carried_phases"][slot] = st.i["phases"][slot]
             st.f["ready_since"][slot] = 0
             st.i["attempt"][slot] = 0
             st.start_phase(slot, epoch, now)

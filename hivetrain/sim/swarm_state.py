@@ -26,7 +26,7 @@ class SwarmState:
     FLOAT = ("joined_at", "leaves_at", "samples_per_s", "base_samples_per_s", "up_bps", "down_bps", "latency_s",
              "phase_start", "carried_samples", "compute_s", "live_s", "samples_computed", "samples_committed", "weight",
              "bytes_sent", "bytes_received", "last_decided_step", "ready_since", "trained_at")  # fmt: skip
-    INT = ("status", "epoch", "phase_epoch", "done_epoch", "done_samples", "attempt", "nat")
+    INT = ("status", "epoch", "phase_epoch", "done_epoch", "done_samples", "attempt", "nat", "phases", "carried_phases")
 
     def __init__(self, capacity: int, vector_size: int, rng: np.random.Generator):
         self.size = 0
@@ -113,15 +113,23 @@ class SwarmState:
             self.f["trained_at"][slot] = now
 
     def end_phase(self, slot: int, num_samples: int, compute_s: float, rng: np.random.Generator) -> None:
-        """The phase ended with ``num_samples`` new samples: compute the pseudo-gradient (carried samples add)."""
+        """The phase ended with ``num_samples`` new samples: compute the pseudo-gradient. A carried contribution
+        (``carried_samples`` over ``carried_phases`` phases, what ``keep_carried`` left of it) joins it as the
+        trainer's does (``diloco.rounds.Contribution.merged``): Δ their sample-weighted mean, weight their sum."""
         f = self.f
         f["compute_s"][slot] += compute_s
         f["samples_computed"][slot] += num_samples
-        total = num_samples + f["carried_samples"][slot]
+        carried = f["carried_samples"][slot]
+        total = num_samples + carried
         noise = rng.standard_normal(self.vector_size)
         fresh = num_samples * STEP_SCALE * (self.common + self.bias[slot] + noise)
-        self.delta[slot] = (self.delta[slot] if f["carried_samples"][slot] else 0.0) + fresh
+        if carried and total > 0:
+            self.delta[slot] = (carried * self.delta[slot] + num_samples * fresh) / total
+        else:
+            self.delta[slot] = fresh
         f["weight"][slot] = total
         f["carried_samples"][slot] = 0
+        self.i["phases"][slot] = self.i["carried_phases"][slot] + 1 if carried else 1
+        self.i["carried_phases"][slot] = 0
         self.i["done_epoch"][slot] = self.i["phase_epoch"][slot]
         self.i["done_samples"][slot] = int(total)

@@ -40,18 +40,22 @@ class FakeView:
 
 
 class ScriptedAverager:
-    """Returns or raises the scripted outcomes in order; records what it was called with."""
+    """Returns or raises the scripted outcomes in order; records what it was called with. Like ``GroupAverager``
+    (butterfly), a result is first offered to ``accept`` as one flat tensor; a refusal raises RoundFailed("refused")."""
 
     def __init__(self, *outcomes):
         self.outcomes, self.calls = list(outcomes), []
 
-    def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset()):
+    def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset(), accept=None):
         self.calls.append((weight, epoch, expected_peers))
         outcome = self.outcomes.pop(0)
         if callable(outcome):
             outcome = outcome()
         if isinstance(outcome, Exception):
             raise outcome
+        refusal = accept(torch.cat([t.reshape(-1) for t in outcome.tensors])) if accept is not None else ""
+        if refusal:
+            raise RoundFailed("refused", refusal)
         return outcome
 
 
@@ -100,9 +104,9 @@ def test_a_round_input_fault_changes_what_is_averaged_never_our_contribution():
     sent = []
 
     class Capturing(ScriptedAverager):
-        def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset()):
+        def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset(), accept=None):
             sent.append(([t.clone() for t in tensors], weight))
-            return super().average(tensors, weight, epoch, timeout_s, expected_peers)
+            return super().average(tensors, weight, epoch, timeout_s, expected_peers, accept)
 
     faults = FaultInjector()
     (flip,) = arm_byzantine("sign_flip", faults, environ={})
@@ -206,12 +210,14 @@ def test_a_voted_round_without_evidence_of_a_commit_is_not_applied():
     assert r.rounds_failed == 2 and s.state_hash() == state().state_hash()
 
 
-def test_merged_contributions_sum_pseudo_gradients_and_weights_and_keep_the_older_epoch():
+def test_merged_contributions_average_pseudo_gradients_by_samples_sum_weights_and_keep_the_older_epoch():
     old = Contribution([torch.ones(2)], 8, epoch=3)
     new = Contribution([torch.full((2,), 2.0)], 16, epoch=4)
     merged = new.merged(old)
-    assert torch.equal(merged.delta[0], torch.full((2,), 3.0)) and merged.samples == 24 and merged.epoch == 3
+    torch.testing.assert_close(merged.delta[0], torch.full((2,), (8 * 1.0 + 16 * 2.0) / 24))
+    assert merged.samples == 24 and merged.epoch == 3 and merged.phases == (old, new)
     assert new.merged(None) is new
+    assert merged.without_oldest(1) is new and merged.without_oldest(2) is None
 
 
 def test_a_non_finite_pseudo_gradient_is_refused_before_it_is_sent():
@@ -238,3 +244,55 @@ def test_more_trainers_than_one_butterfly_group_is_said_once_with_the_fix():
     said = [f for event, f in events if event == "averaging_split"]
     assert [f["peers"] for f in said] == [3, 3] and "moshpit" in said[0]["detail"]
     assert split_warning("butterfly", 64, 64) == "" and split_warning("moshpit", 10_000, 16) == ""
+
+
+def test_an_update_50x_the_recent_median_is_refused_like_a_failed_round_and_applied_nowhere():
+    """The bound on every outer step (``update_bound``): with 3 committed norms of 1 in the history, a round whose
+    averaged Δ̄ has norm 50 is refused inside the averager's commit (``accept``): nothing is applied, the failure is
+    logged with reason "refused" and the numbers, the history is unchanged; a normal round then applies and reports
+    its norm."""
+    events = []
+    r = runner(None, [rec("a", 4)], events)
+    for _ in range(3):
+        r.norms.add(1.0)
+    huge = RoundResult(tensors=[torch.full((3, 2), 50.0 / 6**0.5)], group=("a", "me"), total_weight=160.0, round_id="x")
+
+    def stop_retrying():
+        r.stop.set()
+        return RoundFailed("no_group")
+
+    r.averager = ScriptedAverager(huge, stop_retrying)
+    s = state()
+    out = r.run(s, s.state_hash(), contribution())
+    assert out.state is None and out.policy.action == "stop" and s.state_hash() == state().state_hash()
+    failed = [f for e, f in events if e == "round_failed"]
+    assert failed[0]["reason"] == "refused" and "50.0x the median 1 of the last 3" in failed[0]["detail"]
+    assert failed[0]["next"] == "retry" and r.norms.history == (1.0, 1.0, 1.0)
+
+    r.stop.clear()
+    sane = RoundResult(tensors=[torch.full((3, 2), 2.0 / 6**0.5)], group=("a", "me"), total_weight=160.0, round_id="y")
+    r.averager = ScriptedAverager(sane)
+    out = r.run(s, s.state_hash(), contribution())
+    assert out.policy.action == "apply" and out.update_norm == pytest.approx(2.0)
+    assert r.norms.history == pytest.approx((1.0, 1.0, 1.0, 2.0))
+
+
+def test_moshpit_bounds_each_peers_own_applied_step():
+    """Moshpit/gossip: groups end with different θ, so each peer checks its own step θ_new − θ_old and, refusing it,
+    keeps its θ (a failed round for it alone)."""
+    moshpit = RunConfig.from_dict({"averaging": {"strategy": "moshpit", "target_group_size": 2, "max_retries": 0}})
+    events = []
+    r = runner(None, [], events, config=moshpit)
+    r.exact_average = False
+    for _ in range(3):
+        r.norms.add(1.0)
+    s = state()
+    far = RoundResult(tensors=[s.params["w"] + 100.0], group=("a", "me"), total_weight=160.0, round_id="x")
+    r.averager = ScriptedAverager(far)
+    out = r.run(s, s.state_hash(), contribution())
+    assert out.state is None and out.policy.action == "carry"
+    assert [f["reason"] for e, f in events if e == "round_failed"] == ["refused"]
+    near = RoundResult(tensors=[s.params["w"] + 0.1], group=("a", "me"), total_weight=160.0, round_id="y")
+    r.averager = ScriptedAverager(near)
+    out = r.run(s, s.state_hash(), contribution())
+    assert out.policy.action == "apply" and out.update_norm == pytest.approx(0.1 * 6**0.5, rel=1e-5)

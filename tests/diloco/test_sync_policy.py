@@ -2,13 +2,16 @@
 
 from hivetrain.coordinator.follower import FollowerOptions
 from hivetrain.diloco.sync_policy import (
+    CatchUp,
     RoundView,
     SyncTrust,
     committed_without_us,
     decide_after_round,
     decide_sync,
     keep_carried,
+    loss_check,
     may_commit_alone,
+    note_behind,
     published_hashes,
 )
 from hivetrain.peers.quorum import QuorumConfig
@@ -225,10 +228,46 @@ def test_no_solo_step_on_a_view_that_is_not_real():
     assert p.action == "retry" and "DHT unreachable" in p.reason
 
 
-def test_failures_back_off_exponentially_up_to_4_s():
+def test_failures_back_off_exponentially_up_to_4_s_stretched_differently_per_peer():
     records = [rec("a", 3, "h3")]
-    backoffs = [decide_after_round("me", view(attempt=k), records, NOW, **POLICY).backoff_s for k in (1, 2, 3, 6)]
-    assert backoffs == [0.25, 0.5, 1.0, 4.0]
+    for peer in ("me", "you"):
+        backoffs = [decide_after_round(peer, view(attempt=k), records, NOW, **POLICY).backoff_s for k in (1, 2, 3, 6)]
+        for got, base in zip(backoffs, [0.25, 0.5, 1.0, 4.0], strict=True):
+            assert base <= got < 1.5 * base
+    # two peers that failed together do not retry in lockstep
+    mine = [decide_after_round("me", view(attempt=k), records, NOW, **POLICY).backoff_s for k in range(1, 7)]
+    yours = [decide_after_round("you", view(attempt=k), records, NOW, **POLICY).backoff_s for k in range(1, 7)]
+    assert mine != yours
+
+
+def test_backoff_is_never_shorter_than_the_measured_dht_latency():
+    p = decide_after_round("me", view(attempt=1), [rec("a", 3, "h3")], NOW, **POLICY, backoff_floor_s=3.0)
+    assert p.action == "retry" and 3.0 <= p.backoff_s < 4.5
+
+
+def test_a_peer_behind_us_holds_our_solo_steps_for_its_catch_up_wait_only():
+    # issue 22: a joiner one epoch behind (or downloading) while we commit solo steps never reaches our epoch
+    joiner = rec("j", 2, "h2")
+    solo = view(committed=True, group_size=1, failure="")
+    p = decide_after_round("me", solo, [joiner], NOW, **POLICY)
+    assert p.action == "apply", "without a catch-up wait solo steps go on (the old rule, and the simulator's)"
+    waiting = CatchUp({"j": NOW - 10.0}, wait_s=60.0)
+    p = decide_after_round("me", solo, [joiner], NOW, **POLICY, catch_up=waiting)
+    assert p.action == "retry" and "catching up" in p.reason
+    assert decide_after_round("me", view(attempt=3), [joiner], NOW, **POLICY, catch_up=waiting).action == "retry"
+    # the wait is bounded: a peer that stays behind for longer no longer holds us
+    waited = CatchUp({"j": NOW - 61.0}, wait_s=60.0)
+    assert decide_after_round("me", solo, [joiner], NOW, **POLICY, catch_up=waited).action == "apply"
+
+
+def test_note_behind_keeps_first_sightings_and_forgets_peers_that_caught_up():
+    behind: dict[str, float] = {}
+    note_behind(behind, "me", 5, [rec("a", 3, "h"), rec("b", 5, "h"), rec("me", 1, "h")], NOW)
+    assert behind == {"a": NOW}
+    note_behind(behind, "me", 5, [rec("a", 4, "h")], NOW + 5)
+    assert behind == {"a": NOW}, "still behind: the first sighting stands"
+    note_behind(behind, "me", 5, [rec("a", 5, "h")], NOW + 9)
+    assert behind == {}
 
 
 def test_peers_that_moved_on_mean_resync_not_retry():
@@ -265,14 +304,27 @@ def test_stopping_stops():
 
 
 def test_carried_contributions_are_kept_only_as_stale_as_allowed_and_bounded_by_the_weight_cap():
-    assert keep_carried(3, 3, 100, 1000)[0]
-    ok, why = keep_carried(3, 4, 100, 1000)  # the default: nothing stale (computed against another state)
-    assert not ok and "1 epochs stale" in why
-    assert keep_carried(3, 4, 100, 1000, max_staleness=1)[0]
-    ok, why = keep_carried(3, 5, 100, 1000, max_staleness=1)
-    assert not ok and "2 epochs stale" in why
-    ok, why = keep_carried(3, 3, 2000, 1000)
-    assert not ok and "max_samples_per_round" in why
+    bounds = dict(max_samples=1000, max_phases=4)
+    assert keep_carried(3, 3, [100], 50, **bounds).drop == 0
+    d = keep_carried(3, 4, [100, 100], 50, **bounds)  # the default: nothing stale (computed against another state)
+    assert d.drop == 2 and "1 epochs stale" in d.reason
+    assert keep_carried(3, 4, [100], 50, **bounds, max_staleness=1).drop == 0
+    d = keep_carried(3, 5, [100], 50, **bounds, max_staleness=1)
+    assert d.drop == 1 and "2 epochs stale" in d.reason
+    d = keep_carried(3, 3, [600, 300], 200, **bounds)  # the oldest goes, the rest fits the weight cap
+    assert d.drop == 1 and "1100 samples exceed averaging.max_samples_per_round (1000)" in d.reason
+    assert keep_carried(3, 3, [600], 2000, **bounds).drop == 1
+
+
+def test_a_contribution_is_carried_for_at_most_max_carried_phases():
+    """A new phase that would make more than ``max_phases`` drops the oldest carried ones (issue 22: six phases)."""
+    bounds = dict(max_samples=10**6, max_phases=4)
+    assert keep_carried(0, 0, [3200] * 3, 3200, **bounds).drop == 0
+    d = keep_carried(0, 0, [3200] * 4, 3200, **bounds)
+    assert d.drop == 1 and "5 phases exceed diloco.max_carried_phases (4)" in d.reason
+    assert keep_carried(0, 0, [3200] * 4, 3200, **bounds, new_phases=2).drop == 2
+    assert keep_carried(0, 0, [3200], 3200, max_samples=10**6, max_phases=1).drop == 1  # 1 = never carry
+    assert keep_carried(0, 0, [], 3200, **bounds).drop == 0
 
 
 def test_the_survivors_of_a_peer_that_died_are_followed_while_its_record_lingers():
@@ -297,3 +349,26 @@ def test_a_voted_round_counts_as_committed_only_on_a_fresh_record_of_a_group_mem
     assert not check([rec("a", 5, "next", role="coordinator")])
     assert not check([rec("a", 5, "next")], SyncTrust(banned=frozenset({"a"})))
     assert not committed_without_us("me", 4, group, "next", [rec("me", 5, "next")], NOW, 30)[0]  # our own record
+
+
+def test_a_peer_alone_at_its_epoch_downloads_an_unbacked_newer_state_under_a_loss_check():
+    # issue 22: a run of two, one ahead: no quorum can back its state, and the laggard has nobody to average with
+    ahead = [rec("a", 24, "h24")]
+    assert decide_sync("me", 0, "h0", ahead, NOW, 30).action == "train", "without ``unbacked``: the quorum rule only"
+    d = decide_sync("me", 0, "h0", ahead, NOW, 30, unbacked=True)
+    assert d.action == "download" and d.target_epoch == 24 and d.donors == ("a",) and "unbacked" in d.reason
+    # someone at our epoch to average with: the quorum rule alone decides (a liar ahead moves nobody)
+    d = decide_sync("me", 5, "h5", [rec("b", 5, "h5"), rec("liar", 6, "bad")], NOW, 30, unbacked=True)
+    assert d.action == "train"
+    # two hashes at the newest epoch: the more held one, then the larger hash string
+    d = decide_sync("me", 1, "h1", [rec("x", 3, "hx"), rec("y", 3, "hy"), rec("z", 3, "hy")], NOW, 30, unbacked=True)
+    assert d.target_epoch == 3 and d.donors == ("y", "z")
+    # a backed newer state is the usual download
+    d = decide_sync("me", 1, "h1", [rec("x", 3, "h3"), rec("y", 3, "h3")], NOW, 30, unbacked=True)
+    assert d.action == "download" and "unbacked" not in d.reason
+
+
+def test_loss_check_takes_a_state_as_good_as_ours_and_refuses_a_far_worse_or_broken_one():
+    assert loss_check(2.5, 5.5)[0] and loss_check(2.9, 2.7)[0]
+    assert not loss_check(641.0, 2.7)[0] and not loss_check(3.0, 2.7)[0]
+    assert not loss_check(float("nan"), 2.7)[0] and not loss_check(float("inf"), 2.7)[0]
