@@ -331,6 +331,7 @@ class RoundRunner:
                 trust=self.trust(),
                 catch_up=self._catch_up(epoch, records),
                 backoff_floor_s=getattr(self.averager, "dht_latency_s", 0.0),
+                unbacked=True,
             )
             if policy.action == "apply":
                 assert result is not None

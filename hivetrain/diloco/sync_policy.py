@@ -434,6 +434,7 @@ def decide_after_round(
     trust: SyncTrust = SyncTrust(),
     catch_up: CatchUp = CatchUp(),
     backoff_floor_s: float = 0.0,
+    unbacked: bool = False,
 ) -> RoundPolicy:
     """The retry / solo-commit / resync / lost-DHT policy of the train loop, after one averaging attempt.
 
@@ -449,6 +450,8 @@ def decide_after_round(
         records: the swarm's peer records (ours included or not); now: DHT time, seconds.
         trust: passed to ``decide_sync`` and ``may_commit_alone`` (a resync needs the same evidence as a download).
         catch_up: passed to ``may_commit_alone``: peers behind us we still wait for.
+        unbacked: passed to ``decide_sync``: with nobody at our epoch, a newer state trainers claim means "resync"
+            even without a quorum (the trainer checks it on its own windows before adopting it).
         backoff_floor_s: the shortest backoff, seconds (the caller's measured DHT latency: retrying faster than the
             DHT answers only replaces our entry before anyone read it). Each backoff is stretched by up to 50%,
             differently per peer and attempt, so that two peers that failed together do not retry in lockstep.
@@ -469,7 +472,9 @@ def decide_after_round(
             if ok:
                 return RoundPolicy("apply", f"alone: {why}")
             failure = f"alone: {why}"
-    sync = decide_sync(my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average, trust=trust)
+    sync = decide_sync(
+        my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average, trust=trust, unbacked=unbacked
+    )
     if sync.action == "download":
         return RoundPolicy("resync", f"{failure}; {sync.reason}")
     waiting_for_peers = not may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust, catch_up)[0]

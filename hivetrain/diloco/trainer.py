@@ -255,6 +255,8 @@ class DilocoTrainer:
                     self.background.launch(self.state, self.state_hash, contribution)
                 else:
                     self.outer_phase()
+            if self._done():
+                self._linger()
         finally:
             outcome, contribution = self.background.abandon()  # stopping: do not wait (it ends within its timeouts)
             if outcome is not None and contribution is not None:
@@ -270,6 +272,34 @@ class DilocoTrainer:
         self.view.stop()
         self.view.publish()
         return self.stats
+
+    def _linger(self) -> None:
+        """We hold the run's last epoch: stay (publishing our record, serving our state) while a live trainer behind
+        us may still download it, at most the catch-up wait. A peer that arrived near the end would otherwise train
+        the last epoch alone once everyone else left, and fork it (seen in chaos runs under load: a restarted peer
+        up 45 s after its restart)."""
+        give_up_at, said = time.monotonic() + self.rounds.catch_up_wait_s, False
+        while not self._stop.is_set() and time.monotonic() < give_up_at:
+            now = get_dht_time()
+            behind = [
+                r
+                for r in self.view.refresh()
+                if r.role == "trainer"
+                and r.peer_id != self.node.peer_id
+                and not r.left_reason
+                and r.peer_id not in self.evidence.trust.banned
+                and not r.paused  # it will not take it until it resumes
+                and r.epoch < self.state.epoch
+                and now - r.updated_at <= 3 * self.options.record_interval_s  # still heartbeating: not killed
+            ]
+            if not behind:
+                return
+            if not said:
+                said = True
+                logger.info(
+                    "run finished at epoch %d: waiting for %d peer(s) behind to take it", self.state.epoch, len(behind)
+                )
+            self._stop.wait(1.0)
 
     def _done(self) -> bool:
         return bool(self.target_epoch and self.state.epoch >= self.target_epoch)

@@ -193,10 +193,10 @@ def test_a_round_that_failed_after_our_vote_is_applied_once_a_member_shows_it_co
 
 def test_a_voted_round_without_evidence_of_a_commit_is_not_applied():
     # Nobody in the group shows the hash: only a peer outside it claims it, and b shows it at the wrong epoch.
-    # Nothing is applied; the usual policy retries.
+    # Nothing is applied; the usual policy retries (c, at our epoch, keeps the lone-peer "unbacked" resync out).
     avg = [torch.full((3, 2), 0.25)]
     good = outer_step(state(), avg, CONFIG.diloco.outer_lr, CONFIG.diloco.outer_momentum).state_hash()
-    records = [rec("outsider", 5, digest=good), rec("b", 3, digest=good)]
+    records = [rec("outsider", 5, digest=good), rec("b", 3, digest=good), rec("c", 4)]
     r = runner(None, records)
 
     def stop_retrying():

@@ -372,3 +372,11 @@ def test_loss_check_takes_a_state_as_good_as_ours_and_refuses_a_far_worse_or_bro
     assert loss_check(2.5, 5.5)[0] and loss_check(2.9, 2.7)[0]
     assert not loss_check(641.0, 2.7)[0] and not loss_check(3.0, 2.7)[0]
     assert not loss_check(float("nan"), 2.7)[0] and not loss_check(float("inf"), 2.7)[0]
+
+
+def test_a_failed_round_with_nobody_at_our_epoch_and_a_lone_peer_ahead_resyncs_when_unbacked_is_allowed():
+    # the end of a run: the other peer committed the last epoch; waiting for a quorum that cannot come is pointless
+    ahead = [rec("a", 4, "h4")]
+    assert decide_after_round("me", view(), ahead, NOW, **POLICY).action == "retry"
+    p = decide_after_round("me", view(), ahead, NOW, **POLICY, unbacked=True)
+    assert p.action == "resync" and "unbacked" in p.reason
