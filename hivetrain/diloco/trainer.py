@@ -239,6 +239,8 @@ class DilocoTrainer:
                 self._check_dht()
                 if not self.background.in_flight and not self.sync_state():
                     continue
+                if self._done():  # the download reached the run's last epoch: train no epoch past it
+                    break
                 phase = self.inner_phase()
                 if phase is None:
                     continue
