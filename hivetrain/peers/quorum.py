@@ -72,9 +72,10 @@ class QuorumConfig:
 
     Args:
         min_peers: distinct peers that must hold exactly the state. 2 (the default): no single identity can make a
-            peer adopt a state. A run of one trainer with no coordinator then cannot be joined: nothing tells a
-            joiner that trainer from a liar; the coordinator follows with 1 (``FollowerOptions``), since a lone
-            trainer defines the run's progress anyway, honest or not, and joiners trust the coordinator's record.
+            peer adopt a state. A trainer with nobody at its epoch may still adopt a lone peer's newer state, on
+            evidence of its own (``sync_policy.decide_sync(unbacked=True)`` and ``loss_check``: its loss on the
+            trainer's held-out windows); the coordinator follows with 1 (``FollowerOptions``), since a lone trainer
+            defines the run's progress anyway, and checks the size of each step it takes (``step_check``).
         min_fraction: the holders must be more than this fraction of the voters at the state's epoch (0.5: a 1-1
             tie adopts nothing), and the voters at that epoch or later at least this fraction of the population
             (voters at epoch >= 1), so a minority cannot run ahead of the rest (rule 3 of the module docstring).
