@@ -46,6 +46,7 @@ from hivetrain.diloco.sync_policy import (
     RoundPolicy,
     RoundView,
     SyncTrust,
+    backoff_jitter,
     committed_without_us,
     decide_after_round,
     keep_carried,
@@ -351,7 +352,9 @@ class RoundRunner:
                 self.emit("round_failed", reason=short, detail=reason, attempt=attempt, next=policy.action)
             if policy.action != "retry":
                 return RoundOutcome(policy, attempt)
-            self.stop.wait(policy.backoff_s)  # back off: failures must not spin
+            # back off (failures must not spin), stretched per peer so that peers that failed together do not retry
+            # in lockstep
+            self.stop.wait(policy.backoff_s * (1.0 + 0.5 * backoff_jitter(self.peer_id, epoch, attempt)))
 
     def _accept(self, flat: torch.Tensor) -> str:
         """``Averager.average``'s ``accept`` (butterfly): "" or why the round's averaged Δ̄ (fp32 (n,)) is refused."""

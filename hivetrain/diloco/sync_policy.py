@@ -453,8 +453,10 @@ def decide_after_round(
         unbacked: passed to ``decide_sync``: with nobody at our epoch, a newer state trainers claim means "resync"
             even without a quorum (the trainer checks it on its own windows before adopting it).
         backoff_floor_s: the shortest backoff, seconds (the caller's measured DHT latency: retrying faster than the
-            DHT answers only replaces our entry before anyone read it). Each backoff is stretched by up to 50%,
-            differently per peer and attempt, so that two peers that failed together do not retry in lockstep.
+            DHT answers only replaces our entry before anyone read it). The caller stretches it by up to 50%
+            (``backoff_jitter``), differently per peer and attempt, so that two peers that failed together do not
+            retry in lockstep; the answer itself stays the same for every peer with the same view (the simulator
+            shares it between peers).
     """
     records = list(records)
     if view.stopping:
@@ -482,11 +484,10 @@ def decide_after_round(
         why = "round deadline reached" if waiting_for_peers else "no other live peer at our epoch"
         return RoundPolicy("carry", f"{failure}; {why} after {view.attempt} attempts: train on, send both later")
     backoff = max(min(0.25 * 2 ** (view.attempt - 1), 4.0), backoff_floor_s)
-    backoff *= 1.0 + 0.5 * _jitter(my_peer_id, view.epoch, view.attempt)
     return RoundPolicy("retry", failure, backoff_s=backoff)
 
 
-def _jitter(peer_id: str, epoch: int, attempt: int) -> float:
+def backoff_jitter(peer_id: str, epoch: int, attempt: int) -> float:
     """A number in [0, 1) fixed by (peer, epoch, attempt): deterministic (tests, the simulator), different per peer."""
     digest = hashlib.sha256(f"{peer_id}|{epoch}|{attempt}".encode()).digest()
     return int.from_bytes(digest[:4], "little") / 2**32
