@@ -247,13 +247,10 @@ class ChaosRunner:
                 byzantine = fault.mode
             elif fault.kind == "unreachable":
                 args += ["--data-announce-host", UNREACHABLE_HOST]
-        if name:
-            pass
-        elif index is None:
+        if not name and index is None:
             self._num_churn += 1
             name = f"churn{self._num_churn}"
-        else:
-            name = f"peer{index}"
+        name = name or f"peer{index}"
         peer_id = ""
         if self.issuer is not None:
             peer_id, token_args = self._invite(identity_of or name, invited=byzantine != "uninvited")

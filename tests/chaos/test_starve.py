@@ -17,15 +17,8 @@ import pytest
 from hivetrain.chaos.scenario import bundled_scenarios, load_scenario, parse_scenario
 from hivetrain.chaos.starve import DutyCycler, duty_window
 from hivetrain.testing.hogs import HOG_CODE, _cpu_seconds
+from tests.chaos.test_scenario import BASE
 from tests.chaos.test_smoke import SMOKE
-
-BASE = {
-    "name": "t",
-    "description": "test scenario",
-    "peers": 3,
-    "max_duration_s": 100,
-    "run": {"diloco": {"inner_steps": 5, "outer_steps": 4}},
-}
 
 
 def starve(**fields):
