@@ -194,7 +194,10 @@ class ChaosRunner:
                 return False
             # Byzantine peers are adversaries: once every honest peer is done they are stopped, not awaited (banned
             # by everyone, they may never reach the last epoch).
-            alive = any(p.proc.alive() for p in self.peers if not p.run.byzantine)
+            # from what _poll_peers recorded, not a second liveness check: a peer that exits between the two would
+            # end the loop with its exit (code, summary) never read (CI: 3 honest peers exiting together, "finished"
+            # failed with every epoch committed)
+            alive = any(p.run.exit_code is None for p in self.peers if not p.run.byzantine)
             waiting_on_time = any(self.scenario.faults[i].at_s is not None for i in pending)
             if not alive and not self.timers and not waiting_on_time:
                 return True
