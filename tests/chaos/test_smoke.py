@@ -29,7 +29,8 @@ def test_smoke_scenario_passes(name, tmp_path):
     report = run_scenario(scenario, tmp_path, log=lines.append)
     log = "\n".join(lines)
     assert report["passed"], (
-        f"broken invariants {report['invariants']}\n{(tmp_path / 'summary.txt').read_text()}\n{log}"
+        f"broken invariants {report['invariants']}\n{(tmp_path / 'summary.txt').read_text()}\n{log}\n"
+        f"{_decisions(tmp_path)}"
     )
     assert json.loads((tmp_path / "report.json").read_text())["passed"] is True
     assert (tmp_path / "plot.png").stat().st_size > 20_000
@@ -70,6 +71,28 @@ def test_smoke_scenario_passes(name, tmp_path):
             assert not got or any(e["event"] == "peers_banned" for e in evs)
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
+
+
+DECISIONS = ("round_failed", "state_downloaded", "state_download_failed", "peers_banned", "outer_step")
+
+
+def _decisions(out, last: int = 25) -> str:
+    """What each process decided, for a failure seen only on CI: every peer's last ``last`` round/sync events with
+    their reasons, and the last warnings of every process log."""
+    lines, runs = [], {path.stem: read_events(path) for path in sorted(out.glob("*.jsonl"))}
+    t0 = min((evs[0]["time"] for evs in runs.values() if evs), default=0.0)  # the first peer's start
+    for name, evs in runs.items():
+        events = [e for e in evs if e["event"] in DECISIONS]
+        lines.append(f"--- {name}: last {min(last, len(events))} of {len(events)} round/sync events")
+        for e in events[-last:]:
+            what = e.get("detail") or e.get("reason") or e.get("peers") or f"group {e.get('group_size')}"
+            what = f"{what} -> {e['next']}" if "next" in e else what
+            lines.append(f"  +{e['time'] - t0:7.1f}s {e['event']:<22} epoch {e.get('epoch')}: {str(what)[:220]}")
+    for path in sorted(out.glob("*.log")):
+        warned = [ln for ln in path.read_text(errors="replace").splitlines() if "WARNING" in ln or "ERROR" in ln]
+        lines.append(f"--- {path.name}: last {min(12, len(warned))} of {len(warned)} warnings")
+        lines += [f"  {ln[:260]}" for ln in warned[-12:]]
+    return "\n".join(lines)
 
 
 def _check_joiner_and_restart(out) -> None:
