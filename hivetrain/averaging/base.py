@@ -8,7 +8,7 @@ The call either returns a ``RoundResult`` whose tensors are bit-identical on eve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,6 +99,16 @@ class Averager(Protocol):
                 nothing is applied anywhere.
             ValueError: bad local input (non-finite tensors or weight, wrong dtype).
         """
+        ...
+
+    def ban(self, peer_ids: Iterable[str], reason: str) -> None:
+        """Never group with these peers again in this process's lifetime (an hour at least): the caller caught them
+        lying outside a round (``reason`` is for logs)."""
+        ...
+
+    def banned(self) -> frozenset[str]:
+        """Peer ids left out of our groups now (peers caught sending bad data in a round, and those given to
+        ``ban``)."""
         ...
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

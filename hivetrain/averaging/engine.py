@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -196,6 +196,19 @@ class GroupAverager:
         """The slowest of our recent matchmaking DHT operations, seconds (``Matchmaker.dht_latency_s``): callers'
         retry backoffs are never shorter."""
         return self.matchmaker.dht_latency_s
+
+    def ban(self, peer_ids: Iterable[str], reason: str) -> None:
+        """Leave these peers out of our groups for the longest ban (``BanConfig.max_duration_s``, >= 1 h): the
+        caller caught them lying outside a round (a poisoned state, an impossible epoch), evidence at least as strong
+        as bad data inside one. Thread-safe."""
+        now = time.time()
+        for peer in peer_ids:
+            self.bans.ban(peer, now, self.bans.config.max_duration_s, reason=reason)
+
+    def banned(self) -> frozenset[str]:
+        """Peers left out of our groups now: caught sending bad data in a round (for ``ban_time_s``, longer for
+        repeat offenders) or banned by ``ban``. Thread-safe."""
+        return self._banned_now()
 
     # ---- averaging ----------------------------------------------------------------------------------------------
     def average(

@@ -55,17 +55,44 @@ class SyncTrust:
 
 @dataclass(frozen=True)
 class SyncDecision:
-    """``action``: "train" or "download" the state of ``target_epoch`` from ``donors``; ``ban``: peers whose claims the
-    run's age rules out (the caller bans them); ``reason`` is for people only. A trainer adopts a downloaded state
-    only if its eval loss on the trainer's own held-out windows passes ``loss_check`` (and bans its donors
-    otherwise): a quorum counts identities, which are free in an open run (issue 28), and the "behind, unbacked"
-    rule has no quorum at all."""
+    """``action``: "train" or "download" the state of ``target_epoch`` (sha256 ``state_hash``) from ``donors``;
+    ``ban``: peers whose claims the run's age rules out (the caller bans them); ``reason`` is for people only. A
+    trainer adopts a downloaded state only if its eval loss on the trainer's own held-out windows passes
+    ``loss_check`` (and bans its donors otherwise): a quorum counts identities, which are free in an open run
+    (issue 28), and the "behind, unbacked" rule has no quorum at all. ``download_hashes`` gives the hashes its
+    download may accept."""
 
     action: Action
     target_epoch: int
     donors: tuple[str, ...]
     reason: str
     ban: tuple[str, ...] = field(default=())
+    state_hash: str = ""
+
+
+def download_hashes(published: Mapping[int, str], decision: SyncDecision) -> dict[int, str]:
+    """epoch -> state hash a download for ``decision`` may accept: the ``published`` ones (a quorum's, the
+    coordinator's: read afresh during the download, as donors may commit meanwhile) and the decision's own target,
+    unless a quorum now backs another state at that epoch. Without the target, a "behind, unbacked" download (no
+    quorum for it, by definition) was served the donor's retained older state that the coordinator had verified,
+    our own epoch: a joiner downloaded epoch 7 while its donor held 8, every 4 s for minutes (CI, issue 22)."""
+    hashes = dict(published)
+    if decision.action == "download" and decision.state_hash:
+        hashes.setdefault(decision.target_epoch, decision.state_hash)
+    return hashes
+
+
+def download_short(decision: SyncDecision, got_epoch: int, my_epoch: int) -> str:
+    """Why a downloaded state at ``got_epoch`` is no use to a peer at ``my_epoch`` ("" = it is): short of the
+    decision's target and no newer than what we hold, adopting it would leave us where we were, and the next
+    decision would download it again (donors that moved on may serve a newer state; a retained older one only where
+    it still takes us forward)."""
+    if got_epoch < decision.target_epoch and got_epoch <= my_epoch:
+        return (
+            f"the donors served epoch {got_epoch}, short of the epoch {decision.target_epoch} we wanted and no newer "
+            f"than ours ({my_epoch})"
+        )
+    return ""
 
 
 LOSS_TOLERANCE = 0.1  # an unbacked state may be this fraction worse than ours on our windows (issue 28: +10%)
@@ -219,11 +246,13 @@ def decide_sync(
     newest = max((e for e in ev.backed if e > my_epoch), default=-1)
     if coord is not None and coord.epoch > my_epoch and coord.epoch >= newest:
         why = f"behind: the run's coordinator verified epoch {coord.epoch}, we are at {my_epoch}"
-        return SyncDecision("download", coord.epoch, holding(coord.epoch, coord.state_hash), why + notes, ev.ban)
+        return SyncDecision(
+            "download", coord.epoch, holding(coord.epoch, coord.state_hash), why + notes, ev.ban, coord.state_hash
+        )
     if newest > my_epoch:
         b = ev.backed[newest]
         why = f"behind: {b.describe()}, we are at {my_epoch}"
-        return SyncDecision("download", newest, holding(newest, b.state_hash), why + notes, ev.ban)
+        return SyncDecision("download", newest, holding(newest, b.state_hash), why + notes, ev.ban, b.state_hash)
     if exact_average:
         if coord is not None and coord.epoch == my_epoch:
             theirs, by = coord.state_hash, "the run's coordinator verified"
@@ -233,12 +262,12 @@ def decide_sync(
             theirs, by = my_hash, ""
         if my_hash and theirs != my_hash:
             why = f"forked: {by} state {theirs[:12]} at epoch {my_epoch}, we hold {my_hash[:12]}"
-            return SyncDecision("download", my_epoch, holding(my_epoch, theirs), why + notes, ev.ban)
+            return SyncDecision("download", my_epoch, holding(my_epoch, theirs), why + notes, ev.ban, theirs)
         if unbacked:
             lone = _lone_behind(ev, my_epoch)
             if lone is not None:
                 epoch, state_hash, why = lone
-                return SyncDecision("download", epoch, holding(epoch, state_hash), why + notes, ev.ban)
+                return SyncDecision("download", epoch, holding(epoch, state_hash), why + notes, ev.ban, state_hash)
     return SyncDecision("train", my_epoch, (), "in sync" + _unbacked(ev, my_epoch) + notes, ev.ban)
 
 

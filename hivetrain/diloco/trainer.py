@@ -10,6 +10,7 @@ With ``averaging.strategy`` "moshpit" or "gossip" the group averages θ after ea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,7 +39,13 @@ from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import decide_sync, loss_check
+from hivetrain.diloco.sync_policy import (
+    SyncTrust,
+    decide_sync,
+    download_hashes,
+    download_short,
+    loss_check,
+)
 from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
@@ -121,7 +128,7 @@ class DilocoTrainer:
             exact_average=self._exact_average,
             stale_after_s=options.record_ttl_s,
             now=get_dht_time,
-            on_ban=lambda peers, reason: self._emit("peers_banned", peers=peers, reason=reason),
+            on_ban=self._banned,
         )
         self.view = SwarmView(
             node,
@@ -159,7 +166,7 @@ class DilocoTrainer:
             self._stop,
             stale_after_s=options.record_ttl_s,
             dht_lost_after_s=options.dht_lost_after_s,
-            trust=lambda: self.evidence.trust,
+            trust=self._round_trust,
             voted_wait_s=config.averaging.commit_timeout_s + options.record_interval_s,
             # a joiner behind us downloads our state (one state timeout) and joins the next round (one round timeout)
             catch_up_wait_s=options.state_timeout_s + config.averaging.round_timeout_s,
@@ -169,6 +176,19 @@ class DilocoTrainer:
             self.rounds, self._overlap, diloco.outer_lr, diloco.outer_momentum, self._committed_in_background
         )
         self._note_state()
+
+    def _banned(self, peers: list[str], reason: str) -> None:
+        """A peer whose records we now ignore (it lied: a poisoned state, an impossible epoch) never joins our
+        groups either (issue 28: banned liars were still grouped with)."""
+        self.averager.ban(peers, reason)
+        self._emit("peers_banned", peers=peers, reason=reason)
+
+    def _round_trust(self) -> SyncTrust:
+        """The evidence rules after a round: our bans, and the peers our averager leaves out of our groups (caught
+        sending bad data). Those never average with us, so they neither make a solo step a fork nor are waited for
+        (``may_commit_alone``); a NaN peer beside one honest peer would otherwise hold it at its epoch."""
+        trust, left_out = self.evidence.trust, self.averager.banned()
+        return trust if left_out <= trust.banned else dataclasses.replace(trust, banned=trust.banned | left_out)
 
     def _node_inner(self, model: torch.nn.Module) -> NodeInner:
         """Rank 0 of a multi-rank node: hand the run to the other ranks, wrap the model in DDP (all ranks at once)."""
@@ -289,7 +309,7 @@ class DilocoTrainer:
                 if r.role == "trainer"
                 and r.peer_id != self.node.peer_id
                 and not r.left_reason
-                and r.peer_id not in self.evidence.trust.banned
+                and r.peer_id not in self._round_trust().banned  # a liar or a peer that sent us bad data
                 and not r.paused  # it will not take it until it resumes
                 and r.epoch < self.state.epoch
                 and now - r.updated_at <= 3 * self.options.record_interval_s  # still heartbeating: not killed
@@ -341,7 +361,8 @@ class DilocoTrainer:
 
         def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
             fresh = fetch_records(self.node.dht, self.config.run_id)
-            return self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
+            published = self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
+            return download_hashes(published, decision)
 
         bad: list[str] = []  # donors that served chunks contradicting their own manifest (appended on the loop)
         try:
@@ -366,6 +387,12 @@ class DilocoTrainer:
             self._stop.wait(1.0)
             return False
         self.evidence.ban(bad, "served state chunks that contradict its own manifest")
+        short = download_short(decision, state.epoch, self.state.epoch)
+        if short:
+            logger.warning("state download useless: %s", short)
+            self._emit("state_download_failed", reason=short)
+            self._stop.wait(1.0)
+            return False
         if not self._exact_average:  # moshpit/gossip: no other peer holds the donor's hash; check θ against sketches
             sketch = self.sketcher.sketch(state.params)
             verdict = self.join_check.verdict(sketch, records, state.epoch, decision.donors, exclude)

@@ -101,3 +101,20 @@ def test_bad_member_is_excluded_and_honest_members_commit(make_averagers, corrup
     else:
         assert observers, "nobody banned the peer that sent bad data"
     assert all(not a.bans.is_banned(b.node.peer_id, time.time()) for a in avgs[:3] for b in avgs[:3])
+
+
+def test_a_peer_banned_by_the_caller_is_never_grouped_with_for_an_hour(make_averagers) -> None:
+    """``ban``: the trainer caught a liar outside any round (a poisoned state, issue 28); from then on our groups
+    leave it out, as they do a peer that sent bad data, and for the longest ban."""
+    a, b = make_averagers(2, AveragingConfig(**{**CONFIG, "target_group_size": 2}))
+    a.ban([b.node.peer_id], "served a state far worse than ours")
+    assert a.banned() == frozenset({b.node.peer_id}) and b.banned() == frozenset()
+    until = a.bans.active(time.time())[0].until
+    assert until - time.time() >= 3600 - 5
+    tensors = [torch.ones(NUM_ELEMENTS)]
+    results = run_threads([lambda: a.average(tensors, 1.0, 0, 8.0), lambda: b.average(tensors, 1.0, 0, 8.0)], 30)
+    for avg, res in zip((a, b), results, strict=True):
+        if isinstance(res, RoundResult):  # a round of one, never a group of both
+            assert res.group == (avg.node.peer_id,), res.group
+        else:
+            assert isinstance(res, RoundFailed), res

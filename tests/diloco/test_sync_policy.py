@@ -9,6 +9,8 @@ from hivetrain.diloco.sync_policy import (
     committed_without_us,
     decide_after_round,
     decide_sync,
+    download_hashes,
+    download_short,
     keep_carried,
     loss_check,
     may_commit_alone,
@@ -365,6 +367,29 @@ def test_a_peer_alone_at_its_epoch_downloads_an_unbacked_newer_state_under_a_los
     # a backed newer state is the usual download
     d = decide_sync("me", 1, "h1", [rec("x", 3, "h3"), rec("y", 3, "h3")], NOW, 30, unbacked=True)
     assert d.action == "download" and "unbacked" not in d.reason
+
+
+def test_an_unbacked_download_accepts_its_target_not_the_older_state_the_coordinator_verified():
+    # CI (issue 22): the coordinator verified epoch 7, the lone peer ahead holds 8 (still retaining 7), we are at 7.
+    # Published hashes had only 7, so the donor served its retained epoch 7 and we "downloaded" our own epoch, every
+    # 4 s for minutes, while the peer ahead waited for us.
+    trust = SyncTrust(coordinator_id="coord")
+    records = [rec("coord", 7, "h7", role="coordinator"), rec("a", 8, "h8")]
+    d = decide_sync("me", 7, "h7", records, NOW, 30, trust=trust, unbacked=True)
+    assert d.action == "download" and d.target_epoch == 8 and d.state_hash == "h8" and d.donors == ("a",)
+    published = published_hashes(records, trust=trust)
+    assert published == {7: "h7"}
+    assert download_hashes(published, d) == {7: "h7", 8: "h8"}
+    # a state a quorum backs at the target wins over the decision's (read afresh during the download)
+    assert download_hashes({8: "quorum"}, d) == {8: "quorum"}
+    assert download_hashes(published, decide_sync("me", 7, "h7", records, NOW, 30, trust=trust)) == published
+    # what the donors served: our own epoch again is no use; their newer one, or an older one past ours, is
+    assert "short of the epoch 8" in download_short(d, 7, my_epoch=7)
+    assert download_short(d, 9, my_epoch=7) == "" and download_short(d, 8, my_epoch=7) == ""
+    behind = decide_sync("me", 2, "h2", [rec("a", 8, "h8"), rec("b", 8, "h8")], NOW, 30)
+    assert download_short(behind, 6, my_epoch=2) == ""  # the retained epoch 6 still takes us forward
+    forked = decide_sync("me", 4, "mine", [rec("a", 4, "theirs"), rec("b", 4, "theirs")], NOW, 30)
+    assert forked.state_hash == "theirs" and download_short(forked, 4, my_epoch=4) == ""
 
 
 def test_loss_check_takes_a_state_as_good_as_ours_and_refuses_a_far_worse_or_broken_one():
