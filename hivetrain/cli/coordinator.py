@@ -1,7 +1,7 @@
 """``hivetrain coordinator --config run.toml``: host the run's bootstrap peer, state copy, checkpoints and dashboard.
 
-``hivetrain coordinator invite PEER_ID --config run.toml``: sign a join token for an invite-only run
-(``hivetrain.cli.invite``).
+``hivetrain coordinator invite PEER_ID --config run.toml``: sign a join token for an invite-only run, and
+``hivetrain coordinator revoke PEER_ID``: void that peer's tokens (``hivetrain.cli.invite``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hivetrain.cli.common import (
     run_overrides,
     setup_logging,
 )
+from hivetrain.cli.invite import REVOKED_SUFFIX
 from hivetrain.config import load_run_config
 from hivetrain.coordinator.coordinator import Coordinator, CoordinatorOptions, run_fingerprint
 from hivetrain.model import public_model_name
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     state.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every N epochs (0 = never)")
     state.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K complete checkpoints")
+    parser.add_argument(
+        "--revocations",
+        default=None,
+        help="invite-only runs: the revocation list to publish, re-read at every refresh (default: the identity "
+        f"file + {REVOKED_SUFFIX!r}, where `hivetrain coordinator revoke PEER_ID` writes)",
+    )
     web = parser.add_argument_group("dashboard")
     web.add_argument(
         "--http-port",
@@ -87,13 +94,21 @@ def main(argv: list[str] | None = None) -> int:
         from hivetrain.cli.invite import main as invite
 
         return invite(argv[1:])
+    if argv and argv[0] == "revoke":
+        from hivetrain.cli.invite import revoke_main
+
+        return revoke_main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     install_signal_handlers()
     try:
         config = load_run_config(args.config, run_overrides(args))
         ncfg = dataclasses.replace(node_config(args, args.initial_peers), run_ids=(config.run_id,))
-        options = CoordinatorOptions(refresh_interval_s=args.refresh_interval, run_clock_path=_run_clock_path(args))
+        options = CoordinatorOptions(
+            refresh_interval_s=args.refresh_interval,
+            run_clock_path=_run_clock_path(args),
+            revocations_path=_revocations_path(args, config),
+        )
         if args.http_port is not None and not 0 <= args.http_port <= 65535:
             raise ValueError(f"--http-port {args.http_port}: must be 0..65535")
         if args.checkpoint_dir and args.no_state:
@@ -183,6 +198,16 @@ def main(argv: list[str] | None = None) -> int:
             loop.stop(timeout_s=2)
         if node is not None:
             node.shutdown()
+
+
+def _revocations_path(args, config) -> Path | None:
+    """The token issuer's revocation list of an invite-only run: ``--revocations``, else next to the identity file
+    (where ``hivetrain coordinator revoke`` writes by default); None for other runs."""
+    if config.admission.mode != "token":
+        if args.revocations:
+            raise ValueError("--revocations: the run admits no tokens ([admission] mode is not 'token')")
+        return None
+    return Path(args.revocations or args.identity_path + REVOKED_SUFFIX)
 
 
 def _run_clock_path(args) -> Path | None:

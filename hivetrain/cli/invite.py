@@ -94,5 +94,47 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
+REVOKED_SUFFIX = ".revoked.json"
+
+
+def build_revoke_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hivetrain coordinator revoke",
+        description="Void a peer's join tokens (a leaked or lost token): the running coordinator publishes the list at "
+        "its next refresh, and every honest peer refuses the peer from its next record read.",
+    )
+    parser.add_argument("peer_id", metavar="PEER_ID", help="the peer ID the token was issued to")
+    parser.add_argument(
+        "--identity-path", default="coordinator.key", help="the coordinator's identity file (locates the default list)"
+    )
+    parser.add_argument(
+        "--revocations",
+        default=None,
+        help=f"the revocation list the coordinator publishes (default: the identity file + {REVOKED_SUFFIX!r})",
+    )
+    return parser
+
+
+def revoke_main(argv: list[str] | None = None) -> int:
+    """``hivetrain coordinator revoke PEER_ID``: add the peer to the coordinator's revocation list."""
+    args = build_revoke_parser().parse_args(argv)
+    from hivetrain.coordinator.revocations import RevocationsError, revoke
+
+    path = Path(args.revocations or args.identity_path + REVOKED_SUFFIX)
+    now = time.time()
+    try:
+        revoked = revoke(path, args.peer_id, now)
+    except (RevocationsError, OSError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    print(
+        f"revoked the join tokens of {args.peer_id} issued until now ({len(revoked)} peer(s) in {path}). The "
+        "coordinator publishes the list at its next refresh (start it with --revocations "
+        f"{path} if it does not use this default); a new token (`hivetrain coordinator invite`) admits the peer again.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_OK
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,6 +22,7 @@ from hivetrain.config import RunConfig
 from hivetrain.coordinator.follower import StateFollower
 from hivetrain.coordinator.observer import SwarmObserver
 from hivetrain.coordinator.pipeline import fetch_pipeline_records
+from hivetrain.coordinator.revocations import RevocationFile
 from hivetrain.coordinator.run_clock import earliest_start, load_start, save_start, start_for_epoch
 from hivetrain.data import vocab_size_of
 from hivetrain.model import build_run_model
@@ -47,6 +48,8 @@ class CoordinatorOptions:
     record_ttl_s: our peer record's lifetime, seconds.
     run_clock_path: where the run's start is saved (``run_clock``); None = keep it only in the DHT.
     quorum: supplies ``min_epoch_s`` and ``max_clock_skew_s`` of the run-age bound (the trainers' defaults).
+    revocations_path: the token issuer's revocation list (``coordinator.revocations``), read again at every refresh
+        and published in our record; None = none.
     """
 
     config_ttl_s: float = 3600.0
@@ -54,6 +57,7 @@ class CoordinatorOptions:
     record_ttl_s: float = 30.0
     run_clock_path: Path | None = None
     quorum: QuorumConfig = QuorumConfig()
+    revocations_path: Path | None = None
 
     def __post_init__(self) -> None:
         if self.refresh_interval_s >= min(self.config_ttl_s, self.record_ttl_s):
@@ -85,6 +89,8 @@ class Coordinator:
         self.started_at = time.time()
         self.run_started_at: float | None = None  # DHT time of the run's epoch 0, set by the first publish()
         self._follow_thread = threading.Thread(target=self._follow_loop, name="follower", daemon=True)
+        path = options.revocations_path
+        self.revocations = RevocationFile(path) if path is not None else None
 
     def publish(self) -> None:
         """Publish (refresh) the signed run config and our record."""
@@ -113,6 +119,7 @@ class Coordinator:
             state_hash=state_hash,
             maddrs=tuple(self.node.visible_maddrs()[:8]),
             reachable=not self.node.config.client_mode,
+            revoked=self.revocations.current() if self.revocations is not None else (),
             updated_at=get_dht_time(),
         )
         publish_record(self.node.dht, self.node.owner_marker, me, self.options.record_ttl_s)

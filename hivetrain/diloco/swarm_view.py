@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from hivetrain.peers.loop import LoopThread
+from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
 
@@ -41,6 +42,9 @@ class SwarmView:
         clock: monotonic clock (tests inject one).
         next_interval_s: optional callable giving the next heartbeat period, seconds (at most ``record_interval_s``):
             the trainer refreshes faster when the swarm's epoch is about to end, as hivemind's progress tracker does.
+        members: an invite-only run's roster: every read first teaches it the tokens and the issuer's revocation list
+            it carries, then keeps only members' records (a revoked peer leaves the view at the read that carries its
+            revocation). None = an open run.
 
     Thread-safety: every method may be called from any thread.
     """
@@ -57,12 +61,13 @@ class SwarmView:
         record_interval_s: float,
         clock: Callable[[], float] = time.monotonic,
         next_interval_s: Callable[[], float] | None = None,
+        members: MemberRoster | None = None,
     ):
         self.node, self.loop, self.run_id, self.fingerprint = node, loop, run_id, fingerprint
         self.make_record = make_record
         self.record_ttl_s, self.record_interval_s = record_ttl_s, record_interval_s
         self.clock = clock
-        self.next_interval_s = next_interval_s
+        self.next_interval_s, self.members = next_interval_s, members
         self._p2p = None
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -127,6 +132,9 @@ class SwarmView:
         except Exception as exc:  # noqa: BLE001 - keep the last view
             logger.warning("could not read peer records: %r", exc)
             records = []
+        if self.members is not None:
+            self.members.observe(records)
+            records = [r for r in records if self.members.admits(r.peer_id)]
         ok = any(r.peer_id == self.node.peer_id for r in records) and self._p2pd_alive()
         with self._lock:
             self._view_ok = ok

@@ -140,6 +140,7 @@ class DilocoTrainer:
             # read the swarm several times per lost-DHT timeout, whatever the record interval
             record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
             next_interval_s=lambda: self.phases.refresh_hint_s(),
+            members=membership,
         )
         if faults is not NO_FAULTS:  # every fault that fires becomes a metrics event (the chaos harness reads them)
             faults.on_fire = self._fault_fired

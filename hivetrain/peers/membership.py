@@ -27,9 +27,10 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
@@ -51,6 +52,7 @@ __all__ = [
     "parse_token",
     "peer_id_problem",
     "refusal_message",
+    "revocation_list",
     "run_policy",
 ]
 
@@ -58,8 +60,9 @@ Mode = Literal["open", "allowlist", "token"]
 Cause = Literal[
     "open", "issuer", "allowlist", "token",  # admitted
     "not_listed", "no_token", "malformed", "bad_signature", "wrong_issuer", "wrong_run", "wrong_peer", "expired",
-    "not_yet_valid",
+    "not_yet_valid", "revoked",
 ]  # fmt: skip
+MAX_REVOKED = 128  # entries in the issuer's revocation list (``PeerRecord.revoked``)
 
 TOKEN_PREFIX = "hvt1."
 TOKEN_DOMAIN = b"hivetrain.join_token.v1|"
@@ -132,12 +135,13 @@ class JoinToken:
 @dataclass(frozen=True)
 class Admission:
     """Whether a peer is a member. ``cause`` is for programs (the names in ``Cause``), ``reason`` for people;
-    ``expires_at`` is the token's expiry when a token admitted it (unix seconds), else None."""
+    ``expires_at`` and ``issued_at`` are the token's when a token admitted it (unix seconds), else None."""
 
     ok: bool
     cause: Cause
     reason: str
     expires_at: float | None = None
+    issued_at: float | None = None
 
 
 class TokenError(ValueError):
@@ -233,7 +237,9 @@ def _utc(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def decide_membership(peer_id: str, token: str, policy: AdmissionPolicy, now: float) -> Admission:
+def decide_membership(
+    peer_id: str, token: str, policy: AdmissionPolicy, now: float, revoked: Mapping[str, float] | None = None
+) -> Admission:
     """Whether ``peer_id``, presenting ``token`` ("" = none), is a member of ``policy.run_id`` at ``now``.
 
     Args:
@@ -241,6 +247,9 @@ def decide_membership(peer_id: str, token: str, policy: AdmissionPolicy, now: fl
         token: the join token it presents; ignored unless ``policy.mode`` is "token".
         policy: the run's admission policy.
         now: unix seconds (the record guard passes the record's own ``updated_at``, so its verdict never changes).
+        revoked: the issuer's revocation list, peer ID -> unix seconds: that peer's tokens issued at or before it are
+            void (a leaked token is refused before it expires; a new token issued later admits the peer again).
+            Tokens only: the issuer and the allowlist are the run config's, changed by editing it.
 
     Returns:
         The admission; never raises.
@@ -272,9 +281,29 @@ def decide_membership(peer_id: str, token: str, policy: AdmissionPolicy, now: fl
         )
     if now > parsed.expires_at:
         return Admission(False, "expired", f"the join token expired at {_utc(parsed.expires_at)}")
+    cutoff = (revoked or {}).get(peer_id)
+    if cutoff is not None and parsed.issued_at <= cutoff:
+        return Admission(False, "revoked", _revoked_reason(peer_id, parsed.issued_at, cutoff))
     if now < parsed.issued_at - 300.0:  # a clock far behind the issuer's
         return Admission(False, "not_yet_valid", f"the join token is valid only from {_utc(parsed.issued_at)}")
-    return Admission(True, "token", f"invited until {_utc(parsed.expires_at)}", expires_at=parsed.expires_at)
+    return Admission(
+        True, "token", f"invited until {_utc(parsed.expires_at)}", expires_at=parsed.expires_at,
+        issued_at=parsed.issued_at,
+    )  # fmt: skip
+
+
+def _revoked_reason(peer_id: str, issued_at: float, cutoff: float) -> str:
+    return f"the join token of {peer_id} (issued {_utc(issued_at)}) was revoked by the run's operator at {_utc(cutoff)}"
+
+
+def revocation_list(entries: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """peer ID -> revocation time from ``(peer_id, unix seconds)`` pairs (``PeerRecord.revoked``): the latest time
+    per peer; malformed entries (a bad peer ID, a time that is not finite) are dropped."""
+    revoked: dict[str, float] = {}
+    for peer_id, at in entries:
+        if peer_id_problem(peer_id) is None and isinstance(at, int | float) and math.isfinite(at):
+            revoked[peer_id] = max(float(at), revoked.get(peer_id, float("-inf")))
+    return revoked
 
 
 def refusal_message(admission: Admission, run_id: str, peer_id: str, identity_hint: str = "") -> str:
@@ -314,6 +343,11 @@ def refusal_message(admission: Admission, run_id: str, peer_id: str, identity_hi
         )
     if admission.cause in ("wrong_run", "wrong_issuer"):
         return f"{admission.reason}. Ask the operator of run {run_id!r} for a token: {invite}."
+    if admission.cause == "revoked":
+        return (
+            f"{admission.reason}. If this is a mistake, ask the run's operator for a new token ({invite}) and pass it "
+            "with --join-token."
+        )
     if admission.cause == "not_yet_valid":
         return f"{admission.reason}: your clock is far behind; enable NTP (`sudo timedatectl set-ntp true`)."
     return f"{admission.reason}. Copy the token again exactly (one line, no spaces), or ask for a new one: {invite}."
@@ -321,7 +355,9 @@ def refusal_message(admission: Admission, run_id: str, peer_id: str, identity_hi
 
 class MemberRoster:
     """The members this process knows of: the policy's static members plus the peers whose records carry a valid
-    token (learned from the swarm view's records, which the record guard already filtered). Thread-safe.
+    token (learned from the swarm view's records, which the record guard already filtered), less the tokens the
+    issuer revoked (``PeerRecord.revoked`` of the issuer's own record in the same records: a revoked token stops
+    admitting its peer at the first read that carries the list, i.e. within one record refresh). Thread-safe.
 
     Args:
         policy: the run's admission policy.
@@ -331,29 +367,52 @@ class MemberRoster:
 
     def __init__(self, policy: AdmissionPolicy, clock: Callable[[], float] = time.time, max_learned: int = 65536):
         self.policy, self.clock, self.max_learned = policy, clock, max_learned
-        self._expires: dict[str, float] = {}  # peer id -> token expiry, unix seconds
+        self._tokens: dict[str, tuple[str, float, float]] = {}  # peer id -> (token, issued_at, expires_at), unix s
+        self._revoked: dict[str, float] = {}  # the issuer's list: peer id -> revoked at, unix seconds
+        self._revoked_as_of = float("-inf")  # ``updated_at`` of the issuer record it came from
         self._source: Callable[[], Iterable] | None = None
         self._pulled_at = float("-inf")
         self._lock = threading.Lock()
 
     def follow(self, records: Callable[[], Iterable]) -> None:
-        """Learn from ``records()`` (objects with ``peer_id`` and ``join_token``, e.g. ``SwarmView.records``) when
-        asked about a peer not known yet (at most every 0.5 s; must not block)."""
+        """Learn from ``records()`` (objects with ``peer_id``, ``join_token`` and, for the issuer's, ``revoked``,
+        e.g. ``SwarmView.records``) when asked about a peer (at most every 0.5 s; must not block)."""
         self._source = records
 
     def observe(self, records: Iterable) -> None:
-        """Learn the tokens of ``records`` that admit their peer now (others are ignored)."""
+        """Learn the tokens of ``records`` that admit their peer now (others are ignored), and the issuer's newest
+        revocation list among them."""
         if self.policy.mode != "token":
             return
         now = self.clock()
         for record in records:
-            admission = decide_membership(record.peer_id, getattr(record, "join_token", ""), self.policy, now)
-            if admission.expires_at is not None:
+            if record.peer_id == self.policy.issuer:
+                self._note_revocations(record)
+                continue
+            token = getattr(record, "join_token", "")
+            with self._lock:
+                known = self._tokens.get(record.peer_id)
+            if not token or (known is not None and known[0] == token):
+                continue  # nothing to learn (a token is parsed and its signature checked once)
+            admission = decide_membership(record.peer_id, token, self.policy, now)
+            if admission.expires_at is not None and admission.issued_at is not None:
                 with self._lock:
-                    self._expires.pop(record.peer_id, None)
-                    self._expires[record.peer_id] = admission.expires_at
-                    while len(self._expires) > self.max_learned:
-                        del self._expires[next(iter(self._expires))]
+                    self._tokens.pop(record.peer_id, None)
+                    self._tokens[record.peer_id] = (token, admission.issued_at, admission.expires_at)
+                    while len(self._tokens) > self.max_learned:
+                        del self._tokens[next(iter(self._tokens))]
+
+    def _note_revocations(self, record) -> None:
+        as_of = getattr(record, "updated_at", 0.0)
+        revoked = revocation_list(getattr(record, "revoked", ()))
+        with self._lock:
+            if as_of >= self._revoked_as_of:  # an older copy of the issuer's record never undoes a revocation
+                self._revoked, self._revoked_as_of = revoked, as_of
+
+    def revoked(self) -> dict[str, float]:
+        """The issuer's revocation list as last read: peer ID -> revoked at (unix seconds)."""
+        with self._lock:
+            return dict(self._revoked)
 
     def check(self, peer_id: str) -> Admission:
         """The admission of ``peer_id`` now, from what this roster knows (a token not seen yet counts as none)."""
@@ -361,20 +420,24 @@ class MemberRoster:
         static = decide_membership(peer_id, "", self.policy, now)
         if static.ok or self.policy.mode != "token":
             return static
-        with self._lock:
-            expires = self._expires.get(peer_id)
-            pull = expires is None and self._source is not None and now - self._pulled_at >= 0.5
+        with self._lock:  # read the records again at most every 0.5 s: a new peer's token, a new revocation list
+            pull = self._source is not None and now - self._pulled_at >= 0.5
             if pull:
                 self._pulled_at = now
         if pull:
             self.observe(self._source())
-            with self._lock:
-                expires = self._expires.get(peer_id)
-        if expires is None:
+        with self._lock:
+            known = self._tokens.get(peer_id)
+        if known is None:
             return static
-        if now > expires:
-            return Admission(False, "expired", f"{peer_id}'s join token expired at {_utc(expires)}")
-        return Admission(True, "token", "invited", expires_at=expires)
+        _, issued_at, expires_at = known
+        if now > expires_at:
+            return Admission(False, "expired", f"{peer_id}'s join token expired at {_utc(expires_at)}")
+        with self._lock:
+            cutoff = self._revoked.get(peer_id)
+        if cutoff is not None and issued_at <= cutoff:
+            return Admission(False, "revoked", _revoked_reason(peer_id, issued_at, cutoff))
+        return Admission(True, "token", "invited", expires_at=expires_at, issued_at=issued_at)
 
     def admits(self, peer_id: str) -> bool:
         """Whether ``peer_id`` is a member now (``check(peer_id).ok``)."""

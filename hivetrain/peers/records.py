@@ -15,7 +15,7 @@ nothing is unpickled.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hivetrain import __version__
 from hivetrain.peers.identity import peer_id_of_owner
+from hivetrain.peers.membership import MAX_REVOKED
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,12 @@ class PeerRecord(BaseModel):
     paused: bool = Field(default=False, description="the volunteer paused training (it stays in the swarm)")
     join_token: str = Field(
         default="", max_length=2048, description="join token of an invite-only run (peers/membership.py); '' = none"
+    )
+    revoked: tuple[tuple[Annotated[str, Field(max_length=128)], float], ...] = Field(
+        default=(),
+        max_length=MAX_REVOKED,
+        description="the token issuer's revocation list (its own record only): (peer id, unix s), that peer's join "
+        "tokens issued at or before are void (peers/membership.py)",
     )
     updated_at: float = Field(ge=0.0)
 

@@ -21,6 +21,7 @@ from hivetrain.peers.membership import (
     make_token,
     parse_token,
     refusal_message,
+    revocation_list,
 )
 from hivetrain.peers.records import peers_key
 from hivetrain.peers.validators import RecordBounds, RecordGuard, check_record
@@ -201,3 +202,36 @@ def test_an_honest_node_drops_a_non_members_record(coordinator):
     assert honest.validate(good) and honest.validate(bad)  # no policy yet: an open run
     honest.extend([RecordGuard(admission=(policy,))])  # what PeerNode.guard_run does once the run's policy is known
     assert honest.validate(good) and not honest.validate(bad)
+
+
+def test_a_revocation_voids_the_tokens_issued_before_it_and_not_later_ones():
+    issuer = _key()
+    peer = _key()
+    policy = AdmissionPolicy("r", "token", issuer=issuer.peer_id)
+    old = make_token(issuer.key, "r", peer.peer_id, 1000.0, 9000.0)
+    new = make_token(issuer.key, "r", peer.peer_id, 2001.0, 9000.0)
+    revoked = revocation_list([(peer.peer_id, 2000.0), ("not a peer id", 5.0), (issuer.peer_id, float("nan"))])
+    assert revoked == {peer.peer_id: 2000.0}
+    refusal = decide_membership(peer.peer_id, old, policy, 3000.0, revoked)
+    assert not refusal.ok and refusal.cause == "revoked" and "revoked by the run's operator" in refusal.reason
+    assert "ask the run's operator for a new token" in refusal_message(refusal, "r", peer.peer_id)
+    assert decide_membership(peer.peer_id, new, policy, 3000.0, revoked).ok
+    assert decide_membership(peer.peer_id, old, policy, 3000.0).ok  # without the list
+
+
+def test_the_roster_follows_the_issuers_newest_revocation_list_only():
+    issuer, peer, impostor = _key(), _key(), _key()
+    policy = AdmissionPolicy("r", "token", issuer=issuer.peer_id)
+    clock = [1500.0]
+    roster = MemberRoster(policy, clock=lambda: clock[0])
+    token = make_token(issuer.key, "r", peer.peer_id, 1000.0, 9000.0)
+    member = peer_record(peer.peer_id, join_token=token, updated_at=1500.0)
+    revoking = peer_record(issuer.peer_id, role="coordinator", updated_at=1600.0, revoked=((peer.peer_id, 1500.0),))
+    roster.observe([member, peer_record(impostor.peer_id, updated_at=1600.0, revoked=((peer.peer_id, 1500.0),))])
+    assert roster.admits(peer.peer_id), "only the issuer's record carries the list"
+    roster.observe([member, revoking])
+    assert roster.check(peer.peer_id).cause == "revoked"
+    roster.observe([member, peer_record(issuer.peer_id, role="coordinator", updated_at=1550.0)])
+    assert roster.check(peer.peer_id).cause == "revoked", "an older copy of the issuer's record undoes nothing"
+    roster.observe([member, peer_record(issuer.peer_id, role="coordinator", updated_at=1700.0)])
+    assert roster.admits(peer.peer_id), "the issuer took it back"

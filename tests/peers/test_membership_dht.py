@@ -63,3 +63,55 @@ def test_join_swarm_refuses_a_peer_without_a_valid_token_and_says_what_to_do(tmp
     (tmp_path / "token.txt").write_text(expired + "\n")
     code, err, _ = _join(tmp_path, "--join-token", f"@{tmp_path / 'token.txt'}")
     assert code == 3 and "the join token expired at" in err and "new one" in err, err
+
+
+def test_a_revoked_token_is_refused_at_every_honest_node_within_one_record_refresh(make_node):
+    """Issue 28: a leaked token must stop working before it expires. The issuer's record carries its revocation list;
+    each honest peer's view drops the revoked peer at the first read that carries it (one record refresh), and its
+    roster refuses it everywhere it is asked (matchmaking, data plane, state). A token issued later admits it again."""
+    from hivetrain.diloco.swarm_view import SwarmView
+    from hivetrain.peers.loop import LoopThread
+    from hivetrain.peers.membership import MemberRoster
+
+    coordinator = make_node(name="coordinator")
+    honest = [make_node(coordinator.visible_maddrs(), name=f"honest{i}") for i in range(2)]
+    leaker = make_node(coordinator.visible_maddrs(), name="leaker")
+    policy = AdmissionPolicy("r", "token", issuer=coordinator.peer_id)
+    key, now = coordinator.identity.private_key, time.time()
+    tokens = {n.peer_id: make_token(key, "r", n.peer_id, now - 10, now + 3600) for n in (*honest, leaker)}
+    for node in (coordinator, *honest, leaker):
+        node.guard_run("r", admission=policy)
+
+    def publish(node, **fields):
+        token = tokens.get(node.peer_id, "")
+        record = peer_record(node.peer_id, updated_at=time.time(), join_token=token, **fields)
+        assert publish_record(node.dht, node.owner_marker, record, 30)
+
+    publish(coordinator, role="coordinator")
+    for node in (*honest, leaker):
+        publish(node)
+    loop = LoopThread()
+    try:
+        views = []
+        for node in honest:
+            roster = MemberRoster(policy)
+            view = SwarmView(node, loop, "r", "f", lambda: None, record_ttl_s=30, record_interval_s=1, members=roster)
+            roster.follow(lambda view=view: view.records)
+            views.append((view, roster))
+        for view, roster in views:
+            assert leaker.peer_id in {r.peer_id for r in view.refresh()} and roster.admits(leaker.peer_id)
+
+        revoked_at = time.time()
+        publish(coordinator, role="coordinator", revoked=((leaker.peer_id, revoked_at),))
+        for view, roster in views:  # one read
+            assert leaker.peer_id not in {r.peer_id for r in view.refresh()}
+            refusal = roster.check(leaker.peer_id)
+            assert not refusal.ok and refusal.cause == "revoked", refusal
+            assert all(roster.admits(n.peer_id) for n in (coordinator, *honest))  # nobody else
+
+        tokens[leaker.peer_id] = make_token(key, "r", leaker.peer_id, revoked_at + 1, revoked_at + 3600)
+        publish(leaker)  # invited again after the revocation
+        for view, roster in views:
+            assert leaker.peer_id in {r.peer_id for r in view.refresh()} and roster.admits(leaker.peer_id)
+    finally:
+        loop.stop(timeout_s=2)
