@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 _DIR_RE = re.compile(r"^epoch-(\d{6,})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+PROTECT_FILE = "protected.json"  # {"epoch": N, "reason": ..., "at": unix s}: the checkpoint pruning never deletes
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,35 @@ class CheckpointStore:
             os.fsync(f.fileno())
         fsync_dir(tmp)
 
+    def protect(self, epoch: int, reason: str) -> None:
+        """Keep the checkpoint of ``epoch`` whatever ``keep_last`` says, until another is protected (one at a time):
+        the last state from before an adoption the coordinator could not check, so an operator can go back to it
+        if that state turns out poisoned (issue 28). Written atomically under the writer lock.
+
+        Raises:
+            ValueError: no complete checkpoint of ``epoch``.
+            TimeoutError: another writer held the lock for ``lock_timeout_s``.
+        """
+        path = self.root / f"epoch-{epoch:06d}"
+        try:
+            read_manifest(path, epoch, check_sizes=True)
+        except CheckpointInvalid as exc:
+            raise ValueError(f"cannot protect epoch {epoch}: {exc.reason}") from None
+        with _WriterLock(self.root / ".lock", self.lock_timeout_s):
+            tmp = self.root / f".{PROTECT_FILE}.{secrets.token_hex(4)}"
+            tmp.write_text(json.dumps({"epoch": epoch, "reason": reason[:500], "at": time.time()}))
+            os.replace(tmp, self.root / PROTECT_FILE)
+            fsync_dir(self.root)
+        logger.warning("checkpoint of epoch %d is kept until further notice: %s", epoch, reason)
+
+    def protected(self) -> tuple[int, str] | None:
+        """(epoch, reason) of the protected checkpoint, or None (none, or an unreadable marker)."""
+        try:
+            raw = json.loads((self.root / PROTECT_FILE).read_text())
+            return int(raw["epoch"]), str(raw.get("reason", ""))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _sweep_temporaries(self) -> None:
         """Delete temporary and trash directories. Only called under the writer lock, so none is in use."""
         for entry in self.root.iterdir():
@@ -226,9 +256,12 @@ class CheckpointStore:
                 shutil.rmtree(entry, ignore_errors=True)
 
     def _prune(self) -> None:
-        """Keep the newest ``keep_last`` complete checkpoints and anything newer; delete the rest."""
-        complete = 0
+        """Keep the newest ``keep_last`` complete checkpoints, anything newer and the ``protect``-ed one; delete the
+        rest."""
+        complete, kept = 0, self.protected()
         for epoch, path in self._epoch_dirs():
+            if kept is not None and epoch == kept[0]:
+                continue
             if complete >= self.keep_last:
                 logger.info("pruning checkpoint %s", path)
                 shutil.rmtree(path, ignore_errors=True)

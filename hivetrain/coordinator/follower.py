@@ -165,18 +165,34 @@ class StateFollower:
             except (StateDownloadFailed, TimeoutError, ValueError) as exc:
                 logger.warning("state download failed: %s", exc)
                 return f"download failed: {exc}"
+            unchecked = unchecked_adoption(state, new, self.steps, self.options)
             ok, why = step_check(state, new, self.steps, self.options)
             if not ok:
                 for peer_id in decision.donors:
                     self.bans.ban(peer_id, now, reason=f"served an unbounded step: {why}")
                 logger.warning("refused epoch %d from %s: %s", new.epoch, ", ".join(decision.donors), why)
                 return f"refused epoch {new.epoch}: {why}"
+            if unchecked:
+                self._keep_before(state, f"epoch {new.epoch} adopted unchecked: {unchecked}")
             self._set(new)
             self.downloads += 1
             did = f"downloaded epoch {new.epoch} ({decision.reason})"
             logger.info("%s", did)
         self._maybe_checkpoint()
         return did
+
+    def _keep_before(self, state: TrainingState, reason: str) -> None:
+        """Checkpoint ``state`` (if it is not yet) and protect that checkpoint from pruning: the run can go back to it
+        if what we adopt next was poisoned. Never raises (a full disk must not stop the follower)."""
+        if self.store is None or state.epoch == 0:
+            return
+        try:
+            if not any(c.epoch == state.epoch and c.status == "ok" for c in self.store.list(verify=False)):
+                self.store.save(state, self.run_config, extra={"model_fingerprint": self.fingerprint})
+                self.checkpoints_written += 1
+            self.store.protect(state.epoch, reason)
+        except (OSError, ValueError, TimeoutError) as exc:
+            logger.warning("could not keep a checkpoint of epoch %d before %s: %s", state.epoch, reason, exc)
 
     def _fresh_hashes(self) -> dict[int, str]:
         """The hashes trainers published, read afresh (donors may have committed since our last poll)."""
@@ -204,6 +220,19 @@ class StateFollower:
         if self.store is None:
             return []
         return [CheckpointRow(c.epoch, c.created_at, c.status, c.reason) for c in self.store.list(verify=True)]
+
+
+def unchecked_adoption(current: TrainingState, new: TrainingState, steps: UpdateNorms, options: FollowerOptions) -> str:
+    """Why moving from ``current`` to ``new`` is more than a step the coordinator can check ("" = it is one): no
+    step history for ``step_check`` past the run's start (a restart: we hold an epoch we did not follow step by
+    step), or another state at our own epoch (a fork resolved by the quorum). Before such an adoption the
+    coordinator keeps a checkpoint of ``current`` out of pruning's reach (``CheckpointStore.protect``)."""
+    if new.epoch == current.epoch:
+        return f"it replaces our state of epoch {current.epoch} (a fork resolved)"
+    known, needed = len(steps.history), options.step_min_history
+    if options.max_step_ratio and known < needed and current.epoch > known:  # not the run's start followed step by step
+        return f"we hold epoch {current.epoch} but only {known} followed step(s) to bound it by (need {needed})"
+    return ""
 
 
 def step_check(

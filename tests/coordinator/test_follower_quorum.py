@@ -77,3 +77,21 @@ def test_at_a_runs_start_the_coordinator_follows_no_lone_liar_among_trainers_sti
     # alone, a trainer is still followed (a one-trainer run stays joinable through the coordinator)
     follower, loop = make({"a": 3}, run_started_at=NOW - 30.0)
     assert follower.step([rec("a", 3)]).startswith("downloaded epoch 3")
+
+
+def test_a_restarted_coordinator_keeps_its_checkpoint_from_before_an_adoption_it_could_not_bound(tmp_path):
+    """Issue 28: after a restart the coordinator has no step history, so the first state it follows is taken on the
+    trainers' word; the checkpoint it restored from stays on disk whatever keep_checkpoints says."""
+    from hivetrain.coordinator.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path, keep_last=1)
+    store.save(state(40), {})
+    loop = FakeLoop({"a": 41, "b": 41})
+    node = SimpleNamespace(peer_id="coord", dht=None)
+    follower = StateFollower(node, loop, "r", state(0), store, {}, "f", FollowerOptions(checkpoint_every=1))
+    follower._p2p = None
+    assert follower.restore() == 40
+    assert follower.step([rec("a", 41), rec("b", 41)]).startswith("downloaded epoch 41")
+    epoch, reason = store.protected()
+    assert epoch == 40 and "epoch 41 adopted unchecked" in reason and "we hold epoch 40" in reason
+    assert [c.epoch for c in store.list(verify=False)] == [41, 40]  # keep_last 1, and the protected one

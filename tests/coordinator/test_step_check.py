@@ -1,6 +1,7 @@
 """The coordinator adopts a state only one bounded step from its own (issue 28: it followed 3 identities one epoch
 ahead of 2 honest trainers and checkpointed random weights)."""
 
+import pytest
 import torch
 
 from hivetrain.coordinator.follower import FollowerOptions, step_check
@@ -39,3 +40,39 @@ def test_without_history_the_first_steps_are_taken_and_the_bound_can_be_off():
     assert step_check(state(0, theta), state(1, theta + 100.0), steps, FollowerOptions(step_min_history=3))[0]
     off = FollowerOptions(max_step_ratio=0.0, step_min_history=1)
     assert step_check(state(1, theta), state(2, theta + 1e6), UpdateNorms(4), off)[0]
+
+
+def test_an_adoption_the_coordinator_cannot_check_is_named_and_the_run_start_is_not_one():
+    from hivetrain.coordinator.follower import unchecked_adoption
+
+    theta, options = torch.zeros(10), FollowerOptions(step_min_history=3)
+    fresh = UpdateNorms(4)
+    assert unchecked_adoption(state(0, theta), state(1, theta + 1), fresh, options) == ""  # the run's start
+    fresh.add(1.0)
+    assert unchecked_adoption(state(1, theta), state(2, theta + 1), fresh, options) == ""  # followed step by step
+    restarted = unchecked_adoption(state(40, theta), state(41, theta + 1), UpdateNorms(4), options)
+    assert "we hold epoch 40 but only 0 followed step(s)" in restarted
+    assert "a fork resolved" in unchecked_adoption(state(5, theta), state(5, theta + 1), fresh, options)
+    history = UpdateNorms(4)
+    for norm in (1.0, 1.0, 1.0):
+        history.add(norm)
+    assert unchecked_adoption(state(40, theta), state(41, theta + 1), history, options) == ""
+
+
+def test_the_checkpoint_before_an_unchecked_adoption_outlives_pruning(tmp_path):
+    from hivetrain.coordinator.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path, keep_last=2)
+    theta = torch.zeros(10)
+    for epoch in (1, 2, 3):
+        store.save(state(epoch, theta + epoch), {"run_id": "r"})
+    store.protect(3, "epoch 4 adopted unchecked: a fork resolved")
+    for epoch in (4, 5, 6, 7):
+        store.save(state(epoch, theta + epoch), {"run_id": "r"})
+    assert [c.epoch for c in store.list(verify=False)] == [7, 6, 3]
+    assert store.protected() == (3, "epoch 4 adopted unchecked: a fork resolved")
+    store.protect(6, "a restart")  # one protected checkpoint at a time: the older one is pruned like any other
+    store.save(state(8, theta + 8), {"run_id": "r"})
+    assert [c.epoch for c in store.list(verify=False)] == [8, 7, 6]
+    with pytest.raises(ValueError, match="cannot protect epoch 1"):
+        store.protect(1, "gone")
