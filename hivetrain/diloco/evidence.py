@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from hivetrain.diloco.sync_policy import SyncTrust, published_hashes
+from hivetrain.peers.quorum import SENIORITY_CAP
 from hivetrain.peers.records import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,17 @@ class Evidence:
         return published_hashes(
             others, trust=self.trust, exact_average=self.exact_average, now=self.now(), stale_after_s=self.stale_after_s
         )
+
+    def note_round(self, group: Iterable[str]) -> None:
+        """We committed an outer step in one group with ``group`` (peer IDs, ours included or not): each other member
+        gains a round of seniority, which weighs its votes in the quorum (``SyncTrust.seniority``); counts stop at
+        ``SENIORITY_CAP``, where weights stop growing."""
+        others = [p for p in group if p != self.my_peer_id]
+        if others:
+            seniority = dict(self.trust.seniority)
+            for peer in others:
+                seniority[peer] = min(seniority.get(peer, 0) + 1, SENIORITY_CAP)
+            self.trust = dataclasses.replace(self.trust, seniority=seniority)
 
     def ban(self, peer_ids: Iterable[str], reason: str) -> None:
         """Ignore these peers' records from now on."""

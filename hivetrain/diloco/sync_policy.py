@@ -26,6 +26,7 @@ from hivetrain.peers.quorum import (
     backed_states,
     implausible,
     max_plausible_epoch,
+    seniority_weights,
 )
 from hivetrain.peers.records import PeerRecord
 
@@ -45,12 +46,17 @@ class SyncTrust:
             never be later than the truth (a coordinator restart must not reset it): honest epochs would then look
             implausible, though a claim a quorum backs is never banned.
         banned: peer IDs whose records are ignored.
+        seniority: peer ID -> outer steps we committed in one group with it. The quorum weighs votes by it
+            (``quorum.seniority_weights``): identities are free in an open run, rounds committed with us are not, so
+            fresh identities claiming an epoch ahead cannot outvote the peers we train with (issue 28: 2 identities
+            took over 2 honest peers). Empty (a joiner, the coordinator): every vote weighs 1.
     """
 
     quorum: QuorumConfig = QuorumConfig()
     coordinator_id: str = ""
     run_started_at: float | None = None
     banned: frozenset[str] = frozenset()
+    seniority: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class SyncDecision:
     reason: str
     ban: tuple[str, ...] = field(default=())
     state_hash: str = ""
+    forked: bool = False  # the "forked" rule: another state at our own epoch
 
 
 def download_hashes(published: Mapping[int, str], decision: SyncDecision) -> dict[int, str]:
@@ -145,13 +152,14 @@ def _weigh(
     if impostors:
         notes.append(f"ignored coordinator record(s) of {', '.join(p[:12] for p in impostors)}: not the run's")
     votes = claims + ([mine] if mine is not None else [])
+    weights = seniority_weights(trust.seniority, my_peer_id) if trust.seniority else None
     bound = None if now is None else max_plausible_epoch(trust.run_started_at, now, trust.quorum)
     ban: tuple[str, ...] = ()
     suspects = implausible(claims, bound)
     if suspects:
         # a claim past the bound is spared only where at least 2 distinct peers hold that state: a quorum that takes
         # a lone holder (the coordinator's follower) must not let the bound wave a lone liar through
-        backed = backed_states(votes, trust.quorum, exact_average)
+        backed = backed_states(votes, trust.quorum, exact_average, weights)
         ban = tuple(
             p
             for p in suspects
@@ -163,7 +171,7 @@ def _weigh(
             notes.append(f"epoch past the run-age bound {bound} claimed by {', '.join(p[:12] for p in ban)}: banned")
         claims = [r for r in claims if r.peer_id not in ban]
         votes = claims + ([mine] if mine is not None else [])
-    return _Evidence(claims, coordinator, backed_states(votes, trust.quorum, exact_average), ban, tuple(notes))
+    return _Evidence(claims, coordinator, backed_states(votes, trust.quorum, exact_average, weights), ban, tuple(notes))
 
 
 def published_hashes(
@@ -262,7 +270,9 @@ def decide_sync(
             theirs, by = my_hash, ""
         if my_hash and theirs != my_hash:
             why = f"forked: {by} state {theirs[:12]} at epoch {my_epoch}, we hold {my_hash[:12]}"
-            return SyncDecision("download", my_epoch, holding(my_epoch, theirs), why + notes, ev.ban, theirs)
+            return SyncDecision(
+                "download", my_epoch, holding(my_epoch, theirs), why + notes, ev.ban, theirs, forked=True
+            )
         if unbacked:
             lone = _lone_behind(ev, my_epoch)
             if lone is not None:

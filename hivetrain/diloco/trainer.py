@@ -55,6 +55,8 @@ from hivetrain.peers.records import PeerRecord, fetch_records
 
 logger = logging.getLogger(__name__)
 
+FORK_SETTLE_RECORDS = 2  # after our commit, a "forked" verdict waits this many record intervals for the view to settle
+
 
 class DilocoTrainer:
     """Runs one DiLoCo peer until ``stop()`` or the configured number of outer steps.
@@ -120,6 +122,7 @@ class DilocoTrainer:
         inner = InnerOptimizer(model, config.diloco) if self.node_ranks is None else self._node_inner(model)
         self.phases = PhaseRunner(inner, batches, plan, self.duty, node.peer_id, samples_per_step=per_step)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
+        self._committed_at = float("-inf")  # time.monotonic() of our last committed outer step
         # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
         self.evidence = Evidence(
             node.peer_id,
@@ -348,6 +351,15 @@ class DilocoTrainer:
         self.evidence.ban(decision.ban, decision.reason)
         if decision.action == "train":
             return True
+        settle = self._committed_at + FORK_SETTLE_RECORDS * self.options.record_interval_s - time.monotonic()
+        if decision.forked and settle > 0:
+            # our group's records lag ours by up to a heartbeat after a commit: a "fork" read now may be one record
+            # that has not caught up (issue 28: a 2-2 split swung for a second); decide on a settled view
+            logger.info(
+                "state download deferred %.1fs for the view to settle after our commit: %s", settle, decision.reason
+            )
+            self._stop.wait(settle)
+            return False
         logger.info("state download: %s", decision.reason)
         exclude = {self.node.peer_id, *decision.donors, *self.evidence.trust.banned}
         if not self._exact_average:
@@ -511,6 +523,8 @@ class DilocoTrainer:
             self._note_state(outcome.state_hash)
             self.view.request_publish()
         self.background.remember(outcome, contribution)
+        self.evidence.note_round(result.group)  # the peers we train with: their votes weigh more than strangers'
+        self._committed_at = time.monotonic()
         self.stats.rounds_committed += 1
         self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
         self.stats.samples_total += contribution.samples

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -143,41 +143,73 @@ def distinct_voters(claims: Iterable[Claim]) -> list[Claim]:
 _state_hash = operator.attrgetter("state_hash")
 
 
-def backed_states(claims: Iterable[Claim], config: QuorumConfig, exact: bool = True) -> dict[int, Backing]:
+def backed_states(
+    claims: Iterable[Claim], config: QuorumConfig, exact: bool = True, weights: Mapping[str, float] | None = None
+) -> dict[int, Backing]:
     """epoch -> the state a quorum of ``claims`` backs at that epoch (the rule in the module docstring).
 
     Args:
         claims: the live claims to weigh, ours included when we hold a state; the caller drops stale, departed,
             banned and implausible ones. Several claims of one peer ID count once.
         exact: peers of an epoch hold identical states (butterfly averaging); False for moshpit/gossip groups.
+        weights: peer ID -> weight (> 0) in rules 2 and 3, 1 for a peer not listed; rule 1 counts distinct
+            identities. A trainer weighs peers by the rounds it committed with them (``seniority_weights``), so fresh
+            identities, free in an open run, cannot outvote the peers it trains with (issue 28). None = all 1.
 
     Returns:
-        Only epochs whose state passes the rule; an epoch nobody backs enough is absent.
+        Only epochs whose state passes the rule; an epoch nobody backs enough is absent. ``Backing``'s counts are
+        identities, whatever the weights.
     """
     voters = distinct_voters(claims)
+    weight = (lambda p: 1.0) if weights is None else (lambda p: weights.get(p, 1.0))
     by_epoch: dict[int, list[Claim]] = defaultdict(list)  # one pass: O(voters), not O(voters x epochs)
     for v in voters:
         by_epoch[v.epoch].append(v)  # each list stays sorted by peer ID, as ``voters`` is
-    trained = sum(len(at) for epoch, at in by_epoch.items() if epoch >= 1)
-    passed = len(voters)  # voters at ``epoch`` or later, for the epochs in ascending order
+    mass = {epoch: sum(weight(v.peer_id) for v in at) for epoch, at in by_epoch.items()}
+    trained = sum(m for epoch, m in mass.items() if epoch >= 1)
+    trained_count = sum(len(at) for epoch, at in by_epoch.items() if epoch >= 1)
+    passed, passed_mass = len(voters), sum(mass.values())  # voters at ``epoch`` or later, epochs ascending
     result: dict[int, Backing] = {}
     for epoch in sorted(by_epoch):
         at = by_epoch[epoch]
-        population = trained if epoch >= 1 and not config.count_untrained else len(voters)
+        untrained_out = epoch >= 1 and not config.count_untrained
+        population = trained if untrained_out else sum(mass.values())
         hashes = list(map(_state_hash, at))
         if exact:
-            state_hash, count = max(Counter(hashes).items(), key=lambda kv: (kv[1], kv[0]))
+            held: dict[str, float] = defaultdict(float)
+            for v, h in zip(at, hashes, strict=True):
+                held[h] += weight(v.peer_id)
+            state_hash, held_mass = max(held.items(), key=lambda kv: (kv[1], kv[0]))
         else:
-            state_hash, count = max(hashes), len(at)
+            state_hash, held_mass = max(hashes), mass[epoch]
+        count = sum(h == state_hash for h in hashes) if exact else len(at)
         if (
             count >= config.min_peers
-            and count > config.min_fraction * len(at)
-            and passed >= config.min_fraction * population
+            and held_mass > config.min_fraction * mass[epoch]
+            and passed_mass >= config.min_fraction * population
         ):
             holders = tuple(v.peer_id for v, h in zip(at, hashes, strict=True) if h == state_hash)
-            result[epoch] = Backing(epoch, state_hash, holders, len(at), passed, population)
+            counted = trained_count if untrained_out else len(voters)
+            result[epoch] = Backing(epoch, state_hash, holders, len(at), passed, counted)
         passed -= len(at)
+        passed_mass -= mass[epoch]
     return result
+
+
+SENIORITY_CAP = 10
+"""Rounds committed together beyond which a peer weighs no more: a peer we trained with for 10+ rounds counts as 11
+fresh identities, and no single veteran outweighs the rest of a large swarm."""
+
+
+def seniority_weights(seniority: Mapping[str, int], me: str) -> dict[str, float]:
+    """Vote weights from ``seniority`` (peer ID -> outer steps we committed in one group with it): 1 + that count,
+    capped at ``SENIORITY_CAP``; our own vote weighs as much as our most senior partner (we took part in all those
+    rounds). A peer with no rounds with us weighs 1, so a joiner, who has none, weighs everyone alike: the plain
+    count (it must still be able to join)."""
+    weights = {p: 1.0 + min(n, SENIORITY_CAP) for p, n in seniority.items() if n > 0}
+    if weights:
+        weights[me] = max(weights.values())
+    return weights
 
 
 def max_plausible_epoch(run_started_at: float | None, now: float, config: QuorumConfig) -> int | None:

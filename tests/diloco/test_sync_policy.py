@@ -404,3 +404,47 @@ def test_a_failed_round_with_nobody_at_our_epoch_and_a_lone_peer_ahead_resyncs_w
     assert decide_after_round("me", view(), ahead, NOW, **POLICY).action == "retry"
     p = decide_after_round("me", view(), ahead, NOW, **POLICY, unbacked=True)
     assert p.action == "resync" and "unbacked" in p.reason
+
+
+def test_fresh_identities_one_epoch_ahead_do_not_outvote_the_peers_we_train_with():
+    """Issue 28: identities are free in an open run, rounds committed with us are not. Two (or three) colluders one
+    epoch past two honest peers that have trained together: no honest peer follows them, even with its partner's
+    record lagging an epoch behind right after a commit, and no poisoned hash at our own epoch reads as "forked"."""
+    partners = SyncTrust(seniority={"b": 5})
+    for liars in (("x", "y"), ("x", "y", "z")):
+        ahead = [rec(p, 8, "poison") for p in liars]
+        for b_epoch in (7, 6):  # b's record in step, then lagging after our commit
+            d = decide_sync("a", 7, "h7", [rec("b", b_epoch, "h7"), *ahead], NOW, 30, trust=partners)
+            assert d.action == "train", (liars, b_epoch, d.reason)
+            assert decide_sync("a", 7, "h7", [rec("b", b_epoch, "h7"), *ahead], NOW, 30).action == "download", (
+                "the same view without seniority is taken over: the weights are what stops it"
+            )
+        same_epoch = [rec("b", 6, "h6"), *[rec(p, 7, "poison") for p in liars]]
+        assert decide_sync("a", 7, "h7", same_epoch, NOW, 30, trust=partners).action == "train"
+    # the partner's real progress is still followed: b and a newcomer committed epoch 8 without us
+    d = decide_sync("a", 7, "h7", [rec("b", 8, "h8"), rec("c", 8, "h8")], NOW, 30, trust=partners)
+    assert d.action == "download" and d.target_epoch == 8 and d.state_hash == "h8"
+
+
+def test_an_honest_late_joiner_still_joins_a_run_of_two_honest_peers():
+    # a joiner has committed nothing with anyone: every vote weighs 1, the plain count (the checks must not lock out
+    # real joiners); the loss check on its own windows is what refuses a poisoned state then
+    d = decide_sync("joiner", 0, "", [rec("a", 12, "h12"), rec("b", 12, "h12")], NOW, 30)
+    assert d.action == "download" and d.target_epoch == 12 and set(d.donors) == {"a", "b"}
+    with_seniors = SyncTrust(seniority={"a": 10, "b": 10})  # the two honest peers, as they see each other
+    d = decide_sync("a", 11, "h11", [rec("b", 12, "h12"), rec("c", 12, "h12")], NOW, 30, trust=with_seniors)
+    assert d.action == "download" and d.target_epoch == 12
+
+
+def test_seniority_grows_per_committed_round_and_stops_at_its_cap():
+    from hivetrain.diloco.evidence import Evidence
+    from hivetrain.peers.quorum import SENIORITY_CAP, seniority_weights
+
+    evidence = Evidence("me", "", exact_average=True, stale_after_s=30, now=lambda: NOW)
+    for _ in range(SENIORITY_CAP + 3):
+        evidence.note_round(("a", "b", "me"))
+    evidence.note_round(("c", "me"))
+    assert dict(evidence.trust.seniority) == {"a": SENIORITY_CAP, "b": SENIORITY_CAP, "c": 1}
+    weights = seniority_weights(evidence.trust.seniority, "me")
+    assert weights == {"a": 1.0 + SENIORITY_CAP, "b": 1.0 + SENIORITY_CAP, "c": 2.0, "me": 1.0 + SENIORITY_CAP}
+    assert seniority_weights({}, "me") == {}
