@@ -417,6 +417,9 @@ class ButterflyRound:
         try:
             self._wait(lambda: not awaited(), awaited, votes_deadline, "waiting for votes")
         except RoundFailed as exc:  # members that got every vote may commit: hand the caller what we voted for
+            # and let our own votes leave first: closing our links abruptly behind a queued vote made a member that
+            # had every other vote fail too (chaos lost-vote: 2 members recovering instead of the one that missed)
+            self._flush_votes(min(votes_deadline, time.monotonic() + min(1.0, self.config.commit_timeout_s)))
             raise self._voted(exc, sub, weights) from None
         disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
         if disagree:  # nobody can commit: every member needs every vote to match its own hash; ours still must
