@@ -67,7 +67,10 @@ def test_moshpit_drift_stays_bounded_over_outer_steps(make_averagers, prefix: st
         noise = [shared + SIGMA * torch.randn(NUM_ELEMENTS, generator=g) for _ in range(NUM_PEERS)]
         noise_norms.append(_deviation_norm(noise))
         sent = [xp + n for xp, n in zip(x, noise, strict=True)]
-        calls = [lambda a=a, y=y, t=t: a.average([y], 1.0, t, ROUND_TIMEOUT_S) for a, y in zip(avgs, sent, strict=True)]
+        calls = [  # every peer expected, as a trainer passes the live peers it sees: the round closes when all are in
+            lambda a=a, y=y, t=t: a.average([y], 1.0, t, ROUND_TIMEOUT_S, expected_peers=frozenset(ids))
+            for a, y in zip(avgs, sent, strict=True)
+        ]
         results = run_threads(calls, timeout_s=ROUND_TIMEOUT_S + 15)
         assert all(isinstance(r, RoundResult) for r in results), f"step {t}: {results}"
         assert all(r.group == tuple(sorted(ids)) for r in results), f"step {t}: not every peer took part (full grid)"
