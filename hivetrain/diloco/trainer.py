@@ -24,6 +24,7 @@ from hivetrain import __version__
 from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
+from hivetrain.diloco.adoption import StateAdopter
 from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
@@ -37,14 +38,11 @@ from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
 from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
+from hivetrain.diloco.state_sync import StateServer
 from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.diloco.sync_policy import (
     SyncTrust,
     decide_sync,
-    download_hashes,
-    download_short,
-    loss_check,
 )
 from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 from hivetrain.model import evaluate
@@ -55,7 +53,10 @@ from hivetrain.peers.records import PeerRecord, fetch_records
 
 logger = logging.getLogger(__name__)
 
-FORK_SETTLE_RECORDS = 2  # after our commit, a "forked" verdict waits this many record intervals for the view to settle
+FORK_SETTLE_S = 2.0
+"""After our own commit, a "forked" verdict waits this long (seconds) for one more read of the swarm: our group's
+records follow ours within about a second (each member publishes at once after its commit). Two record intervals
+(10 s) cost a joiner in chaos ahead-liars-2v2 two epochs: it waited through the next round."""
 
 
 class DilocoTrainer:
@@ -157,6 +158,23 @@ class DilocoTrainer:
         )
         self.state_server: StateServer = served["server"]
         self.admits = membership.admits if membership is not None else None  # None: an open run
+
+        def published() -> dict[int, str]:  # runs inside a download: read the DHT only, no daemon check
+            fresh = fetch_records(self.node.dht, self.config.run_id)
+            return self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
+
+        self.adopter = StateAdopter(
+            loop,
+            lambda: self._p2p,
+            config.run_id,
+            published=published,
+            evaluate=self._evaluate,
+            timeout_s=options.state_timeout_s,
+            faults=faults,
+            admits=self.admits,
+            join_check=None if self._exact_average else self.join_check,
+            sketcher=self.sketcher,
+        )
         if membership is not None:  # invite-only: members are learned from the (guarded) records we read
             membership.follow(lambda: self.view.records)
             self.state_server.admits = membership.admits
@@ -351,7 +369,7 @@ class DilocoTrainer:
         self.evidence.ban(decision.ban, decision.reason)
         if decision.action == "train":
             return True
-        settle = self._committed_at + FORK_SETTLE_RECORDS * self.options.record_interval_s - time.monotonic()
+        settle = self._committed_at + FORK_SETTLE_S - time.monotonic()
         if decision.forked and settle > 0:
             # our group's records lag ours by up to a heartbeat after a commit: a "fork" read now may be one record
             # that has not caught up (issue 28: a 2-2 split swung for a second); decide on a settled view
@@ -362,68 +380,16 @@ class DilocoTrainer:
             return False
         logger.info("state download: %s", decision.reason)
         exclude = {self.node.peer_id, *decision.donors, *self.evidence.trust.banned}
-        if not self._exact_average:
-            ready, note = self.join_check.ready(
-                records, decision.target_epoch, decision.donors, exclude, time.monotonic()
-            )
-            if note:
-                (logger.warning if ready else logger.info)("state download: %s", note)
-            if not ready:
-                self._stop.wait(1.0)  # the epoch's peers publish their θ sketches a few seconds after its commit
-                return False
-
-        def expected() -> dict[int, str]:  # runs inside the download: read the DHT only, no daemon check
-            fresh = fetch_records(self.node.dht, self.config.run_id)
-            published = self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
-            return download_hashes(published, decision)
-
-        bad: list[str] = []  # donors that served chunks contradicting their own manifest (appended on the loop)
-        try:
-            state = self.loop.run(
-                download_state(
-                    self._p2p,
-                    self.config.run_id,
-                    list(decision.donors),
-                    expected,
-                    self.state,
-                    self.options.state_timeout_s,
-                    self.faults,
-                    on_bad_donor=lambda peer, reason: bad.append(peer),
-                    admits=self.admits,
-                ),
-                timeout_s=self.options.state_timeout_s * 4,
-            )
-        except (StateDownloadFailed, TimeoutError, ValueError) as exc:
-            logger.warning("state download failed: %s", exc)
-            self._emit("state_download_failed", reason=str(exc))
-            self.evidence.ban(bad, "served state chunks that contradict its own manifest")
-            self._stop.wait(1.0)
+        if not self.adopter.ready(decision, records, exclude):
+            self._stop.wait(1.0)  # the epoch's peers publish their θ sketches a few seconds after its commit
             return False
-        self.evidence.ban(bad, "served state chunks that contradict its own manifest")
-        short = download_short(decision, state.epoch, self.state.epoch)
-        if short:
-            logger.warning("state download useless: %s", short)
-            self._emit("state_download_failed", reason=short)
-            self._stop.wait(1.0)
-            return False
-        if not self._exact_average:  # moshpit/gossip: no other peer holds the donor's hash; check θ against sketches
-            sketch = self.sketcher.sketch(state.params)
-            verdict = self.join_check.verdict(sketch, records, state.epoch, decision.donors, exclude)
-            if verdict.refused:
-                logger.warning("state download refused: %s", verdict.refused)
-                self._emit("state_download_failed", reason=verdict.refused)
-                if verdict.ban_donors:
-                    self.evidence.ban(decision.donors, f"served a state far from the swarm's: {verdict.refused}")
-                self._stop.wait(1.0)
-                return False
-        # Evidence of our own, which no number of identities can fake: its loss on our held-out windows. A quorum
-        # counts identities, which are free in an open run (issue 28: 2 identities one epoch ahead took over 2 honest
-        # peers, their joiner and the coordinator with random weights x5), and an unbacked state has no quorum at all.
-        ok, why = loss_check(self._evaluate(state), self._evaluate())
-        if not ok:
-            logger.warning("state download refused: %s", why)
-            self._emit("state_download_failed", reason=f"state refused: {why}")
-            self.evidence.ban(decision.donors, f"served a state far worse than ours: {why}")
+        adoption = self.adopter.adopt(decision, records, self.state, exclude)
+        for peers, reason in adoption.bans:
+            self.evidence.ban(peers, reason)
+        state = adoption.state
+        if state is None:
+            logger.warning("state download failed: %s", adoption.failure)
+            self._emit("state_download_failed", reason=adoption.failure)
             self._stop.wait(1.0)
             return False
         self.state = state

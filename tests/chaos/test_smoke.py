@@ -68,16 +68,32 @@ def test_smoke_scenario_passes(name, tmp_path):
         assert report["invariants"]["every_peer_kept_committing"]
     if name == "joiner-restart-2peer":
         _check_joiner_and_restart(tmp_path)
-    if name == "ahead-liars-2v2":  # the poisoned state was served and refused on loss, its donors banned
-        honest = [read_events(tmp_path / f"peer{i}.jsonl") for i in (0, 1, 4)]
-        refused = [
-            [e for e in evs if e["event"] == "state_download_failed" and "refused" in e["reason"]] for evs in honest
-        ]
-        assert any(refused), "no honest peer was offered the poisoned state: the attack did not happen"
-        for evs, got in zip(honest, refused, strict=True):
-            assert not got or any(e["event"] == "peers_banned" for e in evs)
+    if name == "ahead-liars-2v2":
+        _check_ahead_liars(tmp_path)
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
+
+
+def _check_ahead_liars(out) -> None:
+    """The attack ran (both liars up, claiming, while the honest peers trained), no honest peer's loss rose above its
+    pre-attack value + 10% (issue 28), and an honest peer that was served the poison refused it and banned its donors.
+    Whether one is served it at all depends on timing: peers that trained together weigh the liars' claims by their
+    rounds (none), and a "forked" verdict right after a commit waits for the view to settle."""
+    honest = {n: read_events(out / f"{n}.jsonl") for n in ("peer0", "peer1", "peer4")}
+    liars = {n: read_events(out / f"{n}.jsonl") for n in ("peer2", "peer3")}
+    honest_end = max(e["time"] for evs in honest.values() for e in evs if e["event"] == "outer_step")
+    for name, evs in liars.items():
+        started = [e["time"] for e in evs if e["event"] == "start"]
+        assert started and started[0] < honest_end, f"{name} was not up during the run: the attack did not happen"
+    for name, evs in honest.items():
+        steps = [e for e in evs if e["event"] == "outer_step" and e.get("eval_loss") is not None]
+        attack = min(e["time"] for evs in liars.values() for e in evs if e["event"] == "start")
+        before = [e["eval_loss"] for e in steps if e["time"] <= attack]
+        after = [e["eval_loss"] for e in steps if e["time"] > attack]
+        if before:
+            assert max(after) <= before[-1] * 1.1, (name, before[-1], after)
+        refused = [e for e in evs if e["event"] == "state_download_failed" and "refused" in e["reason"]]
+        assert not refused or any(e["event"] == "peers_banned" for e in evs), name
 
 
 DECISIONS = ("round_failed", "state_downloaded", "state_download_failed", "peers_banned", "outer_step")
