@@ -141,6 +141,23 @@ def decide_phase_end(
         return PhaseDecision(
             "end", f"swarm reached {total:.0f}/{target} samples ({num_peers} peers)", total, target, num_peers, 0.0
         )
+    # Every other live peer ended its phase for this epoch: they wait for us in matchmaking (a group waits a window and
+    # a grace for an expected peer, then closes without it). They ended on their estimate of our progress, which our
+    # own pace fell short of (a busy machine: chaos cpu-starve beside 2 hogs, the 20%-CPU peer ran 19 of 20 steps
+    # over 5.8 s, arrived ~1 s after each group closed, and missed 5 of 6 epochs). Each further step of ours only
+    # delays them or loses our samples and costs a download: average now, once they did their share of the target
+    # (a claim counted at most ``max_samples_per_peer``, like progress: a liar that claims to be done must claim its
+    # share, and then ends the phase of a peer it is alone with, as a bounded progress claim could already shorten it).
+    share = target * (num_peers - 1) / num_peers
+    if done and not running and finished >= share:
+        return PhaseDecision(
+            "end",
+            f"every other live peer ({len(done)}) ended its phase: they wait for us ({total:.0f}/{target} samples)",
+            total,
+            target,
+            num_peers,
+            eta_s,
+        )
     # Our next step would end after the swarm reached the target (it gets there within half a step of ours without
     # us): the others would wait for us. Projected with the same bounds, so a claimed throughput cannot end it early.
     if step_s < float("inf") and swarm_samples(0.5 * step_s, my_samples) >= target:

@@ -101,21 +101,27 @@ def test_peers_whose_phase_ended_count_with_their_final_samples_after_moving_to_
     records = [done("fast", samples=150, phase_epoch=4), done("mid", samples=70, phase_epoch=4)]
     d = decide_phase_end(SWARM, "me", 3, 24, 2.0, records, NOW)
     assert d.action == "end" and d.num_peers == 3 and d.target_samples == 240 and d.swarm_samples == 244
-    # with 16 samples the swarm is 4 short: one more step of ours, and none of theirs is extrapolated
+    # with 16 samples the swarm is 4 short, and none of theirs is extrapolated; but both wait for us: a step of ours
+    # (4 s at 2 samples/s) would only hold them up, or make us miss their group
     d = decide_phase_end(SWARM, "me", 3, 16, 2.0, records, NOW)
-    assert d.action == "continue" and d.swarm_samples == 236
+    assert d.action == "end" and d.swarm_samples == 236 and "they wait for us" in d.reason
+    # while one of them still runs, the swarm's count decides as before
+    d = decide_phase_end(SWARM, "me", 3, 16, 2.0, [*records, rec("slow", samples=0, throughput=0.5)], NOW)
+    assert d.action == "continue"
 
 
 def test_a_peer_waiting_for_the_round_is_not_extrapolated():
     # Without overlap a peer that ended its phase stays at phase_epoch 3 and still publishes a throughput.
     d = decide_phase_end(SWARM, "me", 3, 8, 8.0, [done("a", samples=40, phase_epoch=3, throughput=100.0)], NOW)
-    assert d.swarm_samples == 48 and d.action == "continue"
+    assert d.swarm_samples == 48 and d.action == "continue"  # it waits for us, but did only 40 of its 80 samples
+    d = decide_phase_end(SWARM, "me", 3, 8, 8.0, [done("a", samples=80, phase_epoch=3, throughput=100.0)], NOW)
+    assert d.swarm_samples == 88 and d.action == "end" and "they wait for us" in d.reason  # its share: we end
 
 
 def test_a_finished_phase_claim_is_bounded_like_progress():
-    plan = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, max_samples_per_peer=100)
+    plan = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, max_samples_per_peer=60)
     d = decide_phase_end(plan, "me", 3, 8, 8.0, [done("liar", samples=10**9, phase_epoch=4)], NOW)
-    assert d.action == "continue" and d.swarm_samples == 108
+    assert d.action == "continue" and d.swarm_samples == 68  # counted 60: short of its 80-sample share of 160
 
 
 def test_a_peer_that_committed_our_epoch_but_has_not_published_its_new_phase_counts_from_zero():
