@@ -40,10 +40,7 @@ from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import (
-    SyncTrust,
-    decide_sync,
-)
+from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
 from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
