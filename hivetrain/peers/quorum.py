@@ -27,6 +27,11 @@ With ``exact=False`` (moshpit or gossip groups: peers of one epoch hold differen
 count voters at epoch E whatever their hash; no hash can be checked against others then, and the one published is
 the largest hash string among the epoch's holders.
 
+**Weights.** A trainer weighs each voter in rules 2 and 3 by the rounds it committed with it (``seniority_weights``:
+1 + that count, capped at ``SENIORITY_CAP``; rule 1 still counts identities): identities are free in an open run,
+rounds committed with honest peers are not, so fresh identities one epoch ahead of peers that trained together do
+not outvote them (issue 28). A joiner has no rounds with anyone, so to it every voter weighs 1.
+
 What it does not stop: identities are free, so a quorum counts identities, not people (a Sybil attacker with more
 identities than the honest peers wins; admission, issue 12 item 6, is the answer), and a colluding majority is the
 run.
