@@ -172,7 +172,8 @@ class DilocoTrainer:
             join_check=None if self._exact_average else self.join_check,
             sketcher=self.sketcher,
         )
-        if membership is not None:  # invite-only: members are learned from the (guarded) records we read
+        if membership is not None:  # invite-only: members are learned from the (guarded) records we read; a peer not
+            # known yet is looked up again at once (cheap: a token is parsed once), not only at the view's next read
             membership.follow(lambda: self.view.records)
             self.state_server.admits = membership.admits
         self.rounds = RoundRunner(

@@ -281,9 +281,9 @@ def decide_membership(
         )
     if now > parsed.expires_at:
         return Admission(False, "expired", f"the join token expired at {_utc(parsed.expires_at)}")
-    cutoff = (revoked or {}).get(peer_id)
-    if cutoff is not None and parsed.issued_at <= cutoff:
-        return Admission(False, "revoked", _revoked_reason(peer_id, parsed.issued_at, cutoff))
+    refusal = _revocation(peer_id, parsed.issued_at, revoked or {})
+    if refusal is not None:
+        return refusal
     if now < parsed.issued_at - 300.0:  # a clock far behind the issuer's
         return Admission(False, "not_yet_valid", f"the join token is valid only from {_utc(parsed.issued_at)}")
     return Admission(
@@ -292,8 +292,13 @@ def decide_membership(
     )  # fmt: skip
 
 
-def _revoked_reason(peer_id: str, issued_at: float, cutoff: float) -> str:
-    return f"the join token of {peer_id} (issued {_utc(issued_at)}) was revoked by the run's operator at {_utc(cutoff)}"
+def _revocation(peer_id: str, issued_at: float, revoked: Mapping[str, float]) -> Admission | None:
+    """The refusal of a token of ``peer_id`` issued at ``issued_at`` that ``revoked`` voids, else None."""
+    cutoff = revoked.get(peer_id)
+    if cutoff is None or issued_at > cutoff:
+        return None
+    why = f"the join token of {peer_id} (issued {_utc(issued_at)}) was revoked by the run's operator at {_utc(cutoff)}"
+    return Admission(False, "revoked", why)
 
 
 def revocation_list(entries: Iterable[tuple[str, float]]) -> dict[str, float]:
@@ -434,9 +439,9 @@ class MemberRoster:
         if now > expires_at:
             return Admission(False, "expired", f"{peer_id}'s join token expired at {_utc(expires_at)}")
         with self._lock:
-            cutoff = self._revoked.get(peer_id)
-        if cutoff is not None and issued_at <= cutoff:
-            return Admission(False, "revoked", _revoked_reason(peer_id, issued_at, cutoff))
+            refusal = _revocation(peer_id, issued_at, self._revoked)
+        if refusal is not None:
+            return refusal
         return Admission(True, "token", "invited", expires_at=expires_at, issued_at=issued_at)
 
     def admits(self, peer_id: str) -> bool:
