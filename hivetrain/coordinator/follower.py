@@ -17,7 +17,6 @@ import logging
 import threading
 from dataclasses import dataclass
 
-import torch
 from hivemind.utils import get_dht_time
 
 from hivetrain.coordinator.checkpoint import CheckpointStore
@@ -25,7 +24,8 @@ from hivetrain.coordinator.dashboard import CheckpointRow
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, published_hashes
-from hivetrain.diloco.update_bound import UpdateNorms, l2_norm, update_bound
+from hivetrain.diloco.update_bound import UpdateNorms
+from hivetrain.diloco.update_bound import step_check as bound_step
 from hivetrain.peers.bans import BanList
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.node import PeerNode
@@ -238,17 +238,9 @@ def unchecked_adoption(current: TrainingState, new: TrainingState, steps: Update
 def step_check(
     current: TrainingState, new: TrainingState, steps: UpdateNorms, options: FollowerOptions
 ) -> tuple[bool, str]:
-    """May the coordinator move from ``current`` to ``new``? Yes if ‖θ_new − θ_current‖₂ per epoch jumped is within
-    ``options.max_step_ratio`` x the median of the per-epoch steps it followed before (``update_bound``); a state at
-    our own epoch (a fork resolved) counts as one epoch. On yes, the per-epoch step is added to ``steps``.
+    """May the coordinator move from ``current`` to ``new``? ``update_bound.step_check`` with the follower's bound
+    (``options.max_step_ratio``, ``options.step_min_history``); on yes the per-epoch step is added to ``steps``.
 
-    A state one outer step from ours moves θ by one averaged update (outer lr 1, no momentum: exactly Δ̄); random
-    weights move it by the norm of θ itself, orders of magnitude more. What it cannot catch: a jump after a restart
-    (no history yet) or one within the bound.
-    """
-    jumped = max(1, new.epoch - current.epoch)
-    norm = l2_norm(torch.sub(new.params[n], current.params[n]) for n in current.params) / jumped
-    ok, why = update_bound(norm, steps.history, options.max_step_ratio, options.step_min_history)
-    if ok:
-        steps.add(norm)
-    return ok, f"per-epoch step to epoch {new.epoch}: {why}"
+    A state one outer step from ours moves θ by one averaged update; random weights move it by the norm of θ itself,
+    orders of magnitude more. The coordinator trains nothing and holds no data, so this is its check."""
+    return bound_step(current, new, steps, options.max_step_ratio, options.step_min_history)

@@ -5,9 +5,11 @@ A sync decision names an epoch, its hash and the donors that hold it; ``StateAdo
 
 1. the bytes hash to a state the swarm publishes (a quorum's, the coordinator's, or the decision's own target:
    ``sync_policy.download_hashes``), and the state takes us forward (``download_short``);
-2. with moshpit or gossip, where no other peer holds the donor's exact state, θ is close to the θ sketches other
+2. θ is one step from ours: ‖θ_new − θ_ours‖₂ per epoch jumped is within ``averaging.max_update_ratio`` x the median
+   of our last committed steps (``update_bound.step_norm``; no bound before we know ``update_norm_min_history``);
+3. with moshpit or gossip, where no other peer holds the donor's exact state, θ is close to the θ sketches other
    peers published (``join_check``);
-3. its eval loss on our own held-out windows is at most 10% above ours (``sync_policy.loss_check``): a quorum
+4. its eval loss on our own held-out windows is at most 10% above ours (``sync_policy.loss_check``): a quorum
    counts identities, which are free in an open run (issue 28: 2 identities one epoch ahead took over 2 honest peers,
    their joiner and the coordinator with random weights x5), and an unbacked state has no quorum at all.
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hivetrain.diloco.drift import ParamSketcher
@@ -26,6 +28,7 @@ from hivetrain.diloco.join_check import JoinCheck
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, download_state
 from hivetrain.diloco.sync_policy import SyncDecision, download_hashes, download_short, loss_check
+from hivetrain.diloco.update_bound import UpdateNorms, step_norm, update_bound
 from hivetrain.faults import FaultInjector
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.records import PeerRecord
@@ -42,12 +45,14 @@ class Adoption:
         failure: why not, for the ``state_download_failed`` event ("" = not failed: the download was not started
             because sketches are still missing, ``state`` is None too).
         bans: (peer ids, reason) pairs the caller bans: donors that served chunks contradicting their manifest, or a
-            state far from the swarm's or far worse than ours.
+            state far from ours, from the swarm's or far worse than ours.
+        step: ‖θ_new − θ_ours‖₂ per epoch jumped of an adopted state (``update_bound.step_norm``; 0 without one).
     """
 
     state: TrainingState | None
     failure: str = ""
     bans: tuple[tuple[tuple[str, ...], str], ...] = field(default=())
+    step: float = 0.0
 
 
 class StateAdopter:
@@ -59,12 +64,17 @@ class StateAdopter:
         run_id: the run (the state protocol's name).
         published: returns the hashes the swarm publishes now, epoch -> sha256 (a fresh DHT read: donors may commit
             while we download).
+        claims: returns what the given peers' current records claim, epoch -> sha256 (a fresh DHT read; probes).
         evaluate: mean eval loss (nats per token) of a state on our held-out windows; None = our current state.
         timeout_s: one download's network timeout, seconds (the whole call is bounded by 4x).
         faults: the fault injector (state download hook points).
         admits: whether a donor is a member of the run (invite-only runs); None = an open run.
         join_check: the moshpit/gossip sketch check; None with exact (butterfly) averaging.
         sketcher: computes a state's θ sketch for ``join_check``.
+        steps: the per-epoch step norms of our last committed outer steps (the trainer adds each committed or adopted
+            step; ``step_check`` reads them).
+        max_step_ratio, step_min_history: the step bound (the run's ``averaging.max_update_ratio`` and
+            ``update_norm_min_history``); ratio 0 = no bound.
     """
 
     def __init__(
@@ -74,16 +84,21 @@ class StateAdopter:
         run_id: str,
         *,
         published: Callable[[], dict[int, str]],
+        claims: Callable[[Sequence[str]], dict[int, str]],
         evaluate: Callable[[TrainingState | None], float],
         timeout_s: float,
         faults: FaultInjector,
         admits: Callable[[str], bool] | None,
         join_check: JoinCheck | None,
         sketcher: ParamSketcher,
+        steps: UpdateNorms,
+        max_step_ratio: float,
+        step_min_history: int,
     ):
         self.loop, self.p2p, self.run_id = loop, p2p, run_id
-        self.published, self.evaluate, self.timeout_s = published, evaluate, timeout_s
+        self.published, self.claims, self.evaluate, self.timeout_s = published, claims, evaluate, timeout_s
         self.faults, self.admits, self.join_check, self.sketcher = faults, admits, join_check, sketcher
+        self.steps, self.max_step_ratio, self.step_min_history = steps, max_step_ratio, step_min_history
 
     def ready(self, decision: SyncDecision, records: list[PeerRecord], exclude: Iterable[str]) -> bool:
         """Whether the download may start now: with moshpit/gossip, once enough θ sketches of the target epoch are
@@ -117,7 +132,9 @@ class StateAdopter:
                     self.p2p(),
                     self.run_id,
                     list(decision.donors),
-                    lambda: download_hashes(self.published(), decision),
+                    lambda: download_hashes(
+                        self.published(), decision, self.claims(decision.donors) if decision.probe else None
+                    ),
                     ours,
                     self.timeout_s,
                     self.faults,
@@ -132,6 +149,12 @@ class StateAdopter:
         short = download_short(decision, state.epoch, ours.epoch)
         if short:
             return Adoption(None, short, tuple(bans))
+        step = step_norm(ours, state)
+        ok, why = update_bound(step, self.steps.history, self.max_step_ratio, self.step_min_history)
+        if not ok:
+            why = f"per-epoch step to epoch {state.epoch}: {why}"
+            bans.append((decision.donors, f"served a state far from ours: {why}"))
+            return Adoption(None, f"state refused: {why}", tuple(bans))
         if self.join_check is not None:  # moshpit/gossip: no other peer holds the donor's hash; check θ's sketch
             sketch = self.sketcher.sketch(state.params)
             verdict = self.join_check.verdict(sketch, records, state.epoch, decision.donors, set(exclude))
@@ -143,4 +166,4 @@ class StateAdopter:
         if not ok:
             bans.append((decision.donors, f"served a state far worse than ours: {why}"))
             return Adoption(None, f"state refused: {why}", tuple(bans))
-        return Adoption(state, "", tuple(bans))
+        return Adoption(state, "", tuple(bans), step)

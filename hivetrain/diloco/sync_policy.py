@@ -75,14 +75,23 @@ class SyncDecision:
     ban: tuple[str, ...] = field(default=())
     state_hash: str = ""
     forked: bool = False  # the "forked" rule: another state at our own epoch
+    probe: bool = False  # a probe of an unfollowed claim (``diloco.probe``): only its own hash is accepted
 
 
-def download_hashes(published: Mapping[int, str], decision: SyncDecision) -> dict[int, str]:
+def download_hashes(
+    published: Mapping[int, str], decision: SyncDecision, claims: Mapping[int, str] | None = None
+) -> dict[int, str]:
     """epoch -> state hash a download for ``decision`` may accept: the ``published`` ones (a quorum's, the
     coordinator's: read afresh during the download, as donors may commit meanwhile) and the decision's own target,
     unless a quorum now backs another state at that epoch. Without the target, a "behind, unbacked" download (no
     quorum for it, by definition) was served the donor's retained older state that the coordinator had verified,
-    our own epoch: a joiner downloaded epoch 7 while its donor held 8, every 4 s for minutes (CI, issue 22)."""
+    our own epoch: a joiner downloaded epoch 7 while its donor held 8, every 4 s for minutes (CI, issue 22).
+
+    A probe (``decision.probe``) accepts what its holders claim: ``claims``, their current signed records' (epoch ->
+    hash, read afresh: a liar claiming one epoch past its own moves its claim at each of its commits), and the
+    claim probed. The evidence is about what they serve under their own signature, not about the swarm's state."""
+    if decision.probe:
+        return {**(claims or {}), decision.target_epoch: decision.state_hash}
     hashes = dict(published)
     if decision.action == "download" and decision.state_hash:
         hashes.setdefault(decision.target_epoch, decision.state_hash)

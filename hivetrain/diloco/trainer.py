@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -35,12 +35,14 @@ from hivetrain.diloco.node_ranks import NodeInner, NodeRanks, current_node
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
+from hivetrain.diloco.resync import Resync
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
 from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
 from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
+from hivetrain.diloco.sync_policy import SyncTrust
+from hivetrain.diloco.update_bound import UpdateNorms, step_norm
 from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
@@ -49,11 +51,6 @@ from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import PeerRecord, fetch_records
 
 logger = logging.getLogger(__name__)
-
-FORK_SETTLE_S = 2.0
-"""After our own commit, a "forked" verdict waits this long (seconds) for one more read of the swarm: our group's
-records follow ours within about a second (each member publishes at once after its commit). Two record intervals
-(10 s) cost a joiner in chaos ahead-liars-2v2 two epochs: it waited through the next round."""
 
 
 class DilocoTrainer:
@@ -121,6 +118,8 @@ class DilocoTrainer:
         self.phases = PhaseRunner(inner, batches, plan, self.duty, node.peer_id, samples_per_step=per_step)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         self._committed_at = float("-inf")  # time.monotonic() of our last committed outer step
+        # per-epoch ‖θ_{t+1} − θ_t‖₂ of our last committed or adopted steps: what a downloaded state is bounded by
+        self.steps = UpdateNorms(config.averaging.update_norm_window)
         # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
         self.evidence = Evidence(
             node.peer_id,
@@ -160,17 +159,36 @@ class DilocoTrainer:
             fresh = fetch_records(self.node.dht, self.config.run_id)
             return self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
 
-        self.adopter = StateAdopter(
+        def claims(peers: Sequence[str]) -> dict[int, str]:  # what these peers' current records claim (probes)
+            fresh = fetch_records(self.node.dht, self.config.run_id)
+            return {r.epoch: r.state_hash for r in fresh if r.peer_id in peers and r.model_fingerprint == fingerprint}
+
+        adopter = StateAdopter(
             loop,
             lambda: self._p2p,
             config.run_id,
             published=published,
+            claims=claims,
             evaluate=self._evaluate,
             timeout_s=options.state_timeout_s,
             faults=faults,
             admits=self.admits,
             join_check=None if self._exact_average else self.join_check,
             sketcher=self.sketcher,
+            steps=self.steps,
+            max_step_ratio=config.averaging.max_update_ratio,
+            step_min_history=config.averaging.update_norm_min_history,
+        )
+        self.resync = Resync(
+            node.peer_id,
+            self.view,
+            self.evidence,
+            adopter,
+            exact_average=self._exact_average,
+            stale_after_s=options.record_ttl_s,
+            record_interval_s=options.record_interval_s,
+            stop=self._stop,
+            emit=self._emit,
         )
         if membership is not None:  # invite-only: members are learned from the (guarded) records we read; a peer not
             # known yet is looked up again at once (cheap: a token is parsed once), not only at the view's next read
@@ -298,7 +316,7 @@ class DilocoTrainer:
                 else:
                     self.outer_phase()
             if self._done():
-                self._linger()
+                self.resync.linger(self.state.epoch, lambda: self._round_trust().banned, self.rounds.catch_up_wait_s)
         finally:
             outcome, contribution = self.background.abandon()  # stopping: do not wait (it ends within its timeouts)
             if outcome is not None and contribution is not None:
@@ -315,34 +333,6 @@ class DilocoTrainer:
         self.view.publish()
         return self.stats
 
-    def _linger(self) -> None:
-        """We hold the run's last epoch: stay (publishing our record, serving our state) while a live trainer behind
-        us may still download it, at most the catch-up wait. A peer that arrived near the end would otherwise train
-        the last epoch alone once everyone else left, and fork it (seen in chaos runs under load: a restarted peer
-        up 45 s after its restart)."""
-        give_up_at, said = time.monotonic() + self.rounds.catch_up_wait_s, False
-        while not self._stop.is_set() and time.monotonic() < give_up_at:
-            now = get_dht_time()
-            behind = [
-                r
-                for r in self.view.refresh()
-                if r.role == "trainer"
-                and r.peer_id != self.node.peer_id
-                and not r.left_reason
-                and r.peer_id not in self._round_trust().banned  # a liar or a peer that sent us bad data
-                and not r.paused  # it will not take it until it resumes
-                and r.epoch < self.state.epoch
-                and now - r.updated_at <= 3 * self.options.record_interval_s  # still heartbeating: not killed
-            ]
-            if not behind:
-                return
-            if not said:
-                said = True
-                logger.info(
-                    "run finished at epoch %d: waiting for %d peer(s) behind to take it", self.state.epoch, len(behind)
-                )
-            self._stop.wait(1.0)
-
     def _done(self) -> bool:
         return bool(self.target_epoch and self.state.epoch >= self.target_epoch)
 
@@ -351,54 +341,27 @@ class DilocoTrainer:
 
     # ---- phases --------------------------------------------------------------------------------------------------
     def sync_state(self) -> bool:
-        """Download state if we are behind or forked. Returns False if a needed download failed (retry later)."""
-        records = self.view.refresh()
-        decision = decide_sync(
-            self.node.peer_id,
-            self.state.epoch,
-            self.state_hash,
-            records,
-            get_dht_time(),
-            stale_after_s=self.options.record_ttl_s,
-            exact_average=self._exact_average,
-            trust=self.evidence.trust,
-            unbacked=True,
-        )
-        self.evidence.ban(decision.ban, decision.reason)
-        if decision.action == "train":
-            return True
-        settle = self._committed_at + FORK_SETTLE_S - time.monotonic()
-        if decision.forked and settle > 0:
-            # our group's records lag ours by up to a heartbeat after a commit: a "fork" read now may be one record
-            # that has not caught up (issue 28: a 2-2 split swung for a second); decide on a settled view
-            logger.info(
-                "state download deferred %.1fs for the view to settle after our commit: %s", settle, decision.reason
-            )
-            self._stop.wait(settle)
-            return False
-        logger.info("state download: %s", decision.reason)
-        exclude = {self.node.peer_id, *decision.donors, *self.evidence.trust.banned}
-        if not self.adopter.ready(decision, records, exclude):
-            self._stop.wait(1.0)  # the epoch's peers publish their θ sketches a few seconds after its commit
-            return False
-        adoption = self.adopter.adopt(decision, records, self.state, exclude)
-        for peers, reason in adoption.bans:
-            self.evidence.ban(peers, reason)
-        state = adoption.state
+        """Download state if we are behind or forked, else probe a claim we do not follow (``diloco.resync``).
+        Returns False if a needed download failed or waits (retry later)."""
+        synced = self.resync.run(self.state, self.state_hash, self._committed_at, probe=not self._done())
+        state = synced.state
         if state is None:
-            logger.warning("state download failed: %s", adoption.failure)
-            self._emit("state_download_failed", reason=adoption.failure)
-            self._stop.wait(1.0)
-            return False
+            return synced.ok
         self.state = state
+        self.steps.add(synced.step)
         self.evidence.anchor(state.epoch)
         self.background.forget()
         self.stats.state_downloads += 1
         self.stats.state_bytes_downloaded += state.num_bytes()
         self._note_state()
-        self._emit("state_downloaded", reason=decision.reason)
+        self._emit("state_downloaded", reason=synced.reason)
         self.view.request_publish()
         return True
+
+    def _note_step(self, old: TrainingState, new: TrainingState) -> None:
+        """A round committed ``new`` from ``old``: remember its per-epoch step (``update_bound.step_norm``) in the
+        history downloads are bounded by, computed off the critical path."""
+        self._sketcher_pool.submit(lambda: self.steps.add(step_norm(old, new)))
 
     def inner_phase(self) -> Contribution | None:
         """Inner steps from our start point until the schedule ends the phase (``diloco.schedule``); the result,
@@ -461,6 +424,7 @@ class DilocoTrainer:
         """Overlap: a background round committed. Publish the new shared state at once (peers see our epoch,
         joiners can download it); the phase in progress runs from its own start point and never reads it."""
         assert outcome.state is not None
+        self._note_step(self.state, outcome.state)
         self.state = outcome.state
         self._note_state(outcome.state_hash)
         self.view.request_publish()
@@ -483,6 +447,7 @@ class DilocoTrainer:
         result = outcome.result
         assert result is not None and outcome.state is not None
         if self.state is not outcome.state:  # a background round already applied it
+            self._note_step(self.state, outcome.state)
             self.state = outcome.state
             self._note_state(outcome.state_hash)
             self.view.request_publish()

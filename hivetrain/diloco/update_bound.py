@@ -28,6 +28,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from hivetrain.diloco.state import TrainingState
+
 NORM_CHUNK_ELEMENTS = 1 << 20  # elements converted to fp64 at a time (8 MiB of scratch memory)
 
 
@@ -98,3 +100,42 @@ class UpdateNorms:
         """A step with this norm was committed (and applied)."""
         if math.isfinite(norm):
             self._norms.append(float(norm))
+
+
+def step_norm(old: TrainingState, new: TrainingState) -> float:
+    """‖θ_new − θ_old‖₂ per epoch between two states of one model (fp64 accumulation; ``new.epoch == old.epoch``, a
+    fork resolved, counts as one epoch). The unit the per-epoch step histories (``step_check``) hold."""
+    jumped = max(1, new.epoch - old.epoch)
+    return l2_norm(torch.sub(new.params[n], old.params[n]) for n in old.params) / jumped
+
+
+def step_check(
+    current: TrainingState,
+    new: TrainingState,
+    steps: UpdateNorms,
+    max_ratio: float,
+    min_history: int,
+) -> tuple[bool, str]:
+    """May a peer move from the state it trusts, ``current``, to a downloaded ``new`` it did not help produce? Yes if
+    the per-epoch step (``step_norm``) is within ``max_ratio`` x the median of the per-epoch steps in ``steps``
+    (``update_bound``). On yes, the step is added to ``steps``.
+
+    The first of issue 28's checks on evidence the donors cannot fake: a state one outer step from ours moves θ by
+    about one applied update; random weights move it by the norm of θ itself, orders of magnitude more (2 identities
+    one epoch ahead served random weights x5 and took over an open run). What it cannot catch: a jump with no history
+    to bound it (a joiner, a restarted coordinator: the loss check covers those) or one within the bound.
+
+    Args:
+        current, new: states of one model (same parameter names and shapes; fp32).
+        steps: the per-epoch step norms of the last committed or followed steps.
+        max_ratio: k (the run's ``averaging.max_update_ratio``); 0 = no bound.
+        min_history: the bound applies once ``steps`` holds this many norms.
+
+    Returns:
+        (ok, reason): the reason names the numbers, for people and the logs.
+    """
+    norm = step_norm(current, new)
+    ok, why = update_bound(norm, steps.history, max_ratio, min_history)
+    if ok:
+        steps.add(norm)
+    return ok, f"per-epoch step to epoch {new.epoch}: {why}"

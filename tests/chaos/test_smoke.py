@@ -69,18 +69,22 @@ def test_smoke_scenario_passes(name, tmp_path):
     if name == "joiner-restart-2peer":
         _check_joiner_and_restart(tmp_path)
     if name == "ahead-liars-2v2":
-        _check_ahead_liars(tmp_path)
+        _check_ahead_liars(tmp_path, scenario)
     if name == "nan-peer":  # the NaN peer never poisons the honest peers: their loss went down
         assert report["figures"]["final_eval_loss"] < report["figures"]["initial_eval_loss"]
 
 
-def _check_ahead_liars(out) -> None:
-    """The attack ran (both liars up, claiming, while the honest peers trained), no honest peer's loss rose above its
-    pre-attack value + 10% (issue 28), and an honest peer that was served the poison refused it and banned its donors.
-    Whether one is served it at all depends on timing: peers that trained together weigh the liars' claims by their
-    rounds (none), and a "forked" verdict right after a commit waits for the view to settle."""
-    honest = {n: read_events(out / f"{n}.jsonl") for n in ("peer0", "peer1", "peer4")}
-    liars = {n: read_events(out / f"{n}.jsonl") for n in ("peer2", "peer3")}
+def _check_ahead_liars(out, scenario) -> None:
+    """The attack ran (every liar up, claiming, while the honest peers trained), no honest peer's loss rose above its
+    pre-attack value + 10% (issue 28), and every honest trainer that was there from the start banned every liar: it
+    probed what they claimed (``diloco.probe``) or was served it, and refused it. A joiner bans them if it was served
+    the poison (whether it is depends on timing: it weighs every claim alike until it trains with someone)."""
+    liar_names = {f"peer{f.peer}" for f in scenario.faults if getattr(f, "mode", "") == "ahead_liar"}
+    names = sorted(p.stem for p in out.glob("peer*.jsonl"))
+    honest = {n: read_events(out / f"{n}.jsonl") for n in names if n not in liar_names}
+    liars = {n: read_events(out / f"{n}.jsonl") for n in sorted(liar_names)}
+    founders = {f"peer{i}" for i in range(scenario.peers)}
+    liar_ids = {evs[0]["peer"] for evs in liars.values()}
     honest_end = max(e["time"] for evs in honest.values() for e in evs if e["event"] == "outer_step")
     for name, evs in liars.items():
         started = [e["time"] for e in evs if e["event"] == "start"]
@@ -92,8 +96,11 @@ def _check_ahead_liars(out) -> None:
         after = [e["eval_loss"] for e in steps if e["time"] > attack]
         if before:
             assert max(after) <= before[-1] * 1.1, (name, before[-1], after)
+        banned = {p for e in evs if e["event"] == "peers_banned" for p in e["peers"]}
         refused = [e for e in evs if e["event"] == "state_download_failed" and "refused" in e["reason"]]
-        assert not refused or any(e["event"] == "peers_banned" for e in evs), name
+        assert not refused or banned & liar_ids, name
+        if name in founders:
+            assert liar_ids <= banned, (name, "did not ban both liars", [e["reason"] for e in evs if "probe" in str(e)])
 
 
 DECISIONS = ("round_failed", "state_downloaded", "state_download_failed", "peers_banned", "outer_step")
