@@ -90,7 +90,13 @@ logger = logging.getLogger(__name__)
 
 
 class ButterflyRound:
-    """Runs one round; create one per round, call ``run`` once from the round thread."""
+    """Runs one round; create one per round, call ``run`` once from the round thread.
+
+    ``order``: the members' order (the slice cut and the order contributions are summed in); default sorted by peer
+    id. ``seed_tag``: what the robust aggregation's bucketing seed derives from instead of the subround's tag. The
+    columns of the two-stage all-reduce (``groups.hierarchy``) pass both, so that every column, whatever its
+    members' ids, computes the same bytes from the same row means.
+    """
 
     def __init__(
         self,
@@ -109,9 +115,16 @@ class ButterflyRound:
         pool: BufferPool | None = None,
         fallback=None,
         accept: Callable[[torch.Tensor], str] | None = None,
+        order: Sequence[str] | None = None,
+        seed_tag: bytes | None = None,
     ):
         self.round_id, self.me = round_id, me
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
+        if order is not None:
+            if sorted(order) != list(self.members):
+                raise ValueError("order must list every member exactly once")
+            self.members = {p: self.members[p] for p in order}
+        self.seed_tag = seed_tag
         if me not in self.members:
             raise ValueError("we are not a member of this round")
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
@@ -297,7 +310,8 @@ class ButterflyRound:
         kept = [p for p in plan.active if p not in bad_here]
         dest = self.receiver.out(sub)[start:end]  # without a codec we reduce straight into the result: no copy
         reduced = dest if self.codec is None else self.receiver.take(end - start)
-        seed = aggregation_seed(plan.tag, plan.active.index(self.me))  # the same on every member: see bucketing
+        seed_tag = plan.tag if self.seed_tag is None else self.seed_tag  # the same on every member: see bucketing
+        seed = aggregation_seed(seed_tag, plan.active.index(self.me))
         self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced, seed)
         self._mark("reduce")
         self._hook(HookPoint.AVERAGING_AFTER_REDUCE, sub, reduced=reduced)

@@ -4,8 +4,10 @@ Lifecycle: ``GroupAverager(node, prefix, config)`` -> ``start()`` (binds the dat
 -> ``average(...)`` once per outer step, from any one thread at a time -> ``shutdown()``.
 
 Strategies:
-    "butterfly"  one group of all peers ready at the epoch (up to ``target_group_size``); the result is the exact
-                 sample-weighted mean, bit-identical on every member (Moshpit SGD with a single group).
+    "butterfly"  one declaration of all peers ready at the epoch; up to ``target_group_size`` of them average in
+                 one group, more in the two-stage all-reduce of ``hierarchical`` (rows of at most that size, then
+                 columns across them). The result is the exact sample-weighted mean of every participant,
+                 bit-identical on every member (issue 23: before, groups averaged apart and the epoch forked).
     "moshpit"    peers ready at the epoch agree on the list of participants, then run ``moshpit_rounds`` rounds in
                  the groups of ``groups.moshpit_groups`` on a grid of ``grid_for(n, target_group_size)``
                  (Ryabinin et al. 2021, Alg. 1); on a full grid d rounds reach the exact global weighted mean.
@@ -39,6 +41,7 @@ from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
 from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
+from hivetrain.averaging.hierarchical import two_stage
 from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
 from hivetrain.averaging.relay import P2PFallback
@@ -361,15 +364,18 @@ class GroupAverager:
     ) -> RoundOutcome:
         entries = {m.peer_id: m for m in decl.members}
         members = [Member(p, entries[p].host, entries[p].port, entries[p].kx_public) for p in ids]
+        config = kw.pop("config", self.config)  # the two-stage round's confirm runs plain fp32
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
-                           config=self.config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
+                           config=config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
                            fallback=self.fallback, **kw)  # fmt: skip
         return r.run(flat, weight, deadline, out=out, residual_out=residual_out)
 
     def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected, accept):
+        """Every peer ready at the epoch in one declaration; one group of them, or with more than
+        ``target_group_size`` the two-stage all-reduce (``hierarchical``): one mean either way."""
         out = self._outputs
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
-        decl, secret, banned = self._match(f"e{epoch}", self.config.target_group_size, deadline, expected)
+        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected)
         ids = decl.member_ids()
         if len(ids) == 1:
             refusal = accept(flat) if accept is not None else ""
@@ -378,8 +384,17 @@ class GroupAverager:
             solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0)
             self._feedback_done(residual, exact=True)
             return solo, decl.round_id, ids
-        outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, out.get(), residual,
-                            banned=banned, accept=accept)  # fmt: skip
+        if len(ids) > self.config.target_group_size:
+
+            def run(round_id: str, members, x, w, dest, residual_out, **kw) -> RoundOutcome:
+                return self._run(round_id, decl, members, secret, x, w, epoch, deadline, dest, residual_out,
+                                 banned=banned, **kw)  # fmt: skip
+
+            outcome = two_stage(self.node.peer_id, decl.round_id, list(ids), self.config, run, flat, weight,
+                                out=out.get(), residual_out=residual, accept=accept)  # fmt: skip
+        else:
+            outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, out.get(), residual,
+                                banned=banned, accept=accept)  # fmt: skip
         self._feedback_done(residual)
         return outcome, decl.round_id, outcome.contributors
 

@@ -5,6 +5,7 @@
   peer averages with the peers that share all its coordinates except coordinate r % d. On a full M_1 x ... x M_d grid,
   d rounds of exact averaging give every peer the global mean.
 - ``gossip_pairs``: random disjoint pairs (randomized gossip, Boyd et al. 2006).
+- ``hierarchy``: the rows and columns of the two-stage all-reduce of an epoch with more peers than one group.
 - ``butterfly_partition``: which contiguous slice of the flat vector each member of a butterfly all-reduce reduces;
   with bandwidths, the closed-form optimum of the load-balancing LP of hivemind's ``load_balance_peers``.
 - ``max_relative_deviation``: the drift metric max_p ||x_p - mean|| / ||mean|| reported after each outer step.
@@ -131,6 +132,45 @@ def moshpit_groups(
         + (f", {len(lone)} lone peers regrouped" if lone else "")
     )
     return groups, reason
+
+
+def hierarchy(peer_ids: Sequence[str], max_group_size: int, seed: int | str) -> tuple[Groups, Groups]:
+    """Rows and columns of the two-stage (2-D) all-reduce that gives every peer of an epoch one mean however many
+    groups it takes (issue 23; the row/column all-reduce of datacenter collectives, e.g. the 2-D torus all-reduce).
+
+    Peers are shuffled by blake2b(seed, id) and cut into R = ceil(N / ``max_group_size``) rows of near-equal sizes
+    (sizes differ by at most 1, each <= ``max_group_size``). Column c holds, for every row in row order, the row's
+    member c mod len(row): every column has exactly R members, one per row, so every column averages the same R row
+    means in the same order with the same slice cut and computes the same bytes; a member of a row shorter than the
+    widest stands for it in two columns (c and c + len(row)).
+
+    Args:
+        peer_ids: the epoch's agreed participants (unique, any order).
+        max_group_size: the most members of one row (``averaging.target_group_size``), >= 2.
+        seed: shared by every participant (the declaration's round id).
+
+    Returns:
+        (rows, columns): rows with members sorted, in row order; columns with members in row order (the order their
+        all-reduce sums in, so it must not be re-sorted). One row and no columns when N <= ``max_group_size``.
+
+    Raises:
+        ValueError: duplicate/empty peer ids, or max_group_size < 2.
+    """
+    if not isinstance(max_group_size, int) or max_group_size < 2:
+        raise ValueError(f"max_group_size must be an int >= 2, got {max_group_size!r}")
+    order = _shuffled(peer_ids, seed, 0)
+    if len(order) <= max_group_size:
+        return [sorted(order)], []
+    num_rows = math.ceil(len(order) / max_group_size)
+    base, extra = divmod(len(order), num_rows)
+    rows, start = [], 0
+    for r in range(num_rows):
+        size = base + (1 if r < extra else 0)
+        rows.append(sorted(order[start : start + size]))
+        start += size
+    width = max(len(row) for row in rows)
+    columns = [[row[c % len(row)] for row in rows] for c in range(width)]
+    return rows, columns
 
 
 def gossip_pairs(peer_ids: Sequence[str], round_index: int, seed: int | str) -> tuple[Groups, str]:

@@ -227,18 +227,26 @@ def decide(
     # An expected peer that announced in time may not show yet: on a loaded DHT a store takes seconds to be readable.
     # While one is missing, the window closes a grace later (the caller scales it with the measured DHT latency).
     window_closes = group_deadline + (declare_grace_s if missing else 0.0)
+    expected_all = (expected - banned) | {me.peer_id}
+    minority = 2 * len(candidates) <= len(expected_all) and target_group_size >= len(expected_all)
     closed_by: ClosedBy
     if len(candidates) >= target_group_size:
         group, closed_by = tuple(candidates[:target_group_size]), "full"
     elif missing is not None and not missing and len(candidates) >= min_group_size:
         group, closed_by = tuple(candidates), "complete"
-    elif now >= group_deadline and len(candidates) < max(2, min_group_size) and missing:
+    elif now >= group_deadline and missing and (len(candidates) < max(2, min_group_size) or minority):
         # Alone (or too few) at the window's close while an expected peer is visible and unaccounted for: a group of
         # one now would be refused (a solo step beside a live trainer of the epoch forks the run) and re-announcing
         # changes nothing but our session. Keep our entry up until our deadline instead: two live peers whose
         # attempts overlap then meet whatever the DHT's latency (issue 22: 2 peers under load failed 11-12 attempts
         # per round for 5 minutes, each closing a 2 s window alone before the other's entry showed).
-        why = f"alone at the window's close, {len(missing)} expected peer(s) not ready: waiting until our deadline"
+        # The same for half of the epoch's expected peers or fewer, when one group is to hold every peer of the
+        # epoch (``target_group_size`` above them all: butterfly's two-stage round, moshpit): such a group would
+        # commit a minority's state, and block the rest at this round key (issue 23: 9 peers, one SIGKILLed; 4
+        # survivors failed the round 5 s before the other 4 and closed a window of their own; the 4 left were
+        # "not_in_group" for 30 s, then downloaded).
+        what = "alone" if len(candidates) < max(2, min_group_size) else f"{len(candidates)} of {len(expected_all)}"
+        why = f"{what} at the window's close, {len(missing)} expected peer(s) not ready: waiting until our deadline"
         return Decision("wait", why, leader=candidates[0])
     elif now >= window_closes:
         group, closed_by = tuple(candidates), "window"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -98,6 +99,9 @@ class RoundTransport:
         for p in self.others:
             if p > self.me:  # the smaller id dials: one connection per pair
                 threading.Thread(target=self._dial_one, args=(p, deadline), name="hivetrain-avg-dial",
+                                 daemon=True).start()  # fmt: skip
+            else:  # it dials us; if it is gone, say so before the connect deadline
+                threading.Thread(target=self._watch_dialer, args=(p, deadline), name="hivetrain-avg-watch",
                                  daemon=True).start()  # fmt: skip
         cfg = self.config
         attempts = 6 if self.fallback is not None else 3  # direct dial, dial-back and libp2p may each time out
@@ -223,6 +227,29 @@ class RoundTransport:
         return dict(connect_timeout_s=cfg.connect_timeout_s, part_timeout_s=cfg.part_timeout_s,
                     buffer_num_bytes=cfg.socket_buffer_bytes,
                     join_wait_s=cfg.connect_timeout_s + cfg.declare_grace_s)  # fmt: skip
+
+    def _watch_dialer(self, peer_id: str, deadline: float) -> None:
+        """``peer_id`` is to dial us. If it has not within ``connect_timeout_s`` and its data port refuses a TCP
+        connection, no averager listens there any more (its process ended: killed, crashed): fail the round now.
+        Waiting for its link would take the whole connect deadline (6 connect timeouts with the libp2p fallback):
+        in a 9-peer two-stage round with one member SIGKILLed, two survivors spent 31 s of a 40 s round waiting to be
+        dialed by the dead member and missed the retry the others committed (issue 23). Only a refusal counts: a
+        timeout may be a firewall in front of a member that dials out fine, so that one is left to the deadline. The
+        probe sends nothing (the server's deferred accept never sees it)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: peer_id in self._links or self._done,
+                max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic())),
+            )
+            if peer_id in self._links or self._done:
+                return
+        m = self.members[peer_id]
+        try:
+            socket.create_connection((m.host, m.port), timeout=self.config.connect_timeout_s).close()
+        except ConnectionRefusedError:
+            self.post_error(peer_id, f"its data port {m.host}:{m.port} refuses connections: it is gone")
+        except OSError:
+            pass  # unreachable or slow: maybe a firewall; its own dial may still come
 
     def _dial_one(self, peer_id: str, deadline: float) -> None:
         try:

@@ -178,33 +178,6 @@ def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: 
     )
 
 
-def split_warning(strategy: str, num_peers: int, target_group_size: int) -> str:
-    """Why ``num_peers`` trainers at one epoch cannot keep one model with butterfly groups of ``target_group_size``
-    ("" when they can).
-
-    A butterfly group averages the pseudo-gradient Δ exactly and every member applies it to the state it holds; with
-    more trainers than one group, each group commits its own state. With two groups the smaller one finds itself
-    forked and downloads the larger one's state (its round's samples are lost: 39% of them for 20 simulated peers
-    in groups of 12 over 3 epochs); with three or more no state is a majority and the states drift apart for good,
-    as averaging Δ never averages θ (20 simulated peers in groups of 8: relative drift 0.0045 after 3 epochs, 0.019
-    after 8; dev/LOG.md 2026-11-26 session 8). Moshpit averages θ in changing groups (Ryabinin et al. 2021, "Moshpit
-    SGD") and keeps the swarm together. One group for the whole swarm is the remedy only while peers stay: a round is
-    all-or-nothing, so a group's chance to commit falls with its size times the round's duration over the mean
-    session. With 1 h sessions the simulator keeps 0.44 of the computed samples in groups of 64 at 100 peers and 0.34
-    at 1,000, against 0.85 / 0.73 with moshpit groups of 16 (``scripts/bench/sim_group_size.py``, dev/LOG.md
-    2026-11-26 session 9).
-    """
-    if strategy != "butterfly" or num_peers <= target_group_size:
-        return ""
-    return (
-        f"{num_peers} trainers at this epoch, butterfly groups of at most {target_group_size}: each group commits its "
-        "own state, so the swarm no longer holds one model (2 groups: the smaller one's round is discarded; 3 or "
-        'more: the states drift apart). Set averaging.strategy = "moshpit" for a swarm this large, or raise '
-        "averaging.target_group_size above the swarm's size if its peers stay for hours (one large all-or-nothing "
-        "group fails whenever a member leaves mid-round)"
-    )
-
-
 class RoundRunner:
     """Runs rounds for one trainer (see the module docstring). ``run`` from one thread at a time.
 
@@ -253,7 +226,6 @@ class RoundRunner:
         self._checked_norm: float | None = None  # the norm ``_accept`` computed for the round in progress
         self.rounds_failed = 0
         self.last_failure = ""
-        self.split = ""  # ``split_warning`` at the last round: said once each time it starts to hold
         self.catch_up_wait_s = catch_up_wait_s
         self.behind_since: dict[str, float] = {}  # live trainers behind our epoch -> first seen so (``CatchUp``)
 
@@ -287,8 +259,6 @@ class RoundRunner:
             sent, weight = given["tensors"], float(given["weight"])
             result, failure = None, ""
             expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
-            if attempt == 1:
-                self._warn_split(len(expected) + 1)
             self._checked_norm = None
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
@@ -383,14 +353,6 @@ class RoundRunner:
         """The peers behind ``epoch`` we still hold solo steps for (``sync_policy.may_commit_alone``)."""
         note_behind(self.behind_since, self.peer_id, epoch, records, get_dht_time())
         return CatchUp(dict(self.behind_since), self.catch_up_wait_s)
-
-    def _warn_split(self, num_peers: int) -> None:
-        cfg = self.config.averaging
-        split = split_warning(cfg.strategy, num_peers, cfg.target_group_size)
-        if split and not self.split:
-            logger.warning("averaging: %s", split)
-            self.emit("averaging_split", peers=num_peers, target_group_size=cfg.target_group_size, detail=split)
-        self.split = split
 
     def _committed_without_us(
         self, state: TrainingState, voted: RoundResult, failure: str

@@ -540,3 +540,20 @@ def test_only_a_declaration_of_our_current_session_joins_us() -> None:
     assert d.action == "declare" and ids(d) == ["A", "C"]
     joined = run(a1, [a1, b, c], [old], now=101.0)
     assert joined.action == "joined" and joined.declaration == old
+
+
+def test_half_of_the_expected_peers_or_fewer_keep_waiting_when_one_group_is_to_hold_them_all() -> None:
+    """One declaration per epoch (butterfly's two-stage round, moshpit): 4 of 9 expected peers must not close a window
+    of their own (they would commit a minority's state and block the other 4 at this round key); 5 may, and so may
+    the 4 once the others are back. With groups smaller than the epoch (target 3), the rule does not apply."""
+    early = [entry(p, wait_s=30.0) for p in "ABCD"]  # each waits up to its call's deadline; the window closes at 130
+    expected = frozenset("ABCDEFGHI")
+    d = run(early[0], early, now=131.0, target=4096, expected=expected)
+    assert d.action == "wait" and "4 of 9 at the window's close" in d.reason
+    d = run(early[0], [*early, entry("E", wait_s=30.0)], now=131.0, target=4096, expected=expected)
+    assert d.action == "declare" and ids(d) == list("ABCDE") and d.closed_by == "window"
+    late = [*early, *(entry(p, at=110.0, wait_s=30.0) for p in "EFGH")]  # the others, back from their failed attempt
+    d = run(early[0], late, now=131.0, target=4096, expected=expected)
+    assert d.action == "declare" and ids(d) == list("ABCDEFGH")
+    d = run(early[0], early, now=131.0, target=3, expected=expected)
+    assert d.action == "declare" and ids(d) == list("ABC") and d.closed_by == "full"

@@ -13,7 +13,7 @@ from hivemind.utils import get_dht_time
 from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
-from hivetrain.diloco.rounds import Contribution, RoundRunner, expected_peers, split_warning
+from hivetrain.diloco.rounds import Contribution, RoundRunner, expected_peers
 from hivetrain.diloco.state import TrainingState
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.testing.byzantine import arm_byzantine
@@ -228,22 +228,6 @@ def test_a_non_finite_pseudo_gradient_is_refused_before_it_is_sent():
     r.config, r.exact_average = moshpit, False
     with pytest.raises(ValueError, match="not finite"):
         r.run(s, s.state_hash(), bad)
-
-
-def test_more_trainers_than_one_butterfly_group_is_said_once_with_the_fix():
-    """A butterfly swarm larger than ``target_group_size`` cannot keep one model (``split_warning``): the trainer says
-    so once, as an event with the remedy, when the swarm grows past it, and again only after it shrank and regrew."""
-    config = RunConfig.from_dict({"averaging": {"max_retries": 1, "round_timeout_s": 20.0, "target_group_size": 2}})
-    done = RoundResult(tensors=[torch.zeros(3, 2)], group=("a", "me"), total_weight=160.0, round_id="x")
-    events, records = [], [rec("a", 4), rec("b", 4)]
-    r = runner(ScriptedAverager(*[done] * 4), records, events, config=config)
-    for peers in (["a", "b"], ["a", "b"], ["a"], ["a", "b"]):
-        records[:] = [rec(p, 4) for p in peers]
-        s = state()
-        assert r.run(s, s.state_hash(), contribution()).policy.action == "apply"
-    said = [f for event, f in events if event == "averaging_split"]
-    assert [f["peers"] for f in said] == [3, 3] and "moshpit" in said[0]["detail"]
-    assert split_warning("butterfly", 64, 64) == "" and split_warning("moshpit", 10_000, 16) == ""
 
 
 def test_an_update_50x_the_recent_median_is_refused_like_a_failed_round_and_applied_nowhere():
