@@ -24,6 +24,7 @@ from hivetrain.averaging.group_records import (
     verify_entry,
 )
 from hivetrain.averaging.matchmaking import ClosedBy, Decision, decide
+from hivetrain.averaging.transport import refuses_connections
 from hivetrain.peers.records import parse_signed
 
 logger = logging.getLogger(__name__)
@@ -360,6 +361,11 @@ class Matchmaker:
         read_timeout_s = max(5.0, 10 * self.poll_interval_s, 2 * self.dht_latency_s)  # a loaded DHT answers late
         dht_entries: list[ReadyEntry] = []
         read, read_started, next_read_at = None, 0.0, announce_at
+        # leaders whose declaration we waited for past a grace and whose data port then refused a connection: gone
+        # (SIGKILLed, crashed). ``decide`` waits for a live expected leader until our deadline (issue 22); a dead one
+        # whose record is still fresh held its 8 followers for the whole 40 s round (issue 23, 9-peer chaos run).
+        gone: set[str] = set()
+        waiting_on: dict[str, float | None] = {}  # leader -> when we began waiting for its declaration; None: probed
         read_started_dht = seen_as_of_dht = 0.0  # DHT time the pending / the last collected read started
         while True:
             now_m = time.monotonic()
@@ -387,7 +393,7 @@ class Matchmaker:
                 min_group_size=min_group_size,
                 declare_grace_s=self.grace_s(),
                 declaration_ttl_s=ttl_s,
-                banned=banned,
+                banned=banned | gone,
                 expected=expected,
             )
             # A window closes on what the DHT showed after it closed: a view read before the deadline (a slow DHT under
@@ -417,6 +423,15 @@ class Matchmaker:
             leader = decision.leader
             if leader is not None and leader.peer_id != me.peer_id:
                 self._push_entry(me, [leader], pushed_to)
+                if decision.closed_by is not None:  # its group is closed: only its declaration is missing
+                    since = waiting_on.setdefault(leader.peer_id, now_m)
+                    probe = since is not None and now_m - since > self.grace_s()
+                    if probe:
+                        waiting_on[leader.peer_id] = None  # once per leader: a firewall's timeout costs 1 s
+                    if probe and refuses_connections(leader.host, leader.port, 1.0):
+                        logger.warning("leader %s is gone (its data port refuses connections)", leader.peer_id)
+                        gone.add(leader.peer_id)
+                        continue
             # Poll fast when a declaration is imminent (followers whose window closed or group filled up), and during
             # the first second while we lead (the group may fill up any moment) or have not told our leader yet. A
             # follower that finds the group complete does not: its leader may expect more peers than it does.

@@ -84,3 +84,19 @@ def test_a_member_failing_in_one_stage_leaves_nothing_applied_anywhere(make_aver
     results = _average_all(avgs, _inputs(7), [1.0] * 7)
     assert breaker.fired_count("averaging.before_commit") == 1
     assert all(isinstance(r, RoundFailed) for r in results), results
+
+
+def test_a_port_nobody_listens_on_refuses_and_a_listening_one_does_not():
+    """How a member tells a dead peer (its process ended: the port refuses) from a live one, for a dialer it waits
+    for and a leader whose declaration it waits for."""
+    import socket
+
+    from hivetrain.averaging.transport import refuses_connections
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    try:
+        assert not refuses_connections("127.0.0.1", port, 1.0)
+    finally:
+        listening.close()
+    assert refuses_connections("127.0.0.1", port, 1.0)
