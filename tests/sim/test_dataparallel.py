@@ -60,7 +60,8 @@ def test_two_butterfly_groups_fork_and_the_later_group_downloads() -> None:
 def test_three_butterfly_groups_per_epoch_drift_apart_for_good() -> None:
     """Groups of 8 for 20 peers: no group's state is a majority, so nobody downloads, and averaging Δ never
     averages θ: peers drawn from different groups into one group stay apart after its commit (their hashes
-    differ), and the drift grows epoch after epoch (``diloco.rounds.split_warning`` says so on a real trainer)."""
+    differ), and the drift grows epoch after epoch. (The simulator still forms independent groups; the real averager
+    runs the two-stage all-reduce, ``averaging.hierarchical``.)"""
     short = _summary(tiny(averaging={"target_group_size": 8}, sim={"outer_steps": 3}))
     long = _summary(tiny(averaging={"target_group_size": 8}, sim={"outer_steps": 8}))
     assert short["drift_final"] > 1e-3 and long["drift_final"] > 2 * short["drift_final"]
