@@ -119,7 +119,12 @@ def two_stage(
             pass
 
     try:
-        row = run(stage_id(round_id, "row", r), rows[r], flat, weight, None, residual_out)
+        if len(rows[r]) == 1:  # a row of one (3 peers in rows of 2): our contribution is its mean, nothing encoded
+            row = RoundOutcome(flat.clone(), (me,), (), float(weight), 0, 0)
+            if residual_out is not None:
+                residual_out.zero_()
+        else:
+            row = run(stage_id(round_id, "row", r), rows[r], flat, weight, None, residual_out)
     except RoundFailed as exc:
         # our row has no mean to give: refuse our columns on a thread of their own, so that we are free to match for
         # the retry at once (a 9-peer run: a member that refused in line was 10 s late and missed it)
@@ -150,7 +155,10 @@ def two_stage(
     mine = torch.zeros(k * DIGEST_WORDS)
     mine[i * DIGEST_WORDS : (i + 1) * DIGEST_WORDS] = words
     plain = dataclasses.replace(config, compression="none", aggregation="mean", error_feedback=False)
-    confirm = run(stage_id(round_id, "confirm", r), rows[r], mine, 1.0, None, None, config=plain)
+    if k == 1:  # nobody to confirm with: our column's outcome is our row's
+        confirm = RoundOutcome(mine, (me,), (), 1.0, 0, 0)
+    else:
+        confirm = run(stage_id(round_id, "confirm", r), rows[r], mine, 1.0, None, None, config=plain)
     if failure is not None:
         raise failure
     digests = torch.round(confirm.flat * k).view(k, DIGEST_WORDS)  # x (1/k) (k) is x within an ulp: exact rounded

@@ -53,12 +53,13 @@ def _digest(result: RoundResult) -> str:
     return hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in result.tensors)).hexdigest()
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
-def test_seven_peers_in_groups_of_three_hold_one_bit_identical_mean(make_averagers, compression):
-    """3 rows (3, 2, 2) and 3 columns: before, the epoch ended with 3 states, one per group."""
-    config = AveragingConfig(target_group_size=3, compression=compression, **SLOW_OK)
-    avgs = make_averagers(7, config)
-    inputs, weights = _inputs(7), [float(2 * i + 1) for i in range(7)]
+@pytest.mark.parametrize(("num", "target", "compression"), [(7, 3, "none"), (7, 3, "int8"), (3, 2, "none")])
+def test_more_peers_than_one_group_hold_one_bit_identical_mean(make_averagers, num, target, compression):
+    """7 in rows of 3 (3, 2, 2) and 3 columns: before, the epoch ended with 3 states, one per group. 3 in rows of 2:
+    a row of one, whose member stands for it in both columns."""
+    config = AveragingConfig(target_group_size=target, compression=compression, **SLOW_OK)
+    avgs = make_averagers(num, config)
+    inputs, weights = _inputs(num), [float(2 * i + 1) for i in range(num)]
     results = _average_all(avgs, inputs, weights)
     assert all(isinstance(r, RoundResult) for r in results), results
     assert len({_digest(r) for r in results}) == 1
