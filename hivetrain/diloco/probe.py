@@ -11,9 +11,9 @@ as an adoption would be (``adoption.StateAdopter``: the hash, the per-epoch step
 windows). A state that fails gets its holders banned; one that passes is not adopted (the quorum rule decides what we
 follow), and its holders are vouched for: not probed again for ``vouch_s``.
 
-Cost: one state download and one evaluation per probe, at most one probe per ``every_s`` per peer. An attacker pays
-for each probe with an identity banned for an hour and the upload of the state; an honest minority ahead of us costs
-one probe per ``vouch_s``.
+Cost: one state download and one evaluation per probe: at most one per ``retry_s`` (5 s) while probes fail, one per
+``every_s`` (30 s) after one passed. An attacker pays for each failed probe with its identities banned for an hour and
+the upload of the state; an honest minority ahead of us costs one probe per ``vouch_s``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ class ProbePolicy:
 
     Attributes:
         settle_s: how long every holder must have been at or ahead of our epoch (the trainer: 2 record intervals).
-        every_s: the least time between two probes; ``retry_s`` after one that yielded no evidence (its download
-            failed: the holders moved on or did not answer).
+        every_s: the least time between two probes after one that passed (an honest minority ahead of us);
+            ``retry_s`` after one that failed: its holders were banned (their colluders may hold the next claim:
+            under load, a second liar was not probed within a 20-epoch run at 30 s) or it yielded no evidence (the
+            holders moved on or did not answer).
         vouch_s: how long holders whose state passed a probe are not probed again.
         stale_after_s: records older than this are ignored.
     """
@@ -220,6 +222,6 @@ class Prober:
         adoption = self.adopter.adopt(decision, records, ours, {self.my_peer_id, *decision.donors, *banned})
         if adoption.state is not None:
             self._vouched.update(dict.fromkeys(decision.donors, now))
-        elif not any(peers for peers, _ in adoption.bans):  # no evidence either way: the next claim may go sooner
+        else:  # a liar caught (its colluders may claim the next epoch by now) or no evidence: the next claim sooner
             self._last_probe = now - self.policy.every_s + self.policy.retry_s
         return ProbeResult(decision, adoption)

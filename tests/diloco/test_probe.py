@@ -92,6 +92,19 @@ def test_a_failed_probe_names_the_holders_to_ban_and_is_not_repeated():
     assert len(adopter.calls) == 1
 
 
+def test_after_a_failed_probe_a_colluders_claim_is_probed_after_retry_s_not_every_s():
+    ours = TrainingState(epoch=6, params={"w": torch.zeros(2)}, momentum={"w": torch.zeros(2)})
+    records = [rec("x", 7, "poison"), rec("y", 7, "poison"), rec("z", 7, "poison-b")]
+    adopter = FakeAdopter(passes=False)
+    prober = Prober("me", adopter, POLICY)
+    prober.maybe_probe(records, ours, "h6", frozenset(), NOW - 20)
+    assert prober.maybe_probe(records, ours, "h6", frozenset(), NOW).decision.donors == ("x", "y")
+    left = [r for r in records if r.peer_id == "z"]  # x and y are banned now
+    assert prober.maybe_probe(left, ours, "h6", frozenset({"x", "y"}), NOW + 3) is None
+    again = prober.maybe_probe(left, ours, "h6", frozenset({"x", "y"}), NOW + 6)
+    assert again is not None and again.decision.donors == ("z",)
+
+
 def test_a_passed_probe_vouches_for_its_holders_and_adopts_nothing():
     ours = TrainingState(epoch=6, params={"w": torch.zeros(2)}, momentum={"w": torch.zeros(2)})
     adopter = FakeAdopter(passes=True)
