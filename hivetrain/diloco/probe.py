@@ -33,6 +33,8 @@ class ProbeView:
     """What ``probe_target`` weighs besides the records.
 
     Attributes:
+        history: epoch -> the sha256 of the state we held at that epoch (ours included): with butterfly every epoch
+            has one committed state, so a claim of another hash at an epoch we held contradicts it.
         banned: peers whose records are ignored.
         ahead_since: peer id -> DHT time (seconds) since which it has been at or ahead of our epoch (``note_ahead``).
         vouched: peer id -> DHT time a probe of its state passed.
@@ -40,6 +42,7 @@ class ProbeView:
         last_probe: DHT time of our last probe (-inf: none yet).
     """
 
+    history: Mapping[int, str] = field(default_factory=dict)
     banned: frozenset[str] = frozenset()
     ahead_since: Mapping[str, float] = field(default_factory=dict)
     vouched: Mapping[str, float] = field(default_factory=dict)
@@ -83,6 +86,14 @@ def _live_trainers(
     ]
 
 
+def contradicts(record: PeerRecord, my_epoch: int, history: Mapping[int, str], exact_average: bool) -> bool:
+    """Whether ``record`` claims what we do not hold: an epoch ahead of ours, or (exact averaging) another hash at an
+    epoch whose state we held (``history``: epoch -> our sha256 there)."""
+    if record.epoch > my_epoch:
+        return True
+    return exact_average and record.epoch in history and record.state_hash != history[record.epoch]
+
+
 def note_ahead(
     ahead_since: dict[str, float],
     my_peer_id: str,
@@ -90,13 +101,18 @@ def note_ahead(
     records: Iterable[PeerRecord],
     now: float,
     stale_after_s: float,
+    history: Mapping[int, str] | None = None,
+    exact_average: bool = True,
 ) -> None:
-    """Update ``ahead_since`` in place: live trainers at or ahead of ``my_epoch`` keep their first-seen time (DHT
-    seconds) or get ``now``; a peer behind us or gone is dropped (it starts again when it is back). "At or ahead", not
-    "ahead": right after our commit a peer that claims one epoch past its own is at ours until its next record, every
-    epoch; it must not start its wait again each time."""
+    """Update ``ahead_since`` in place: live trainers at or ahead of ``my_epoch``, or claiming a state we did not hold
+    (``contradicts``), keep their first-seen time (DHT seconds) or get ``now``; any other peer is dropped (it starts
+    again when it is back). "At or ahead", not "ahead": right after our commit a peer that claims one epoch past its
+    own is at ours until its next record, every epoch. "Or contradicting": on a loaded machine such a liar's own epoch
+    lags ours by more, so its claim falls behind us at times (a 20-epoch run beside 2 hogs probed it only at epoch
+    19); its claim still names a hash we did not hold there."""
     live = _live_trainers(my_peer_id, records, frozenset(), now, stale_after_s)
-    level = {r.peer_id for r in live if r.epoch >= my_epoch}
+    known = history or {}
+    level = {r.peer_id for r in live if r.epoch >= my_epoch or contradicts(r, my_epoch, known, exact_average)}
     for peer in list(ahead_since):
         if peer not in level:
             del ahead_since[peer]
@@ -118,18 +134,20 @@ def probe_target(
     does not adopt), or None. Call it only when ``decide_sync`` said "train": no claim is followed then (a quorum that
     backs one without our vote, as ``published_hashes`` counts, does not with it).
 
-    A claim is a live trainer's (epoch, hash) ahead of ``my_epoch``, or with exact (butterfly) averaging at our epoch
-    with a hash other than ``my_hash``: a peer claiming one epoch past its own is at ours, with its lie, from our
-    commit until its next record. The newest epoch claimed is taken; of several hashes there the most held (ties to
+    A claim is a live trainer's (epoch, hash) ahead of ``my_epoch``, or with exact (butterfly) averaging at an epoch we
+    held (``view.history``, ours included as ``my_hash``) with another hash: a peer claiming one epoch past its own
+    is at ours, with its lie, from our commit until its next record, and behind us while its own epoch lags. The
+    newest epoch claimed is taken; of several hashes there the most held (ties to
     the larger hash). It is probed when it was not probed before, no holder is vouched for, every holder has been at
     or ahead of our epoch for ``policy.settle_s`` (``note_ahead``), and our last probe is ``policy.every_s`` old.
     """
     if now - view.last_probe < policy.every_s:
         return None
+    history = {**view.history, my_epoch: my_hash}
     claims = [
         r
         for r in _live_trainers(my_peer_id, records, view.banned, now, policy.stale_after_s)
-        if r.epoch > my_epoch or (exact_average and r.epoch == my_epoch and r.state_hash != my_hash)
+        if contradicts(r, my_epoch, history, exact_average)
     ]
     if not claims:
         return None
@@ -143,10 +161,10 @@ def probe_target(
         return None
     if any(now - view.ahead_since.get(p, now) < policy.settle_s for p in holders):
         return None
-    where = "ahead of our" if newest > my_epoch else "beside our state at"
+    where = f"ahead of our epoch {my_epoch}" if newest > my_epoch else f"where we held {history[newest][:12]}"
     why = (
-        f"probe: {len(holders)} trainer(s) claim epoch {newest} ({state_hash[:12]}) {where} epoch {my_epoch}, not "
-        f"followed for {policy.settle_s:.0f}s or more: checking what they serve"
+        f"probe: {len(holders)} trainer(s) claim epoch {newest} ({state_hash[:12]}) {where}, not followed for "
+        f"{policy.settle_s:.0f}s or more: checking what they serve"
     )
     return SyncDecision("download", newest, holders, why, state_hash=state_hash, probe=True)
 
@@ -189,6 +207,7 @@ class Prober:
         ours_hash: str,
         banned: frozenset[str],
         now: float,
+        history: Mapping[int, str] | None = None,
     ) -> ProbeResult | None:
         """Probe the claim ``probe_target`` names now, if any (a download and an evaluation: seconds for a big model).
 
@@ -197,15 +216,19 @@ class Prober:
             ours: our state (the step check's reference and the layout of the download); ``ours_hash`` its sha256.
             banned: peers we ignore.
             now: DHT time, seconds.
+            history: epoch -> the sha256 of the state we held there (``TrainerStats.state_hashes``).
 
         Returns:
             None if nothing is to be probed; else the result, whose bans the caller applies. Never raises for a
             holder's fault (a failed download is a result without a state, and its claim is not probed again).
         """
-        note_ahead(self._ahead_since, self.my_peer_id, ours.epoch, records, now, self.policy.stale_after_s)
-        self._probed = {p for p in self._probed if p[0] >= ours.epoch}  # a claim behind us is never probed
+        known = {**(history or {}), ours.epoch: ours_hash}
+        note_ahead(self._ahead_since, self.my_peer_id, ours.epoch, records, now, self.policy.stale_after_s, known,
+                   self.exact_average)  # fmt: skip
+        self._probed = {p for p in self._probed if p[0] >= min(known, default=ours.epoch)}
         self._vouched = {p: t for p, t in self._vouched.items() if now - t < self.policy.vouch_s}
         view = ProbeView(
+            history=known,
             banned=banned,
             ahead_since=self._ahead_since,
             vouched=self._vouched,

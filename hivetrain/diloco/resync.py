@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
@@ -94,10 +94,18 @@ class Resync:
             exact_average=exact_average,
         )
 
-    def run(self, state: TrainingState, state_hash: str, committed_at: float, probe: bool = True) -> Synced:
+    def run(
+        self,
+        state: TrainingState,
+        state_hash: str,
+        committed_at: float,
+        probe: bool = True,
+        history: Mapping[int, str] | None = None,
+    ) -> Synced:
         """One look at the swarm from ``state`` (sha256 ``state_hash``), our last commit at ``committed_at``
         (``time.monotonic()``): a state to install, nothing to do, or a failure to retry after. ``probe``: False at
-        the run's last epoch (nothing left to protect). Never raises for a peer's fault."""
+        the run's last epoch (nothing left to protect); ``history``: epoch -> the sha256 of the state we held there
+        (what a probe finds contradicted). Never raises for a peer's fault."""
         records = self.view.refresh()
         decision = decide_sync(
             self.peer_id,
@@ -113,7 +121,7 @@ class Resync:
         self.evidence.ban(decision.ban, decision.reason)
         if decision.action == "train":
             if probe:
-                self._probe(records, state, state_hash)
+                self._probe(records, state, state_hash, history or {})
             return Synced(True)
         settle = committed_at + FORK_SETTLE_S - time.monotonic()
         if decision.forked and settle > 0:
@@ -139,10 +147,14 @@ class Resync:
             return Synced(False)
         return Synced(True, adoption.state, decision.reason, adoption.step)
 
-    def _probe(self, records: list[PeerRecord], state: TrainingState, state_hash: str) -> None:
+    def _probe(
+        self, records: list[PeerRecord], state: TrainingState, state_hash: str, history: Mapping[int, str]
+    ) -> None:
         """Probe a persistent claim we do not follow (``diloco.probe``): ban its holders if what they serve fails
         the adoption checks; never adopt it."""
-        result = self.prober.maybe_probe(records, state, state_hash, self.evidence.trust.banned, get_dht_time())
+        result = self.prober.maybe_probe(
+            records, state, state_hash, self.evidence.trust.banned, get_dht_time(), history
+        )
         if result is None:
             return
         for peers, reason in result.adoption.bans:

@@ -343,7 +343,9 @@ class DilocoTrainer:
     def sync_state(self) -> bool:
         """Download state if we are behind or forked, else probe a claim we do not follow (``diloco.resync``).
         Returns False if a needed download failed or waits (retry later)."""
-        synced = self.resync.run(self.state, self.state_hash, self._committed_at, probe=not self._done())
+        synced = self.resync.run(
+            self.state, self.state_hash, self._committed_at, probe=not self._done(), history=self.stats.state_hashes
+        )
         state = synced.state
         if state is None:
             return synced.ok

@@ -227,3 +227,18 @@ def test_a_probe_without_evidence_lets_the_next_claim_be_probed_sooner():
     assert prober.maybe_probe([rec("x", 7, "p7")], ours, "h6", frozenset(), NOW + 6) is None, "that claim: once"
     assert prober.maybe_probe([rec("x", 8, "p8")], ours, "h6", frozenset(), NOW + 3) is None, "not before retry_s"
     assert prober.maybe_probe([rec("x", 8, "p8")], ours, "h6", frozenset(), NOW + 6) is not None
+
+
+def test_a_lagging_liars_claim_behind_us_still_contradicts_the_state_we_held_there():
+    """Beside 2 hogs the liars' own epochs lag ours, so their "one epoch ahead" claims fall behind us at times: a
+    hash other than the one we held at that epoch is still a claim to probe, and the liar's wait goes on."""
+    history = {5: "h5", 6: "h6"}
+    records = [rec("x", 5, "poison5"), rec("b", 5, "h5")]
+    since: dict[str, float] = {}
+    note_ahead(since, "me", 7, records, NOW - 20, 30.0, history)
+    assert since == {"x": NOW - 20}, "b holds what we held at 5: not a claim"
+    view = ProbeView(history=history, ahead_since=since)
+    d = probe_target("me", 7, "h7", records, view, NOW, POLICY)
+    assert d is not None and (d.target_epoch, d.state_hash, d.donors) == (5, "poison5", ("x",))
+    assert "claim epoch 5 (poison5) where we held h5" in d.reason
+    assert probe_target("me", 7, "h7", records, view, NOW, POLICY, exact_average=False) is None
