@@ -198,6 +198,11 @@ class ButterflyRound:
             raise
         except Exception as exc:
             logger.exception("averaging round %s crashed", self.round_id[:8])
+            # what we queued (our RESULT frames) reaches the others before our links end, so that every member that
+            # holds the full result votes and fails on our missing vote holding ``voted``, on a loaded machine too (a
+            # reset dropped our queued results: a member then failed "waiting for results" without one)
+            self.transport.flush(time.monotonic() + min(1.0, self.config.commit_timeout_s))
+            committed = True  # close gracefully: FIN after the queued frames, no reset
             raise RoundFailed("aborted", f"local error: {type(exc).__name__}: {exc}") from exc
         finally:
             self.transport.close(graceful=committed)
