@@ -189,7 +189,7 @@ class Prober:
         my_peer_id: ours (our own record is never probed).
         adopter: downloads and checks the claimed state as an adoption would.
         policy: the probe's timing.
-        exact_average: butterfly averaging (claims at our own epoch with another hash are probed too).
+        exact_average: butterfly averaging (claims of another hash at an epoch we held are probed too).
     """
 
     def __init__(self, my_peer_id: str, adopter: StateAdopter, policy: ProbePolicy, exact_average: bool = True):
