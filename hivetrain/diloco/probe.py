@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from hivetrain.diloco.adoption import Adoption, StateAdopter
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.sync_policy import SyncDecision
+from hivetrain.diloco.sync_policy import SyncDecision, keep_first_seen
 from hivetrain.peers.records import PeerRecord
 
 
@@ -113,11 +113,7 @@ def note_ahead(
     live = _live_trainers(my_peer_id, records, frozenset(), now, stale_after_s)
     known = history or {}
     level = {r.peer_id for r in live if r.epoch >= my_epoch or contradicts(r, my_epoch, known, exact_average)}
-    for peer in list(ahead_since):
-        if peer not in level:
-            del ahead_since[peer]
-    for peer in level:
-        ahead_since.setdefault(peer, now)
+    keep_first_seen(ahead_since, level, now)
 
 
 def probe_target(

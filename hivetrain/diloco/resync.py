@@ -171,14 +171,14 @@ class Resync:
         data)."""
         give_up_at, said = time.monotonic() + wait_s, False
         while not self.stop.is_set() and time.monotonic() < give_up_at:
-            now = get_dht_time()
+            now, skip = get_dht_time(), banned()
             behind = [
                 r
                 for r in self.view.refresh()
                 if r.role == "trainer"
                 and r.peer_id != self.peer_id
                 and not r.left_reason
-                and r.peer_id not in banned()
+                and r.peer_id not in skip
                 and not r.paused  # it will not take it until it resumes
                 and r.epoch < epoch
                 and now - r.updated_at <= 3 * self.record_interval_s  # still heartbeating: not killed

@@ -344,11 +344,18 @@ def note_behind(
         for r in records
         if r.peer_id != my_peer_id and r.role == "trainer" and not r.left_reason and r.epoch < my_epoch
     }
-    for peer in list(behind_since):
-        if peer not in behind:
-            del behind_since[peer]
-    for peer in behind:
-        behind_since.setdefault(peer, now)
+    keep_first_seen(behind_since, behind, now)
+
+
+def keep_first_seen(since: dict[str, float], current: set[str], now: float) -> None:
+    """Update ``since`` in place to peer id -> when it was first seen in ``current`` this time (DHT seconds): peers
+    still in ``current`` keep their time, new ones get ``now``, the others are dropped (``note_behind``,
+    ``probe.note_ahead``)."""
+    for peer in list(since):
+        if peer not in current:
+            del since[peer]
+    for peer in current:
+        since.setdefault(peer, now)
 
 
 def may_commit_alone(
