@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -68,8 +69,17 @@ def test_killed_servers_mid_forward_and_mid_backward_lose_no_microbatch(make_pip
     trainer = pipeline.add_trainer(router=prefer(stage1_victim.node.peer_id, stage2_victim.node.peer_id))
 
     dies_in_forward.arm(Fault("swarm.server.mid_forward", "call", callback=lambda _: crash(stage1_victim)))
-    # the stage-2 victim accumulates one microbatch, then dies in the backward pass of the second:
-    dies_in_backward.arm(Fault("swarm.server.mid_backward", "call", skip=1, callback=lambda _: crash(stage2_victim)))
+
+    def crash_once_first_backward_acked(_):
+        # The stage-2 victim accumulates one microbatch, then dies in the backward pass of the second. It dies only
+        # once the trainer holds the first one's reply: killed while that reply is still in its daemon, the trainer
+        # never learns it was accepted and simply reroutes that backward (no replay is owed: a different scenario).
+        deadline = time.monotonic() + 10
+        while not trainer.ledger.entries.get(stage2_victim.node.peer_id) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        crash(stage2_victim)
+
+    dies_in_backward.arm(Fault("swarm.server.mid_backward", "call", skip=1, callback=crash_once_first_backward_acked))
     result = trainer.step(BATCH)
 
     assert dies_in_forward.fired_count("swarm.server.mid_forward") == 1
