@@ -47,12 +47,16 @@ def record_bytes() -> int:
     return len(value) + _owner_marker_bytes() + _SIGNATURE_BYTES
 
 
-def fake_entry(peer_id: str, round_key: str, session: bytes, announced_at: float, deadline: float) -> ReadyEntry:
+def fake_entry(
+    peer_id: str, round_key: str, session: bytes, announced_at: float, deadline: float, window_closes_at: float = 0.0
+) -> ReadyEntry:
     """A ``ReadyEntry`` with the sizes of a real one; its signature is not valid (``decide`` does not check it: the
-    matchmaker verifies entries before they reach ``decide``)."""
+    matchmaker verifies entries before they reach ``decide``). ``window_closes_at`` 0 = the window closes at
+    ``deadline``."""
     return ReadyEntry.model_construct(
         peer_id=peer_id, round_key=round_key, session=session, host="203.0.113.7", port=31337, kx_public=b"k" * 32,
-        announced_at=announced_at, deadline=deadline, public_key=_FAKE_KEY, signature=b"s" * 256,
+        announced_at=announced_at, deadline=deadline, window_closes_at=window_closes_at, public_key=_FAKE_KEY,
+        signature=b"s" * 256,
     )  # fmt: skip
 
 

@@ -113,17 +113,25 @@ class RoundEngine:
             self.sessions += 1
             session = self.sessions.to_bytes(16, "big")
             peer_id = st.peer_ids[slot]
-            entry = simdht.fake_entry(peer_id, f"e{epoch}", session, now, now + self.avg.matchmaking_time_s)
-            key.entries[peer_id] = entry
-            key.waiting[slot] = entry
             st.i["status"][slot] = READY
             if st.f["ready_since"][slot] == 0 or st.i["attempt"][slot] == 0:
                 st.f["ready_since"][slot] = now
+            # as ``averaging.engine`` makes it: the window closes after matchmaking_time_s; the entry waits until the
+            # round's deadline less the grace a follower gives its leader (``_poll_key`` gives up at the deadline)
+            window_closes = now + self.avg.matchmaking_time_s
+            deadline = max(window_closes, self._round_deadline(slot) - self.avg.declare_grace_s)
+            entry = simdht.fake_entry(peer_id, f"e{epoch}", session, now, deadline, window_closes)
+            key.entries[peer_id] = entry
+            key.waiting[slot] = entry
             fresh[epoch].append(slot)
         self.sim.metrics.dht.ops(len(slots))
         for epoch in fresh:
             self._key_size(self.keys[epoch])
         return fresh
+
+    def _round_deadline(self, slot: int) -> float:
+        """When ``slot``'s averaging call gives up: round_timeout_s after it became ready (its first attempt)."""
+        return float(self.sim.state.f["ready_since"][slot]) + self.avg.round_timeout_s
 
     def decide_fresh(self, key: RoundKey, slots: list[int], now: float) -> dict[int, Decision]:
         """``decide`` for peers that have just announced together at ``key`` (their entries are stored).
@@ -225,8 +233,11 @@ class RoundEngine:
             if slot not in key.waiting:
                 continue  # consumed by a group declared earlier in this loop
             d = self._decide(key, key.waiting[slot], now, expected)
-            if d.action == "wait":
+            if d.action == "wait" and now < self._round_deadline(slot):
                 break
+            if d.action == "wait":  # the leader's own call deadline: it gives up, the next peer is asked
+                self._give_up(key, slot, now)
+                continue
             if d.action == "declare":
                 decl = GroupDeclaration.model_construct(
                     leader=st.peer_ids[slot], round_key=f"e{epoch}",
@@ -238,6 +249,16 @@ class RoundEngine:
                 continue
             del key.waiting[slot]
             self.fail([slot], epoch, d.action, now)
+        # peers past their call deadline that were not asked (a smaller id waits): no group formed for them either
+        for slot in [s for s in waiting if s in key.waiting and now >= self._round_deadline(s)]:
+            self._give_up(key, slot, now)
+
+    def _give_up(self, key: RoundKey, slot: int, now: float) -> None:
+        """``slot``'s averaging call reached its deadline while matchmaking: as ``Matchmaker.match`` does, it withdraws
+        its entry (a copy whose deadline has passed: stale to every ``decide``) and fails "no_group"."""
+        entry = key.waiting.pop(slot)
+        key.entries[entry.peer_id] = entry.model_copy(update={"deadline": 0.0, "window_closes_at": 0.0})
+        self.fail([slot], key.epoch, "no_group", now)
 
     # ---- groups --------------------------------------------------------------------------------------------------
     def _start_group(self, key: RoundKey, decl: GroupDeclaration, now: float) -> None:

@@ -98,3 +98,17 @@ def test_every_lost_sample_has_a_reason(churn) -> None:
     assert abs(1 - churned["committed_sample_share"] - sum(lost.values())) < 1e-9
     calm = _summary(tiny())
     assert calm["committed_sample_share"] == 1.0 and calm["lost_sample_shares"] == {"unaccounted": 0.0}
+
+
+def test_peers_waiting_past_their_round_deadline_give_up_and_the_swarm_keeps_training() -> None:
+    """Phases of very uneven length (speed jitter 2): the first ready peers of an epoch are half of it or fewer when
+    their window closes, so ``decide`` keeps them waiting for the others (the minority rule). A peer still waiting at
+    its round deadline gives up ("no_group", as the real matchmaker's call deadline does) and retries or carries;
+    meanwhile the entries of waiting peers stay candidates until that deadline. The run reaches every outer step and
+    commits nearly every sample (before: the waiting peers' entries went stale at their window's close and nobody
+    ever declared again: 1 outer step in 100,000 simulated seconds under 10 min sessions)."""
+    jittery = DataParallelSim(tiny(peers={"speed_jitter": 2.0}, sim={"num_peers": 10, "outer_steps": 4})).run()
+    assert jittery.decisions["round_failed.no_group"] > 0
+    assert jittery.summary["outer_steps_done"] == 4 and jittery.summary["committed_sample_share"] > 0.9
+    churned = DataParallelSim(tiny(churn={"session": "exponential", "mean_session_s": 600.0})).run().summary
+    assert churned["outer_steps_done"] == 3 and churned["sim_s"] < 300
