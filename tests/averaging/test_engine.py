@@ -38,10 +38,13 @@ def _weighted_mean(inputs: list[list[torch.Tensor]], weights: list[float]) -> li
 
 
 def _average_all(avgs, inputs, weights, epoch: int = 0, timeout_s: float = 20.0, epochs=None) -> list:
-    """Every averager calls ``average`` at once (on threads); returns results or exceptions, in order."""
+    """Every averager calls ``average`` at once (on threads); returns results or exceptions, in order. Each expects
+    the others calling at its epoch, as a trainer passes the live peers its records show there: the group closes
+    once they are all in, not at the window."""
     epochs = epochs or [epoch] * len(avgs)
+    at = {e: frozenset(a.node.peer_id for a, e2 in zip(avgs, epochs, strict=True) if e2 == e) for e in epochs}
     calls = [
-        lambda a=a, x=x, w=w, e=e: a.average(x, w, e, timeout_s)
+        lambda a=a, x=x, w=w, e=e: a.average(x, w, e, timeout_s, expected_peers=at[e])
         for a, x, w, e in zip(avgs, inputs, weights, epochs, strict=True)
     ]
     return run_threads(calls, timeout_s=timeout_s + 15)

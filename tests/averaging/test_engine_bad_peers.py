@@ -79,7 +79,11 @@ def test_bad_member_is_excluded_and_honest_members_commit(make_averagers, corrup
     g = torch.Generator().manual_seed(7)
     inputs = [[torch.randn(NUM_ELEMENTS, generator=g)] for _ in range(4)]
     weights = [1.0, 2.0, 3.0, 4.0]
-    calls = [lambda a=a, x=x, w=w: a.average(x, w, 0, 20.0) for a, x, w in zip(avgs, inputs, weights, strict=True)]
+    everyone = frozenset(a.node.peer_id for a in avgs)  # as a trainer passes the live peers it sees at the epoch
+    calls = [
+        lambda a=a, x=x, w=w: a.average(x, w, 0, 20.0, expected_peers=everyone)
+        for a, x, w in zip(avgs, inputs, weights, strict=True)
+    ]
     started = time.monotonic()
     results = run_threads(calls, timeout_s=35)
     assert bad.fired_count("averaging.before_send") == 1

@@ -43,8 +43,9 @@ class Check:
 
 
 def _average(avgs, inputs, checks, epoch: int = 0, timeout_s: float = 20.0) -> list:
+    everyone = frozenset(a.node.peer_id for a in avgs)  # as a trainer passes the live peers it sees at the epoch
     calls = [
-        lambda a=a, x=x, c=c: a.average(x, 1.0, epoch, timeout_s, accept=c)
+        lambda a=a, x=x, c=c: a.average(x, 1.0, epoch, timeout_s, accept=c, expected_peers=everyone)
         for a, x, c in zip(avgs, inputs, checks, strict=True)
     ]
     return run_threads(calls, timeout_s=timeout_s + 15)

@@ -45,7 +45,11 @@ def test_the_grid_depends_only_on_the_participants_and_the_seed():
 
 
 def _average_all(avgs, inputs, weights, timeout_s=40.0):
-    calls = [lambda a=a, x=x, w=w: a.average(x, w, 0, timeout_s) for a, x, w in zip(avgs, inputs, weights, strict=True)]
+    everyone = frozenset(a.node.peer_id for a in avgs)  # as a trainer passes the live peers it sees at the epoch
+    calls = [
+        lambda a=a, x=x, w=w: a.average(x, w, 0, timeout_s, expected_peers=everyone)
+        for a, x, w in zip(avgs, inputs, weights, strict=True)
+    ]
     return run_threads(calls, timeout_s=timeout_s + 15)
 
 

@@ -16,6 +16,12 @@ CFG = dict(target_group_size=2, matchmaking_time_s=2.0, part_timeout_s=5.0, comm
 UNREACHABLE_HOST = "127.0.0.2"  # loopback, but our data ports listen on 127.0.0.1 only: a direct dial is refused
 
 
+def _everyone(avgs) -> frozenset[str]:
+    """Every averager's id: as a trainer passes the live peers it sees at the epoch (the group closes once all are in,
+    not at the window)."""
+    return frozenset(a.node.peer_id for a in avgs)
+
+
 def _averagers(swarm, prefix: str, config: AveragingConfig, unreachable=(0, 1)) -> list[GroupAverager]:
     avgs = []
     for i, node in enumerate(swarm[:2]):
@@ -38,7 +44,7 @@ def test_members_unreachable_over_tcp_average_over_libp2p(swarm, prefix) -> None
         weights = [1.0, 3.0]
         for epoch in range(2):  # the second round dials over libp2p at once (the peer is remembered unreachable)
             calls = [
-                lambda a=a, x=x, w=w, e=epoch: a.average(x, w, e, 30.0)
+                lambda a=a, x=x, w=w, e=epoch: a.average(x, w, e, 30.0, expected_peers=_everyone(avgs))
                 for a, x, w in zip(avgs, inputs, weights, strict=True)
             ]
             results = run_threads(calls, timeout_s=45)
@@ -66,7 +72,10 @@ def test_a_member_behind_nat_dials_back_and_the_link_stays_direct_tcp(swarm, pre
     try:
         inputs = [[torch.full((500,), 1.0)], [torch.full((500,), 3.0)]]
         for epoch in range(2):
-            calls = [lambda a=a, x=x, e=epoch: a.average(x, 1.0, e, 30.0) for a, x in zip(avgs, inputs, strict=True)]
+            calls = [
+                lambda a=a, x=x, e=epoch: a.average(x, 1.0, e, 30.0, expected_peers=_everyone(avgs))
+                for a, x in zip(avgs, inputs, strict=True)
+            ]
             results = run_threads(calls, timeout_s=45)
             assert all(isinstance(r, RoundResult) for r in results), results
             assert all(torch.equal(r.tensors[0], torch.full((500,), 2.0)) for r in results)
