@@ -11,6 +11,11 @@ Butterfly all-reduce of a vector of V bytes in a group of g with slice fractions
 .butterfly_partition``, the production function, called with the production arguments): member i sends its
 contribution's other slices, (1 - f_i) V, and the reduced slice to the g - 1 others, (g - 1) f_i V; it receives as
 much. Two phases (scatter-reduce, all-gather) cost two round trips of the slowest pair on top.
+
+The two-stage all-reduce of an epoch with more participants than one group (``averaging.hierarchical``) runs the rows'
+rounds in parallel, then the columns' rounds (each column averages the full vector of row means), then a confirm
+round per row on 64 bytes: its duration is the slowest row plus the slowest column plus the slowest confirm, and a
+member standing in two columns sends and receives its column share twice.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hivetrain.averaging.groups import butterfly_partition
+from hivetrain.averaging.groups import butterfly_partition, hierarchy
+
+CONFIRM_BYTES = 64  # the confirm round's k x 16 fp32 words, per member: 16 words x 4 bytes of its own
 
 
 @dataclass(frozen=True)
@@ -89,3 +96,41 @@ def download_cost(
     served[np.argmax(served)] += state_bytes - int(served.sum())  # rounding goes to the busiest donor
     rtt_s = 2 * (joiner_latency_s + float(np.max(donor_latency_s[used])))  # manifest request, then chunks
     return Transfer(state_bytes / total_rate + rtt_s, served, np.array([state_bytes], np.int64))
+
+
+def two_stage_cost(
+    peer_ids: Sequence[str],
+    vector_bytes: int,
+    upload_bytes_per_s: np.ndarray,
+    download_bytes_per_s: np.ndarray,
+    latency_s: np.ndarray,
+    max_group_size: int,
+    seed: str,
+) -> Transfer:
+    """Cost of the two-stage all-reduce among ``peer_ids`` (the declaration's members), cut by the production
+    ``groups.hierarchy(peer_ids, max_group_size, seed)`` (``seed``: the declaration's round id). With no more than
+    ``max_group_size`` peers it is one butterfly round (``allreduce_cost``).
+
+    Args:
+        vector_bytes: bytes of the averaged vector on the wire (both stages send the same encoding).
+        upload_bytes_per_s / download_bytes_per_s / latency_s: (g,) per member, in the order of ``peer_ids``.
+    """
+    rows, columns = hierarchy(peer_ids, max_group_size, seed)
+    if not columns:
+        return allreduce_cost(peer_ids, vector_bytes, upload_bytes_per_s, download_bytes_per_s, latency_s)
+    index = {p: i for i, p in enumerate(peer_ids)}
+    sent = np.zeros(len(peer_ids), np.int64)
+    received = np.zeros(len(peer_ids), np.int64)
+    duration_s = 0.0
+    for groups, num_bytes in ((rows, vector_bytes), (columns, vector_bytes), (rows, CONFIRM_BYTES * max_group_size)):
+        slowest_s = 0.0
+        for group in groups:
+            # a column lists members in row order (its sum's order); the slice cut of its round sorts them
+            idx = np.array([index[p] for p in sorted(group)])
+            cost = allreduce_cost(sorted(group), num_bytes, upload_bytes_per_s[idx], download_bytes_per_s[idx],
+                                  latency_s[idx])  # fmt: skip
+            np.add.at(sent, idx, cost.sent_bytes)
+            np.add.at(received, idx, cost.received_bytes)
+            slowest_s = max(slowest_s, cost.duration_s)
+        duration_s += slowest_s
+    return Transfer(duration_s, sent, received)

@@ -47,7 +47,7 @@ from hivetrain.diloco.rounds import expected_peers
 from hivetrain.diloco.sync_policy import RoundView, decide_after_round
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
-from hivetrain.sim.network import Transfer, allreduce_cost, download_cost
+from hivetrain.sim.network import Transfer, allreduce_cost, download_cost, two_stage_cost
 from hivetrain.sim.sharing import SharedCalls
 from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
 
@@ -74,6 +74,10 @@ class RoundKey:
 
 class RoundEngine:
     """Matchmaking, all-reduce processes, commits and failures for a ``DataParallelSim``."""
+
+    max_members = MAX_MEMBERS
+    """The most members of one declaration (``averaging.matchmaking.MAX_MEMBERS``, as the engine matches): past it an
+    epoch forms several declarations, each its own state. Tests lower it to reach that case with few peers."""
 
     def __init__(self, sim: DataParallelSim):
         self.sim = sim
@@ -198,9 +202,10 @@ class RoundEngine:
         return entries, [d for d in key.declarations if side[index_of[d.leader]] == mine]
 
     def _decide(self, key: RoundKey, me: ReadyEntry, now: float, expected: frozenset[str] = frozenset()):
-        target = self.avg.target_group_size if self.avg.strategy == "butterfly" else MAX_MEMBERS
+        # every strategy matches everyone ready at the epoch into one declaration (``averaging.engine``): butterfly
+        # then runs the two-stage all-reduce when they are more than target_group_size
         entries, declarations = self._visible(key, me)
-        d = decide(me, entries, declarations, now, target_group_size=target,
+        d = decide(me, entries, declarations, now, target_group_size=self.max_members,
                    min_group_size=self.avg.min_group_size, declare_grace_s=self.avg.declare_grace_s,
                    declaration_ttl_s=self.avg.round_timeout_s, expected=expected)  # fmt: skip
         self.sim.metrics.count("decide." + d.action)
@@ -285,15 +290,21 @@ class RoundEngine:
         else:
             self.sim.env.process(self._mixing(slots, decl, key.epoch, now))
 
-    def _cost(self, slots: np.ndarray) -> Transfer:
+    def _cost(self, slots: np.ndarray, round_id: str | None = None) -> Transfer:
+        """One butterfly round among ``slots``; with ``round_id``, the two-stage round of that declaration (one
+        butterfly round when they fit one group)."""
         st = self.sim.state
         ids = [st.peer_ids[int(s)] for s in slots]
-        return allreduce_cost(ids, self.wire_bytes, st.f["up_bps"][slots], st.f["down_bps"][slots],
-                              st.f["latency_s"][slots])  # fmt: skip
+        links = (st.f["up_bps"][slots], st.f["down_bps"][slots], st.f["latency_s"][slots])
+        if round_id is None:
+            return allreduce_cost(ids, self.wire_bytes, *links)
+        return two_stage_cost(ids, self.wire_bytes, *links, self.avg.target_group_size, round_id)
 
     def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
+        """One mean for every participant of the epoch's declaration (``averaging.hierarchical`` past one group);
+        all-or-nothing: a member gone before the end fails the round for all, who notice part_timeout_s later."""
         st = self.sim.state
-        cost = self._cost(slots)
+        cost = self._cost(slots, decl.round_id)
         finish = now + cost.duration_s
         first_gone = min(float(st.f["leaves_at"][slots].min()), self.sim.partition.cut_s(slots, now))
         if first_gone < finish:  # all-or-nothing: the others notice the silence after part_timeout_s

@@ -43,12 +43,35 @@ def test_one_exact_group_commits_every_sample_and_keeps_peers_identical() -> Non
     assert s["drift_max"] < 1e-12  # butterfly: every member applies the same average
 
 
-def test_two_butterfly_groups_fork_and_the_later_group_downloads() -> None:
-    """Groups of at most 12 for 20 peers: each exact group commits its own state at the epoch (drift), and the
-    group that commits second finds itself forked (``decide_sync`` before its next phase, as the trainer's
-    ``sync_state``) and downloads the first group's state: the swarm ends on one state. A real swarm of 6 with
-    groups of 3 did the same (dev/LOG.md, 2026-11-26 session 7)."""
-    s = _summary(tiny(averaging={"target_group_size": 12}))
+def test_more_peers_than_one_group_end_every_epoch_on_one_state() -> None:
+    """20 peers in rows of at most 12 or 8 (2 or 3 rows): one declaration per epoch and the two-stage all-reduce
+    (``averaging.hierarchical``), so every peer commits every epoch with the same θ: no drift, no fork, nothing
+    discarded. Each peer sends at most about twice what one group of 20 would (rows, then columns)."""
+    one = _summary(tiny())
+    for rows in (12, 8):
+        s = _summary(tiny(averaging={"target_group_size": rows}))
+        assert s["group_size_max"] == 20 and s["outer_steps_done"] == 3
+        assert s["drift_max"] < 1e-12 and s["committed_sample_share"] == 1.0 and s["discarded_sample_share"] == 0.0
+        assert s["downloads"] == 0
+        assert one["bytes_per_peer_per_step"] < s["bytes_per_peer_per_step"] <= 2.2 * one["bytes_per_peer_per_step"]
+
+
+def _declarations_of(group_size: int, **tables) -> dict:
+    """The summary of a run whose declarations hold at most ``group_size`` members: the engine's ``MAX_MEMBERS``
+    (4,096) scaled down, so that 20 peers reach what more than 4,096 do."""
+    sim = DataParallelSim(tiny(**tables, averaging={"target_group_size": group_size}))
+    sim.rounds.max_members = group_size
+    s = dict(sim.run().summary)
+    s.pop("wall_s")
+    return s
+
+
+def test_two_declarations_per_epoch_fork_and_the_later_one_downloads() -> None:
+    """Past MAX_MEMBERS ready peers an epoch forms several declarations (here 20 peers, declarations of at most 12):
+    each commits its own state (drift), and the one that commits second finds itself forked (``decide_sync`` before
+    its next phase, as the trainer's ``sync_state``) and downloads the first one's state: the swarm ends on one state.
+    A real swarm of 6 with independent groups of 3 did the same (dev/LOG.md, 2026-11-26 session 7)."""
+    s = _declarations_of(12)
     assert s["group_size_max"] == 12
     assert s["drift_max"] > 1e-6
     assert s["decisions"]["decide_sync.download"] > 0 and s["downloads"] > 0
@@ -57,13 +80,12 @@ def test_two_butterfly_groups_fork_and_the_later_group_downloads() -> None:
     assert s["committed_sample_share"] == 1.0 and 0.3 < s["discarded_sample_share"] < 0.45
 
 
-def test_three_butterfly_groups_per_epoch_drift_apart_for_good() -> None:
-    """Groups of 8 for 20 peers: no group's state is a majority, so nobody downloads, and averaging Δ never
-    averages θ: peers drawn from different groups into one group stay apart after its commit (their hashes
-    differ), and the drift grows epoch after epoch. (The simulator still forms independent groups; the real averager
-    runs the two-stage all-reduce, ``averaging.hierarchical``.)"""
-    short = _summary(tiny(averaging={"target_group_size": 8}, sim={"outer_steps": 3}))
-    long = _summary(tiny(averaging={"target_group_size": 8}, sim={"outer_steps": 8}))
+def test_three_declarations_per_epoch_drift_apart_for_good() -> None:
+    """Declarations of 8 for 20 peers: no state is a majority, so nobody downloads, and averaging Δ never averages θ:
+    peers drawn from different declarations into one stay apart after its commit (their hashes differ), and the
+    drift grows epoch after epoch. The limit of the two-stage round: one declaration holds at most MAX_MEMBERS."""
+    short = _declarations_of(8, sim={"outer_steps": 3})
+    long = _declarations_of(8, sim={"outer_steps": 8})
     assert short["drift_final"] > 1e-3 and long["drift_final"] > 2 * short["drift_final"]
 
 

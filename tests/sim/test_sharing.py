@@ -17,8 +17,16 @@ from hivetrain.sim.swarm_state import ABSENT, TRAINING
 from tests.sim.conftest import tiny
 
 
+def _declarations_of(group_size: int, **tables) -> DataParallelSim:
+    """A simulation whose declarations hold at most ``group_size`` members: the engine's ``MAX_MEMBERS`` (4,096)
+    scaled down, so that a few dozen peers reach what 10,000 do: several declarations per epoch, each its own state."""
+    sim = DataParallelSim(tiny(**tables, averaging={"target_group_size": group_size}))
+    sim.rounds.max_members = group_size
+    return sim
+
+
 def _swarm(num_peers: int, group_size: int = 64) -> DataParallelSim:
-    sim = DataParallelSim(tiny(sim={"num_peers": num_peers}, averaging={"target_group_size": group_size}))
+    sim = _declarations_of(group_size, sim={"num_peers": num_peers})
     for _ in range(num_peers):
         sim.state.start_phase(sim._new_peer(TRAINING), 0, 0.0)
     return sim
@@ -28,7 +36,7 @@ def _individual(sim: DataParallelSim, key: RoundKey, slot: int, now: float):
     avg = sim.sc.averaging
     expected = expected_peers(sim.board.records(), "", key.epoch, now, sim.sc.schedule.stale_after_s)
     return decide(key.waiting[slot], key.entries.values(), key.declarations, now,
-                  target_group_size=avg.target_group_size, min_group_size=avg.min_group_size,
+                  target_group_size=sim.rounds.max_members, min_group_size=avg.min_group_size,
                   declare_grace_s=avg.declare_grace_s, declaration_ttl_s=avg.round_timeout_s,
                   expected=expected)  # fmt: skip
 
@@ -45,8 +53,8 @@ def _window_declaration(sim: DataParallelSim, slots: list[int], at: float) -> Gr
 @pytest.mark.parametrize("group_size", [64, 4])
 def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer(group_size: int) -> None:
     """A late storm (a live window group); a member announcing again (its group is over: all wait, one leads);
-    the group's declaration expired, with another member among the callers. With groups of 4 for 24 expected peers
-    the epoch needs several groups: nobody is late, and callers whose records are not yet published (not expected)
+    the group's declaration expired, with another member among the callers. With declarations of 4 for 24 expected
+    peers the epoch needs several: nobody is late, and callers whose records are not yet published (not expected)
     are shared apart from those that are."""
     sim = _swarm(24, group_size)
     for slot in range(12):  # half of the peers have published their records: they are the expected ones
@@ -78,10 +86,9 @@ def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer(gro
 @pytest.mark.parametrize("group_size", [4, 64])
 def test_failed_peers_share_decide_after_round_only_with_equal_answers(group_size: int) -> None:
     """On the end state of a churned run, every member of a ``share_key`` group gets the policy its group's first
-    member got, for several failures and attempts: groups of 4 among 40 peers (many states per epoch, none backed)
-    and of 64 (one group per epoch: the fork check)."""
-    sim = DataParallelSim(tiny(sim={"num_peers": 40}, churn={"session": "exponential", "mean_session_s": 200.0},
-                               averaging={"target_group_size": group_size}))  # fmt: skip
+    member got, for several failures and attempts: declarations of 4 among 40 peers (many states per epoch, none
+    backed) and of 64 (one declaration per epoch: the fork check)."""
+    sim = _declarations_of(group_size, sim={"num_peers": 40}, churn={"session": "exponential", "mean_session_s": 200.0})
     sim.run()
     st, now, shared = sim.state, sim.env.now, sim.rounds.shared
     alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
@@ -180,8 +187,8 @@ def test_members_of_committed_groups_share_decide_sync_only_with_equal_answers()
     """Every ``decide_sync`` answer the simulation shares (``commit_key``, ``share_key``) or reuses (``top_key``) is
     compared, at that moment, with the individual call of each peer it stands for; several groups per epoch, so
     members hold their own hashes."""
-    sim = DataParallelSim(tiny(sim={"num_peers": 40, "outer_steps": 4}, averaging={"target_group_size": 4},
-                               churn={"session": "exponential", "mean_session_s": 300.0}))  # fmt: skip
+    sim = _declarations_of(4, sim={"num_peers": 40, "outer_steps": 4},
+                           churn={"session": "exponential", "mean_session_s": 300.0})  # fmt: skip
     real, compared, mixed = sim.sync_decision, [0], [0]
 
     def checked(slots, epoch, state_hash, now, key=None):
