@@ -19,6 +19,8 @@ Definitions (units in the names):
   announcements, matchmaking polls), per committed (peer, round).
 - ``peak_dht_value_bytes``: the largest value stored under one DHT key (``peak_dht_value_bytes_by_key`` per key).
 - ``drift``: max_p ||θ_p - mean|| / ||mean|| over the live peers at the most common epoch, sampled every tick.
+- ``committed_states_max``: the most distinct states (state hashes) the commits of one epoch ended on, over epochs:
+  1 = every peer that committed an epoch holds one model; more = the epoch forked.
 - ``round_s_median``: median duration of one group all-reduce (or one Moshpit/gossip group round) that finished.
 - ``flash_*``: the flash crowd's downloads only: catch-up = a joiner's state download time (mean, p90, max),
   ``flash_all_caught_up_s`` = from the crowd's arrival until its last joiner holds the state, and
@@ -30,6 +32,7 @@ Definitions (units in the names):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +71,7 @@ class SimMetrics:
     departures: int = 0
     samples_discarded: float = 0.0  # committed, then replaced by another group's state (``discarded_sample_share``)
     samples_lost: Counter = field(default_factory=Counter)  # why samples never committed (``lost_sample_shares``)
+    committed_states: dict[int, set[str]] = field(default_factory=dict)  # epoch -> the states its commits made
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -77,8 +81,10 @@ class SimMetrics:
     def count(self, what: str, times: int = 1) -> None:
         self.decisions[what] += times
 
-    def record_commit(self, epoch: int, now: float, num_members: int) -> None:
+    def record_commit(self, epoch: int, now: float, num_members: int, state_hashes: Iterable[str] = ()) -> None:
+        """``num_members`` peers committed ``epoch`` at ``now``, moving to ``state_hashes`` (one state = one hash)."""
         self.commits.setdefault(epoch, []).extend([now] * num_members)
+        self.committed_states.setdefault(epoch, set()).update(state_hashes)
 
     def record_download(self, slot: int, donors: np.ndarray, cost: Transfer, started: float, now: float,
                         flash: bool) -> None:  # fmt: skip
@@ -154,6 +160,8 @@ class SimMetrics:
             "group_size_max": int(max(self.group_sizes, default=0)),
             "drift_final": final_drift,
             "drift_max": max((d[2] for d in self.drift), default=0.0),
+            # distinct states the commits of one epoch ended on, at the worst epoch (1: one model)
+            "committed_states_max": max((len(h) for h in self.committed_states.values()), default=0),
             "downloads": len(self.downloads),
             "catchup_s_mean": float(np.mean(catchup)) if catchup else None,
             "catchup_s_p90": float(np.percentile(catchup, 90)) if catchup else None,

@@ -407,7 +407,7 @@ class RoundEngine:
             st.state_hash[int(slot)] = state_hash if isinstance(state_hash, str) else state_hash[k]
             if forked:  # members of different lineages hold different parameters after the same outer step
                 st.state_hash[int(slot)] += f"/L{int(lineage[k])}"
-        self.sim.metrics.record_commit(epoch, now, len(slots))
+        self.sim.metrics.record_commit(epoch, now, len(slots), (st.state_hash[int(s)] for s in slots))
         downloading = self.sim.after_commit(slots, epoch + 1, now)
         start = now + self.sim.sc.peers.outer_step_s  # applying the outer step, evaluating
         for slot in slots.tolist():

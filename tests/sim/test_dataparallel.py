@@ -52,7 +52,7 @@ def test_more_peers_than_one_group_end_every_epoch_on_one_state() -> None:
         s = _summary(tiny(averaging={"target_group_size": rows}))
         assert s["group_size_max"] == 20 and s["outer_steps_done"] == 3
         assert s["drift_max"] < 1e-12 and s["committed_sample_share"] == 1.0 and s["discarded_sample_share"] == 0.0
-        assert s["downloads"] == 0
+        assert s["downloads"] == 0 and s["committed_states_max"] == 1
         assert one["bytes_per_peer_per_step"] < s["bytes_per_peer_per_step"] <= 2.2 * one["bytes_per_peer_per_step"]
 
 
@@ -72,7 +72,7 @@ def test_two_declarations_per_epoch_fork_and_the_later_one_downloads() -> None:
     its next phase, as the trainer's ``sync_state``) and downloads the first one's state: the swarm ends on one state.
     A real swarm of 6 with independent groups of 3 did the same (dev/LOG.md, 2026-11-26 session 7)."""
     s = _declarations_of(12)
-    assert s["group_size_max"] == 12
+    assert s["group_size_max"] == 12 and s["committed_states_max"] == 2
     assert s["drift_max"] > 1e-6
     assert s["decisions"]["decide_sync.download"] > 0 and s["downloads"] > 0
     assert s["drift_final"] < 1e-12
