@@ -32,7 +32,7 @@ merely waiting on a slow third peer sends heartbeats (``transport``). Inputs are
 The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, a link broke,
 or the deadline came) fails while the others, who got every vote, commit. Such a failure carries the result we voted
 for (``RoundFailed.voted``); DiLoCo applies it once a member's record shows the epoch it committed with the state
-hash that result gives (``diloco.sync_policy.committed_without_us``), so the gap costs a few seconds instead of a
+hash that result gives (``diloco.round_policy.committed_without_us``), so the gap costs a few seconds instead of a
 fork. Failing that, peers publish their state hash per epoch and a peer whose hash disagrees with the majority
 downloads the state.
 

@@ -23,7 +23,7 @@ class RoundFailed(RuntimeError):
             "refused": our ``accept`` check refused the result, so we voted against it and nobody commits, ...).
         voted: set when the round failed after we voted (the two-phase-commit gap, ``allreduce``): the result we
             voted for, which members that received every vote may have committed. The caller applies it only on
-            evidence that a member did (``diloco.sync_policy.committed_without_us``); None otherwise.
+            evidence that a member did (``diloco.round_policy.committed_without_us``); None otherwise.
     """
 
     def __init__(self, reason: str, detail: str = ""):

@@ -1,14 +1,14 @@
 """One outer step's averaging round with its retries: what a peer sends, and what it does when a round fails.
 
 ``RoundRunner.run`` averages one ``Contribution`` at the current epoch: it calls the averager, asks the pure policy
-``sync_policy.decide_after_round`` what to do after each attempt (apply, retry after a backoff, resync, carry, lost),
+``round_policy.decide_after_round`` what to do after each attempt (apply, retry after a backoff, resync, carry, lost),
 and returns a ``RoundOutcome`` without touching the trainer's state, so it can run on the train loop's thread or in
 the background while the next inner phase runs (``diloco.overlap``).
 
 All-or-nothing (``averaging.base``): a round either commits bit-identical results on every member or applies nothing
 anywhere. A contribution that did not commit is never silently dropped: "resync" and "carry" hand it back to the
 trainer, which sends it with its next pseudo-gradient if that is computed against the same state, and otherwise
-counts it as discarded (``sync_policy.keep_carried``). Phases carried at one epoch all start from the same θ, so each
+counts it as discarded (``round_policy.keep_carried``). Phases carried at one epoch all start from the same θ, so each
 Δ is an estimate of the same update: a carried contribution is their sample-weighted mean, sent with their summed
 samples as its weight (``Contribution.merged``), never their sum (issue 22: six phases' Δ summed and applied with
 outer lr 1 took the eval loss from 5.54 to 55), and holds at most ``diloco.max_carried_phases`` phases.
@@ -39,19 +39,17 @@ from hivemind.utils import get_dht_time
 from hivetrain.averaging.base import Averager, RoundFailed, RoundResult
 from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
-from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.swarm_view import SwarmView
-from hivetrain.diloco.sync_policy import (
-    CatchUp,
+from hivetrain.diloco.round_policy import (
     RoundPolicy,
     RoundView,
-    SyncTrust,
     backoff_jitter,
     committed_without_us,
     decide_after_round,
     keep_carried,
-    note_behind,
 )
+from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.swarm_view import SwarmView
+from hivetrain.diloco.sync_policy import CatchUp, SyncTrust, note_behind
 from hivetrain.diloco.update_bound import UpdateNorms, l2_norm, update_bound
 from hivetrain.faults import FaultInjector, HookPoint
 from hivetrain.peers.records import PeerRecord
@@ -350,7 +348,7 @@ class RoundRunner:
         return norm
 
     def _catch_up(self, epoch: int, records: list[PeerRecord]) -> CatchUp:
-        """The peers behind ``epoch`` we still hold solo steps for (``sync_policy.may_commit_alone``)."""
+        """The peers behind ``epoch`` we still hold solo steps for (``round_policy.may_commit_alone``)."""
         note_behind(self.behind_since, self.peer_id, epoch, records, get_dht_time())
         return CatchUp(dict(self.behind_since), self.catch_up_wait_s)
 
@@ -358,7 +356,7 @@ class RoundRunner:
         self, state: TrainingState, voted: RoundResult, failure: str
     ) -> tuple[TrainingState, str, RoundPolicy] | None:
         """The round failed after we voted: build the state its result gives and wait (at most ``voted_wait_s``)
-        for a member's record showing it committed that state (``sync_policy.committed_without_us``). Returns
+        for a member's record showing it committed that state (``round_policy.committed_without_us``). Returns
         (state, hash, "apply" policy) on that evidence, else None (the usual retry / resync policy decides)."""
         diloco = self.config.diloco
         candidate = outer_step(state, voted.tensors, diloco.outer_lr, diloco.outer_momentum)

@@ -195,7 +195,7 @@ class ScheduleSettings:
         record_interval_s: every peer publishes its record and reads everyone's this often, seconds.
         record_ttl_s: a record not refreshed for this long expires; also the staleness bound of ``decide_sync``.
         max_carried_phases: as ``diloco.max_carried_phases`` (the same default): the most phases a carried
-            contribution holds; past it the oldest are dropped (``sync_policy.keep_carried``).
+            contribution holds; past it the oldest are dropped (``round_policy.keep_carried``).
     """
 
     schedule: Literal["steps", "swarm"] = "swarm"

@@ -10,7 +10,8 @@ Production functions called with simulated inputs (records, entries, time):
 - ``diloco.rounds.expected_peers`` and ``averaging.matchmaking.decide``: who averages together, with entries and
   declarations of the real types and sizes;
 - ``averaging.groups.moshpit_groups`` / ``gossip_pairs`` / ``grid_for`` / ``butterfly_partition``: groups and slices;
-- ``diloco.sync_policy.decide_sync``, ``may_commit_alone``, ``decide_after_round``: downloads, solo commits, retries.
+- ``diloco.sync_policy.decide_sync``, ``diloco.round_policy.may_commit_alone`` and ``decide_after_round``: downloads,
+  solo commits, retries.
 
 Where the simulation simplifies (each also said where it happens): decisions are taken on the tick grid; every peer
 reads the same DHT (the newest stored records: no propagation delay), except across a ``[partition]`` while it lasts
@@ -27,8 +28,9 @@ import time
 import numpy as np
 import simpy
 
+from hivetrain.diloco.round_policy import keep_carried
 from hivetrain.diloco.schedule import PhasePlan
-from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, keep_carried
+from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.config import Scenario
 from hivetrain.sim.consensus import relative_deviation

@@ -9,7 +9,7 @@ fails that peer and the next one is asked, and "wait" means no group forms this 
 "window" declaration exists at its key is asked at once (only then can a fresh entry fail: with no window declaration
 its decision is "wait" or "declare"). Followers are not asked separately: a declaration that lists them is their
 "joined". Groups run as SimPy processes whose duration comes from ``sim.network``; the pseudo-gradients are averaged
-with ``sim.consensus.group_means``; failures go through ``diloco.sync_policy.decide_after_round``.
+with ``sim.consensus.group_means``; failures go through ``diloco.round_policy.decide_after_round``.
 
 Shared calls (the functions are pure, so a call whose answer is provably the same for several peers is made once):
 peers that announce together are decided by two ``decide`` calls (``decide_fresh``), and failed peers whose views and
@@ -43,8 +43,8 @@ from hivetrain.averaging.matchmaking import (
     decide,
     make_round_id,
 )
+from hivetrain.diloco.round_policy import RoundView, decide_after_round
 from hivetrain.diloco.rounds import expected_peers
-from hivetrain.diloco.sync_policy import RoundView, decide_after_round
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.network import Transfer, allreduce_cost, download_cost, two_stage_cost

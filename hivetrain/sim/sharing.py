@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hivetrain.diloco.sync_policy import RoundPolicy, RoundView, SyncDecision
+from hivetrain.diloco.round_policy import RoundPolicy, RoundView
+from hivetrain.diloco.sync_policy import SyncDecision
 
 if TYPE_CHECKING:
     from hivetrain.sim.dataparallel import DataParallelSim

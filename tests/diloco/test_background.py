@@ -9,9 +9,9 @@ from hivetrain.averaging.base import RoundResult
 from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.overlap import eager_estimate
+from hivetrain.diloco.round_policy import RoundPolicy
 from hivetrain.diloco.rounds import Contribution, RoundOutcome
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.sync_policy import RoundPolicy
 
 LR, MU = 0.7, 0.5
 

@@ -1,19 +1,21 @@
 """Pure decisions: when a peer downloads state, and when it may apply a round of one."""
 
 from hivetrain.coordinator.follower import FollowerOptions
-from hivetrain.diloco.sync_policy import (
-    CatchUp,
+from hivetrain.diloco.round_policy import (
     RoundView,
-    SyncTrust,
     backoff_jitter,
     committed_without_us,
     decide_after_round,
+    keep_carried,
+    may_commit_alone,
+)
+from hivetrain.diloco.sync_policy import (
+    CatchUp,
+    SyncTrust,
     decide_sync,
     download_hashes,
     download_short,
-    keep_carried,
     loss_check,
-    may_commit_alone,
     note_behind,
     published_hashes,
 )

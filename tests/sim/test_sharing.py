@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from hivetrain.averaging.matchmaking import GroupDeclaration, decide, make_round_id
+from hivetrain.diloco.round_policy import decide_after_round
 from hivetrain.diloco.rounds import expected_peers
-from hivetrain.diloco.sync_policy import decide_after_round, decide_sync
+from hivetrain.diloco.sync_policy import decide_sync
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.dataparallel import DataParallelSim
 from hivetrain.sim.rounds import PREFIX, RoundKey
