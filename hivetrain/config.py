@@ -73,6 +73,9 @@ class DataConfig:
     shuffle_windows: int = Field(default=512, ge=1, le=1_000_000)
 
 
+MAX_DOWNLOADERS_DEFAULT = 16
+"""``diloco.max_downloaders``'s default: peers one donor serves at once (measured: dev/LOG.md, 2026-11-29)."""
+
 @dataclass(frozen=True, config=_STRICT)
 class DilocoConfig:
     """DiLoCo hyper-parameters (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of LMs").
@@ -132,6 +135,10 @@ class DilocoConfig:
             29%), while the peer trains for k phases without an outer step and holds one fp32 copy of the
             parameters per phase; four phases cover rounds missed for three phases in a row (issue 22 saw six, on
             a machine at load 7-18 whose matchmaking could not converge).
+        max_downloaders: a peer serves its state's chunks to at most this many downloading peers at once (0 = no
+            cap; ``diloco.state_sync.StateServer``). A joiner refused as one too many takes its chunks from the other
+            holders, so no donor serves more than its share of a flash crowd. Default ``MAX_DOWNLOADERS_DEFAULT``
+            (measured in the simulator's flash crowd: dev/LOG.md, 2026-11-29 session 13).
     """
 
     inner_steps: int = Field(default=50, ge=1, le=1_000_000)
@@ -151,6 +158,7 @@ class DilocoConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     grad_accum_steps: int = Field(default=1, ge=1, le=4096)
     max_carried_phases: int = Field(default=4, ge=1, le=64)
+    max_downloaders: int = Field(default=MAX_DOWNLOADERS_DEFAULT, ge=0, le=4096)
 
     def samples_per_inner_step(self, batch_size: int) -> int:
         """Samples (windows) one inner step trains on: ``batch_size`` (``data.batch_size``) * ``grad_accum_steps``."""

@@ -90,6 +90,10 @@ class StateServer:
         keep_epochs: snapshots served, the current one included (>= 1). A joiner that read a manifest up to
             ``keep_epochs - 1`` of this donor's outer steps ago can still download it.
         idle_timeout_s: a stream with no complete request for this long is closed, seconds.
+        max_downloaders: serve chunks to at most this many peers at once (0 = no cap). A chunk request from one more
+            gets ``{"error": "busy: ..."}`` and its stream is closed: the joiner drops this donor for that download
+            (``state_fetch``: a donor error, not a ban) and takes the chunks from the others, so a flash crowd spreads
+            over every holder instead of queueing at the fastest. Manifests are always served (cheap).
 
     Attributes:
         admits: set for an invite-only run (``peers.membership.MemberRoster.admits``): a stream from a peer that is
@@ -106,11 +110,12 @@ class StateServer:
         faults: FaultInjector = NO_FAULTS,
         keep_epochs: int = 3,
         idle_timeout_s: float = 30.0,
+        max_downloaders: int = 0,
     ):
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4:
             raise ValueError(f"chunk_bytes must be a multiple of 4 in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
-        if keep_epochs < 1 or idle_timeout_s <= 0:
-            raise ValueError("keep_epochs must be >= 1 and idle_timeout_s > 0")
+        if keep_epochs < 1 or idle_timeout_s <= 0 or max_downloaders < 0:
+            raise ValueError("keep_epochs must be >= 1, idle_timeout_s > 0 and max_downloaders >= 0")
         self.get_state = get_state
         self.chunk_bytes = chunk_bytes
         self.faults = faults
@@ -123,6 +128,9 @@ class StateServer:
         self.requests_refused = 0  # streams from peers that are not members of the run
         self.bytes_served = 0
         self.chunks_refused = 0  # chunks whose bytes changed since they were hashed (state modified in place)
+        self.max_downloaders = max_downloaders
+        self._downloaders: dict[str, int] = {}  # peer -> its streams fetching chunks now (the event loop's only)
+        self.requests_busy = 0  # chunk requests refused because max_downloaders others were being served
 
     # ---- snapshots (any thread) ----------------------------------------------------------------------------------
 
@@ -229,9 +237,27 @@ class StateServer:
         self.bytes_served += len(data)
         return True
 
+    def _admit_downloader(self, requester: str) -> bool:
+        """Count a stream of ``requester`` as fetching chunks; False (and nothing counted) past ``max_downloaders``
+        other peers."""
+        if self.max_downloaders and requester not in self._downloaders:
+            if len(self._downloaders) >= self.max_downloaders:
+                self.requests_busy += 1
+                return False
+        self._downloaders[requester] = self._downloaders.get(requester, 0) + 1
+        return True
+
+    def _release_downloader(self, requester: str) -> None:
+        left = self._downloaders.get(requester, 0) - 1
+        if left > 0:
+            self._downloaders[requester] = left
+        else:
+            self._downloaders.pop(requester, None)
+
     async def _handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        downloading = False  # this stream counts as one of its requester's chunk streams
+        requester = str(getattr(info, "peer_id", ""))  # StreamInfo: the peer the libp2p daemon authenticated
         try:
-            requester = str(getattr(info, "peer_id", ""))  # StreamInfo: the peer the libp2p daemon authenticated
             if self.admits is not None and not self.admits(requester):
                 self.requests_refused += 1
                 logger.info("refusing a state request from %s: not a member of this run", requester)
@@ -249,6 +275,11 @@ class StateServer:
                 if op == "meta":
                     keep_going = await self._reply_meta(writer, request)
                 elif op == "chunk":
+                    if not downloading and not self._admit_downloader(requester):
+                        busy = f"busy: serving {len(self._downloaders)} downloads (the most); fetch from other donors"
+                        await send_control(writer, {"error": busy})
+                        return
+                    downloading = True
                     keep_going = await self._reply_chunk(writer, request)
                 else:
                     await send_control(writer, {"error": f"unknown op {str(op)[:40]!r}"})
@@ -260,4 +291,6 @@ class StateServer:
         except Exception as exc:  # noqa: BLE001 - one bad client must not take the server down
             logger.debug("state request failed: %r", exc)
         finally:
+            if downloading:
+                self._release_downloader(requester)
             writer.close()

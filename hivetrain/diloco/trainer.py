@@ -148,7 +148,7 @@ class DilocoTrainer:
         get_state = lambda: self.state  # noqa: E731
         served = faults.check(
             HookPoint.DILOCO_STATE_SERVER,
-            server=StateServer(get_state, faults=faults),
+            server=StateServer(get_state, faults=faults, max_downloaders=config.diloco.max_downloaders),
             get_state=get_state,
             faults=faults,
         )

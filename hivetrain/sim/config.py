@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
 from hivetrain.averaging.config import AveragingConfig
+from hivetrain.config import MAX_DOWNLOADERS_DEFAULT
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -218,10 +219,14 @@ class DownloadSettings:
         num_donors: donors a joiner fetches from; 0 = every holder ``decide_sync`` names (what the trainer does).
         chunk_bytes: the state is fetched in chunks of this size; at most one donor per chunk at a time, so at most
             ``state_bytes / chunk_bytes`` donors are busy.
+        max_downloaders: a donor serves at most this many downloads at once (``diloco.max_downloaders``, the same
+            default; 0 = no cap): a joiner uses only donors below it, and with none free looks again a second later
+            (as the trainer retries a failed download).
     """
 
     num_donors: int = Field(default=0, ge=0)
     chunk_bytes: int = Field(default=16 * 2**20, ge=1)
+    max_downloaders: int = Field(default=MAX_DOWNLOADERS_DEFAULT, ge=0)
 
 
 @dataclass(frozen=True, config=_STRICT)

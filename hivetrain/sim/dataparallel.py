@@ -277,7 +277,17 @@ class DataParallelSim:
     def _download(self, slot: int, epoch: int, donors: tuple[str, ...]):
         st, dl = self.state, self.sc.download
         st.i["status"][slot] = DOWNLOADING
-        pool = [st.index_of[p] for p in donors if p in st.index_of and st.peer_ids[slot] != p]
+        holders = [st.index_of[p] for p in donors if p in st.index_of and st.peer_ids[slot] != p]
+        while True:
+            # donors at ``max_downloaders`` answer "busy" (``StateServer``): the joiner fetches from the others
+            live = [d for d in holders if st.i["status"][d] != ABSENT]
+            pool = [d for d in live if not dl.max_downloaders or self.metrics.serving[d] < dl.max_downloaders]
+            if pool or not live:
+                break
+            self.metrics.count("download.all_donors_busy")
+            yield self.env.timeout(1.0)  # the trainer looks again a second after a failed download
+            if st.i["status"][slot] != DOWNLOADING:
+                return  # left meanwhile
         self.rng.shuffle(pool)  # ``state_routing.rank_candidates`` shuffles donors
         pool = pool[: dl.num_donors] if dl.num_donors else pool
         if not pool:
@@ -286,20 +296,21 @@ class DataParallelSim:
         donor_slots = np.array(pool)
         concurrent = self.metrics.serving[donor_slots] + 1
         cost = self.rounds.download_cost(slot, donor_slots, concurrent)
-        self.metrics.serving[donor_slots] += 1
+        busy = donor_slots[cost.sent_bytes > 0]  # the donors it takes chunks from: one stream each (``state_fetch``)
+        self.metrics.serving[busy] += 1
         source = int(donor_slots[0])
         theta, hash_, src_epoch = st.theta[source].copy(), st.state_hash[source], int(st.i["epoch"][source])
         started = self.env.now
         cut_s = self.partition.cut_s(np.append(donor_slots, slot), started)
         if cut_s < started + cost.duration_s:  # donors across a split: the fetch fails, the joiner looks again
             yield self.env.timeout(cut_s - started + self.sc.averaging.part_timeout_s)
-            self.metrics.serving[donor_slots] -= 1
+            self.metrics.serving[busy] -= 1
             self.partition.cut_downloads += 1
             if st.i["status"][slot] == DOWNLOADING:
                 st.i["status"][slot] = SYNCING
             return
         yield self.env.timeout(cost.duration_s)
-        self.metrics.serving[donor_slots] -= 1
+        self.metrics.serving[busy] -= 1
         self.metrics.record_download(slot, donor_slots, cost, started, self.env.now, slot in self.metrics.flash_set)
         if st.i["status"][slot] != DOWNLOADING:
             return  # left during the download

@@ -4,9 +4,11 @@ import time
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state, fetch_state
+from hivetrain.diloco.state_wire import recv_control, send_control
 from hivetrain.faults import Fault, FaultInjector
 from hivetrain.peers.loop import LoopThread
 from hivetrain.testing.hostile_donors import Dripper, Liar, NaNChunks, SilentMeta, lie_about_hash
@@ -214,6 +216,40 @@ def test_a_download_survives_the_donor_moving_two_epochs_ahead_mid_way(make_node
     fault = faults.arm(Fault("state.mid_download", "call", callback=advance, times=1))
     result, _ = _fetch(loop, joiner, [donor], {3: states[0].state_hash()}, faults=faults)
     assert fault.fired == 1 and result.state.state_hash() == states[0].state_hash()
+
+
+def test_a_donor_at_its_downloader_cap_refuses_one_more_and_the_joiner_takes_the_others_chunks(make_node, loop):
+    """``max_downloaders=1``: while one peer holds a chunk stream open, a second peer's chunk request is answered
+    "busy" (its manifest still is); a joiner that finds that donor busy completes from the other holder, without
+    banning it; once the first peer's stream closes the donor serves again."""
+    capped_node, other_node, first, joiner = _swarm(make_node, loop, 4)
+    good = _state(5, seed=4)
+    capped = _register(loop, capped_node, StateServer(lambda: good, chunk_bytes=256 * 1024, max_downloaders=1))
+    other = _serve(loop, other_node, good)
+    manifest = capped._manifests()[-1].manifest
+    holder_p2p = loop.run(first.dht.replicate_p2p(), 30)
+
+    async def hold_a_chunk_stream():
+        _, reader, writer = await holder_p2p.call_binary_stream_handler(
+            PeerID.from_base58(capped_node.peer_id), "run.state"
+        )
+        await send_control(writer, {"op": "chunk", "epoch": 5, "state_hash": manifest.state_hash, "index": 0})
+        header = await recv_control(reader, 10)
+        await reader.readexactly(header["num_bytes"])
+        return writer
+
+    held = loop.run(hold_a_chunk_stream(), 30)
+    result, _ = _fetch(loop, joiner, [capped_node, other_node], {5: good.state_hash()})
+    assert result.state is not None and result.state.state_hash() == good.state_hash()
+    assert capped.requests_busy >= 1 and not result.bad_donors
+    assert "busy" in result.dropped_donors.get(capped_node.peer_id, "")
+    assert other.bytes_served >= good.num_bytes() - capped.bytes_served
+    held.close()
+    deadline = time.monotonic() + 10
+    while capped._downloaders and time.monotonic() < deadline:  # the donor sees the stream close
+        time.sleep(0.05)
+    again, _ = _fetch(loop, joiner, [capped_node], {5: good.state_hash()})
+    assert again.state is not None and again.state.state_hash() == good.state_hash()
 
 
 def test_snapshots_are_references_and_bounded():

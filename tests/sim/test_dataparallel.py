@@ -134,3 +134,33 @@ def test_peers_waiting_past_their_round_deadline_give_up_and_the_swarm_keeps_tra
     assert jittery.summary["outer_steps_done"] == 4 and jittery.summary["committed_sample_share"] > 0.9
     churned = DataParallelSim(tiny(churn={"session": "exponential", "mean_session_s": 600.0})).run().summary
     assert churned["outer_steps_done"] == 3 and churned["sim_s"] < 300
+
+
+def test_a_donor_cap_spreads_a_flash_crowd_over_more_donors() -> None:
+    """30 joiners at once onto 20 peers (a 100 MB state: 7 chunks, so up to 7 donors per download): uncapped, the
+    fastest links serve most of the crowd at once; with ``download.max_downloaders = 1`` a donor at its cap is
+    skipped ("busy"), joiners wait for a free one when none is left, and the busiest donor serves a fraction of what
+    it did. Every joiner still gets the state (each downloads again whenever it falls an epoch behind)."""
+
+    def crowd(cap: int) -> tuple[dict, int, int]:
+        sc = tiny(sim={"outer_steps": 8, "model_bytes": 50_000_000}, flash_crowd={"num_joiners": 30, "at_s": 20.0},
+                  download={"max_downloaders": cap})  # fmt: skip
+        sim = DataParallelSim(sc)
+        peak = [0]
+        serve = sim.rounds.download_cost
+
+        def watched(slot, donors, concurrent):  # the load on each donor as each download starts, this one included
+            peak[0] = max(peak[0], int(concurrent.max()))
+            return serve(slot, donors, concurrent)
+
+        sim.rounds.download_cost = watched
+        m = sim.run()
+        joiners = len({d["slot"] for d in m.downloads if d["flash"]})
+        return m.summary | {"busy": m.decisions.get("download.all_donors_busy", 0)}, peak[0], joiners
+
+    free, free_peak, free_joiners = crowd(0)
+    capped, capped_peak, capped_joiners = crowd(1)
+    assert free_joiners == capped_joiners == 30 and capped["flash_still_syncing"] == 0
+    assert capped_peak == 1 < free_peak
+    assert capped["busy"] > 0 and free["busy"] == 0
+    assert capped["flash_max_donor_bytes"] < 0.5 * free["flash_max_donor_bytes"]
