@@ -194,6 +194,7 @@ class Prober:
         self._ahead_since: dict[str, float] = {}
         self._vouched: dict[str, float] = {}
         self._probed: set[tuple[int, str]] = set()
+        self._refuted: dict[tuple[int, str], str] = {}  # (epoch, sha256) a probe refused -> why
         self._last_probe = float("-inf")
 
     def maybe_probe(
@@ -216,12 +217,18 @@ class Prober:
 
         Returns:
             None if nothing is to be probed; else the result, whose bans the caller applies. Never raises for a
-            holder's fault (a failed download is a result without a state, and its claim is not probed again).
+            holder's fault (a failed download is a result without a state, and its claim is not probed again). A
+            live trainer claiming a state a probe refused is banned without a download (a result without a state).
         """
         known = {**(history or {}), ours.epoch: ours_hash}
         note_ahead(self._ahead_since, self.my_peer_id, ours.epoch, records, now, self.policy.stale_after_s, known,
                    self.exact_average)  # fmt: skip
-        self._probed = {p for p in self._probed if p[0] >= min(known, default=ours.epoch)}
+        oldest = min(known, default=ours.epoch)
+        self._probed = {p for p in self._probed if p[0] >= oldest}
+        self._refuted = {p: why for p, why in self._refuted.items() if p[0] >= oldest}
+        caught = self._holders_of_refuted(records, banned, now)
+        if caught is not None:
+            return caught
         self._vouched = {p: t for p, t in self._vouched.items() if now - t < self.policy.vouch_s}
         view = ProbeView(
             history=known,
@@ -243,4 +250,26 @@ class Prober:
             self._vouched.update(dict.fromkeys(decision.donors, now))
         else:  # a liar caught (its colluders may claim the next epoch by now) or no evidence: the next claim sooner
             self._last_probe = now - self.policy.every_s + self.policy.retry_s
+            if any(set(peers) & set(decision.donors) for peers, _ in adoption.bans):  # refused, not just unavailable
+                self._refuted[(decision.target_epoch, decision.state_hash)] = adoption.failure
         return ProbeResult(decision, adoption)
+
+    def _holders_of_refuted(self, records: list[PeerRecord], banned: frozenset[str], now: float) -> ProbeResult | None:
+        """Live trainers, not banned yet, that claim a state a probe of ours refused: a sha256 names its bytes, so the
+        claim is the evidence (a colluder whose record was not live when its partner was probed, chaos
+        ahead-liars-2v2 on an idle machine). Banned without a download."""
+        claims = [
+            r
+            for r in _live_trainers(self.my_peer_id, records, banned, now, self.policy.stale_after_s)
+            if (r.epoch, r.state_hash) in self._refuted
+        ]
+        if not claims:
+            return None
+        epoch, state_hash = claims[0].epoch, claims[0].state_hash
+        why = self._refuted[(epoch, state_hash)]
+        holders = tuple(sorted(r.peer_id for r in claims if (r.epoch, r.state_hash) == (epoch, state_hash)))
+        reason = f"claims the state of epoch {epoch} ({state_hash[:12]}) a probe refused: {why}"
+        decision = SyncDecision(
+            "download", epoch, holders, f"probe: {len(holders)} trainer(s) {reason}", state_hash=state_hash, probe=True
+        )
+        return ProbeResult(decision, Adoption(None, reason, ((holders, reason),)))

@@ -88,8 +88,39 @@ def test_a_failed_probe_names_the_holders_to_ban_and_is_not_repeated():
     assert result is not None and not result.passed
     assert result.adoption.bans == ((("x", "y"), "served a state far from ours"),)
     assert adopter.calls[0][1] >= {"me", "x", "y"}
-    assert prober.maybe_probe(records, ours, "h6", frozenset(), NOW + 100) is None, "probed once"
+    banned = frozenset({"x", "y"})  # the caller banned them
+    assert prober.maybe_probe(records, ours, "h6", banned, NOW + 100) is None, "probed once"
     assert len(adopter.calls) == 1
+
+
+def test_a_colluder_that_shows_the_refuted_claim_later_is_banned_without_a_download():
+    """Chaos ahead-liars-2v2, idle: one liar's record was live when the claim was probed and refused, its colluder's
+    only later; the claim (epoch, sha256) names the refused bytes, so the colluder is banned as soon as it is seen."""
+    ours = TrainingState(epoch=6, params={"w": torch.zeros(2)}, momentum={"w": torch.zeros(2)})
+    adopter = FakeAdopter(passes=False)
+    prober = Prober("me", adopter, POLICY)
+    prober.maybe_probe([rec("x", 7, "poison")], ours, "h6", frozenset(), NOW - 20)
+    assert prober.maybe_probe([rec("x", 7, "poison")], ours, "h6", frozenset(), NOW).decision.donors == ("x",)
+    later = [rec("x", 7, "poison"), rec("y", 7, "poison"), rec("z", 7, "other")]
+    caught = prober.maybe_probe(later, ours, "h6", frozenset({"x"}), NOW + 1)  # y first seen now: no settling
+    assert caught is not None and not caught.passed and caught.decision.donors == ("y",)
+    assert caught.adoption.bans[0][0] == ("y",) and "refused" in caught.adoption.bans[0][1]
+    assert len(adopter.calls) == 1, "no second download"
+    assert prober.maybe_probe(later, ours, "h6", frozenset({"x", "y"}), NOW + 2) is None  # z: not settled yet
+
+
+def test_a_claim_that_yielded_no_evidence_bans_nobody_who_shows_it_later():
+    ours = TrainingState(epoch=6, params={"w": torch.zeros(2)}, momentum={"w": torch.zeros(2)})
+
+    class Unavailable(FakeAdopter):
+        def adopt(self, decision, records, ours, exclude):
+            self.calls.append((decision, set(exclude)))
+            return Adoption(None, "state download failed: no donor answered", (((), ""),))
+
+    prober = Prober("me", Unavailable(passes=False), POLICY)
+    prober.maybe_probe([rec("x", 7, "h7")], ours, "h6", frozenset(), NOW - 20)
+    assert not prober.maybe_probe([rec("x", 7, "h7")], ours, "h6", frozenset(), NOW).passed
+    assert prober.maybe_probe([rec("x", 7, "h7"), rec("y", 7, "h7")], ours, "h6", frozenset(), NOW + 1) is None
 
 
 def test_after_a_failed_probe_a_colluders_claim_is_probed_after_retry_s_not_every_s():
