@@ -76,6 +76,7 @@ class DataConfig:
 MAX_DOWNLOADERS_DEFAULT = 16
 """``diloco.max_downloaders``'s default: peers one donor serves at once (measured: dev/LOG.md, 2026-11-29)."""
 
+
 @dataclass(frozen=True, config=_STRICT)
 class DilocoConfig:
     """DiLoCo hyper-parameters (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of LMs").
