@@ -195,14 +195,15 @@ def decide(
                 return Decision("no_group", f"the group of {d.leader} that lists us is over: {over[id(d)]}")
     # A live window closed without us: after we announced (its leader did not see us in time), or before (we are late
     # for a group that formed). Either way the epoch's group formed without us: fail fast so the caller resyncs.
-    # ("full" groups leave room for a next group; a lone peer's window is no group to be late for: its caller may
-    # refuse to commit alone and retry with us.) A declaration whose round is over blocks nobody: had it committed,
-    # its members would have moved on and said so in their records; it failed, so the epoch is open again.
+    # ("full" groups leave room for a next group; a lone peer's window, whenever it closed, is no group to be late
+    # for or left out of: its caller refuses to commit alone while we are live and retries with us.) A declaration
+    # whose round is over blocks nobody: had it committed, its members would have moved on and said so in their
+    # records; it failed, so the epoch is open again.
     # ... unless the epoch needs several groups anyway: more peers are expected at it than one group holds (butterfly
     # past target_group_size, moshpit past MAX_MEMBERS), so a closed group is one of them, and we form the next
     several = len(expected - banned - {me.peer_id}) + 1 > target_group_size
     for d in live:
-        if d.reason != "window" or me.peer_id in d.member_ids() or several:
+        if d.reason != "window" or me.peer_id in d.member_ids() or several or len(d.members) < 2:
             continue
         if d.declared_at >= me.announced_at:
             return Decision("not_in_group", f"{d.leader} closed its window at {d.declared_at:.2f} without us")
@@ -222,7 +223,10 @@ def decide(
     group_deadline = min(e.closes_at for e in candidates)
     # an expected peer already in a live group of this round key (a "full" group when the epoch needs several) will not
     # join ours: it is accounted for, so the last group closes "complete" instead of waiting out the window
-    grouped = {m.peer_id for d in live for m in d.members}
+    # A group of one accounts for nobody: its solo step is refused while we are a live trainer of the epoch
+    # (``may_commit_alone``), so its member comes back to this round key. Counting it let two peers declare groups of
+    # one in turn, each seeing the other's as accounted for, for 200 s (chaos joiner-restart-2peer, 2026-11-29).
+    grouped = {m.peer_id for d in live if len(d.members) > 1 for m in d.members}
     missing = (expected - banned - {me.peer_id}) - by_id.keys() - grouped if expected else None
     # An expected peer that announced in time may not show yet: on a loaded DHT a store takes seconds to be readable.
     # While one is missing, the window closes a grace later (the caller scales it with the measured DHT latency).

@@ -104,6 +104,25 @@ def test_a_peer_arriving_after_a_group_closed_its_window_is_late_but_not_after_a
     assert run(entry("C", at=106.0), [a], [alone], now=106.0).action == "wait"
 
 
+def test_a_peer_in_a_group_of_one_is_still_expected_and_its_window_fails_nobody() -> None:
+    """Chaos joiner-restart-2peer (xdist suite, 2026-11-29): two peers at one epoch declared groups of one in turn for
+    200 s. Each saw the other's live solo declaration, counted it as accounted for, and closed its own group of one
+    "complete"; each solo step was then refused (the other is a live trainer of the epoch). A group of one accounts
+    for nobody, and its window, declared after we announced, is no reason to fail "not_in_group"."""
+    a_old = entry("A", session=1, at=99.0)
+    b = entry("B", session=2, at=100.0)
+    solo = declaration([a_old], 100.5)
+    d = run(b, [a_old, b], [solo], now=101.0, expected=frozenset({"A"}))
+    assert d.action == "wait", d  # not "declare" alone ("complete"), not "not_in_group"
+    a_new = entry("A", session=3, at=101.5)  # A's solo step was refused: it announces again
+    d = run(b, [a_old, a_new, b], [solo], now=102.0, expected=frozenset({"A"}))
+    assert d.action == "declare" and ids(d) == ["A", "B"] or d.action == "wait" and d.leader.peer_id == "A", d
+    assert run(a_new, [a_new, b], [solo], now=102.0, expected=frozenset({"B"})).action == "declare"
+    pair = declaration([a_old, b], 100.5)  # a real group without us still accounts for its members
+    c = entry("C", at=100.0)
+    assert run(c, [c], [pair], now=101.0, expected=frozenset({"A", "B"})).action != "wait"
+
+
 def test_when_the_epoch_needs_several_groups_a_closed_window_is_no_reason_to_fail() -> None:
     """Groups of at most 2 and 4 peers expected: {A, B} closed by its window; C and D form the next group instead of
     being "late" (or "not_in_group"); with only the group's worth expected, C is late as before."""
