@@ -7,18 +7,6 @@ from hivetrain.testing.hogs import DEFAULT_MAX_DURATION_S, CpuHogs
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
-PROCESS_DIRS = ("e2e", "chaos", "swarm")
-"""Test directories whose tests start swarms of real processes: under ``pytest -n 2 --dist loadgroup``
-(``scripts/test``) they run one at a time on one worker, as without xdist, while the other worker runs the
-in-process tests beside them (on a 2-core machine: about one busy process more, as a volunteer's machine has)."""
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        parts = item.path.parts
-        if item.get_closest_marker("slow") or any(d in parts[parts.index("tests") + 1 : -1] for d in PROCESS_DIRS):
-            item.add_marker(pytest.mark.xdist_group("processes"))
-
 
 @pytest.fixture
 def make_node(tmp_path):
