@@ -9,7 +9,8 @@ Production functions called with simulated inputs (records, entries, time):
   against it on sampled peers every tick);
 - ``diloco.rounds.expected_peers`` and ``averaging.matchmaking.decide``: who averages together, with entries and
   declarations of the real types and sizes;
-- ``averaging.groups.moshpit_groups`` / ``gossip_pairs`` / ``grid_for`` / ``butterfly_partition``: groups and slices;
+- ``averaging.groups.moshpit_groups`` / ``gossip_pairs`` / ``grid_for`` / ``butterfly_partition`` / ``hierarchy``:
+  groups, slices, and the rows and columns of the two-stage round;
 - ``diloco.sync_policy.decide_sync``, ``diloco.round_policy.may_commit_alone`` and ``decide_after_round``: downloads,
   solo commits, retries.
 
