@@ -61,11 +61,15 @@ class SyncTrust:
 @dataclass(frozen=True)
 class SyncDecision:
     """``action``: "train" or "download" the state of ``target_epoch`` (sha256 ``state_hash``) from ``donors``;
-    ``ban``: peers whose claims the run's age rules out (the caller bans them); ``reason`` is for people only. A
-    trainer adopts a downloaded state only if its eval loss on the trainer's own held-out windows passes
-    ``loss_check`` (and bans its donors otherwise): a quorum counts identities, which are free in an open run
-    (issue 28), and the "behind, unbacked" rule has no quorum at all. ``download_hashes`` gives the hashes its
-    download may accept."""
+    ``ban``: peers whose claims the run's age rules out (the caller bans them); ``reason`` is for people only;
+    ``vouched``: who vouches for the target state beyond a count of identities ("" = nobody: see ``vouched_by``).
+
+    A trainer adopts a downloaded state nobody vouches for only if its eval loss on the trainer's own held-out windows
+    passes ``loss_check`` (and bans its donors otherwise): a plain quorum counts identities, which are free in an
+    open run (issue 28), and the "behind, unbacked" rule and probes have no quorum at all. A vouched state needs the
+    step bound or the loss check (``adoption``): the swarm's loss may really rise while we are away, and refusing
+    it banned the honest peers and forked us (session 13, chaos ``pause-twice``). ``download_hashes`` gives the
+    hashes its download may accept."""
 
     action: Action
     target_epoch: int
@@ -75,6 +79,7 @@ class SyncDecision:
     state_hash: str = ""
     forked: bool = False  # the "forked" rule: another state at our own epoch
     probe: bool = False  # a probe of an unfollowed claim (``diloco.probe``): only its own hash is accepted
+    vouched: str = ""  # who vouches for (target_epoch, state_hash) beyond a count of identities (``vouched_by``)
 
 
 def download_hashes(
@@ -133,6 +138,8 @@ class _Evidence:
     backed: dict[int, Backing]  # the quorum's states, our own vote included when we hold a state
     ban: tuple[str, ...]
     notes: tuple[str, ...]
+    votes: tuple[PeerRecord | Vote, ...] = ()  # the claims the quorum weighed, ours included
+    weights: Mapping[str, float] | None = None  # seniority weights (None: every vote weighs 1)
 
 
 def _weigh(
@@ -179,7 +186,33 @@ def _weigh(
             notes.append(f"epoch past the run-age bound {bound} claimed by {', '.join(p[:12] for p in ban)}: banned")
         claims = [r for r in claims if r.peer_id not in ban]
         votes = claims + ([mine] if mine is not None else [])
-    return _Evidence(claims, coordinator, backed_states(votes, trust.quorum, exact_average, weights), ban, tuple(notes))
+    backed = backed_states(votes, trust.quorum, exact_average, weights)
+    return _Evidence(claims, coordinator, backed, ban, tuple(notes), tuple(votes), weights)
+
+
+def vouched_by(ev: _Evidence, epoch: int, state_hash: str, trust: SyncTrust) -> str:
+    """Who vouches for (``epoch``, ``state_hash``) beyond a count of identities; "" = nobody.
+
+    - the run's coordinator, whose live record holds exactly that state: it follows committed steps under the quorum
+      rule and the same adoption checks, and attackers cannot sign its records;
+    - our seniors: peers we committed rounds with (``SyncTrust.seniority``) hold it, and its holders' seniority
+      weight is a strict majority of every distinct voter's, ours included (``quorum.seniority_weights``). Rounds
+      committed with us are what fresh identities cannot fake; a joiner, with no seniority, has no seniors.
+    """
+    coord = ev.coordinator
+    if coord is not None and coord.epoch == epoch and coord.state_hash == state_hash:
+        return "the run's coordinator"
+    if not ev.weights:
+        return ""
+    voters = {v.peer_id: v for v in ev.votes}  # distinct: one record per peer
+    holders = [p for p, v in voters.items() if v.epoch == epoch and v.state_hash == state_hash]
+    if not any(trust.seniority.get(p, 0) > 0 for p in holders):
+        return ""
+    weight = ev.weights.get
+    held = sum(weight(p, 1.0) for p in holders)
+    if held > sum(weight(p, 1.0) for p in voters) - held:
+        return f"peers we committed rounds with ({len(holders)} of {len(voters)}, a seniority-weighted majority)"
+    return ""
 
 
 def published_hashes(
@@ -263,12 +296,26 @@ def decide_sync(
     if coord is not None and coord.epoch > my_epoch and coord.epoch >= newest:
         why = f"behind: the run's coordinator verified epoch {coord.epoch}, we are at {my_epoch}"
         return SyncDecision(
-            "download", coord.epoch, holding(coord.epoch, coord.state_hash), why + notes, ev.ban, coord.state_hash
+            "download",
+            coord.epoch,
+            holding(coord.epoch, coord.state_hash),
+            why + notes,
+            ev.ban,
+            coord.state_hash,
+            vouched=vouched_by(ev, coord.epoch, coord.state_hash, trust),
         )
     if newest > my_epoch:
         b = ev.backed[newest]
         why = f"behind: {b.describe()}, we are at {my_epoch}"
-        return SyncDecision("download", newest, holding(newest, b.state_hash), why + notes, ev.ban, b.state_hash)
+        return SyncDecision(
+            "download",
+            newest,
+            holding(newest, b.state_hash),
+            why + notes,
+            ev.ban,
+            b.state_hash,
+            vouched=vouched_by(ev, newest, b.state_hash, trust),
+        )
     if exact_average:
         if coord is not None and coord.epoch == my_epoch:
             theirs, by = coord.state_hash, "the run's coordinator verified"
@@ -279,7 +326,14 @@ def decide_sync(
         if my_hash and theirs != my_hash:
             why = f"forked: {by} state {theirs[:12]} at epoch {my_epoch}, we hold {my_hash[:12]}"
             return SyncDecision(
-                "download", my_epoch, holding(my_epoch, theirs), why + notes, ev.ban, theirs, forked=True
+                "download",
+                my_epoch,
+                holding(my_epoch, theirs),
+                why + notes,
+                ev.ban,
+                theirs,
+                forked=True,
+                vouched=vouched_by(ev, my_epoch, theirs, trust),
             )
         if unbacked:
             lone = _lone_behind(ev, my_epoch)

@@ -273,3 +273,44 @@ def test_a_lagging_liars_claim_behind_us_still_contradicts_the_state_we_held_the
     assert d is not None and (d.target_epoch, d.state_hash, d.donors) == (5, "poison5", ("x",))
     assert "claim epoch 5 (poison5) where we held h5" in d.reason
     assert probe_target("me", 7, "h7", records, view, NOW, POLICY, exact_average=False) is None
+
+
+def test_a_vouched_state_whose_loss_rose_is_adopted_and_an_unvouched_one_refused(monkeypatch):
+    """Session 13, chaos ``pause-twice``: a peer asleep 15 s came back 6 epochs behind a swarm whose eval loss had
+    really risen (2.325 on its windows against its stale 1.891). The coordinator and its seniors vouched for that
+    state; the loss check refused it, banned both honest peers and the peer forked. A vouched state needs the step
+    bound or the loss check; an unvouched one (a joiner's plain quorum, a probe, "unbacked") still needs both."""
+    from hivetrain.diloco import adoption as module
+    from hivetrain.diloco.sync_policy import SyncDecision
+    from hivetrain.diloco.update_bound import UpdateNorms
+
+    ours = TrainingState(epoch=10, params={"w": torch.zeros(4)}, momentum={"w": torch.zeros(4)})
+    swarm = TrainingState(epoch=16, params={"w": torch.full((4,), 0.3)}, momentum={"w": torch.zeros(4)})
+    far = TrainingState(epoch=16, params={"w": torch.full((4,), 30.0)}, momentum={"w": torch.zeros(4)})
+    history = UpdateNorms(16)
+    for norm in (0.1, 0.12, 0.09):
+        history.add(norm)
+    vouched = SyncDecision("download", 16, ("a", "coord"), "behind", state_hash="h16", vouched="the run's coordinator")
+    plain = SyncDecision("download", 16, ("a", "b"), "behind", state_hash="h16")
+
+    def adopt(served, decision, losses, steps=history):
+        async def download(*args, **kwargs):
+            return served
+
+        monkeypatch.setattr(module, "download_state", download)
+        return adopter_serving(served, steps, losses).adopt(decision, [], ours, {"me"})
+
+    rose = {"new": 2.325, "ours": 1.891}
+    got = adopt(swarm, vouched, rose)
+    assert got.state is swarm and not any(donors for donors, _ in got.bans), "vouched, one step per epoch: adopted"
+    refused = adopt(swarm, plain, rose)
+    assert refused.state is None and (("a", "b"), refused.bans[-1][1]) in refused.bans
+    assert "far worse than ours" in refused.bans[-1][1]
+    # vouched but far beyond one step per epoch: the loss check decides, and a far worse state is refused and banned
+    assert adopt(far, vouched, {"new": 1.8, "ours": 1.891}).state is far
+    poisoned = adopt(far, vouched, {"new": 641.0, "ours": 2.7})
+    assert poisoned.state is None and "per-epoch step" in poisoned.failure and "eval loss" in poisoned.failure
+    assert poisoned.bans[-1][0] == ("a", "coord")
+    # a broken state is refused even when vouched for, with or without a step history
+    assert adopt(swarm, vouched, {"new": float("nan"), "ours": 1.891}).state is None
+    assert adopt(swarm, vouched, {"new": float("inf"), "ours": 1.891}, UpdateNorms(16)).state is None

@@ -450,3 +450,37 @@ def test_seniority_grows_per_committed_round_and_stops_at_its_cap():
     weights = seniority_weights(evidence.trust.seniority, "me")
     assert weights == {"a": 1.0 + SENIORITY_CAP, "b": 1.0 + SENIORITY_CAP, "c": 2.0, "me": 1.0 + SENIORITY_CAP}
     assert seniority_weights({}, "me") == {}
+
+
+def test_who_vouches_for_a_state_the_coordinator_or_our_seniors_never_a_count_of_fresh_identities():
+    """A vouched state may be adopted though its loss on our windows rose (``adoption``); only the run's coordinator
+    or a seniority-weighted strict majority of peers we committed rounds with vouch (session 13, ``pause-twice``)."""
+    swarm = [rec("a", 16, "h16"), rec("b", 16, "h16")]
+    seniors = SyncTrust(seniority={"a": 9, "b": 9})
+    d = decide_sync("me", 10, "h10", swarm, NOW, 30, trust=seniors)
+    assert d.action == "download" and d.target_epoch == 16 and "committed rounds" in d.vouched
+    coord = SyncTrust(coordinator_id="coord")
+    d = decide_sync("me", 10, "h10", [*swarm, rec("coord", 16, "h16", role="coordinator")], NOW, 30, trust=coord)
+    assert d.vouched == "the run's coordinator"
+    # a joiner weighs every vote alike: a plain quorum, nobody vouches (its loss check must pass)
+    assert decide_sync("me", 0, "h0", swarm, NOW, 30).vouched == ""
+    # fresh identities beside our seniors: their votes are not ours to trust
+    fresh = [rec("x", 16, "p"), rec("y", 16, "p"), rec("z", 16, "p")]
+    d = decide_sync("me", 10, "h10", [*fresh, rec("a", 10, "h10")], NOW, 30, trust=SyncTrust(seniority={"a": 1}))
+    assert d.action == "train", "3 fresh votes (weight 3) against ours and a's (2 + 2)"
+    # a senior among fresh holders, weight 2 + 1 + 1 against ours and c's (2 + 2): a quorum (half), not a strict
+    # majority of seniority
+    holders = [rec("a", 16, "h16"), rec("x", 16, "h16"), rec("y", 16, "h16")]
+    d = decide_sync(
+        "me", 10, "h10", [*holders, rec("c", 10, "h10")], NOW, 30, trust=SyncTrust(seniority={"a": 1, "c": 1})
+    )
+    assert d.action == "download" and d.target_epoch == 16 and d.vouched == ""
+    d = decide_sync("me", 10, "h10", holders, NOW, 30, trust=SyncTrust(seniority={"a": 1, "c": 1}))
+    assert d.vouched, "c gone: 4 against ours (2)"
+    # the coordinator's record at an older epoch vouches for nothing newer; nor do "unbacked" downloads
+    d = decide_sync("me", 10, "h10", [*swarm, rec("coord", 12, "h12", role="coordinator")], NOW, 30, trust=coord)
+    assert d.target_epoch == 16 and d.vouched == ""
+    assert decide_sync("me", 0, "h0", [rec("a", 24, "h24")], NOW, 30, trust=seniors, unbacked=True).vouched == ""
+    # a fork at our epoch settled by our seniors is vouched too
+    d = decide_sync("me", 4, "mine", [rec("a", 4, "theirs"), rec("b", 4, "theirs")], NOW, 30, trust=seniors)
+    assert d.forked and d.vouched
