@@ -46,7 +46,7 @@ class HookPoint(str, enum.Enum):
     ``round_id``, ``subround``, ``flat`` (our fp32 vector) and ``frames`` (peer id -> [meta dict, payload buffers]),
     which a "call" fault may corrupt in place (a hostile peer's wire)."""
     AVERAGING_MID_TRANSFER = "averaging.mid_transfer"
-    """A member has sent half of its first part of a subround (from a sender thread). Context: ``epoch``, ``peer``,
+    """A member has sent half of its first part of an attempt (from a sender thread). Context: ``epoch``, ``peer``,
     ``round_id``, ``subround``."""
     AVERAGING_AFTER_REDUCE = "averaging.after_reduce"
     """A reducer has reduced its part, before sending results back. Context: as before_send, ``reduced`` (the fp32

@@ -1,33 +1,59 @@
-"""One all-or-nothing butterfly all-reduce among an agreed group, over authenticated TCP links.
+"""One all-or-nothing butterfly all-reduce among an agreed group, over authenticated TCP links, that goes on without
+members that die, stall or misbehave mid-round.
 
 Algorithm (butterfly all-reduce = reduce-scatter + all-gather; Moshpit SGD, Ryabinin et al. 2021, Sec. 3.1; the
-same cut as hivemind's ``AllReduceRunner``), for the ``k`` active members sorted by peer id:
+same cut as hivemind's ``AllReduceRunner``), for the ``k`` members in the agreed order (sorted by peer id unless
+``order`` says otherwise):
 
-1. Scatter: the flat fp32 vector (n,) is cut into k contiguous slices (``groups.butterfly_partition``); member i
-   sends slice j, encoded by the round's codec, with its weight to member j (frame PART).
-2. Reduce: member j validates every contribution to its slice (exact size and codec, finite values, weight finite in
-   [0, max_samples_per_round]), drops the bad ones, aggregates the rest in peer-id order (``weighted_mean_into``,
-   in place into the result, or ``bucketing.robust_aggregate``) and encodes the reduced slice *once*.
-3. Gather: member j sends those same bytes to every member (frame RESULT, with the weights it used and whom it
-   excluded); everyone, j included, decodes the same bytes, so the results are bit-identical. Receivers hash what they
-   receive (BLAKE3, while it arrives).
-4. If any member was excluded (bad data, or different weights to different reducers), every member sees it in the
-   RESULT frames; the round restarts from step 1 without them (a "subround"; the excluded members fail with
-   RoundFailed("excluded")), at most ``max_subrounds`` times.
+1. Scatter: the flat fp32 vector (n,) is cut into k contiguous slices, one per member (``groups.butterfly_partition``;
+   the cut never changes during the round). Member i sends slice j, encoded by the round's codec, with its weight
+   to member j (frame PART), and keeps the encoded bytes.
+2. HAVE: member j validates every contribution to its slice (exact size and codec, finite values, weight finite in
+   [0, max_samples_per_round]) and tells every member whose valid parts it holds, with their weights (frame HAVE,
+   no payload). Every member computes the contributors C0 alike from the same HAVE frames
+   (``agree_contributors``): the members whose part every reducer holds with one weight. A member whose part a
+   reducer found bad, whose link to a reducer failed, or that claimed two weights is out (RoundFailed("excluded")
+   on that member when it finds itself out).
+3. Reduce: slice i is reduced by member i while it counts, else by the next member after it that does (``Plan.owner``):
+   the members resend their kept part of a reassigned slice to its new reducer (n/k each). Each reducer aggregates
+   its slices' contributions in the agreed order (``weighted_mean_into``, in place into the result, or
+   ``bucketing.robust_aggregate``) and encodes each reduced slice *once*.
+4. Gather: the reducer sends those same bytes to every member (frame RESULT, naming the members removed and the
+   weights used); everyone, the reducer included, decodes the same bytes, so the results are bit-identical.
+   Receivers hash what they receive (BLAKE3, while it arrives).
 5. Commit: every member that holds the full result before the round's deadline sends a vote (frame VOTE) with the
-   hash of the full result, MACed with the pair key, to every member, and returns the result only if all votes
-   arrived within ``commit_timeout_s`` past that deadline (a member whose link closes or stalls fails the round at
-   once), match its own hash, and its own votes left by then. So a round may return up to ``commit_timeout_s``
-   after its deadline. Before voting, a member asks the caller's ``accept`` check about the full result (DiLoCo's
-   bound on the outer step, ``diloco.update_bound``); a member that refuses sends a vote that matches nobody's (a
-   hash of "refused" and the result's hash, MACed as usual), lets it leave, and raises RoundFailed("refused"), so
-   every other member fails with "aborted" (votes differ) and nobody commits, whatever the others' own checks said.
-   A member that aborts on differing votes lets its own votes leave before it closes its links, so no member is left
-   waiting on a closed link (which would fail it "peer_failed" holding a ``voted`` result nobody committed).
+   hash of the full result and the contributor set, MACed with the pair key, to every member, and returns the result
+   only if all votes arrived within ``commit_timeout_s`` past that deadline (a member whose link closes or stalls
+   fails the round at once), match its own hash, and its own votes left by then. So a round may return up to
+   ``commit_timeout_s`` after its deadline. Before voting, a member asks the caller's ``accept`` check about the
+   full result (DiLoCo's bound on the outer step, ``diloco.update_bound``); a member that refuses sends a vote that
+   matches nobody's (a hash of "refused" and the result's hash, MACed as usual), lets it leave, and raises
+   RoundFailed("refused"), so every other member fails with "aborted" (votes differ) and nobody commits, whatever
+   the others' own checks said. A member that aborts on differing votes lets its own votes leave before it closes
+   its links, so no member is left waiting on a closed link (which would fail it "peer_failed" holding a ``voted``
+   result nobody committed).
 
-Failure handling: any failure (a link closes, no byte for ``part_timeout_s``, a protocol violation, a deadline)
-makes the member close all its links and raise RoundFailed, so the others, blocked on it, fail at once too; a member
-merely waiting on a slow third peer sends heartbeats (``transport``). Inputs are never modified.
+Members that fail (issue 23: before, one failure failed the round for every member, and the engine matched again and
+every survivor sent everything again; under churn at 100 volunteers nearly every attempt of a long round lost
+someone). A member whose link closes, resets or carries no byte for ``part_timeout_s`` (heartbeats keep a member
+merely waiting alive), or that sends a bad reassigned part or result, is *removed*: its link is closed, and the others
+go on with C0 minus the removed members in a new *attempt* (steps 3-5; the frames name the removed set, sent at once
+in a GONE frame too). Its contribution is lost, the survivors' is not: reducers keep the parts they hold and reduce
+again, the removed members' slices are reassigned, and each new attempt costs at most one gather (n) plus n/k per
+reassigned slice, and holds one more result buffer (4 bytes per element) until the round ends. A member that failed
+before the connect deadline or before its HAVE is simply not in C0.
+
+Why no member ever commits two different results: an attempt commits only with every vote of its members; a member
+goes on to a new attempt only (a) before it voted in this one (then its vote is missing everywhere), or (b) after it
+voted, on seeing a member still counted name a removed set ours does not contain: that member went on before voting
+(by induction someone did), so nobody can commit this attempt. A member whose vote went out and then misses a vote
+because a voter failed cannot tell whether that voter's vote reached the others: it fails holding the result it voted
+for (the two-phase-commit gap below). Members that disagree on C0 (a HAVE that reached some and not others) or on the
+removed set produce different vote hashes and nobody commits. Attempts end when fewer than max(2, ``min_group_size``)
+members are left.
+
+Failure handling otherwise: a local failure (a fault, the deadline, a crash) makes the member close all its links and
+raise RoundFailed; the others drop it as above. Inputs are never modified.
 
 The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, a link broke,
 or the deadline came) fails while the others, who got every vote, commit. Such a failure carries the result we voted
@@ -36,15 +62,16 @@ hash that result gives (``diloco.round_policy.committed_without_us``), so the ga
 fork. Failing that, peers publish their state hash per epoch and a peer whose hash disagrees with the majority
 downloads the state.
 
-Layout: this file holds the round logic (scatter, reduce, gather, subrounds, commit); by composition it uses a
+Layout: this file holds the round logic (scatter, HAVE, reduce, gather, attempts, commit); by composition it uses a
 ``transport.RoundTransport`` (links, threads, send queues, inbox, its lock, waiting on members) and a
 ``receive.RoundReceiver`` (what each received frame means; plans and receive buffers); ``reduce`` the arithmetic.
 
-Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround``:
+Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround`` (the attempt:
+the number of members removed so far):
     averaging.before_send    before sending parts; also ``flat`` (our fp32 vector) and ``frames`` (peer id ->
                              [meta dict, payload buffers]) that a "call" fault may corrupt (tests of bad peers)
-    averaging.mid_transfer   once per subround, when the first part is half sent (from a sender thread)
-    averaging.after_reduce   after reducing our slice, before sending it; also ``reduced`` (the fp32 slice)
+    averaging.mid_transfer   once per attempt, when the first part is half sent (from a sender thread)
+    averaging.after_reduce   after reducing each of our slices, before sending it; also ``reduced`` (the fp32 slice)
     averaging.before_commit  holding the full result, before voting
     averaging.vote           before sending our vote to member ``to``; a "raise" fault drops that one vote (the
                              two-phase-commit gap in tests: the others commit, ``to`` fails with ``voted`` set)
@@ -79,7 +106,7 @@ from hivetrain.averaging.reduce import (
     weighted_mean_into,
 )
 from hivetrain.averaging.robust import NoValidContribution
-from hivetrain.averaging.transport import PeerFailed, RoundTransport
+from hivetrain.averaging.transport import RoundTransport
 from hivetrain.averaging.wire import FrameType, mac
 from hivetrain.faults import FaultInjected, FaultInjector, HookPoint
 from hivetrain.peers.bans import BanList
@@ -172,18 +199,18 @@ class ButterflyRound:
             The committed outcome.
 
         Raises:
-            RoundFailed: "peer_failed" (a member closed, reset or stalled), "timeout", "aborted" (members disagree,
-                votes differ, too few honest members left), "excluded" (others found our data bad), "refused" (our
-                ``accept`` check refused the result: we voted against it).
+            RoundFailed: "peer_failed" (the others went on without us: our links failed or stalled, or a voter
+                failed after our vote: ``voted`` is set), "timeout", "aborted" (members disagree, votes differ, fewer
+                than max(2, ``min_group_size``) members left), "excluded" (others found our data bad), "refused" (our
+                ``accept`` check refused the result: we voted against it). Members that fail during the call are
+                dropped and the others commit without them (module docstring).
         """
         self._out = torch.empty_like(flat) if out is None else out
         self._residual_out = residual_out if self.codec is not None else None
         committed = False
         try:
             self._mark("start")
-            self.transport.open(deadline)
-            self._mark("connect")
-            outcome = self._run_subrounds(flat, weight, deadline)
+            outcome = self._run_round(flat, weight, deadline)
             self._mark("commit")
             committed = True
             logger.debug("round %s phases (s): %s", self.round_id[:8], self.timings)
@@ -213,23 +240,6 @@ class ButterflyRound:
         self.timings[phase] = self.timings.get(phase, 0.0) + now - self._last_mark
         self._last_mark = now
 
-    def _wait(self, ready, watched, deadline: float, what: str) -> None:
-        """``transport.wait``; a member failing while a reducer's RESULT names us among the bad explains the failure:
-        the others finished without us (RoundFailed "excluded")."""
-        try:
-            self.transport.wait(ready, watched, deadline, what)
-        except PeerFailed as exc:
-            if self._claimed_bad_by_someone():
-                raise RoundFailed("excluded", f"a reducer found our data bad; then {exc.detail}") from None
-            raise
-
-    def _claimed_bad_by_someone(self) -> bool:
-        def claims(inbox) -> bool:
-            metas = [meta for ok, _, _, meta, _ in inbox.results.values() if ok and isinstance(meta, dict)]
-            return any(isinstance(m.get("excluded"), list) and self.me in m["excluded"] for m in metas)
-
-        return bool(self.transport.read(claims))
-
     def _send(self, peer_id: str, ftype: FrameType, sub: int, meta: dict, payload=()) -> None:
         progress = self._mid_transfer_hook(sub) if ftype == FrameType.PART else None
         self.transport.send(peer_id, ftype, sub, meta, payload, on_progress=progress)
@@ -258,136 +268,230 @@ class ButterflyRound:
             torch.sub(x, self.codec.decode(part), out=self._residual_out[residual_at : residual_at + x.numel()])
         return codecs.to_buffers(part)
 
-    def _run_subrounds(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
-        active = tuple(self.members)
-        excluded: set[str] = set()
-        for sub in range(self.config.max_subrounds):
-            tag = blake3.blake3(msgpack.packb([self.round_id, sub, list(active)])).digest()[:16]
-            plan = Plan(active, butterfly_partition(flat.numel(), active), tag)
-            self.receiver.start_subround(sub, plan, self._out if sub == 0 else torch.empty_like(flat))
-            bad, result_meta, digests = self._subround(sub, plan, flat, weight, deadline)
-            if not bad:
-                return self._commit(sub, plan, result_meta, digests, sorted(excluded), deadline)
-            excluded |= bad
-            if self.me in bad:
-                raise RoundFailed("excluded", f"reducers found our data bad in subround {sub}")
-            active = tuple(p for p in active if p not in bad)
-            logger.warning("round %s: excluding %s, restarting without them", self.round_id[:8], sorted(bad))
-            if len(active) < max(self.config.min_group_size, 1):
-                raise RoundFailed("aborted", f"{len(active)} honest members left after excluding {sorted(excluded)}")
-        raise RoundFailed("aborted", f"members kept being excluded after {self.config.max_subrounds} subrounds")
+    def _decoded(self, payload: list, num_elements: int) -> torch.Tensor:
+        """What the members read from our encoded ``payload`` (``_encode``'s buffers, with a codec)."""
+        return codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), num_elements))
 
-    def _subround(self, sub: int, plan: Plan, flat: torch.Tensor, weight: float, deadline: float):
-        """Scatter, reduce, gather. Returns (bad members, RESULT metas by reducer, result digests in slice order)."""
-        others = [p for p in plan.active if p != self.me]
-        frames = {}
-        for p in others:
-            start, end = plan.slice_of(p)
-            meta = {"w": weight, "codec": self.codec_config.name, "tag": plan.tag}
-            frames[p] = [meta, self._encode(flat[start:end], start)]
-        self._hook(HookPoint.AVERAGING_BEFORE_SEND, sub, flat=flat, frames=frames)
-        for p in others:
-            self._send(p, FrameType.PART, sub, frames[p][0], frames[p][1])
+    def _run_round(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
+        order = tuple(self.members)
+        tag = blake3.blake3(msgpack.packb([self.round_id, list(order)])).digest()[:16]
+        plan = Plan(order, butterfly_partition(flat.numel(), order), tag)
+        self.receiver.start(plan, self._out)  # type: ignore[arg-type]
+        inbox, me = self.transport.inbox, self.me
+        others = [p for p in order if p != me]
+        gone: set[str] = self.transport.open(deadline)
+        self._mark("connect")
+        for p in sorted(gone):
+            logger.warning("round %s: no link to %s (%s): going on without it", self.round_id[:8], p,
+                           self.transport.read(lambda ib, p=p: ib.errors.get(p, "")))  # fmt: skip
 
-        # reduce our slice
-        inbox = self.transport.inbox
-        # Watch only the members whose frames we still lack: one that sent us everything and then left (a bad member
-        # excluded by another reducer closes at once) has not failed us (CI, 2026-11-25: an honest member aborted
-        # on the close of an excluded one whose result it already had).
-        lacking_parts = lambda: [p for p in others if (sub, p) not in inbox.parts]  # noqa: E731
-        self._wait(lambda: not lacking_parts(), lacking_parts, deadline, "waiting for parts")
+        # 1. scatter: our part of every other member's slice (kept, encoded: resent if its slice is reassigned)
+        frames: dict[str, list] = {}
+        for i, p in enumerate(order):
+            if p != me:
+                start, end = plan.bounds[i]
+                meta = {"w": weight, "codec": self.codec_config.name, "tag": tag, "slice": i}
+                frames[p] = [meta, self._encode(flat[start:end], start)]
+        self._hook(HookPoint.AVERAGING_BEFORE_SEND, 0, flat=flat, frames=frames)
+        self._sent_parts: set[tuple[int, str]] = set()
+        self._frames = {plan.index(p): f for p, f in frames.items()}
+        for p in others:
+            if p not in gone:
+                self._send(p, FrameType.PART, 0, *frames[p])
+                self._sent_parts.add((plan.index(p), p))
+
+        # 2. HAVE: whose parts of our own slice we hold; C0 = the members every reducer holds
+        mine_i = plan.index(me)
+        lacking = lambda: [p for p in others if p not in gone and (mine_i, p) not in inbox.parts]  # noqa: E731
+        self._until(lambda: not lacking(), lacking, gone, deadline, "waiting for parts")
         self._mark("parts")
-        start, end = plan.slice_of(self.me)
-        mine = flat[start:end]
-        if self.codec is not None:  # our own contribution goes through the codec like everyone else's
-            decoded = self.codec.decode(self.codec.encode(mine))
-            if self._residual_out is not None:
-                torch.sub(mine, decoded, out=self._residual_out[start:end])
-            mine = decoded
-        contributions = {self.me: (mine, weight, "")}
-        contributions.update({p: inbox.parts[(sub, p)] for p in others})
-        bad_here = {p for p, (_, _, why) in contributions.items() if why} | (set(plan.active) & self.banned)
+        have, bad = {me: float(weight)}, {}
         now = time.time()
-        for p in sorted(bad_here - {self.me} - self.banned):
-            logger.warning("round %s: %s sent bad data: %s", self.round_id[:8], p, contributions[p][2])
-            if self.config.ban_time_s > 0:
-                self.bans.ban(p, now, self.config.ban_time_s, reason=contributions[p][2])
-        kept = [p for p in plan.active if p not in bad_here]
-        dest = self.receiver.out(sub)[start:end]  # without a codec we reduce straight into the result: no copy
-        reduced = dest if self.codec is None else self.receiver.take(end - start)
-        seed_tag = plan.tag if self.seed_tag is None else self.seed_tag  # the same on every member: see bucketing
-        seed = aggregation_seed(seed_tag, plan.active.index(self.me))
-        self._aggregate([contributions[p][0] for p in kept], [contributions[p][1] for p in kept], reduced, seed)
+        for p in others:
+            got = self.transport.read(lambda ib, p=p: ib.parts.get((mine_i, p)))
+            if got is None:
+                continue
+            if got[2] or p in self.banned:
+                bad[p] = got[2] or "banned"
+                if got[2] and p not in self.banned:
+                    logger.warning("round %s: %s sent bad data: %s", self.round_id[:8], p, got[2])
+                    if self.config.ban_time_s > 0:
+                        self.bans.ban(p, now, self.config.ban_time_s, reason=got[2])
+            else:
+                have[p] = got[1]
+        have_meta = {"have": have, "bad": bad}
+        for p in others:
+            if p not in gone:
+                self._send(p, FrameType.HAVE, 0, have_meta)
+        no_have = lambda: [p for p in others if p not in gone and p not in inbox.haves]  # noqa: E731
+        self._until(lambda: not no_have(), no_have, gone, deadline, "waiting for HAVE frames")
+        haves = {me: have_meta, **self.transport.read(lambda ib: dict(ib.haves))}
+        contributors, weights = agree_contributors(haves, order)
+        self.receiver.set_contributors(contributors)
+        if me not in contributors:
+            raise RoundFailed("excluded", f"reducers found our data bad: {_bad_claims(haves, me)}")
+        removed = frozenset(gone & contributors)
+        if len(contributors - removed) < max(2, self.config.min_group_size) and gone:
+            failures = self.transport.read(lambda ib: {p: ib.errors.get(p, "") for p in sorted(gone)})
+            raise RoundFailed("peer_failed", f"no other member left to average with: {failures}")
+
+        # 3. reduce, gather, vote: again with fewer members each time one fails (``_step``)
+        while True:
+            outcome = self._attempt(plan, flat, contributors, removed, weights, deadline)
+            if isinstance(outcome, RoundOutcome):
+                return outcome
+            removed = outcome
+
+    def _until(self, ready, pending, gone: set[str], deadline: float, what: str) -> None:
+        """Wait until ``ready()``; members of ``pending()`` that fail meanwhile are dropped and added to ``gone``
+        (in place: ``ready`` and ``pending`` read it)."""
+        while True:
+            new = self.transport.wait_any(ready, pending, deadline, what)
+            if not new:
+                return
+            for p in new:
+                self._drop(p, what)
+            gone |= new
+
+    def _drop(self, p: str, what: str) -> None:
+        why = self.transport.read(lambda ib: ib.errors.get(p, ""))
+        logger.warning("round %s: %s failed (%s: %s): going on without it", self.round_id[:8], p, what, why)
+        self.transport.drop(p, why)
+
+    def _changed(self, contributors: frozenset[str], removed: frozenset[str]) -> frozenset[str]:
+        """``removed`` plus what members still counted say they removed (under the transport's lock)."""
+        claims = self.transport.inbox.claims
+        extra = [c for p, c in claims.items() if p in contributors and p not in removed and not c <= removed]
+        return removed.union(*extra) & contributors if extra else removed
+
+    def _step(
+        self, ready, pending, contributors: frozenset[str], removed: frozenset[str], deadline: float, what: str
+    ) -> frozenset[str]:
+        """Wait until ``ready()``; returns ``removed`` then, or a larger set as soon as a member of ``pending()``
+        fails or a member still counted names members we still count as removed: the round goes on without them."""
+        new = self.transport.wait_any(
+            lambda: ready() or self._changed(contributors, removed) != removed, pending, deadline, what
+        )
+        for p in new:
+            self._drop(p, what)
+        grown = self.transport.read(lambda ib: self._changed(contributors, removed)) | (new & contributors)
+        if self.me in grown:
+            raise RoundFailed("peer_failed", f"{what}: the other members went on without us")
+        for p in grown - removed - new:  # removed by others: a member we still hear from goes too, at once
+            self.transport.drop(p, "the other members went on without it")
+        return frozenset(grown)
+
+    def _attempt(
+        self, plan: Plan, flat: torch.Tensor, contributors: frozenset[str], removed: frozenset[str],
+        weights: dict[str, float], deadline: float,
+    ) -> RoundOutcome | frozenset[str]:  # fmt: skip
+        """Reduce, gather and vote among ``contributors - removed``. Returns the committed outcome, or the larger
+        removed set to go on with (nothing is committed by anyone in the attempt left: see the module docstring)."""
+        me, inbox = self.me, self.transport.inbox
+        left = contributors - removed
+        if len(left) < max(2, self.config.min_group_size):
+            raise RoundFailed("aborted", f"{len(left)} member(s) left once {sorted(removed)} failed or misbehaved")
+        sub, gone = len(removed), sorted(removed)
+        self.receiver.set_removed(removed)
+        members = [p for p in plan.order if p in left]
+        if removed:  # tell everyone at once: a member that still counts them would wait on us (or them) until the
+            # deadline, e.g. when only our link to a removed member failed
+            logger.warning("round %s: going on without %s", self.round_id[:8], gone)
+            for p in members:
+                if p != me:
+                    self._send(p, FrameType.GONE, sub, {"gone": gone})
+        for i, (meta, payload) in sorted(self._frames.items()):  # our parts of reassigned slices, to their reducer
+            owner = plan.owner(i, left)
+            if owner != me and (i, owner) not in self._sent_parts:
+                self._send(owner, FrameType.PART, sub, {**meta, "gone": gone}, payload)
+                self._sent_parts.add((i, owner))
+        mine = plan.slices_of(me, left)
+        need = lambda: {p for i in mine for p in members if p != me and (i, p) not in inbox.parts}  # noqa: E731
+        grown = self._step(lambda: not need(), need, contributors, removed, deadline, "waiting for parts")
+        if grown != removed:
+            return grown
+        now, digests_mine, own_meta = time.time(), {}, {"gone": gone, "weights": {p: weights[p] for p in members}}
+        for i in mine:
+            start, end = plan.bounds[i]
+            parts, bad = [], set()
+            for p in members:
+                if p == me:
+                    parts.append(self._own_part(flat, plan, i))
+                    continue
+                tensor, _, why = self.transport.read(lambda ib, p=p, i=i: ib.parts[(i, p)])
+                if why:
+                    bad.add(p)
+                    if self.config.ban_time_s > 0:
+                        self.bans.ban(p, now, self.config.ban_time_s, reason=why)
+                parts.append(tensor)
+            if bad:  # a reassigned part was bad: the others learn it from our next frames' removed set
+                logger.warning("round %s: %s sent a bad part of slice %d", self.round_id[:8], sorted(bad), i)
+                return removed | frozenset(bad)
+            dest = self.receiver.out(removed)[start:end]  # without a codec we reduce straight into the result
+            reduced = dest if self.codec is None else self.receiver.take(end - start)
+            seed = aggregation_seed(plan.tag if self.seed_tag is None else self.seed_tag, i)  # the same everywhere
+            self._aggregate(parts, [weights[p] for p in members], reduced, seed)
+            self._hook(HookPoint.AVERAGING_AFTER_REDUCE, sub, reduced=reduced)
+            payload = self._encode(reduced)
+            if self.codec is not None:  # everyone, us included, uses the decoded bytes
+                dest.copy_(codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start)))
+            for p in members:
+                if p != me:
+                    self._send(p, FrameType.RESULT, sub, {**own_meta, "slice": i}, payload)
+            hasher = blake3.blake3()
+            for buf in payload:
+                hasher.update(buf)
+            digests_mine[i] = hasher.digest()
         self._mark("reduce")
-        self._hook(HookPoint.AVERAGING_AFTER_REDUCE, sub, reduced=reduced)
-        payload = self._encode(reduced)
-        if self.codec is not None:  # everyone, us included, uses the decoded bytes
-            dest.copy_(codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start)))
-        own_meta = {"excluded": sorted(bad_here), "weights": {p: contributions[p][1] for p in kept}}
-        for p in others:  # queued first: the senders start while we hash (read-only, both)
-            self._send(p, FrameType.RESULT, sub, own_meta, payload)
-        hasher = blake3.blake3()
-        for buf in payload:
-            hasher.update(buf)
-        own_digest = hasher.digest()
 
-        # gather everyone's slice
-        # We wait for no result from a member known to be bad (we read nothing more from one that sent us a bad
-        # part; one that another reducer excluded may have failed already without sending us its result).
-        def suspects() -> set[str]:
-            found, metas_so_far = set(bad_here), {self.me: own_meta}
-            for p in others:
-                got = inbox.results.get((sub, p))
-                if got is not None and got[0]:
-                    found |= self._claims(p, got[3], plan)
-                    metas_so_far[p] = got[3]
-            return found | self._weight_equivocators(metas_so_far)
-
-        def awaited() -> list[str]:
-            return [p for p in others if p not in suspects() and (sub, p) not in inbox.results]
-
-        self._wait(lambda: not awaited(), awaited, deadline, "waiting for results")
+        # gather every other slice from its reducer
+        slices = range(len(plan.order))
+        missing = lambda: [i for i in slices if i not in digests_mine and (removed, i) not in inbox.results]  # noqa: E731
+        owners = lambda: {plan.owner(i, left) for i in missing()}  # noqa: E731
+        grown = self._step(lambda: not missing(), owners, contributors, removed, deadline, "waiting for results")
+        if grown != removed:
+            return grown
         self._mark("results")
-        metas, digests, bad = {self.me: own_meta}, [], set(bad_here)
-        for p in plan.active:
-            if p == self.me:
-                digests.append(own_digest)
+        digests = []
+        for i in range(len(plan.order)):
+            if i in digests_mine:
+                digests.append(digests_mine[i])
                 continue
-            if (sub, p) not in inbox.results:
-                continue  # a suspect: its slice is recomputed in the next subround
-            ok, why, digest, meta, _ = inbox.results[(sub, p)]
-            if not ok:
-                logger.warning("round %s: reducer %s: %s", self.round_id[:8], p, why)
-                bad.add(p)
-                if self.config.ban_time_s > 0:
-                    self.bans.ban(p, now, self.config.ban_time_s, reason=why)
-                continue
-            metas[p] = meta
+            ok, why, digest, meta, reducer = self.transport.read(lambda ib, i=i: ib.results[(removed, i)])
+            if not ok or not isinstance(meta, dict) or meta.get("weights") != own_meta["weights"]:
+                why = why or f"its result of slice {i} names other contributors or weights"
+                logger.warning("round %s: reducer %s: %s", self.round_id[:8], reducer, why)
+                if self.config.ban_time_s > 0 and not ok:
+                    self.bans.ban(reducer, now, self.config.ban_time_s, reason=why)
+                return removed | {reducer}
             digests.append(digest)
-            bad |= self._claims(p, meta, plan)
-        bad |= self._weight_equivocators(metas)
-        bad &= set(plan.active)
-        return bad, metas, digests
+        # A member that failed before our vote: nobody can commit this attempt without our vote, so go on without it
+        # rather than vote in vain, unless its vote arrived: a member that votes and closes (one that refused the
+        # result does) is judged by its vote, so that a refusal still stops the round everywhere.
+        failed = self.transport.read(
+            lambda ib: {p for p in members if p in ib.errors and ib.votes.get(p, (-1, b""))[0] != sub}
+        )
+        if failed:
+            for p in failed:
+                self._drop(p, "before voting")
+            return removed | failed
+        return self._commit(sub, plan, members, removed, own_meta["weights"], digests, contributors, deadline)
 
-    def _claims(self, reducer: str, meta: dict, plan: Plan) -> set[str]:
-        claimed = meta.get("excluded")
-        weights = meta.get("weights")
-        if not isinstance(claimed, list) or not isinstance(weights, dict):
-            return {reducer}
-        return {p for p in claimed if isinstance(p, str) and p in plan.active}
-
-    @staticmethod
-    def _weight_equivocators(metas: dict[str, dict]) -> set[str]:
-        seen: dict[str, set] = {}
-        for meta in metas.values():
-            weights = meta.get("weights") if isinstance(meta, dict) else None
-            for p, w in weights.items() if isinstance(weights, dict) else ():
-                if isinstance(p, str) and isinstance(w, int | float):
-                    seen.setdefault(p, set()).add(float(w))
-        return {p for p, ws in seen.items() if len(ws) > 1}
+    def _own_part(self, flat: torch.Tensor, plan: Plan, i: int) -> torch.Tensor:
+        """Our contribution to slice ``i`` as the others would read it: through the codec like everyone's."""
+        start, end = plan.bounds[i]
+        if i != plan.index(self.me):
+            return self._decoded(self._frames[i][1], end - start) if self.codec is not None else flat[start:end]
+        mine = flat[start:end]
+        if self.codec is None:
+            return mine
+        decoded = self.codec.decode(self.codec.encode(mine))
+        if self._residual_out is not None:
+            torch.sub(mine, decoded, out=self._residual_out[start:end])
+        return decoded
 
     def _aggregate(self, parts: list[torch.Tensor], weights: list[float], out: torch.Tensor, seed: int) -> None:
-        """Aggregate ``parts`` (fp32 (m,) each, in peer-id order) into ``out`` (fp32 (m,)); ``seed``: buckets."""
+        """Aggregate ``parts`` (fp32 (m,) each, in the round's order) into ``out`` (fp32 (m,)); ``seed``: buckets."""
         if not parts:
             raise RoundFailed("aborted", "no valid contribution to our slice")
         if not math.fsum(weights) > 0:
@@ -400,11 +504,14 @@ class ButterflyRound:
             return
         weighted_mean_into(out, parts, weights)
 
-    def _commit(self, sub: int, plan: Plan, metas: dict, digests: list[bytes], excluded: list[str], deadline: float):
-        others = [p for p in plan.active if p != self.me]
-        weights = metas[self.me]["weights"]
-        summary = msgpack.packb([self.round_id, sub, list(plan.active), sorted(weights.items()), digests])
+    def _commit(
+        self, sub: int, plan: Plan, members: list[str], removed: frozenset[str], weights: dict[str, float],
+        digests: list[bytes], contributors: frozenset[str], deadline: float,
+    ) -> RoundOutcome | frozenset[str]:  # fmt: skip
+        others = [p for p in members if p != self.me]
+        summary = msgpack.packb([self.round_id, sub, sorted(removed), members, sorted(weights.items()), digests])
         full_hash = blake3.blake3(summary).digest()
+        result = self.receiver.out(removed)
         self._hook(HookPoint.AVERAGING_BEFORE_COMMIT, sub)
         # One rule for every member, so that all commit or none does: vote only before our deadline; then wait for
         # every vote until the deadline plus a grace of commit_timeout_s (members' deadlines differ by their
@@ -412,7 +519,7 @@ class ButterflyRound:
         # if all votes match and ours have left. A fixed wait after our own vote made an early voter abort while a
         # late one, which had every vote, committed: a fork (utilization bench, 2.5 Mbit/s links, 2026-11-25). A
         # member that dies or stalls meanwhile is detected by its link (closed, or no byte for part_timeout_s).
-        refusal = self.accept(self.receiver.out(sub)) if self.accept is not None else ""
+        refusal = self.accept(result) if self.accept is not None else ""
         if time.monotonic() >= deadline:
             raise RoundFailed("timeout", "the round deadline came before we could vote")
         if refusal:  # a vote nobody's matches: every member aborts, nobody commits (and nobody holds a ``voted``)
@@ -432,14 +539,22 @@ class ButterflyRound:
             logger.warning("round %s: we refused the result: %s", self.round_id[:8], refusal)
             raise RoundFailed("refused", refusal)
         inbox = self.transport.inbox
-        awaited = lambda: [p for p in others if p not in inbox.votes]  # noqa: E731 - a voter may close after voting
+        awaited = lambda: [p for p in others if inbox.votes.get(p, (-1, b""))[0] != sub]  # noqa: E731
+        moved = lambda: self._changed(contributors, removed) != removed  # noqa: E731
         try:
-            self._wait(lambda: not awaited(), awaited, votes_deadline, "waiting for votes")
+            self.transport.wait(lambda: not awaited() or moved(), awaited, votes_deadline, "waiting for votes")
         except RoundFailed as exc:  # members that got every vote may commit: hand the caller what we voted for
             # and let our own votes leave first: closing our links abruptly behind a queued vote made a member that
             # had every other vote fail too (chaos lost-vote: 2 members recovering instead of the one that missed)
             self._flush_votes(min(votes_deadline, time.monotonic() + min(1.0, self.config.commit_timeout_s)))
-            raise self._voted(exc, sub, weights) from None
+            raise self._voted(exc, removed, weights) from None
+        grown = self.transport.read(lambda ib: self._changed(contributors, removed))
+        if grown != removed and awaited():
+            # A member still counted went on without someone before voting here (a member that voted never starts
+            # that), so its vote for this attempt never comes and nobody can commit it: go on with the others.
+            if self.me in grown:
+                raise RoundFailed("peer_failed", "the other members went on without us")
+            return grown
         disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
         if disagree:  # nobody can commit: every member needs every vote to match its own hash; ours still must
             self._flush_votes(votes_deadline)  # reach the others, so that they abort on them too
@@ -448,12 +563,12 @@ class ButterflyRound:
         unsent = [p for p in others if p not in lost and not self.transport.has_sent(p, FrameType.VOTE)]
         if unsent:  # still queued behind our RESULT frames: it reaches them after they gave up
             exc = RoundFailed("timeout", f"our vote to {unsent} did not leave before the votes deadline")
-            raise self._voted(exc, sub, weights)
+            raise self._voted(exc, removed, weights)
         bytes_sent, bytes_received = self.transport.byte_counts()
         return RoundOutcome(
-            flat=self.receiver.out(sub),
+            flat=result,
             contributors=tuple(sorted(weights)),
-            excluded=tuple(excluded),
+            excluded=tuple(sorted(set(plan.order) - set(weights))),
             total_weight=math.fsum(weights.values()),
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
@@ -465,13 +580,46 @@ class ButterflyRound:
         self.transport.flush(deadline)
         self._votes_left = True
 
-    def _voted(self, exc: RoundFailed, sub: int, weights: dict[str, float]) -> RoundFailed:
+    def _voted(self, exc: RoundFailed, removed: frozenset[str], weights: dict[str, float]) -> RoundFailed:
         """``exc`` with ``voted`` set to (a copy of) the result we voted for: fp32 (n,) as the single tensor."""
         if exc.reason != "excluded":
             exc.voted = RoundResult(
-                tensors=[self.receiver.out(sub).clone()],
+                tensors=[self.receiver.out(removed).clone()],
                 group=tuple(sorted(weights)),
                 total_weight=math.fsum(weights.values()),
                 round_id=self.round_id,
             )
         return exc
+
+
+def agree_contributors(haves: dict[str, object], order: Sequence[str]) -> tuple[frozenset[str], dict[str, float]]:
+    """The contributors every member computes alike from the same HAVE frames, and their weights (samples).
+
+    A member counts if it sent a well-formed HAVE, every HAVE holds its part, and all of them give it one weight: a
+    member whose part a reducer found bad (or never got, its link having failed) is out, and so is one that claimed
+    different weights to different reducers. ``haves``: member -> its HAVE metadata, ours included."""
+    valid: dict[str, dict[str, float]] = {}
+    for p, meta in haves.items():
+        have = meta.get("have") if isinstance(meta, dict) else None
+        if isinstance(have, dict) and all(
+            isinstance(q, str) and q in order and isinstance(w, int | float) and math.isfinite(w) and w >= 0
+            for q, w in have.items()
+        ):
+            valid[p] = {q: float(w) for q, w in have.items()}
+    held = set(valid).intersection(*(set(h) for h in valid.values())) if valid else set()
+    claimed: dict[str, set[float]] = {}
+    for h in valid.values():
+        for q, w in h.items():
+            claimed.setdefault(q, set()).add(w)
+    contributors = frozenset(q for q in held if len(claimed[q]) == 1)
+    return contributors, {q: next(iter(claimed[q])) for q in contributors}
+
+
+def _bad_claims(haves: dict[str, object], me: str) -> str:
+    """What the HAVE frames say about our part, for the error message."""
+    said = []
+    for p, meta in sorted(haves.items()):
+        bad = meta.get("bad") if isinstance(meta, dict) else None
+        if isinstance(bad, dict) and me in bad:
+            said.append(f"{p}: {bad[me]}")
+    return "; ".join(said) or "a reducer did not hold our part"

@@ -52,8 +52,8 @@ from an honest peer by its value alone, and moves the result as much as it moves
 distance, at most tau).
 
 Determinism: the permutation of step 3 is a pure function of ``seed`` (BLAKE2b of (seed, index), no RNG object), and
-the caller derives the seed from what every member shares (``aggregation_seed``: the subround's plan tag, which hashes
-the round id, subround and active members, and the part's index). Every other step is a fixed sequence of torch ops,
+the caller derives the seed from what every member shares (``aggregation_seed``: the round's plan tag, which hashes
+the round id and its members in order, and the slice's index). Every other step is a fixed sequence of torch ops,
 so the same inputs and seed give a bit-identical result on the same machine and torch thread count (norms and the Gram
 matrix are reductions whose order depends on the thread count). Only the part's reducer computes it and all members
 decode the same bytes it sends, so members agree whatever the reducer's machine; another member re-running it (an
@@ -107,11 +107,11 @@ class AggregateResult:
 
 
 def aggregation_seed(tag: bytes, part_index: int) -> int:
-    """A 64-bit seed for one part of one subround, from inputs every member of the round shares.
+    """A 64-bit seed for one slice of one round, from inputs every member of the round shares.
 
     Args:
-        tag: the subround's plan tag (bytes; ``reduce.Plan.tag``).
-        part_index: the index of the part (its reducer's position among the active members), >= 0.
+        tag: the round's plan tag (bytes; ``reduce.Plan.tag``), or the caller's ``seed_tag``.
+        part_index: the index of the slice (its first reducer's position in the round's order), >= 0.
     """
     if part_index < 0:
         raise ValueError(f"part_index must be >= 0, got {part_index}")

@@ -69,7 +69,6 @@ class AveragingConfig:
             (0 = compare as sent). With 0, a 16x spread of inner steps cost 0.45 relative error with no attacker
             (dev/LOG.md, 2026-11-25).
         ban_time_s: a peer caught sending bad data is left out of our rounds for this long, seconds.
-        max_subrounds: how many times a round restarts its all-reduce without members caught sending bad data.
         moshpit_rounds: averaging rounds per outer step for "moshpit" and "gossip".
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of data-plane sockets, bytes (0 = the OS default).
         libp2p_fallback: when a member's data port cannot be dialed over TCP (NAT, firewall), carry the link over a
@@ -113,7 +112,6 @@ class AveragingConfig:
     shift_threshold: float = Field(default=0.2, ge=0.0, le=1.0)
     size_exponent: Literal["auto"] | Annotated[float, Field(ge=0.0, le=1.0)] = "auto"
     ban_time_s: float = Field(default=300.0, ge=0.0)
-    max_subrounds: int = Field(default=2, ge=1, le=8)
     moshpit_rounds: int = Field(default=2, ge=1, le=32)
     socket_buffer_bytes: int = Field(default=4 * 2**20, ge=0, le=1 << 30)
     libp2p_fallback: bool = True

@@ -23,12 +23,17 @@ full grid):
    zeros elsewhere, so the mean times k gives back every member's digest exactly (rounded to integers). A member
    commits only if its whole row holds its digest.
 
-All-or-nothing per attempt: every column holds a member of every row, so one failed column (a member died or
-stalled, a refusal) shows as a -1 in every row's confirm and nobody applies anything; a failed row leaves its
-members out of every column, so every column fails. The caller's retry matches again without the dead peer, with the
-survivors' contributions (their samples are carried, not lost: there is no other group's state to be behind). The
-two-phase-commit gap of one column round (a member that voted and then missed a vote) fails that member's row while
-the others commit; the row's members then follow the committed state as today (``sync_policy``).
+All-or-nothing per attempt: every column holds a member of every row, so one failed column (a refusal, too few
+members) shows as a -1 in every row's confirm and nobody applies anything; a failed row refuses its columns, so every
+column fails. A butterfly round goes on without a member that dies or stalls (``allreduce``), which here would leave
+a column without that member's row, computing another mean than the others: every other row has a member in that
+column and sees its digest differ, and the dead member's own row has a member missing from its confirm, which fails
+it too (only a whole row confirms). So a member lost at any stage still fails the grid's attempt everywhere; making
+the grid keep the survivors (a row-mate standing in for a dead column member) is issue 23's next step. The caller's
+retry matches again without the dead peer, with the survivors' contributions (their samples are carried, not lost:
+there is no other group's state to be behind). The two-phase-commit gap of one column round (a member that voted and
+then missed a vote) fails that member's row while the others commit; the row's members then follow the committed
+state as today (``sync_policy``).
 
 Bytes per participant: the row round's plus the column round's, 2(k−1)/k + 2(R−1)/R times the encoded vector for
 rows of k, i.e. at most about twice a single group's (a member standing in two columns sends its column share twice),
@@ -161,6 +166,11 @@ def two_stage(
         confirm = run(stage_id(round_id, "confirm", r), rows[r], mine, 1.0, None, None, config=plain)
     if failure is not None:
         raise failure
+    if len(confirm.contributors) != k:
+        # A row member missing from the confirm (it died or stalled: the butterfly round went on without it) leaves
+        # its column unconfirmed: that column may have gone on without our row, so another row may abort while
+        # ours would commit. Only a whole row confirms (the grid stays all-or-nothing per attempt).
+        raise RoundFailed("aborted", f"row {r}: {sorted(set(rows[r]) - set(confirm.contributors))} did not confirm")
     digests = torch.round(confirm.flat * k).view(k, DIGEST_WORDS)  # x (1/k) (k) is x within an ulp: exact rounded
     if not bool((digests == words).all()):
         raise RoundFailed("aborted", "another column of our row failed: nobody applies this round")

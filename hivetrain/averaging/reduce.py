@@ -1,4 +1,4 @@
-"""The pieces of a butterfly all-reduce round that hold no connection: members, the per-subround plan of slices,
+"""The pieces of a butterfly all-reduce round that hold no connection: members, the plan of slices and who reduces them,
 what a committed round returns, wire sizes, the finite check, the in-place weighted mean and the buffer pool.
 
 Used by ``allreduce.ButterflyRound`` (the round), ``transport.RoundTransport`` (its links and inbox) and
@@ -34,7 +34,8 @@ class RoundOutcome:
     Attributes:
         flat: the result, fp32, shape (n,); bit-identical on every member that committed.
         contributors: peer ids whose contributions are in the result, sorted.
-        excluded: peer ids dropped for bad data (or claimed bad by a reducer), sorted.
+        excluded: members of the round whose contributions are not in the result, sorted: they sent bad data (or a
+            reducer said so), died or stalled.
         total_weight: sum of the contributors' weights, samples.
     """
 
@@ -46,16 +47,33 @@ class RoundOutcome:
     bytes_received: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """One subround: who takes part and which slice each one reduces."""
+    """The round's fixed cut: the members in the order every member agrees on, one contiguous slice each.
 
-    active: tuple[str, ...]
+    Who reduces a slice depends on who is left: slice i is reduced by ``order[i]`` while it contributes, else by the
+    next contributor after it in ``order`` (cyclically), so the slices of members that died, stalled or were
+    excluded are reassigned without re-cutting the others (``ButterflyRound``).
+    """
+
+    order: tuple[str, ...]
     bounds: list[tuple[int, int]]
-    tag: bytes  # hash of the active set, carried in every PART so members notice a disagreement
+    tag: bytes  # hash of the round id and ``order``, carried in every PART so members notice a disagreement
 
-    def slice_of(self, peer_id: str) -> tuple[int, int]:
-        return self.bounds[self.active.index(peer_id)]
+    def index(self, peer_id: str) -> int:
+        return self.order.index(peer_id)
+
+    def owner(self, i: int, contributors: frozenset[str] | set[str]) -> str:
+        """Who reduces slice ``i`` while ``contributors`` (a non-empty subset of ``order``) take part."""
+        k = len(self.order)
+        for step in range(k):
+            p = self.order[(i + step) % k]
+            if p in contributors:
+                return p
+        raise ValueError("no contributor left")
+
+    def slices_of(self, peer_id: str, contributors: frozenset[str] | set[str]) -> list[int]:
+        return [i for i in range(len(self.order)) if self.owner(i, contributors) == peer_id]
 
 
 @dataclass
@@ -63,14 +81,18 @@ class Inbox:
     """What arrived from the other members of a round (guarded by ``transport.RoundTransport``'s lock).
 
     Attributes:
-        parts: (subround, sender) -> (fp32 part or None if bad, weight in samples, why it is bad or "").
-        results: (subround, reducer) -> (ok, why not, BLAKE3 digest of the bytes, RESULT metadata, unused).
+        parts: (slice index, sender) -> (fp32 part or None if bad, weight in samples, why it is bad or "").
+        haves: reducer -> its HAVE metadata (whose parts of its own slice it holds, and their weights).
+        results: (removed set, slice index) -> (ok, why not, BLAKE3 digest of the bytes, RESULT metadata, reducer).
+        claims: member -> the largest set of removed members its frames named (``ButterflyRound``).
         votes: voter -> (subround, full-result hash, or b"bad-mac").
         errors: member -> why its link failed.
     """
 
     parts: dict[tuple[int, str], tuple[torch.Tensor | None, float, str]] = field(default_factory=dict)
-    results: dict[tuple[int, str], tuple[bool, str, bytes, dict, None]] = field(default_factory=dict)
+    haves: dict[str, dict] = field(default_factory=dict)
+    results: dict[tuple[frozenset, int], tuple[bool, str, bytes, dict, str]] = field(default_factory=dict)
+    claims: dict[str, frozenset] = field(default_factory=dict)
     votes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 

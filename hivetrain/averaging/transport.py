@@ -102,11 +102,14 @@ class RoundTransport:
         self._done = False
         self._waiting = False
         self._registered = False
+        self._dropped: set[str] = set()  # members the round goes on without (``drop``)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
-    def open(self, deadline: float) -> None:
-        """Register with the server and link to every other member. Raises PeerFailed (a dial failed) or
-        RoundFailed("peer_failed") if not all are linked in time (``deadline``, ``time.monotonic()``)."""
+    def open(self, deadline: float) -> set[str]:
+        """Register with the server and link to every other member. Returns the members we could not link to before
+        the connect deadline (a dial failed, its data port refuses connections, or it never dialed us): the round
+        goes on without them (``ButterflyRound``). Raises RoundFailed("timeout") if ``deadline``
+        (``time.monotonic()``) comes first."""
         self.server.register(self.keys)
         self._registered = True
         for p in self.others:
@@ -119,8 +122,18 @@ class RoundTransport:
         cfg = self.config
         attempts = 6 if self.fallback is not None else 3  # direct dial, dial-back and libp2p may each time out
         connect_deadline = min(deadline, time.monotonic() + attempts * cfg.connect_timeout_s + cfg.declare_grace_s)
-        self.wait(lambda: all(p in self._links for p in self.others), self.others, connect_deadline, "connecting",
-                  "peer_failed")  # fmt: skip
+        pending = lambda: [p for p in self.others if p not in self._links and p not in self.inbox.errors]  # noqa: E731
+        try:
+            self.wait(lambda: not pending(), (), connect_deadline, "connecting")
+        except RoundFailed:
+            if time.monotonic() >= deadline:
+                raise
+        with self._cond:
+            unlinked = {p for p in self.others if p not in self._links}
+            self._dropped |= unlinked  # a link that attaches later is closed at once (``_attach``)
+        for p in unlinked:
+            self.drop(p, self.inbox.errors.get(p, "not linked by the connect deadline"))
+        return unlinked
 
     def close(self, graceful: bool) -> None:
         """End the round: after a commit, FIN every link (the receivers drain and close them); after a failure,
@@ -149,7 +162,10 @@ class RoundTransport:
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:  # fmt: skip
         """Queue a frame to ``peer_id`` (sent in order by its sender thread); ``on_progress(sent, total)`` is called
-        after each payload chunk. A link that fails meanwhile is reported through ``inbox.errors``."""
+        after each payload chunk. A link that fails meanwhile is reported through ``inbox.errors``. Nothing is sent
+        to a member the round dropped."""
+        if peer_id in self._dropped or peer_id not in self._queues:
+            return
         self._queues[peer_id].put((ftype, sub, meta, list(payload), on_progress))
 
     def flush(self, deadline: float) -> None:
@@ -216,10 +232,57 @@ class RoundTransport:
             finally:
                 self._waiting = False
 
+    def wait_any(
+        self, ready: Callable[[], bool], watched: Callable[[], Iterable[str]], deadline: float, what: str
+    ) -> set[str]:
+        """Block until ``ready()`` (called under the lock; it may read ``inbox``) or a watched member fails.
+
+        Returns:
+            The watched members that failed (their links closed, reset or stalled), empty once ``ready()``.
+
+        Raises:
+            RoundFailed("timeout"): ``deadline`` (``time.monotonic()``) came first.
+        """
+        with self._cond:
+            self._waiting = True
+            try:
+                while not ready():
+                    failed = {p for p in watched() if p in self.inbox.errors}
+                    if failed:
+                        return failed
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RoundFailed("timeout", f"{what}: deadline reached")
+                    self._cond.wait(min(left, 0.5))
+                return set()
+            finally:
+                self._waiting = False
+
+    def drop(self, peer_id: str, why: str) -> None:
+        """The round goes on without ``peer_id``: close our link to it (so that a stalled member that wakes up fails
+        at once instead of sending into a round that moved on) and ignore whatever it sends from now on."""
+        with self._cond:
+            self._dropped.add(peer_id)
+            self.inbox.errors.setdefault(peer_id, why)
+            link = self._links.get(peer_id)
+            self._cond.notify_all()
+        if link is not None:
+            link.close()
+
+    def linked(self, peer_id: str) -> bool:
+        """Whether we hold a link to ``peer_id`` that the round has not dropped."""
+        with self._cond:
+            return peer_id in self._links and peer_id not in self._dropped
+
     # ---- links --------------------------------------------------------------------------------------------------
     def _attach(self, link: Link) -> None:
         with self._cond:
-            if self._done or link.peer_id in self._links or link.peer_id not in self.others:
+            if (
+                self._done
+                or link.peer_id in self._links
+                or link.peer_id not in self.others
+                or (link.peer_id in self._dropped)
+            ):
                 link.close()
                 return
             self._links[link.peer_id] = link

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"HVA1"
-_VERSION = 1
+VERSION = 2  # 2: HAVE and GONE frames and reassigned slices (members that die mid-round are dropped)
 HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 MAX_HANDSHAKE_META_BYTES = 4096
@@ -52,6 +52,8 @@ class FrameType(enum.IntEnum):
     DECLARE = 8
     READY = 9
     RETRY = 10  # listener -> dialer: the round is not registered here yet, dial again shortly (then closes)
+    HAVE = 11  # reducer -> members: whose parts of its slice it holds, with their weights (no payload)
+    GONE = 12  # member -> members: the members it now goes on without (no payload)
 
 
 class LinkClosed(ConnectionError):
@@ -209,13 +211,18 @@ class Link:
 def frame_bytes(ftype: FrameType, subround: int, meta: dict, payload_num_bytes: int = 0) -> bytes:
     """A frame's header and metadata (its payload, ``payload_num_bytes`` long, follows)."""
     meta_bytes = msgpack.packb(meta, use_bin_type=True)
-    return HEADER.pack(_MAGIC, _VERSION, int(ftype), subround, len(meta_bytes), payload_num_bytes) + meta_bytes
+    return HEADER.pack(_MAGIC, VERSION, int(ftype), subround, len(meta_bytes), payload_num_bytes) + meta_bytes
 
 
 def parse_header(raw: bytes | bytearray, who: str) -> tuple[FrameType, int, int, int]:
     """(type, subround, meta num_bytes, payload num_bytes) of a ``HEADER.size``-byte header. Raises LinkClosed."""
     magic, version, ftype, subround, meta_len, payload_len = HEADER.unpack(raw)
-    if magic != _MAGIC or version != _VERSION or ftype not in FrameType._value2member_map_:
+    if magic == _MAGIC and version != VERSION:
+        raise LinkClosed(
+            f"{who} speaks averaging protocol version {version}, we speak {VERSION}: every peer of a run needs the "
+            "same hivetrain release (upgrade the older one)"
+        )
+    if magic != _MAGIC or ftype not in FrameType._value2member_map_:
         raise LinkClosed(f"{who} sent a bad frame header (magic {bytes(magic)!r}, version {version})")
     return FrameType(ftype), subround, meta_len, payload_len
 

@@ -20,11 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hivetrain.averaging.wire import HEADER, FrameType
+from hivetrain.averaging.wire import HEADER, VERSION, FrameType
 
 __all__ = ["DataPortFlood", "FloodConfig"]
 
-_MAGIC, _VERSION = b"HVA1", 1
+_MAGIC = b"HVA1"
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,9 @@ class DataPortFlood:
     def _payload(self, kind: str) -> bytes:
         cfg = self.config
         if kind == "slowloris":  # a HELLO header claiming 4000 bytes of metadata, then metadata bytes forever
-            return HEADER.pack(_MAGIC, _VERSION, int(FrameType.HELLO), 0, 4000, 0) + b"\x00" * 4000
+            return HEADER.pack(_MAGIC, VERSION, int(FrameType.HELLO), 0, 4000, 0) + b"\x00" * 4000
         if kind == "oversized":
-            header = HEADER.pack(_MAGIC, _VERSION, int(FrameType.DECLARE), 0, cfg.claimed_meta_num_bytes, 0)
+            header = HEADER.pack(_MAGIC, VERSION, int(FrameType.DECLARE), 0, cfg.claimed_meta_num_bytes, 0)
             return header + b"\x00" * min(cfg.sent_meta_num_bytes, cfg.claimed_meta_num_bytes)
         return b""
 

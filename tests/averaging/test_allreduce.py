@@ -17,7 +17,7 @@ from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
 from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.handshake import RoundKeys, dial, send_declaration
-from hivetrain.averaging.wire import AuthFailed, LinkClosed
+from hivetrain.averaging.wire import VERSION, AuthFailed, LinkClosed
 from hivetrain.faults import NO_FAULTS, Fault, FaultInjector
 from hivetrain.peers.bans import BanList
 
@@ -89,7 +89,7 @@ def test_a_forged_declaration_push_is_dropped(servers) -> None:
 def test_an_oversized_frame_header_is_refused_before_reading_it(servers) -> None:
     server = servers()
     with socket.create_connection(("127.0.0.1", server.port), timeout=2) as raw:
-        raw.sendall(struct.pack("<4sBBHIQ", b"HVA1", 1, 1, 0, 1 << 30, 0))  # claims 1 GiB of metadata
+        raw.sendall(struct.pack("<4sBBHIQ", b"HVA1", VERSION, 1, 0, 1 << 30, 0))  # claims 1 GiB of metadata
         assert _dropped(raw)
     assert _wait_until(lambda: server.rejected == 1, 3.0)
 
@@ -152,3 +152,81 @@ def test_a_member_that_reaches_its_vote_after_the_deadline_makes_everyone_abort(
     results, _ = _round(servers, 3, 3000, faults={1: late}, deadline_s=3.0, part_timeout_s=6.0, commit_timeout_s=0.5)
     assert late.fired_count("averaging.before_commit") == 1
     assert all(isinstance(r, RoundFailed) and r.reason == "timeout" for r in results), results  # nobody commits
+
+
+def _survivors_mean(flats, dead: set[int]) -> torch.Tensor:
+    kept = [f for i, f in enumerate(flats) if i not in dead]
+    return sum(kept) / len(kept)
+
+
+@pytest.mark.parametrize("point", ["averaging.before_send", "averaging.after_reduce"])
+def test_a_member_that_dies_mid_round_costs_only_its_own_contribution(servers, point) -> None:
+    """Issue 23, item 2: before, one member failing failed the round everywhere; the engine matched again and every
+    survivor sent everything again. Now the survivors drop it and commit the mean of their own contributions in the
+    same round, bit-identical: before any part left (its slice reassigned), or after every member had counted its
+    part (the survivors reduce again without it). Its link closes as a killed process's would."""
+    dying = FaultInjector()
+    dying.arm(Fault(point, "raise"))
+    results, flats = _round(servers, 4, 4001, faults={2: dying})
+    assert dying.fired_count(point) == 1
+    assert isinstance(results[2], RoundFailed), results[2]
+    survivors = [results[i] for i in (0, 1, 3)]
+    assert all(isinstance(r, RoundOutcome) for r in survivors), survivors
+    assert all(torch.equal(r.flat, survivors[0].flat) for r in survivors)
+    assert all(r.contributors == ("peer0", "peer1", "peer3") and r.excluded == ("peer2",) for r in survivors)
+    assert all(r.total_weight == 3.0 for r in survivors)
+    torch.testing.assert_close(survivors[0].flat, _survivors_mean(flats, {2}), atol=1e-6, rtol=0)
+
+
+def test_a_member_that_stalls_past_the_part_timeout_is_dropped_and_the_others_commit(servers) -> None:
+    """A volunteer's machine stops (SIGSTOP, swapping) after its parts left: the others notice no byte for
+    ``part_timeout_s`` and commit without it; it wakes to closed links and commits nothing."""
+    stalling = FaultInjector()
+    stalling.arm(Fault("averaging.after_reduce", "sleep", seconds=3.0))
+    results, flats = _round(servers, 4, 4001, faults={1: stalling})
+    assert isinstance(results[1], RoundFailed), results[1]
+    survivors = [results[i] for i in (0, 2, 3)]
+    assert all(isinstance(r, RoundOutcome) for r in survivors), survivors
+    assert all(torch.equal(r.flat, survivors[0].flat) and r.excluded == ("peer1",) for r in survivors)
+    torch.testing.assert_close(survivors[0].flat, _survivors_mean(flats, {1}), atol=1e-6, rtol=0)
+
+
+def test_two_members_dying_at_different_stages_leave_the_rest_one_result(servers) -> None:
+    early, late = FaultInjector(), FaultInjector()
+    early.arm(Fault("averaging.before_send", "raise"))
+    late.arm(Fault("averaging.after_reduce", "raise"))
+    results, flats = _round(servers, 5, 5003, faults={0: early, 3: late}, compression="int8")
+    survivors = [results[i] for i in (1, 2, 4)]
+    assert all(isinstance(r, RoundOutcome) for r in survivors), results
+    assert all(torch.equal(r.flat, survivors[0].flat) for r in survivors)
+    assert survivors[0].excluded == ("peer0", "peer3")
+    torch.testing.assert_close(survivors[0].flat, _survivors_mean(flats, {0, 3}), atol=0.05, rtol=0)
+
+
+def test_a_member_dying_just_before_the_vote_never_leaves_two_results(servers) -> None:
+    """Whether the others had voted when it died decides whether they go on without it (not yet: nobody can have
+    committed) or fail holding what they voted for (the two-phase-commit gap); never a mix of results."""
+    dying = FaultInjector()
+    dying.arm(Fault("averaging.before_commit", "raise"))
+    results, flats = _round(servers, 4, 4001, faults={3: dying})
+    committed = [r for r in results if isinstance(r, RoundOutcome)]
+    assert all(torch.equal(r.flat, committed[0].flat) and r.excluded == ("peer3",) for r in committed)
+    assert not committed or len(committed) == 3, results
+    if committed:
+        torch.testing.assert_close(committed[0].flat, _survivors_mean(flats, {3}), atol=1e-6, rtol=0)
+
+
+def test_contributors_are_those_every_have_frame_holds_with_one_weight() -> None:
+    from hivetrain.averaging.allreduce import agree_contributors
+
+    order = ["a", "b", "c", "d"]
+    full = {"a": 1.0, "b": 2.0, "c": 1.0, "d": 1.0}
+    haves = {p: {"have": dict(full)} for p in "abc"}  # d sent none: its link to every reducer failed
+    haves["c"]["have"].pop("b")  # c found b's part bad (or never got it)
+    contributors, weights = agree_contributors(haves, order)
+    assert contributors == {"a", "c"} and weights == {"a": 1.0, "c": 1.0}
+    haves = {p: {"have": dict(full)} for p in "abcd"}
+    haves["d"]["have"]["a"] = 5.0  # a claimed another weight to d
+    assert agree_contributors(haves, order)[0] == {"b", "c", "d"}
+    haves["b"] = {"have": {"zz": 1.0}}  # malformed: b's HAVE does not count, nor does b
+    assert "b" not in agree_contributors(haves, order)[0]

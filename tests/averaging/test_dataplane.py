@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from hivetrain.averaging.handshake import Pusher, send_declaration, send_ready
-from hivetrain.averaging.wire import MAX_HANDSHAKE_META_BYTES
+from hivetrain.averaging.wire import MAX_HANDSHAKE_META_BYTES, VERSION
 
 
 def _wait_until(predicate, timeout_s: float) -> bool:
@@ -63,7 +63,7 @@ def test_pushes_the_server_does_not_take_or_that_are_oversized_are_refused(serve
     assert _wait_until(lambda: server.rejected == 1, 3.0)
     big = msgpack.packb({"entry": {"pad": b"x" * MAX_HANDSHAKE_META_BYTES}}, use_bin_type=True)
     with socket.create_connection(("127.0.0.1", server.port), timeout=2) as raw:
-        raw.sendall(struct.pack("<4sBBHIQ", b"HVA1", 1, 9, 0, len(big), 0) + big)  # a READY beyond the limit
+        raw.sendall(struct.pack("<4sBBHIQ", b"HVA1", VERSION, 9, 0, len(big), 0) + big)  # a READY beyond the limit
         try:
             assert raw.recv(1) == b""
         except ConnectionResetError:

@@ -19,7 +19,7 @@ from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.admission import DataPlaneLimits
 from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
 from hivetrain.averaging.handshake import RoundKeys, dial
-from hivetrain.averaging.wire import HEADER, MAX_DECLARE_META_BYTES, FrameType
+from hivetrain.averaging.wire import HEADER, MAX_DECLARE_META_BYTES, VERSION, FrameType
 from hivetrain.faults import NO_FAULTS
 from hivetrain.peers.bans import BanList
 from hivetrain.testing.flood import DataPortFlood, FloodConfig
@@ -75,7 +75,7 @@ def test_connections_that_send_nothing_are_never_accepted_and_members_get_in_bes
 
 
 def _declare_header(meta_num_bytes: int) -> bytes:
-    return HEADER.pack(b"HVA1", 1, int(FrameType.DECLARE), 0, meta_num_bytes, 0)
+    return HEADER.pack(b"HVA1", VERSION, int(FrameType.DECLARE), 0, meta_num_bytes, 0)
 
 
 def test_each_source_holds_at_most_its_cap_and_a_flood_from_one_address_leaves_another_alone(servers) -> None:
@@ -95,7 +95,7 @@ def test_each_source_holds_at_most_its_cap_and_a_flood_from_one_address_leaves_a
 
 def test_the_handshake_deadline_counts_from_accept_and_dripped_bytes_do_not_extend_it(servers) -> None:
     server = servers(limits=DataPlaneLimits(handshake_timeout_s=0.6))
-    hello = HEADER.pack(b"HVA1", 1, int(FrameType.HELLO), 0, 4000, 0) + b"\x00" * 4000
+    hello = HEADER.pack(b"HVA1", VERSION, int(FrameType.HELLO), 0, 4000, 0) + b"\x00" * 4000
     start = time.monotonic()
     closed_after_s = None
     with _connect(server.port) as sock:

@@ -153,7 +153,11 @@ def test_bad_local_input_is_rejected_before_any_network_call(make_averagers, ten
 
 
 @pytest.mark.parametrize("point", ["averaging.after_reduce", "averaging.before_commit", "averaging.before_send"])
-def test_a_stalled_member_makes_the_others_fail_within_the_part_timeout(make_averagers, point: str) -> None:
+def test_a_stalled_member_is_dropped_within_the_part_timeout(make_averagers, point: str) -> None:
+    """A member that stalls before its vote is dropped once nothing came from it for ``part_timeout_s``: the other
+    two commit their own mean in the same call (issue 23). One that stalls holding the full result, when the others
+    may already have voted, leaves them failing instead (they cannot tell whether its vote reached anyone: the
+    two-phase-commit gap) unless they had not voted yet; nobody ever commits two results."""
     staller = FaultInjector()
     staller.arm(Fault(point, "sleep", seconds=4.0))
     avgs = make_averagers(3, AveragingConfig(target_group_size=3, **FAST), faults=[None, None, staller])
@@ -169,12 +173,19 @@ def test_a_stalled_member_makes_the_others_fail_within_the_part_timeout(make_ave
     started = time.monotonic()
     results = run_threads([lambda i=i: call(i) for i in range(3)], timeout_s=40)
     assert staller.fired_count(point) == 1
+    assert isinstance(results[2], RoundFailed)
     for i in (0, 1):
-        assert isinstance(results[i], RoundFailed), results[i]
-        assert results[i].reason in ("peer_failed", "timeout")
         # matchmaking (~0.3 s) + detection (part_timeout_s or commit_timeout_s) + slack
         assert done_at[i] - started < 0.5 + max(FAST["part_timeout_s"], FAST["commit_timeout_s"]) + 2.0
-    assert isinstance(results[2], RoundFailed)
+    committed = [r for r in results[:2] if isinstance(r, RoundResult)]
+    if point != "averaging.before_commit" or committed:
+        assert len(committed) == 2, results
+        assert _digest(committed[0]) == _digest(committed[1]) and avgs[2].node.peer_id in committed[0].excluded
+        expected = _weighted_mean(inputs[:2], [1.0, 1.0])
+        for got, want in zip(committed[0].tensors, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    else:
+        assert all(r.reason in ("peer_failed", "timeout") for r in results[:2]), results
 
 
 def test_a_member_that_misses_a_vote_fails_holding_the_result_the_others_committed(make_averagers) -> None:
@@ -294,11 +305,12 @@ def test_error_feedback_sends_what_int4_dropped_in_later_rounds(make_averagers) 
         if feedback:
             kept = [a._feedback.residual.clone() for a in avgs]
             assert all(float(r.abs().max()) > 0 for r in kept)
-            breaker = FaultInjector()
-            breaker.arm(Fault("averaging.before_commit", "raise"))
-            avgs[2].faults = breaker
+            breakers = [FaultInjector() for _ in avgs]  # every member fails: survivors would commit without one
+            for avg, breaker in zip(avgs, breakers, strict=True):
+                breaker.arm(Fault("averaging.before_commit", "raise"))
+                avg.faults = breaker
             results = _average_all(avgs, inputs, weights, epoch=num_rounds)
-            assert breaker.fired_count("averaging.before_commit") == 1
+            assert sum(b.fired_count("averaging.before_commit") for b in breakers) >= 1
             assert all(isinstance(r, RoundFailed) for r in results), results
             for avg, before in zip(avgs, kept, strict=True):
                 assert torch.equal(avg._feedback.residual, before)

@@ -1,6 +1,7 @@
 """A group member process killed at each averaging hook point (an armed ``exit`` fault: ``os._exit(137)``, no cleanup,
-like SIGKILL): the survivors fail fast with their inputs unchanged, then a retry without the dead peer commits
-bit-identical results."""
+like SIGKILL): the survivors drop it and commit their own mean in the same call (issue 23), bit-identical, their
+inputs unchanged. Killed holding the full result, when the survivors may already have voted, it may instead leave
+them failing (the two-phase-commit gap); then a retry without the dead peer commits."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _sha(result: RoundResult) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", POINTS)
-def test_member_killed_at_hook_point_aborts_the_round_on_survivors(make_averagers, swarm, prefix, point: str) -> None:
+def test_member_killed_at_hook_point_costs_the_survivors_nothing_but_its_part(make_averagers, swarm, prefix, point):
     survivors = make_averagers(2, AveragingConfig(**CONFIG))
     ctx = mp.get_context("spawn")
     to_parent, go = ctx.Queue(), ctx.Event()
@@ -77,17 +78,16 @@ def test_member_killed_at_hook_point_aborts_the_round_on_survivors(make_averager
         results = run_threads(calls, 40)
         elapsed = time.monotonic() - started
         assert _exit_code(proc, 10.0) == 137, f"the fault at {point} did not fire (exit code {proc.exitcode})"
-        for r in results:
-            assert isinstance(r, RoundFailed) and r.reason in ("peer_failed", "timeout", "aborted"), r
-        assert elapsed < CONFIG["matchmaking_time_s"] + CONFIG["part_timeout_s"] + 3.0, elapsed
+        assert elapsed < CONFIG["matchmaking_time_s"] + CONFIG["part_timeout_s"] + 5.0, elapsed
         for i, x in enumerate(inputs):
             assert torch.equal(x[0], torch.full((NUM_ELEMENTS,), float(i)))
-
-        retry = run_threads(calls, 40)
-        assert all(isinstance(r, RoundResult) for r in retry), retry
-        assert victim_id not in retry[0].group and len(retry[0].group) == 2
-        assert _sha(retry[0]) == _sha(retry[1])
-        torch.testing.assert_close(retry[0].tensors[0], torch.full((NUM_ELEMENTS,), 0.5), atol=1e-6, rtol=0)
+        if point == "averaging.before_commit" and all(isinstance(r, RoundFailed) for r in results):
+            assert all(r.reason in ("peer_failed", "timeout", "aborted") for r in results), results
+            results = run_threads(calls, 40)  # the retry without the dead peer
+        assert all(isinstance(r, RoundResult) for r in results), results
+        assert victim_id not in results[0].group and len(results[0].group) == 2
+        assert _sha(results[0]) == _sha(results[1])
+        torch.testing.assert_close(results[0].tensors[0], torch.full((NUM_ELEMENTS,), 0.5), atol=1e-6, rtol=0)
     finally:
         go.set()
         _exit_code(proc, 5.0)
