@@ -49,8 +49,9 @@ voted, on seeing a member still counted name a removed set ours does not contain
 (by induction someone did), so nobody can commit this attempt. A member whose vote went out and then misses a vote
 because a voter failed cannot tell whether that voter's vote reached the others: it fails holding the result it voted
 for (the two-phase-commit gap below). Members that disagree on C0 (a HAVE that reached some and not others) or on the
-removed set produce different vote hashes and nobody commits. Attempts end when fewer than max(2, ``min_group_size``)
-members are left.
+removed set produce different vote hashes and nobody commits. An attempt needs at least max(2, ``min_group_size``)
+members and a strict majority of the members the round was declared with: the two sides of a network partition each
+go on without the other, and only one of them may commit.
 
 Failure handling otherwise: a local failure (a fault, the deadline, a crash) makes the member close all its links and
 raise RoundFailed; the others drop it as above. Inputs are never modified.
@@ -141,7 +142,7 @@ class ButterflyRound:
         max_weight: float | None = None,
         pool: BufferPool | None = None,
         fallback=None,
-        accept: Callable[[torch.Tensor], str] | None = None,
+        accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
         order: Sequence[str] | None = None,
         seed_tag: bytes | None = None,
     ):
@@ -201,9 +202,10 @@ class ButterflyRound:
         Raises:
             RoundFailed: "peer_failed" (the others went on without us: our links failed or stalled, or a voter
                 failed after our vote: ``voted`` is set), "timeout", "aborted" (members disagree, votes differ, fewer
-                than max(2, ``min_group_size``) members left), "excluded" (others found our data bad), "refused" (our
-                ``accept`` check refused the result: we voted against it). Members that fail during the call are
-                dropped and the others commit without them (module docstring).
+                than max(2, ``min_group_size``) members or no strict majority of the declared ones left), "excluded"
+                (others found our data bad), "refused" (our ``accept`` check refused the result: we voted against
+                it). Members that fail during the call are dropped and the others commit without them (module
+                docstring).
         """
         self._out = torch.empty_like(flat) if out is None else out
         self._residual_out = residual_out if self.codec is not None else None
@@ -331,7 +333,7 @@ class ButterflyRound:
         if me not in contributors:
             raise RoundFailed("excluded", f"reducers found our data bad: {_bad_claims(haves, me)}")
         removed = frozenset(gone & contributors)
-        if len(contributors - removed) < max(2, self.config.min_group_size) and gone:
+        if not self._quorate(len(contributors - removed), len(order)) and gone:
             failures = self.transport.read(lambda ib: {p: ib.errors.get(p, "") for p in sorted(gone)})
             raise RoundFailed("peer_failed", f"no other member left to average with: {failures}")
 
@@ -341,6 +343,12 @@ class ButterflyRound:
             if isinstance(outcome, RoundOutcome):
                 return outcome
             removed = outcome
+
+    def _quorate(self, left: int, declared: int) -> bool:
+        """Whether ``left`` members may commit a round declared with ``declared``: at least max(2,
+        ``min_group_size``), and a strict majority, so that the two sides of a network partition, each going on
+        without the other, never both commit."""
+        return left >= max(2, self.config.min_group_size) and 2 * left > declared
 
     def _until(self, ready, pending, gone: set[str], deadline: float, what: str) -> None:
         """Wait until ``ready()``; members of ``pending()`` that fail meanwhile are dropped and added to ``gone``
@@ -389,8 +397,11 @@ class ButterflyRound:
         removed set to go on with (nothing is committed by anyone in the attempt left: see the module docstring)."""
         me, inbox = self.me, self.transport.inbox
         left = contributors - removed
-        if len(left) < max(2, self.config.min_group_size):
-            raise RoundFailed("aborted", f"{len(left)} member(s) left once {sorted(removed)} failed or misbehaved")
+        if not self._quorate(len(left), len(plan.order)):
+            out = sorted(set(plan.order) - left)
+            raise RoundFailed(
+                "aborted", f"{len(left)} of {len(plan.order)} members left once {out} failed or misbehaved"
+            )
         sub, gone = len(removed), sorted(removed)
         self.receiver.set_removed(removed)
         members = [p for p in plan.order if p in left]
@@ -519,7 +530,7 @@ class ButterflyRound:
         # if all votes match and ours have left. A fixed wait after our own vote made an early voter abort while a
         # late one, which had every vote, committed: a fork (utilization bench, 2.5 Mbit/s links, 2026-11-25). A
         # member that dies or stalls meanwhile is detected by its link (closed, or no byte for part_timeout_s).
-        refusal = self.accept(result) if self.accept is not None else ""
+        refusal = self.accept(result, tuple(sorted(weights))) if self.accept is not None else ""
         if time.monotonic() >= deadline:
             raise RoundFailed("timeout", "the round deadline came before we could vote")
         if refusal:  # a vote nobody's matches: every member aborts, nobody commits (and nobody holds a ``voted``)

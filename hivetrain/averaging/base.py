@@ -67,7 +67,7 @@ class Averager(Protocol):
         epoch: int,
         timeout_s: float,
         expected_peers: frozenset[str] = frozenset(),
-        accept: Callable[[torch.Tensor], str] | None = None,
+        accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
     ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight``.
 
@@ -83,8 +83,9 @@ class Averager(Protocol):
                 time; an expected peer that never comes delays the group to the window, no further. An empty set
                 (the default) = no such knowledge: the group closes at the window or when it is full.
             accept: called once with the full result, a flat fp32 tensor (n,) (the inputs concatenated in order;
-                read-only, valid during the call only), on every member that holds it, before it votes to commit;
-                returns "" to vote normally, or a reason to refuse. A refusing member votes against the result (a
+                read-only, valid during the call only), and the peer ids whose contributions it holds (sorted), on
+                every member that holds it, before it votes to commit; returns "" to vote normally, or a reason to
+                refuse. A refusing member votes against the result (a
                 vote that matches nobody's), so every member fails with "aborted" and nobody commits, and its own
                 call raises ``RoundFailed("refused", reason)``; neither carries a ``voted`` result. A round of one
                 is checked too. Engines whose members end a call with different values ("moshpit", "gossip")
@@ -95,8 +96,9 @@ class Averager(Protocol):
 
         Raises:
             RoundFailed: no round committed (no peers, a member died or stalled, bad data, timeout, a member's
-                ``accept`` refused the result). If a member dies mid-call, the round aborts on every survivor;
-                nothing is applied anywhere.
+                ``accept`` refused the result). If a member dies mid-call, the survivors go on without it where
+                the engine can (``GroupAverager``'s butterfly round); otherwise the round aborts on every survivor;
+                a failed round is applied nowhere.
             ValueError: bad local input (non-finite tensors or weight, wrong dtype).
         """
         ...

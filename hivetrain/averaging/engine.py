@@ -221,7 +221,7 @@ class GroupAverager:
         epoch: int,
         timeout_s: float,
         expected_peers: frozenset[str] = frozenset(),
-        accept: Callable[[torch.Tensor], str] | None = None,
+        accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
     ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight`` (see ``base.Averager``).
 
@@ -378,7 +378,7 @@ class GroupAverager:
         decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected)
         ids = decl.member_ids()
         if len(ids) == 1:
-            refusal = accept(flat) if accept is not None else ""
+            refusal = accept(flat, tuple(ids)) if accept is not None else ""
             if refusal:
                 raise RoundFailed("refused", refusal)
             solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0)

@@ -88,7 +88,7 @@ def two_stage(
     *,
     out: torch.Tensor,
     residual_out: torch.Tensor | None,
-    accept: Callable[[torch.Tensor], str] | None,
+    accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None,
 ) -> RoundOutcome:
     """Average ``flat`` (fp32 (n,), our contribution, weight ``weight`` samples) with every participant ``ids`` of the
     declaration ``round_id`` (more than ``config.target_group_size`` of them) in the three stages of the module
@@ -97,7 +97,8 @@ def two_stage(
     Args:
         out: fp32 (n,) the result is written to.
         residual_out: fp32 (n,) or None: receives what the codec dropped from our row-stage contribution.
-        accept: the update bound on the result (``base.Averager.average``), checked at the column stage.
+        accept: the caller's check of the result (``base.Averager.average``), at the column stage; its contributors
+            are the declaration's participants (a member lost anywhere fails the grid's attempt anyway).
 
     Returns:
         The result: the epoch's sample-weighted mean in ``out``, bit-identical on every participant that commits;
@@ -112,6 +113,8 @@ def two_stage(
     r = next(i for i, row in enumerate(rows) if me in row)
     ours = [c for c, column in enumerate(columns) if column[r] == me]  # one column, two in a short row
     seed_tag = hashlib.sha256(f"{round_id}|columns".encode()).digest()[:16]
+    participants = tuple(sorted(ids))
+    everyone = None if accept is None else (lambda result, _: accept(result, participants))
     max_weight = config.max_samples_per_round * config.target_group_size
 
     def refuse(c: int, why: str) -> None:
@@ -119,7 +122,7 @@ def two_stage(
         instead of after a connect timeout waiting for us (a dead member cannot, of course)."""
         try:
             run(stage_id(round_id, "column", c), columns[c], torch.zeros_like(flat), 0.0, None, None,
-                order=columns[c], seed_tag=seed_tag, max_weight=max_weight, accept=lambda _: why)  # fmt: skip
+                order=columns[c], seed_tag=seed_tag, max_weight=max_weight, accept=lambda *_: why)  # fmt: skip
         except RoundFailed:
             pass
 
@@ -147,7 +150,7 @@ def two_stage(
         try:
             got = run(stage_id(round_id, "column", c), columns[c], row.flat, row.total_weight,
                       out if result is None else None, None, order=columns[c], seed_tag=seed_tag,
-                      max_weight=max_weight, accept=accept)  # fmt: skip
+                      max_weight=max_weight, accept=everyone)  # fmt: skip
         except RoundFailed as exc:
             failure = exc
             continue

@@ -1,5 +1,6 @@
 """Pure decisions after an averaging attempt: apply, retry, resync, carry, or stop (``decide_after_round``); whether a
-round of one may be applied (``may_commit_alone``); whether a group committed without us (``committed_without_us``);
+round of one may be applied (``may_commit_alone``), or a group's result (``group_holds_the_epoch``); whether a group
+committed without us (``committed_without_us``);
 which carried phases join the next round (``keep_carried``).
 
 Functions of the records peers published, our own view of the round and ``now``; no I/O. The trainer's round loop
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hivetrain.diloco.sync_policy import CatchUp, SyncTrust, decide_sync
+from hivetrain.peers.quorum import seniority_weights
 from hivetrain.peers.records import PeerRecord
 
 
@@ -57,6 +59,53 @@ def may_commit_alone(
             "a solo step would leave them behind again"
         )
     return True, "no other live trainer"
+
+
+def group_holds_the_epoch(
+    my_peer_id: str,
+    my_epoch: int,
+    group: Iterable[str],
+    records: Iterable[PeerRecord],
+    now: float,
+    stale_after_s: float,
+    trust: SyncTrust = SyncTrust(),
+) -> tuple[bool, str]:
+    """Whether a round's result may be applied: its contributors (``group``, us included) weigh at least as much as the
+    live trainers at our epoch (or computing for it) that are not in it.
+
+    Weights are ``quorum.seniority_weights`` (1 + the outer steps we committed in one group with a peer, capped; ours
+    as our most senior partner's); a peer we never committed a round with weighs 0 once we have committed with anyone,
+    1 while we have not (a joiner counts heads). Why: identities are free in an open run, and two that average
+    honestly but claim an epoch ahead formed a group with one honest peer whose partner and joiner were a second
+    late; the honest peer committed with them, the others formed a group of their own, and the two honest lineages
+    stayed apart for 6 epochs (chaos ``ahead-liars-3v2``, 2026-11-29). Refused, the round fails on every member (the
+    averager's ``accept``) and is retried with the peers we train with. Without seniority (a new run) the rule is a
+    plain majority of heads, which a group of one honest peer and Sybils can still win: admission closes that.
+    Banned, departed, paused and stale trainers do not count; nor do those behind our epoch (they follow us) or ahead
+    of it (claims ahead are the resync rules' evidence, and liars claim one epoch ahead)."""
+    members = set(group) | {my_peer_id}
+    weights = seniority_weights(trust.seniority, my_peer_id)
+    weight = (lambda p: weights.get(p, 0.0)) if weights else (lambda p: 1.0)
+    outside = [
+        r.peer_id
+        for r in records
+        if r.peer_id not in members
+        and r.role == "trainer"
+        and not r.left_reason
+        and not r.paused
+        and r.peer_id not in trust.banned
+        and now - r.updated_at <= stale_after_s
+        and (r.epoch == my_epoch or r.phase_epoch == my_epoch)
+    ]
+    inside_mass = sum(weight(p) for p in members)
+    outside_mass = sum(weight(p) for p in set(outside))
+    if inside_mass >= outside_mass:  # a tie commits, as before this rule (refusing it could stall half a swarm)
+        return True, ""
+    return False, (
+        f"the round's {len(members)} contributor(s) weigh {inside_mass:g} against {outside_mass:g} for "
+        f"{len(set(outside))} live trainer(s) of epoch {my_epoch} outside it (rounds committed together): "
+        "applying it could split the peers we train with"
+    )
 
 
 def committed_without_us(

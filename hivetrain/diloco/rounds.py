@@ -45,6 +45,7 @@ from hivetrain.diloco.round_policy import (
     backoff_jitter,
     committed_without_us,
     decide_after_round,
+    group_holds_the_epoch,
     keep_carried,
 )
 from hivetrain.diloco.state import TrainingState
@@ -222,6 +223,7 @@ class RoundRunner:
         # norms of our last committed updates (``update_bound``); a state download keeps them: the run's scale stays
         self.norms = UpdateNorms(config.averaging.update_norm_window)
         self._checked_norm: float | None = None  # the norm ``_accept`` computed for the round in progress
+        self._epoch = -1  # the epoch of the round in progress (``_accept``)
         self.rounds_failed = 0
         self.last_failure = ""
         self.catch_up_wait_s = catch_up_wait_s
@@ -257,7 +259,7 @@ class RoundRunner:
             sent, weight = given["tensors"], float(given["weight"])
             result, failure = None, ""
             expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
-            self._checked_norm = None
+            self._checked_norm, self._epoch = None, epoch
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
                 result = self.averager.average(
@@ -324,11 +326,20 @@ class RoundRunner:
             # in lockstep
             self.stop.wait(policy.backoff_s * (1.0 + 0.5 * backoff_jitter(self.peer_id, epoch, attempt)))
 
-    def _accept(self, flat: torch.Tensor) -> str:
-        """``Averager.average``'s ``accept`` (butterfly): "" or why the round's averaged Δ̄ (fp32 (n,)) is refused."""
+    def _accept(self, flat: torch.Tensor, contributors: tuple[str, ...]) -> str:
+        """``Averager.average``'s ``accept`` (butterfly): "" or why the round's averaged Δ̄ (fp32 (n,)) from
+        ``contributors`` is refused: beyond the bound on the outer step (``update_bound``), or from a group that does
+        not outweigh the live trainers of our epoch left out of it (``round_policy.group_holds_the_epoch``)."""
         norm = self._checked_norm = l2_norm([flat])
         cfg = self.config.averaging
         ok, why = update_bound(norm, self.norms.history, cfg.max_update_ratio, cfg.update_norm_min_history)
+        if not ok:
+            return why
+        if len(contributors) > 1:  # a round of one: ``may_commit_alone`` decides after the call
+            ok, why = group_holds_the_epoch(
+                self.peer_id, self._epoch, contributors, self.view.records, get_dht_time(), self.stale_after_s,
+                self.trust(),
+            )  # fmt: skip
         return "" if ok else why
 
     def _refuse_step(self, state: TrainingState, theta: list[torch.Tensor]) -> str:

@@ -301,25 +301,52 @@ class RoundEngine:
         return two_stage_cost(ids, self.wire_bytes, *links, self.avg.target_group_size, round_id)
 
     def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
-        """One mean for every participant of the epoch's declaration (``averaging.hierarchical`` past one group);
-        all-or-nothing: a member gone before the end fails the round for all, who notice part_timeout_s later."""
+        """One mean for every participant of the epoch's declaration (``averaging.hierarchical`` past one group).
+
+        One group (``averaging.allreduce``): a member that leaves mid-round is dropped, and the others commit while a
+        strict majority of the declared members is left. One that leaves during the scatter (the first half of the
+        round's cost) is simply not counted: the reducers wait ``part_timeout_s`` for its part, and its slice moves to
+        another member (1/k of a scatter more). One that leaves during the gather costs ``part_timeout_s`` and one
+        more gather among the survivors (half their round's cost). The two-stage grid, and a network partition, are
+        all-or-nothing: the others fail ``part_timeout_s`` after the first loss."""
         st = self.sim.state
         cost = self._cost(slots, decl.round_id)
         finish = now + cost.duration_s
-        first_gone = min(float(st.f["leaves_at"][slots].min()), self.sim.partition.cut_s(slots, now))
+        leaves = st.f["leaves_at"][slots]
+        cut = self.sim.partition.cut_s(slots, now)
+        alive = np.ones(len(slots), bool)
+        regathers: list[tuple[np.ndarray, Transfer]] = []  # (the survivors, their round's cost) per member dropped
+        if len(slots) <= self.avg.target_group_size and cut >= finish:
+            scatter_end = now + cost.duration_s / 2
+            for k in np.argsort(leaves, kind="stable"):
+                if leaves[k] >= finish or 2 * (alive.sum() - 1) <= len(slots) or alive.sum() - 1 < 2:
+                    break
+                alive[k] = False
+                noticed = float(leaves[k]) + self.avg.part_timeout_s
+                if leaves[k] < scatter_end:  # not in the contributors: wait for its part, then resend its slice
+                    finish += max(0.0, noticed - scatter_end) + cost.duration_s / (2 * len(slots))
+                else:
+                    regathers.append((slots[alive], self._cost(slots[alive])))
+                    finish = max(finish, noticed) + regathers[-1][1].duration_s / 2
+            self.sim.metrics.count("round.members_dropped", int((~alive).sum()))
+        first_gone = min(float(leaves[alive].min()), cut)
         if first_gone < finish:  # all-or-nothing: the others notice the silence after part_timeout_s
-            self.sim.partition.cut_groups += int(first_gone < float(st.f["leaves_at"][slots].min()))
+            self.sim.partition.cut_groups += int(cut < float(leaves[alive].min()))
             yield self.sim.env.timeout(first_gone - now + self.avg.part_timeout_s)
             self.fail([int(s) for s in slots if st.i["status"][s] == AVERAGING], epoch, "member died", self.sim.env.now)
             return
-        yield self.sim.env.timeout(cost.duration_s)
-        avg, _ = group_means(st.delta[slots], st.f["weight"][slots], np.zeros(len(slots), np.int64))
+        yield self.sim.env.timeout(finish - now)
+        kept = slots[alive]
+        avg, _ = group_means(st.delta[kept], st.f["weight"][kept], np.zeros(len(kept), np.int64))
         self._account(slots, cost)
+        for survivors, extra in regathers:  # each survivor sends its reduced slice again and re-receives the others'
+            st.f["bytes_sent"][survivors] += extra.sent_bytes // 2
+            st.f["bytes_received"][survivors] += extra.received_bytes // 2
         # every member applies the same averaged pseudo-gradient to the state it held: members that came from
         # different groups of the last epoch (several groups per epoch) still hold different states after it
-        held = [st.state_hash[int(s)] for s in slots]
+        held = [st.state_hash[int(s)] for s in kept]
         hashes = decl.round_id if len(set(held)) == 1 else [state_hash_of(decl.round_id, h) for h in held]
-        self._commit(slots, avg, epoch, hashes, self.sim.env.now)
+        self._commit(kept, avg, epoch, hashes, self.sim.env.now)
 
     def _mixing(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
         """Moshpit / gossip (``averaging.engine._mixing``): rounds in derived groups, each all-or-nothing."""

@@ -230,3 +230,14 @@ def test_contributors_are_those_every_have_frame_holds_with_one_weight() -> None
     assert agree_contributors(haves, order)[0] == {"b", "c", "d"}
     haves["b"] = {"have": {"zz": 1.0}}  # malformed: b's HAVE does not count, nor does b
     assert "b" not in agree_contributors(haves, order)[0]
+
+
+def test_without_a_strict_majority_of_the_declared_members_nobody_commits(servers) -> None:
+    """The two sides of a network partition each go on without the other: only a strict majority of the members the
+    round was declared with may commit, so at most one side does. Two of four leaving leaves two: nobody commits."""
+    early, late = FaultInjector(), FaultInjector()
+    early.arm(Fault("averaging.before_send", "raise"))
+    late.arm(Fault("averaging.after_reduce", "raise"))
+    results, _ = _round(servers, 4, 4001, faults={0: early, 3: late})
+    assert all(isinstance(r, RoundFailed) for r in results), results
+    assert {results[1].reason, results[2].reason} == {"aborted"}, results

@@ -31,11 +31,12 @@ class Check:
 
     def __init__(self, history: tuple[float, ...], max_ratio: float = 10.0):
         self.history, self.max_ratio = history, max_ratio
-        self.calls, self.refusals = 0, []
+        self.calls, self.refusals, self.contributors = 0, [], []
 
-    def __call__(self, flat: torch.Tensor) -> str:
+    def __call__(self, flat: torch.Tensor, contributors: tuple[str, ...]) -> str:
         assert flat.dtype == torch.float32 and flat.dim() == 1
         self.calls += 1
+        self.contributors.append(contributors)
         ok, why = update_bound(l2_norm([flat]), self.history, self.max_ratio, min_history=3)
         if not ok:
             self.refusals.append(why)
@@ -70,6 +71,7 @@ def test_an_update_50x_the_recent_median_is_refused_on_every_member_and_applied_
     results = _average(avgs, inputs, checks)
     _assert_nobody_committed(results, inputs, kept)
     assert all(c.calls == 1 and len(c.refusals) == 1 for c in checks)
+    assert all(c.contributors == [tuple(sorted(a.node.peer_id for a in avgs))] for c in checks)
     assert all(r.reason == "refused" for r in results)  # each refused it itself
     ratio = float(checks[0].refusals[0].split(" is ")[1].split("x")[0])
     assert 40 < ratio < 60, checks[0].refusals[0]
@@ -102,3 +104,4 @@ def test_a_round_of_one_is_checked_too(make_averagers) -> None:
     assert failed.value.reason == "refused" and failed.value.voted is None and check.calls == 1
     result = avg.average(_unit(0), 1.0, 1, 10.0, accept=check)
     assert result.group == (avg.node.peer_id,) and check.calls == 2 and len(check.refusals) == 1
+    assert check.contributors == [(avg.node.peer_id,)] * 2

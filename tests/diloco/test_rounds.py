@@ -53,7 +53,8 @@ class ScriptedAverager:
             outcome = outcome()
         if isinstance(outcome, Exception):
             raise outcome
-        refusal = accept(torch.cat([t.reshape(-1) for t in outcome.tensors])) if accept is not None else ""
+        flat = torch.cat([t.reshape(-1) for t in outcome.tensors])
+        refusal = accept(flat, tuple(sorted(outcome.group))) if accept is not None else ""
         if refusal:
             raise RoundFailed("refused", refusal)
         return outcome

@@ -6,6 +6,7 @@ from hivetrain.diloco.round_policy import (
     backoff_jitter,
     committed_without_us,
     decide_after_round,
+    group_holds_the_epoch,
     keep_carried,
     may_commit_alone,
 )
@@ -484,3 +485,27 @@ def test_who_vouches_for_a_state_the_coordinator_or_our_seniors_never_a_count_of
     # a fork at our epoch settled by our seniors is vouched too
     d = decide_sync("me", 4, "mine", [rec("a", 4, "theirs"), rec("b", 4, "theirs")], NOW, 30, trust=seniors)
     assert d.forked and d.vouched
+
+
+def test_a_group_of_one_honest_peer_and_sybils_does_not_outweigh_the_peers_it_trains_with():
+    """Chaos ahead-liars-3v2, 2026-11-29: peer0 and two fresh identities (averaging honestly, claiming one epoch ahead
+    in their records) formed a group at epoch 9; peer1 and the joiner, a second late, formed their own: two honest
+    lineages for 6 epochs. A round's result is applied only if its contributors weigh at least as much (rounds
+    committed with us) as the live trainers of our epoch left out of it."""
+    trust = SyncTrust(seniority={"peer1": 8, "joiner": 6})
+    records = [rec("peer1", 9, "h9"), rec("joiner", 9, "h9"), rec("x", 10, "lie"), rec("y", 10, "lie")]
+    ok, why = group_holds_the_epoch("peer0", 9, ("peer0", "x", "y"), records, NOW, 30, trust)
+    assert not ok and "weigh 9 against 16" in why  # ours: our most senior partner's 1 + 8; fresh identities 0
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "peer1", "joiner", "x", "y"), records, NOW, 30, trust)[0]
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "peer1"), records, NOW, 30, trust)[0], "9 + 9 against 7"
+    # who does not count outside: peers behind or ahead of our epoch, stale, paused, departed or banned ones
+    others = [rec("peer1", 8, "h8"), rec("joiner", 9, "h9", age=31.0)]
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "x"), others, NOW, 30, trust)[0]
+    paused = [peer_record("peer1", 9, NOW, state_hash="h9", paused=True)]
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "x"), paused, NOW, 30, trust)[0]
+    banned = SyncTrust(seniority={"peer1": 8}, banned=frozenset({"peer1"}))
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "x"), [rec("peer1", 9, "h9")], NOW, 30, banned)[0]
+    # a tie commits (two halves of a swarm would otherwise both wait), as does a joiner, who counts heads
+    assert group_holds_the_epoch("a", 9, ("a",), [rec("b", 9, "h")], NOW, 30, SyncTrust(seniority={"b": 3}))[0]
+    assert group_holds_the_epoch("j", 9, ("j", "x"), [rec("p", 9, "h")], NOW, 30)[0]
+    assert not group_holds_the_epoch("j", 9, ("j",), [rec("p", 9, "h"), rec("q", 9, "h")], NOW, 30)[0]
