@@ -107,7 +107,7 @@ from hivetrain.averaging.reduce import (
     weighted_mean_into,
 )
 from hivetrain.averaging.robust import NoValidContribution
-from hivetrain.averaging.transport import RoundTransport
+from hivetrain.averaging.transport import PeerFailed, RoundTransport
 from hivetrain.averaging.wire import FrameType, mac
 from hivetrain.faults import FaultInjected, FaultInjector, HookPoint
 from hivetrain.peers.bans import BanList
@@ -121,9 +121,12 @@ class ButterflyRound:
     """Runs one round; create one per round, call ``run`` once from the round thread.
 
     ``order``: the members' order (the slice cut and the order contributions are summed in); default sorted by peer
-    id. ``seed_tag``: what the robust aggregation's bucketing seed derives from instead of the subround's tag. The
+    id. ``seed_tag``: what the robust aggregation's bucketing seed derives from instead of the round's tag. The
     columns of the two-stage all-reduce (``groups.hierarchy``) pass both, so that every column, whatever its
-    members' ids, computes the same bytes from the same row means.
+    members' ids, computes the same bytes from the same row means. ``drop_failed``: go on without members that fail
+    (the module docstring); False = all-or-nothing, any member lost fails the round for every member: the columns
+    and confirms of the two-stage all-reduce, where a column without a member's row would compute another mean than
+    the others (and a column without a whole late row the same mean as the others, committing without that row).
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class ButterflyRound:
         accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
         order: Sequence[str] | None = None,
         seed_tag: bytes | None = None,
+        drop_failed: bool = True,
     ):
         self.round_id, self.me = round_id, me
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
@@ -152,7 +156,7 @@ class ButterflyRound:
             if sorted(order) != list(self.members):
                 raise ValueError("order must list every member exactly once")
             self.members = {p: self.members[p] for p in order}
-        self.seed_tag = seed_tag
+        self.seed_tag, self.drop_failed = seed_tag, drop_failed
         if me not in self.members:
             raise ValueError("we are not a member of this round")
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
@@ -283,6 +287,9 @@ class ButterflyRound:
         others = [p for p in order if p != me]
         gone: set[str] = self.transport.open(deadline)
         self._mark("connect")
+        if gone and not self.drop_failed:
+            failures = self.transport.read(lambda ib: {p: ib.errors.get(p, "") for p in sorted(gone)})
+            raise PeerFailed("peer_failed", f"connecting: {failures}")
         for p in sorted(gone):
             logger.warning("round %s: no link to %s (%s): going on without it", self.round_id[:8], p,
                            self.transport.read(lambda ib, p=p: ib.errors.get(p, "")))  # fmt: skip
@@ -363,6 +370,8 @@ class ButterflyRound:
 
     def _drop(self, p: str, what: str) -> None:
         why = self.transport.read(lambda ib: ib.errors.get(p, ""))
+        if not self.drop_failed:
+            raise PeerFailed("peer_failed", f"{what}: {p}: {why}")
         logger.warning("round %s: %s failed (%s: %s): going on without it", self.round_id[:8], p, what, why)
         self.transport.drop(p, why)
 
@@ -575,6 +584,9 @@ class ButterflyRound:
         if unsent:  # still queued behind our RESULT frames: it reaches them after they gave up
             exc = RoundFailed("timeout", f"our vote to {unsent} did not leave before the votes deadline")
             raise self._voted(exc, removed, weights)
+        if result is not self._out:  # committed after a repair: the caller's ``out`` gets the result too
+            self._out.copy_(result)  # type: ignore[union-attr]
+            result = self._out
         bytes_sent, bytes_received = self.transport.byte_counts()
         return RoundOutcome(
             flat=result,

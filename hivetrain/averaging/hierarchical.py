@@ -25,11 +25,13 @@ full grid):
 
 All-or-nothing per attempt: every column holds a member of every row, so one failed column (a refusal, too few
 members) shows as a -1 in every row's confirm and nobody applies anything; a failed row refuses its columns, so every
-column fails. A butterfly round goes on without a member that dies or stalls (``allreduce``), which here would leave
-a column without that member's row, computing another mean than the others: every other row has a member in that
-column and sees its digest differ, and the dead member's own row has a member missing from its confirm, which fails
-it too (only a whole row confirms). So a member lost at any stage still fails the grid's attempt everywhere; making
-the grid keep the survivors (a row-mate standing in for a dead column member) is issue 23's next step. The caller's
+column fails. A row goes on without a member that dies or stalls (``allreduce``), but columns and confirms are
+all-or-nothing (``drop_failed=False``): a column going on without a member would lack that member's row and compute
+another mean, and columns that all went on without a whole row late to them (its members still in their row round)
+computed the same mean without it, so the grid committed while that row failed (chaos rows-and-columns-kill beside 2
+CPU hogs, 2026-11-29). A confirm also needs the whole row. So a member lost at any stage still fails the grid's
+attempt everywhere; making the grid keep the survivors (a row-mate standing in for a dead column member) is issue
+23's next step. The caller's
 retry matches again without the dead peer, with the survivors' contributions (their samples are carried, not lost:
 there is no other group's state to be behind). The two-phase-commit gap of one column round (a member that voted and
 then missed a vote) fails that member's row while the others commit; the row's members then follow the committed
@@ -122,7 +124,8 @@ def two_stage(
         instead of after a connect timeout waiting for us (a dead member cannot, of course)."""
         try:
             run(stage_id(round_id, "column", c), columns[c], torch.zeros_like(flat), 0.0, None, None,
-                order=columns[c], seed_tag=seed_tag, max_weight=max_weight, accept=lambda *_: why)  # fmt: skip
+                order=columns[c], seed_tag=seed_tag, max_weight=max_weight, accept=lambda *_: why,
+                drop_failed=False)  # fmt: skip
         except RoundFailed:
             pass
 
@@ -150,7 +153,7 @@ def two_stage(
         try:
             got = run(stage_id(round_id, "column", c), columns[c], row.flat, row.total_weight,
                       out if result is None else None, None, order=columns[c], seed_tag=seed_tag,
-                      max_weight=max_weight, accept=everyone)  # fmt: skip
+                      max_weight=max_weight, accept=everyone, drop_failed=False)  # fmt: skip
         except RoundFailed as exc:
             failure = exc
             continue
@@ -166,7 +169,8 @@ def two_stage(
     if k == 1:  # nobody to confirm with: our column's outcome is our row's
         confirm = RoundOutcome(mine, (me,), (), 1.0, 0, 0)
     else:
-        confirm = run(stage_id(round_id, "confirm", r), rows[r], mine, 1.0, None, None, config=plain)
+        confirm = run(stage_id(round_id, "confirm", r), rows[r], mine, 1.0, None, None, config=plain,
+                      drop_failed=False)  # fmt: skip
     if failure is not None:
         raise failure
     if len(confirm.contributors) != k:

@@ -94,7 +94,7 @@ def test_an_oversized_frame_header_is_refused_before_reading_it(servers) -> None
     assert _wait_until(lambda: server.rejected == 1, 3.0)
 
 
-def _round(servers, num: int, numel: int, faults=None, deadline_s: float = 20.0, **cfg) -> list:
+def _round(servers, num: int, numel: int, faults=None, deadline_s: float = 20.0, drop_failed=True, outs=None, **cfg):
     config = AveragingConfig(**{"part_timeout_s": 1.0, "connect_timeout_s": 1.0, "commit_timeout_s": 1.0, **cfg})
     srv = [servers(part_timeout_s=config.part_timeout_s) for _ in range(num)]  # it times out inbound links
     secrets = [X25519PrivateKey.generate() for _ in range(num)]
@@ -102,13 +102,17 @@ def _round(servers, num: int, numel: int, faults=None, deadline_s: float = 20.0,
     members = [Member(ids[i], "127.0.0.1", srv[i].port, _public(secrets[i])) for i in range(num)]
     rounds = [
         ButterflyRound(round_id="r", members=members, me=ids[i], secret=secrets[i], server=srv[i], config=config,
-                       faults=(faults or {}).get(i, NO_FAULTS), epoch=0, bans=BanList(), pool=BufferPool())
+                       faults=(faults or {}).get(i, NO_FAULTS), epoch=0, bans=BanList(), pool=BufferPool(),
+                       drop_failed=drop_failed)
         for i in range(num)
     ]  # fmt: skip
     g = torch.Generator().manual_seed(0)
     flats = [torch.randn(numel, generator=g) for _ in range(num)]
     results = run_threads(
-        [lambda r=r, f=f: r.run(f, 1.0, time.monotonic() + deadline_s) for r, f in zip(rounds, flats, strict=False)],
+        [
+            lambda r=r, f=f, o=o: r.run(f, 1.0, time.monotonic() + deadline_s, out=o)
+            for r, f, o in zip(rounds, flats, outs or [None] * num, strict=True)
+        ],
         deadline_s + 5,
     )
     return results, flats
@@ -241,3 +245,25 @@ def test_without_a_strict_majority_of_the_declared_members_nobody_commits(server
     results, _ = _round(servers, 4, 4001, faults={0: early, 3: late})
     assert all(isinstance(r, RoundFailed) for r in results), results
     assert {results[1].reason, results[2].reason} == {"aborted"}, results
+
+
+def test_an_all_or_nothing_round_fails_everywhere_when_a_member_dies(servers) -> None:
+    """``drop_failed=False`` (the two-stage grid's columns and confirms): a member lost fails the round for all."""
+    dying = FaultInjector()
+    dying.arm(Fault("averaging.after_reduce", "raise"))
+    results, _ = _round(servers, 4, 4001, faults={2: dying}, drop_failed=False)
+    assert all(isinstance(r, RoundFailed) for r in results), results
+    assert {results[i].reason for i in (0, 1, 3)} <= {"peer_failed", "aborted"}, results
+
+
+def test_a_result_committed_after_a_repair_is_in_the_callers_buffer(servers) -> None:
+    """The two-stage grid reads its column's result from the ``out`` it passed: after a member was dropped the result
+    is reduced into another buffer, and must still end in ``out``."""
+    dying = FaultInjector()
+    dying.arm(Fault("averaging.after_reduce", "raise"))
+    outs = [torch.full((4001,), float("nan")) for _ in range(4)]
+    results, flats = _round(servers, 4, 4001, faults={1: dying}, outs=outs)
+    for i in (0, 2, 3):
+        assert isinstance(results[i], RoundOutcome), results[i]
+        assert results[i].flat is outs[i] and torch.equal(outs[i], results[0].flat)
+    torch.testing.assert_close(outs[0], _survivors_mean(flats, {1}), atol=1e-6, rtol=0)
