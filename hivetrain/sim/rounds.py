@@ -303,11 +303,12 @@ class RoundEngine:
     def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
         """One mean for every participant of the epoch's declaration (``averaging.hierarchical`` past one group).
 
-        One group (``averaging.allreduce``): a member that leaves mid-round is dropped, and the others commit while a
-        strict majority of the declared members is left. One that leaves during the scatter (the first half of the
-        round's cost) is simply not counted: the reducers wait ``part_timeout_s`` for its part, and its slice moves to
-        another member (1/k of a scatter more). One that leaves during the gather costs ``part_timeout_s`` and one
-        more gather among the survivors (half their round's cost). The two-stage grid, and a network partition, are
+        One group with ``averaging.drop_failed`` (``averaging.allreduce``): a member that leaves mid-round is
+        dropped, and the others commit while a strict majority of the declared members is left. One that leaves
+        during the scatter (the first half of the round's cost) is simply not counted: the reducers wait
+        ``part_timeout_s`` for its part, and its slice moves to another member (1/k of a scatter more). One that
+        leaves during the gather costs ``part_timeout_s`` and one more gather among the survivors (half their
+        round's cost). Otherwise, and in the two-stage grid or a network partition, rounds are
         all-or-nothing: the others fail ``part_timeout_s`` after the first loss."""
         st = self.sim.state
         cost = self._cost(slots, decl.round_id)
@@ -316,7 +317,7 @@ class RoundEngine:
         cut = self.sim.partition.cut_s(slots, now)
         alive = np.ones(len(slots), bool)
         regathers: list[tuple[np.ndarray, Transfer]] = []  # (the survivors, their round's cost) per member dropped
-        if len(slots) <= self.avg.target_group_size and cut >= finish:
+        if self.avg.drop_failed and len(slots) <= self.avg.target_group_size and cut >= finish:
             scatter_end = now + cost.duration_s / 2
             for k in np.argsort(leaves, kind="stable"):
                 if leaves[k] >= finish or 2 * (alive.sum() - 1) <= len(slots) or alive.sum() - 1 < 2:

@@ -160,7 +160,9 @@ def test_a_stalled_member_is_dropped_within_the_part_timeout(make_averagers, poi
     two-phase-commit gap) unless they had not voted yet; nobody ever commits two results."""
     staller = FaultInjector()
     staller.arm(Fault(point, "sleep", seconds=4.0))
-    avgs = make_averagers(3, AveragingConfig(target_group_size=3, **FAST), faults=[None, None, staller])
+    avgs = make_averagers(
+        3, AveragingConfig(target_group_size=3, drop_failed=True, **FAST), faults=[None, None, staller]
+    )
     inputs = _inputs(3)
     done_at: list[float] = [0.0] * 3
 

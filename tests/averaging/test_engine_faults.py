@@ -19,7 +19,7 @@ from hivetrain.averaging import AveragingConfig, RoundFailed, RoundResult
 
 from .conftest import LOOPBACK, run_threads
 
-CONFIG = dict(target_group_size=3, matchmaking_time_s=1.0, part_timeout_s=2.0, commit_timeout_s=2.0,
+CONFIG = dict(target_group_size=3, matchmaking_time_s=1.0, part_timeout_s=2.0, commit_timeout_s=2.0, drop_failed=True,
               connect_timeout_s=2.0)  # fmt: skip
 NUM_ELEMENTS = 1_000_000
 POINTS = ["averaging.before_send", "averaging.mid_transfer", "averaging.after_reduce", "averaging.before_commit"]

@@ -173,8 +173,8 @@ def test_a_member_leaving_mid_round_costs_only_its_own_samples_in_one_group() ->
     keeps more of what it computed than the same swarm in the all-or-nothing two-stage grid (rows of 8)."""
     churn = {"session": "exponential", "mean_session_s": 900.0}
     sim = {"model_bytes": 100_000_000, "outer_steps": 4}
-    one = _summary(tiny(sim=sim, churn=churn))
-    grid = _summary(tiny(sim=sim, churn=churn, averaging={"target_group_size": 8}))
+    one = _summary(tiny(sim=sim, churn=churn, averaging={"drop_failed": True}))
+    grid = _summary(tiny(sim=sim, churn=churn, averaging={"target_group_size": 8, "drop_failed": True}))
     assert one["decisions"]["round.members_dropped"] > 10
     assert one["decisions"].get("round_failed.member died", 0) < 0.2 * grid["decisions"]["round_failed.member died"]
     assert one["committed_sample_share"] > 2 * grid["committed_sample_share"]
