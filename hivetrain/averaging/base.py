@@ -97,8 +97,8 @@ class Averager(Protocol):
         Raises:
             RoundFailed: no round committed (no peers, a member died or stalled, bad data, timeout, a member's
                 ``accept`` refused the result). If a member dies mid-call, the survivors go on without it where
-                the engine can (``GroupAverager``'s butterfly round); otherwise the round aborts on every survivor;
-                a failed round is applied nowhere.
+                the engine can and is asked to (``GroupAverager``'s butterfly round with ``drop_failed``);
+                otherwise the round aborts on every survivor; a failed round is applied nowhere.
             ValueError: bad local input (non-finite tensors or weight, wrong dtype).
         """
         ...
