@@ -333,7 +333,8 @@ class ButterflyRound:
         for p in others:
             if p not in gone:
                 self._send(p, FrameType.HAVE, 0, have_meta)
-        no_have = lambda: [p for p in others if p not in gone and p not in inbox.haves]  # noqa: E731
+        # not from a member whose part we found bad: we read nothing more from it (``StopReading``), and it is out
+        no_have = lambda: [p for p in others if p not in gone and p not in bad and p not in inbox.haves]  # noqa: E731
         self._until(lambda: not no_have(), no_have, gone, deadline, "waiting for HAVE frames")
         haves = {me: have_meta, **self.transport.read(lambda ib: dict(ib.haves))}
         contributors, weights = agree_contributors(haves, order)
