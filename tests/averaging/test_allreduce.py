@@ -188,6 +188,7 @@ def test_a_member_that_stalls_past_the_part_timeout_is_dropped_and_the_others_co
     stalling = FaultInjector()
     stalling.arm(Fault("averaging.after_reduce", "sleep", seconds=3.0))
     results, flats = _round(servers, 4, 4001, faults={1: stalling})
+    assert stalling.fired_count("averaging.after_reduce") == 1
     assert isinstance(results[1], RoundFailed), results[1]
     survivors = [results[i] for i in (0, 2, 3)]
     assert all(isinstance(r, RoundOutcome) for r in survivors), survivors
@@ -200,6 +201,7 @@ def test_two_members_dying_at_different_stages_leave_the_rest_one_result(servers
     early.arm(Fault("averaging.before_send", "raise"))
     late.arm(Fault("averaging.after_reduce", "raise"))
     results, flats = _round(servers, 5, 5003, faults={0: early, 3: late}, compression="int8")
+    assert early.fired_count("averaging.before_send") == 1 and late.fired_count("averaging.after_reduce") == 1
     survivors = [results[i] for i in (1, 2, 4)]
     assert all(isinstance(r, RoundOutcome) for r in survivors), results
     assert all(torch.equal(r.flat, survivors[0].flat) for r in survivors)
@@ -213,6 +215,7 @@ def test_a_member_dying_just_before_the_vote_never_leaves_two_results(servers) -
     dying = FaultInjector()
     dying.arm(Fault("averaging.before_commit", "raise"))
     results, flats = _round(servers, 4, 4001, faults={3: dying})
+    assert dying.fired_count("averaging.before_commit") == 1
     committed = [r for r in results if isinstance(r, RoundOutcome)]
     assert all(torch.equal(r.flat, committed[0].flat) and r.excluded == ("peer3",) for r in committed)
     assert not committed or len(committed) == 3, results
@@ -243,6 +246,7 @@ def test_without_a_strict_majority_of_the_declared_members_nobody_commits(server
     early.arm(Fault("averaging.before_send", "raise"))
     late.arm(Fault("averaging.after_reduce", "raise"))
     results, _ = _round(servers, 4, 4001, faults={0: early, 3: late})
+    assert early.fired_count("averaging.before_send") == 1 and late.fired_count("averaging.after_reduce") == 1
     assert all(isinstance(r, RoundFailed) for r in results), results
     assert {results[1].reason, results[2].reason} == {"aborted"}, results
 
@@ -252,6 +256,7 @@ def test_an_all_or_nothing_round_fails_everywhere_when_a_member_dies(servers) ->
     dying = FaultInjector()
     dying.arm(Fault("averaging.after_reduce", "raise"))
     results, _ = _round(servers, 4, 4001, faults={2: dying}, drop_failed=False)
+    assert dying.fired_count("averaging.after_reduce") == 1
     assert all(isinstance(r, RoundFailed) for r in results), results
     assert {results[i].reason for i in (0, 1, 3)} <= {"peer_failed", "aborted"}, results
 
@@ -263,6 +268,7 @@ def test_a_result_committed_after_a_repair_is_in_the_callers_buffer(servers) -> 
     dying.arm(Fault("averaging.after_reduce", "raise"))
     outs = [torch.full((4001,), float("nan")) for _ in range(4)]
     results, flats = _round(servers, 4, 4001, faults={1: dying}, outs=outs)
+    assert dying.fired_count("averaging.after_reduce") == 1
     for i in (0, 2, 3):
         assert isinstance(results[i], RoundOutcome), results[i]
         assert results[i].flat is outs[i] and torch.equal(outs[i], results[0].flat)
