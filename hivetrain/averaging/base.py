@@ -68,6 +68,7 @@ class Averager(Protocol):
         timeout_s: float,
         expected_peers: frozenset[str] = frozenset(),
         accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
+        patience_s: float = 0.0,
     ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight``.
 
@@ -80,7 +81,8 @@ class Averager(Protocol):
                 its DHT records show at that epoch; ours may be in it or not. The group closes as soon as every one
                 of them (peers we banned aside) is ready, instead of waiting out the matchmaking window: the window
                 is only for peers not yet visible. A peer missing from the set is still grouped if it is ready in
-                time; an expected peer that never comes delays the group to the window, no further. An empty set
+                time; an expected peer that never comes delays the group to the window (and ``patience_s``), no
+                further. An empty set
                 (the default) = no such knowledge: the group closes at the window or when it is full.
             accept: called once with the full result, a flat fp32 tensor (n,) (the inputs concatenated in order;
                 read-only, valid during the call only), and the peer ids whose contributions it holds (sorted), on
@@ -90,6 +92,10 @@ class Averager(Protocol):
                 call raises ``RoundFailed("refused", reason)``; neither carries a ``voted`` result. A round of one
                 is checked too. Engines whose members end a call with different values ("moshpit", "gossip")
                 ignore it: there the caller checks its own applied step. None = accept every result.
+            patience_s: while an expected peer is not ready, the group waits this long past the matchmaking window
+                for it (at least the grace a DHT store takes to show), seconds, in [0, ``timeout_s``): the caller's
+                estimate of what a slow expected peer still needs, e.g. one inner step of a starved volunteer.
+                A peer that never comes costs the group this much at most.
 
         Returns:
             The committed round.

@@ -222,6 +222,7 @@ class GroupAverager:
         timeout_s: float,
         expected_peers: frozenset[str] = frozenset(),
         accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
+        patience_s: float = 0.0,
     ) -> RoundResult:
         """Average ``tensors`` with the peers ready at ``epoch``, weighted by ``weight`` (see ``base.Averager``).
 
@@ -237,6 +238,8 @@ class GroupAverager:
             accept: "butterfly" only (see ``base.Averager``): checks the flat fp32 (n,) result before we vote (a
                 solo result before it is returned); a non-empty reason refuses it: RoundFailed("refused") here,
                 "aborted" on every other member. "moshpit"/"gossip" ignore it.
+            patience_s: while an expected peer is not ready, the group waits this long past its window, seconds
+                (at least the declare grace; see ``base.Averager``).
 
         Returns:
             RoundResult: the mean (fp32, input shapes), bit-identical on every member for "butterfly".
@@ -255,6 +258,8 @@ class GroupAverager:
         self._check_input(tensors, weight, epoch, timeout_s)
         if not isinstance(expected_peers, frozenset) or not all(isinstance(p, str) for p in expected_peers):
             raise TypeError("expected_peers must be a frozenset of peer id strings")
+        if isinstance(patience_s, bool) or not isinstance(patience_s, int | float) or not 0 <= patience_s < timeout_s:
+            raise ValueError(f"patience_s must be a number in [0, timeout_s={timeout_s}), got {patience_s!r}")
         if not self._started.is_set() or self._closed:
             raise RuntimeError("GroupAverager is not running: call start() first")
         deadline = started + timeout_s
@@ -272,7 +277,7 @@ class GroupAverager:
                     torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
                 # a zero-weight contribution counts for nothing: it neither carries nor consumes the residual
                 residual = self._feedback.apply(flat) if self._feedback is not None and weight > 0 else None
-                args = (flat, float(weight), epoch, deadline, residual, expected_peers)
+                args = (flat, float(weight), epoch, deadline, residual, expected_peers, float(patience_s))
                 if self.config.strategy == "butterfly":
                     outcome, round_id, group = self._butterfly(*args, accept=accept)
                 else:
@@ -320,7 +325,7 @@ class GroupAverager:
         return frozenset(r.peer_id for r in self.bans.active(time.time()))
 
     def _match(
-        self, round_key: str, target: int, deadline: float, expected: frozenset[str]
+        self, round_key: str, target: int, deadline: float, expected: frozenset[str], patience_s: float
     ) -> tuple[GroupDeclaration, X25519PrivateKey, frozenset[str]]:
         cfg = self.config
         secret = X25519PrivateKey.generate()
@@ -343,6 +348,7 @@ class GroupAverager:
             deadline_monotonic=deadline,
             banned=banned,
             expected=expected,
+            patience_s=patience_s,
         )
         if decision.action != "joined" or decision.declaration is None:
             raise RoundFailed(_FAILURES.get(decision.action, "no_group"), reason)
@@ -371,12 +377,14 @@ class GroupAverager:
                            fallback=self.fallback, **kw)  # fmt: skip
         return r.run(flat, weight, deadline, out=out, residual_out=residual_out)
 
-    def _butterfly(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected, accept):
+    def _butterfly(
+        self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected, patience_s, accept
+    ):
         """Every peer ready at the epoch in one declaration; one group of them, or with more than
         ``target_group_size`` the two-stage all-reduce (``hierarchical``): one mean either way."""
         out = self._outputs
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
-        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected)
+        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected, patience_s)
         ids = decl.member_ids()
         if len(ids) == 1:
             refusal = accept(flat, tuple(ids)) if accept is not None else ""
@@ -408,10 +416,10 @@ class GroupAverager:
         else:
             self._feedback.commit()
 
-    def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected):
+    def _mixing(self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected, patience_s):
         """Moshpit / gossip: agree on the participants once, then ``moshpit_rounds`` rounds in derived groups."""
         cfg = self.config
-        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected)
+        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected, patience_s)
         ids = decl.member_ids()
         current, current_w = flat, weight
         sent = received = 0

@@ -334,13 +334,14 @@ class Matchmaker:
         deadline_monotonic: float,
         banned: frozenset[str] = frozenset(),
         expected: frozenset[str] = frozenset(),
+        patience_s: float = 0.0,
     ) -> tuple[Decision, str]:
         """Announce ``me``, then decide on every push and DHT read until a decision other than "wait" (or the call
         deadline, ``time.monotonic()``).
 
         Args:
             me: our signed entry (``make_entry``).
-            target_group_size, min_group_size, banned, expected: as in ``decide``.
+            target_group_size, min_group_size, banned, expected, patience_s: as in ``decide``.
             ttl_s: our entry and declaration live this long in the DHT, seconds; also ``decide``'s
                 ``declaration_ttl_s`` (the round timeout: a declaration older than that is over).
             deadline_monotonic: the call gives up at this ``time.monotonic()``.
@@ -395,6 +396,7 @@ class Matchmaker:
                 declaration_ttl_s=ttl_s,
                 banned=banned | gone,
                 expected=expected,
+                patience_s=patience_s,
             )
             # A window closes on what the DHT showed after it closed: a view read before the deadline (a slow DHT under
             # load) may lack peers that announced in time, and would leave them out of the group (or split it).

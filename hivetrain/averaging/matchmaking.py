@@ -15,9 +15,10 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the on
    ``target_group_size`` candidates are ready ("full"), or when every peer the caller expects at this round key
    (``expected``: the live trainers its DHT records show at the epoch) is a candidate ("complete"): the window is
    only for peers not yet visible, nobody idles through it when everyone is there. While an expected peer is
-   missing the window closes a grace later (an entry announced in time can take seconds to show on a loaded DHT),
-   and a peer that would be alone at the close does not declare a group of one: it waits, until its deadline, for
-   the expected peers (a solo step beside a live trainer of the epoch is refused anyway, and each new attempt would
+   missing the window closes a grace later (an entry announced in time can take seconds to show on a loaded DHT;
+   longer if the caller says a missing peer is slow, ``patience_s``: one inner step of a starved peer), and a peer
+   that would be alone at the close does not declare a group of one: it waits, until its deadline, for the expected
+   peers (a solo step beside a live trainer of the epoch is refused anyway, and each new attempt would
    only replace its entry; issue 22).
 3. The leader is the smallest peer id among the candidates. It stores a ``GroupDeclaration`` (signed: subkey = its
    owner marker + ``b"|group"``) listing the members' signed entries. Followers accept only a declaration that
@@ -153,6 +154,7 @@ def decide(
     declaration_ttl_s: float,
     banned: frozenset[str] = frozenset(),
     expected: frozenset[str] = frozenset(),
+    patience_s: float = 0.0,
 ) -> Decision:
     """Decide the next matchmaking step of ``me`` from what it has read (pure: no I/O, no clock).
 
@@ -174,6 +176,9 @@ def decide(
             peers than ``target_group_size`` (with us): a group closed by its window without us is no reason to
             fail (``late`` / ``not_in_group``), the epoch needs another group. Empty = no such knowledge: wait for
             the window or a full group.
+        patience_s: while an expected peer is missing, the window closes this long past the group deadline, seconds
+            (``declare_grace_s`` if that is longer): the caller's estimate of how long a missing peer may still need,
+            e.g. one inner step of the slowest expected peer still computing (``diloco.rounds.patience_for``).
 
     Returns:
         The decision, with a human-readable reason.
@@ -229,8 +234,9 @@ def decide(
     grouped = {m.peer_id for d in live if len(d.members) > 1 for m in d.members}
     missing = (expected - banned - {me.peer_id}) - by_id.keys() - grouped if expected else None
     # An expected peer that announced in time may not show yet: on a loaded DHT a store takes seconds to be readable.
-    # While one is missing, the window closes a grace later (the caller scales it with the measured DHT latency).
-    window_closes = group_deadline + (declare_grace_s if missing else 0.0)
+    # While one is missing, the window closes a grace later (the caller scales it with the measured DHT latency), or
+    # the caller's patience later when that is longer (a slow peer still in its last inner step).
+    window_closes = group_deadline + (max(declare_grace_s, patience_s) if missing else 0.0)
     expected_all = (expected - banned) | {me.peer_id}
     minority = 2 * len(candidates) <= len(expected_all) and target_group_size >= len(expected_all)
     closed_by: ClosedBy

@@ -2,8 +2,9 @@
 
 ``PhaseRunner.run`` runs AdamW inner steps (``inner.InnerOptimizer``) from whatever θ the model holds, sleeps between
 them as ``duty.DutyCycle`` asks (or blocks while the volunteer paused), and ends the phase when
-``schedule.decide_phase_end`` says so. It keeps our progress (``progress``, ``throughput``) for the record the
-heartbeat publishes, and the schedule's estimate of the seconds left (``eta_s``) for the heartbeat's period.
+``schedule.decide_phase_end`` says so (asked before the first step too: a phase may have no step). It keeps our
+progress (``progress``, ``throughput``) for the record the heartbeat publishes, and the schedule's estimate of the
+seconds left (``eta_s``) for the heartbeat's period.
 
 Units: samples, seconds. ``compute_s`` counts the inner steps only (sleeps and pauses excluded); ``wall_s`` the whole
 phase.
@@ -114,7 +115,9 @@ class PhaseRunner:
         stop: threading.Event,
         on_step: Callable[[int, float], None],
     ) -> PhaseResult:
-        """Run the phase begun by ``begin``: inner steps until the schedule ends it.
+        """Run the phase begun by ``begin``: inner steps until the schedule ends it. The schedule is asked before the
+        first step too, so a phase may end with none (0 samples, ``mean_loss`` 0: the others' phase ends before our
+        step would; we join their round with weight 0).
 
         Args:
             records: the swarm's latest records (no I/O expected: the swarm view's cache).
@@ -143,7 +146,8 @@ class PhaseRunner:
                 raise PhaseInterrupted()
 
         def should_end(num_steps: int, num_samples: int) -> bool:
-            rate = num_samples / max(time.monotonic() - started, 1e-9)
+            # before the first step, our pace is the last phase's (a step's length is what the schedule weighs)
+            rate = num_samples / max(time.monotonic() - started, 1e-9) if num_samples else self.last_rate
             decision = decide_phase_end(
                 self.plan, self.peer_id, phase_epoch, num_samples, rate, records(), get_dht_time()
             )
@@ -152,11 +156,15 @@ class PhaseRunner:
 
         first_step = phase_epoch * self.plan.inner_steps  # the cosine schedule follows the swarm's epochs
         try:
-            result = self.inner.run(self.batches, first_step, MAX_PHASE_STEPS, step_done, should_end)
+            if should_end(0, 0):  # the others end before our first step would: join their round with weight 0
+                result = InnerPhaseResult(num_steps=0, num_samples=0, num_tokens=0, mean_loss=0.0, duration_s=0.0)
+            else:
+                result = self.inner.run(self.batches, first_step, MAX_PHASE_STEPS, step_done, should_end)
         finally:
             self._running = False
         wall_s = time.monotonic() - started
-        self.last_rate = result.num_samples / max(wall_s, 1e-9)
+        if result.num_samples:  # a phase of no step leaves our pace as it was (0 would make the next one step blind)
+            self.last_rate = result.num_samples / max(wall_s, 1e-9)
         self._done = (phase_epoch, result.num_samples)
         self.eta_s = float("inf")
         return PhaseResult(result, max(0.0, result.duration_s - slept), wall_s)

@@ -57,6 +57,9 @@ from hivetrain.peers.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
+# The most of the round timeout a group spends waiting for a slow expected peer (``patience_for``): the rest is left to
+# the round itself.
+PATIENCE_SHARE = 0.25
 VOTED_POLL_S = 0.5  # how often the records are read while waiting for evidence that a voted round committed, seconds
 
 
@@ -177,6 +180,27 @@ def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: 
     )
 
 
+def patience_for(
+    records: list[PeerRecord], expected: frozenset[str], epoch: int, samples_per_step: int, cap_s: float
+) -> float:
+    """How long past the matchmaking window a group waits for an expected peer that is not ready yet, seconds: one
+    inner step (``samples_per_step`` / its published throughput) of the slowest of ``expected`` whose record does not
+    show its phase for ``epoch`` ended, at most ``cap_s``.
+
+    The swarm's schedule ends every peer's phase at about the same time, but a peer learns it only after the step it
+    is in: a starved volunteer's step can outlast the window and the DHT grace (chaos cpu-starve on a loaded CI
+    machine: the 20%-CPU peer reached matchmaking ~6 s after each group closed and missed 3 of 6 epochs, each one a
+    state download). Waiting one of its steps costs the others that much idle time once per epoch; missing it costs
+    it the epoch's samples and a download of the whole state. A throughput is a claim: ``cap_s`` bounds what a peer
+    that never comes can cost (a peer not measured yet, throughput 0, adds nothing)."""
+    steps = [
+        samples_per_step / r.throughput
+        for r in records
+        if r.peer_id in expected and r.throughput > 0 and not (r.done_epoch == epoch and r.done_samples > 0)
+    ]
+    return min(max(steps, default=0.0), cap_s)
+
+
 class RoundRunner:
     """Runs rounds for one trainer (see the module docstring). ``run`` from one thread at a time.
 
@@ -259,12 +283,15 @@ class RoundRunner:
             sent, weight = given["tensors"], float(given["weight"])
             result, failure = None, ""
             expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
+            per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
+            patience = patience_for(self.view.records, expected, epoch, per_step, cfg.round_timeout_s * PATIENCE_SHARE)
             self._checked_norm, self._epoch = None, epoch
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
                 result = self.averager.average(
-                    sent, weight, epoch, cfg.round_timeout_s, expected_peers=expected, accept=accept
-                )
+                    sent, weight, epoch, cfg.round_timeout_s, expected_peers=expected, accept=accept,
+                    patience_s=patience,
+                )  # fmt: skip
             except RoundFailed as exc:
                 failure = exc.reason + (f" ({exc.detail})" if exc.detail else "")
                 if exc.voted is not None and local is None:

@@ -79,8 +79,10 @@ def decide_phase_end(
         plan: the schedule settings.
         my_peer_id: our peer id (our own record, if among ``records``, is ignored: ``my_samples`` is exact).
         phase_epoch: the epoch (round key) our phase computes a pseudo-gradient for.
-        my_samples: samples we computed for it so far.
-        my_samples_per_s: our effective throughput (samples per wall second, sleeps and pauses included).
+        my_samples: samples we computed for it so far; 0 when asked before the phase's first step (then "end" means:
+            join the round with weight 0, as others already did or will before our step could end).
+        my_samples_per_s: our effective throughput (samples per wall second, sleeps and pauses included); before the
+            first step, the last phase's (0 = unknown: a first step runs).
         records: the swarm's peer records (any roles; only live trainers in the same phase epoch count).
         now: DHT time, seconds.
 
@@ -135,8 +137,13 @@ def decide_phase_end(
     eta_s = max(0.0, target - total) / rate if rate > 0 else float("inf")
     if my_samples >= plan.max_samples_per_peer:
         return PhaseDecision("end", f"our {my_samples} samples reach the per-peer bound", total, target, num_peers)
-    if my_samples < 1:
+    if my_samples < 1 and num_peers == 1:
         return PhaseDecision("continue", "no inner step yet", total, target, num_peers, eta_s)
+    # From here on ``my_samples`` may be 0: the phase is asked before its first step too (``PhaseRunner.run``). A peer
+    # whose one step outlasts the others' whole phase (chaos cpu-starve in CI: a 20%-CPU peer on a loaded machine
+    # took ~10 s for its first step, the others' phase ~4 s; it reached matchmaking after the group closed and missed
+    # 3 of 6 epochs) then joins the round with weight 0 instead: it contributes nothing this epoch but stays in it,
+    # where its step would have cost the others a wait or itself a download.
     if total >= target:
         return PhaseDecision(
             "end", f"swarm reached {total:.0f}/{target} samples ({num_peers} peers)", total, target, num_peers, 0.0

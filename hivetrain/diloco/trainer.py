@@ -401,7 +401,7 @@ class DilocoTrainer:
         self.stats.throughput = self.phases.last_rate
         self._emit(
             "inner_phase",
-            loss=result.mean_loss,
+            loss=result.mean_loss if result.num_steps else None,
             steps=result.num_steps,
             samples=result.num_samples,
             compute_s=phase.compute_s,
@@ -410,6 +410,8 @@ class DilocoTrainer:
             tokens_per_s=result.num_tokens / max(phase.compute_s, 1e-9),
             skipped_steps=result.num_skipped_steps,  # fp16: steps the gradient scaler skipped
         )
+        if result.num_samples == 0 and self._pending is not None and self._pending.epoch >= phase_epoch:
+            return self._pending  # a phase of no step adds nothing to what we still carry for this round
         fresh = Contribution(pseudo_gradient(start, self.model), result.num_samples, phase_epoch)
         self._pending = self._carry(self._pending, fresh)
         return self._pending

@@ -46,9 +46,11 @@ def declaration(members: list[ReadyEntry], at: float, reason: str = "window") ->
                             round_id=make_round_id(PREFIX, key, members), members=tuple(members))  # fmt: skip
 
 
-def run(me, entries=(), decls=(), now=101.0, target=8, min_size=1, banned=frozenset(), expected=frozenset()):
+def run(me, entries=(), decls=(), now=101.0, target=8, min_size=1, banned=frozenset(), expected=frozenset(),
+        patience_s=0.0):  # fmt: skip
     return decide(me, entries, decls, now, target_group_size=target, min_group_size=min_size,
-                  declare_grace_s=GRACE, declaration_ttl_s=TTL, banned=banned, expected=expected)  # fmt: skip
+                  declare_grace_s=GRACE, declaration_ttl_s=TTL, banned=banned, expected=expected,
+                  patience_s=patience_s)  # fmt: skip
 
 
 def ids(decision) -> list[str]:
@@ -244,6 +246,22 @@ def test_an_expected_peer_that_never_comes_delays_the_group_to_the_window_and_a_
     assert d.action == "wait" and "1 expected peer(s) not ready" in d.reason
     d = run(a, [a, b], now=105.0 + GRACE, expected=expected)
     assert d.action == "declare" and ids(d) == ["A", "B"] and d.closed_by == "window"
+
+
+def test_a_slow_expected_peer_gets_the_callers_patience_past_the_window_and_no_more() -> None:
+    # C is expected and still in an inner step of 4 s (its record): the group waits 4 s past the window, not the grace
+    a, b = (entry(p, wait_s=20.0).model_copy(update={"window_closes_at": 105.0}) for p in "AB")
+    c = entry("C", at=108.5, wait_s=20.0)
+    expected = frozenset("ABC")
+    d = run(a, [a, b], now=105.0 + GRACE, expected=expected, patience_s=4.0)
+    assert d.action == "wait" and "window closes in 3.00s" in d.reason
+    d = run(a, [a, b, c], now=108.6, expected=expected, patience_s=4.0)  # C came in time: the group is complete
+    assert d.action == "declare" and ids(d) == ["A", "B", "C"] and d.closed_by == "complete"
+    d = run(a, [a, b], now=109.0, expected=expected, patience_s=4.0)  # it never came: closed without it
+    assert d.action == "declare" and ids(d) == ["A", "B"] and d.closed_by == "window"
+    # nobody missing: patience costs nothing (the group closes complete at once)
+    d = run(a, [a, b], now=101.0, expected=frozenset("AB"), patience_s=4.0)
+    assert d.action == "declare" and d.closed_by == "complete"
 
 
 def test_a_complete_group_below_min_group_size_waits_for_the_window() -> None:

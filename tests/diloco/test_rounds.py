@@ -13,7 +13,7 @@ from hivemind.utils import get_dht_time
 from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
-from hivetrain.diloco.rounds import Contribution, RoundRunner, expected_peers
+from hivetrain.diloco.rounds import Contribution, RoundRunner, expected_peers, patience_for
 from hivetrain.diloco.state import TrainingState
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.testing.byzantine import arm_byzantine
@@ -44,10 +44,11 @@ class ScriptedAverager:
     (butterfly), a result is first offered to ``accept`` as one flat tensor; a refusal raises RoundFailed("refused")."""
 
     def __init__(self, *outcomes):
-        self.outcomes, self.calls = list(outcomes), []
+        self.outcomes, self.calls, self.patience = list(outcomes), [], []
 
-    def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset(), accept=None):
+    def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset(), accept=None, patience_s=0.0):
         self.calls.append((weight, epoch, expected_peers))
+        self.patience.append(patience_s)
         outcome = self.outcomes.pop(0)
         if callable(outcome):
             outcome = outcome()
@@ -105,7 +106,7 @@ def test_a_round_input_fault_changes_what_is_averaged_never_our_contribution():
     sent = []
 
     class Capturing(ScriptedAverager):
-        def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset(), accept=None):
+        def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset(), accept=None, patience_s=0.0):
             sent.append(([t.clone() for t in tensors], weight))
             return super().average(tensors, weight, epoch, timeout_s, expected_peers, accept)
 
@@ -125,7 +126,27 @@ def test_expected_peers_are_the_live_trainers_of_our_epoch():
     s = state()
     runner(avg, [rec("a", 4), rec("b", 3), rec("c", 5), rec("d", 2)]).run(s, s.state_hash(), contribution())
     assert avg.calls[0] == (80.0, 4, frozenset({"a", "b"}))  # b may not have published its epoch 4 yet
+    # the group waits one step of the slowest of them (records: 1 sample/s, a step of 8 windows: 8 s), at most a
+    # quarter of the round timeout
+    cap = CONFIG.averaging.round_timeout_s / 4
+    assert avg.patience[0] == patience_for([rec("a", 4), rec("b", 3)], frozenset("ab"), 4, 8, cap) == min(8.0, cap)
     assert expected_peers([rec("me", 4)], "me", 4, get_dht_time(), 30.0) == frozenset()
+
+
+def test_the_group_waits_one_step_of_the_slowest_expected_peer_still_computing_at_most_the_cap():
+    def peer(pid, throughput, done_epoch=0, done_samples=0):
+        return rec(pid, 4).model_copy(
+            update={"throughput": throughput, "phase_epoch": 4, "done_epoch": done_epoch, "done_samples": done_samples}
+        )
+
+    records = [peer("fast", 80.0), peer("starved", 2.0), peer("unknown", 0.0), peer("stranger", 0.5)]
+    expected = frozenset({"fast", "starved", "unknown"})
+    assert patience_for(records, expected, 4, 8, 7.5) == 4.0  # starved: 8 samples at 2 per second
+    assert patience_for(records, expected, 4, 8, 3.0) == 3.0  # a claim of a slow step is bounded
+    # a peer whose phase for epoch 4 ended only has to announce: the DHT grace covers that
+    records[1] = peer("starved", 2.0, done_epoch=4, done_samples=8)
+    assert patience_for(records, expected, 4, 8, 7.5) == 0.1
+    assert patience_for(records, frozenset(), 4, 8, 7.5) == 0.0
 
 
 def test_a_paused_peer_is_not_expected_but_one_whose_throughput_is_not_measured_yet_is():

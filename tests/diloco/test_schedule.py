@@ -84,8 +84,30 @@ def test_end_before_a_step_that_would_finish_after_the_swarm():
     assert d.action == "end" and "before our next step" in d.reason
 
 
-def test_the_first_step_always_runs():
-    d = decide_phase_end(SWARM, "me", 3, 0, 0.0, [rec("a", samples=10**6, throughput=8.0)], NOW)
+def test_before_the_first_step_an_unknown_pace_or_being_alone_runs_a_step():
+    # our pace unknown (the first phase): nothing says our step would outlast the others' phase
+    d = decide_phase_end(SWARM, "me", 3, 0, 0.0, [rec("a", samples=100, throughput=8.0)], NOW)
+    assert d.action == "continue"
+    d = decide_phase_end(SWARM, "me", 3, 0, 2.0, [], NOW)  # alone: nobody else computes the epoch
+    assert d.action == "continue" and d.reason == "no inner step yet"
+
+
+def test_before_the_first_step_a_step_that_would_outlast_the_others_phase_is_not_started():
+    # Target 160; the other peer is at 100 and makes 100 samples/s: it is done in 0.6 s, our step takes 4 s (2/s).
+    d = decide_phase_end(SWARM, "me", 3, 0, 2.0, [rec("fast", samples=100, throughput=100.0)], NOW)
+    assert d.action == "end" and "before our next step" in d.reason
+    # the same peer far from the target (10 of 160 at 8/s): our 4 s step ends long before it does
+    d = decide_phase_end(SWARM, "me", 3, 0, 2.0, [rec("a", samples=10, throughput=8.0)], NOW)
+    assert d.action == "continue"
+
+
+def test_before_the_first_step_others_that_ended_their_phase_are_joined_at_once():
+    # a starved peer (chaos cpu-starve): both others ended epoch 3 with their share and wait for us in matchmaking
+    records = [done("a", samples=120), done("b", samples=120)]
+    d = decide_phase_end(SWARM, "me", 3, 0, 1.0, records, NOW)
+    assert d.action == "end" and d.num_peers == 3
+    # ... but not others that ended short of their share: the epoch still needs samples, ours among them
+    d = decide_phase_end(SWARM, "me", 3, 0, 1.0, [done("a", samples=40), done("b", samples=40)], NOW)
     assert d.action == "continue"
 
 
