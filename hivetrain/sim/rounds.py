@@ -44,7 +44,7 @@ from hivetrain.averaging.matchmaking import (
     make_round_id,
 )
 from hivetrain.diloco.round_policy import RoundView, decide_after_round
-from hivetrain.diloco.rounds import expected_peers
+from hivetrain.diloco.rounds import PATIENCE_SHARE, expected_peers, patience_for
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.network import Transfer, allreduce_cost, download_cost, two_stage_cost
@@ -154,26 +154,29 @@ class RoundEngine:
         """
         same_instant = {m.peer_id for d in key.declarations for m in d.members if m.announced_at >= now}
         ids = self.sim.state.peer_ids
-        expected = self._expected(key, slots[0], now)
+        expected, patience = self._expected(key, slots[0], now)
         sharable = sorted((s for s in slots if ids[s] not in same_instant), key=lambda s: ids[s])
         out: dict[int, Decision] = {}
         for inside in (True, False):  # the smallest id of all may lead: decided alone
             part = [s for s in sharable[1:] if (ids[s] in expected) == inside]
             if len(part) > 1:
-                shared = self._decide(key, key.waiting[part[-1]], now, expected)
+                shared = self._decide(key, key.waiting[part[-1]], now, expected, patience)
                 out.update(dict.fromkeys(part, shared))
                 self.sim.metrics.count("decide." + shared.action, len(part) - 1)  # verdicts, one per peer
                 self.sim.metrics.count("decide.shared", len(part) - 1)
         for slot in slots:
             if slot not in out:
-                out[slot] = self._decide(key, key.waiting[slot], now, expected)
+                out[slot] = self._decide(key, key.waiting[slot], now, expected, patience)
         return out
 
-    def _expected(self, key: RoundKey, slot: int, now: float) -> frozenset[str]:
+    def _expected(self, key: RoundKey, slot: int, now: float) -> tuple[frozenset[str], float]:
         """The peers every caller at ``key`` on ``slot``'s side expects (``expected_peers`` with nobody left out:
-        ``decide`` removes the caller itself)."""
+        ``decide`` removes the caller itself), and how long a group waits for a missing one (``patience_for``, as
+        the trainer passes it; the same for every caller)."""
         records = self.sim.records_for(slot)
-        return expected_peers(records, "", key.epoch, now, self.sim.sc.schedule.stale_after_s)
+        expected = expected_peers(records, "", key.epoch, now, self.sim.sc.schedule.stale_after_s)
+        cap_s = self.avg.round_timeout_s * PATIENCE_SHARE
+        return expected, patience_for(records, expected, key.epoch, self.sim.sc.schedule.batch_size, cap_s)
 
     def forget(self, slot: int) -> None:
         """A departed peer stops waiting (its entry stays in the DHT until it expires)."""
@@ -201,13 +204,15 @@ class RoundEngine:
         entries = [e for e in key.entries.values() if side[index_of[e.peer_id]] == mine]
         return entries, [d for d in key.declarations if side[index_of[d.leader]] == mine]
 
-    def _decide(self, key: RoundKey, me: ReadyEntry, now: float, expected: frozenset[str] = frozenset()):
+    def _decide(
+        self, key: RoundKey, me: ReadyEntry, now: float, expected: frozenset[str] = frozenset(), patience_s: float = 0.0
+    ):
         # every strategy matches everyone ready at the epoch into one declaration (``averaging.engine``): butterfly
         # then runs the two-stage all-reduce when they are more than target_group_size
         entries, declarations = self._visible(key, me)
         d = decide(me, entries, declarations, now, target_group_size=self.max_members,
                    min_group_size=self.avg.min_group_size, declare_grace_s=self.avg.declare_grace_s,
-                   declaration_ttl_s=self.avg.round_timeout_s, expected=expected)  # fmt: skip
+                   declaration_ttl_s=self.avg.round_timeout_s, expected=expected, patience_s=patience_s)  # fmt: skip
         self.sim.metrics.count("decide." + d.action)
         return d
 
@@ -232,12 +237,12 @@ class RoundEngine:
     def _poll_key(self, key: RoundKey, waiting: list[int], now: float) -> None:
         """One tick at ``key`` for the ``waiting`` slots (all of them, or one side's while split)."""
         st, epoch = self.sim.state, key.epoch
-        expected = self._expected(key, waiting[0], now)
+        expected, patience = self._expected(key, waiting[0], now)
         # the waiting peer with the smallest id is asked first; nobody starts waiting during this loop
         for slot in sorted(waiting, key=lambda s: st.peer_ids[s]):
             if slot not in key.waiting:
                 continue  # consumed by a group declared earlier in this loop
-            d = self._decide(key, key.waiting[slot], now, expected)
+            d = self._decide(key, key.waiting[slot], now, expected, patience)
             if d.action == "wait" and now < self._round_deadline(slot):
                 break
             if d.action == "wait":  # the leader's own call deadline: it gives up, the next peer is asked

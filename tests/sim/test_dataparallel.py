@@ -139,8 +139,9 @@ def test_peers_waiting_past_their_round_deadline_give_up_and_the_swarm_keeps_tra
 def test_a_donor_cap_spreads_a_flash_crowd_over_more_donors() -> None:
     """30 joiners at once onto 20 peers (a 100 MB state: 7 chunks, so up to 7 donors per download): uncapped, the
     fastest links serve most of the crowd at once; with ``download.max_downloaders = 1`` a donor at its cap is
-    skipped ("busy"), joiners wait for a free one when none is left, and the busiest donor serves a fraction of what
-    it did. Every joiner still gets the state (each downloads again whenever it falls an epoch behind)."""
+    skipped ("busy"), joiners wait for a free one when none is left, and the busiest donor serves a fraction of the
+    share of the crowd's bytes it did. Every joiner still gets the state (each downloads again whenever it falls an
+    epoch behind: waiting for a free donor makes that more frequent, so the share is compared, not the bytes)."""
 
     def crowd(cap: int) -> tuple[dict, int, int]:
         sc = tiny(sim={"outer_steps": 8, "model_bytes": 50_000_000}, flash_crowd={"num_joiners": 30, "at_s": 20.0},
@@ -156,14 +157,15 @@ def test_a_donor_cap_spreads_a_flash_crowd_over_more_donors() -> None:
         sim.rounds.download_cost = watched
         m = sim.run()
         joiners = len({d["slot"] for d in m.downloads if d["flash"]})
-        return m.summary | {"busy": m.decisions.get("download.all_donors_busy", 0)}, peak[0], joiners
+        share = m.summary["flash_max_donor_bytes"] / sum(m.flash_donor_bytes.values())
+        return m.summary | {"busy": m.decisions.get("download.all_donors_busy", 0), "share": share}, peak[0], joiners
 
     free, free_peak, free_joiners = crowd(0)
     capped, capped_peak, capped_joiners = crowd(1)
     assert free_joiners == capped_joiners == 30 and capped["flash_still_syncing"] == 0
     assert capped_peak == 1 < free_peak
     assert capped["busy"] > 0 and free["busy"] == 0
-    assert capped["flash_max_donor_bytes"] < 0.5 * free["flash_max_donor_bytes"]
+    assert capped["share"] < 0.5 * free["share"]
 
 
 def test_a_member_leaving_mid_round_costs_only_its_own_samples_in_one_group() -> None:
@@ -177,4 +179,6 @@ def test_a_member_leaving_mid_round_costs_only_its_own_samples_in_one_group() ->
     grid = _summary(tiny(sim=sim, churn=churn, averaging={"target_group_size": 8, "drop_failed": True}))
     assert one["decisions"]["round.members_dropped"] > 10
     assert one["decisions"].get("round_failed.member died", 0) < 0.2 * grid["decisions"]["round_failed.member died"]
-    assert one["committed_sample_share"] > 2 * grid["committed_sample_share"]
+    # (0.45 vs 0.39 of the computed samples committed, 2026-11-29; 0.46 vs 0.11 before groups waited one step of a
+    # slow expected peer, which took the grid's "late" failures from 2,429 to 653)
+    assert one["committed_sample_share"] > grid["committed_sample_share"]
