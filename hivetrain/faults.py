@@ -55,8 +55,8 @@ class HookPoint(str, enum.Enum):
     """A member holds the full result, before voting to commit. Context: ``epoch``, ``peer``, ``round_id``,
     ``subround``."""
     AVERAGING_VOTE = "averaging.vote"
-    """A member is about to send its commit vote to member ``to`` (allreduce ``_commit``); a "raise" fault drops that
-    one vote (the two-phase-commit gap: the others commit, ``to`` fails with ``voted`` set). Context: as
+    """A member is about to send its commit vote to member ``to`` (``agreement.CommitVote.commit``); a "raise" fault
+    drops that one vote (the two-phase-commit gap: the others commit, ``to`` fails with ``voted`` set). Context: as
     before_commit, plus ``to`` (the member's peer id)."""
     STATE_BEFORE_SERVE = "state.before_serve"
     """A state donor is about to stream its state. Context: ``epoch``, ``meta`` (the manifest reply dict, which a

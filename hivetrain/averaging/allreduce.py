@@ -44,29 +44,14 @@ again, the removed members' slices are reassigned, and each new attempt costs at
 reassigned slice, and holds one more result buffer (4 bytes per element) until the round ends. A member that failed
 before the connect deadline or before its HAVE is simply not in C0.
 
-Why no member ever commits two different results: an attempt commits only with every vote of its members; a member
-goes on to a new attempt only (a) before it voted in this one (then its vote is missing everywhere), or (b) after it
-voted, on seeing a member still counted name a removed set ours does not contain: that member went on before voting
-(by induction someone did), so nobody can commit this attempt. A member whose vote went out and then misses a vote
-because a voter failed cannot tell whether that voter's vote reached the others: it fails holding the result it voted
-for (the two-phase-commit gap below). Members that disagree on C0 (a HAVE that reached some and not others) or on the
-removed set produce different vote hashes and nobody commits. An attempt needs at least max(2, ``min_group_size``)
-members and a strict majority of the members the round was declared with: the two sides of a network partition each
-go on without the other, and only one of them may commit.
-
 Failure handling otherwise: a local failure (a fault, the deadline, a crash) makes the member close all its links and
 raise RoundFailed; the others drop it as above. Inputs are never modified.
 
-The two-phase-commit gap: a member that has voted and then misses a vote (the voter died after voting, a link broke,
-or the deadline came) fails while the others, who got every vote, commit. Such a failure carries the result we voted
-for (``RoundFailed.voted``); DiLoCo applies it once a member's record shows the epoch it committed with the state
-hash that result gives (``diloco.round_policy.committed_without_us``), so the gap costs a few seconds instead of a
-fork. Failing that, peers publish their state hash per epoch and a peer whose hash disagrees with the majority
-downloads the state.
-
-Layout: this file holds the round logic (scatter, HAVE, reduce, gather, attempts, commit); by composition it uses a
-``transport.RoundTransport`` (links, threads, send queues, inbox, its lock, waiting on members) and a
-``receive.RoundReceiver`` (what each received frame means; plans and receive buffers); ``reduce`` the arithmetic.
+Layout: this file holds the round logic (scatter, HAVE, reduce, gather, attempts); by composition it uses a
+``transport.RoundTransport`` (links, threads, send queues, inbox, its lock, waiting on members), a
+``receive.RoundReceiver`` (what each received frame means; plans and receive buffers) and an
+``agreement.CommitVote`` (the vote of step 5; ``agreement`` also holds the contributor rule of step 2, why no member
+commits two results, and the two-phase-commit gap); ``reduce`` the arithmetic.
 
 Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround`` (the attempt:
 the number of members removed so far):
@@ -92,7 +77,8 @@ import msgpack
 import torch
 
 from hivetrain.averaging import codecs
-from hivetrain.averaging.base import RoundFailed, RoundResult
+from hivetrain.averaging.agreement import CommitVote, agree_contributors, bad_claims
+from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.bucketing import aggregation_seed, robust_aggregate, robust_options
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer
@@ -109,8 +95,8 @@ from hivetrain.averaging.reduce import (
 )
 from hivetrain.averaging.robust import NoValidContribution
 from hivetrain.averaging.transport import PeerFailed, RoundTransport
-from hivetrain.averaging.wire import FrameType, mac
-from hivetrain.faults import FaultInjected, FaultInjector, HookPoint
+from hivetrain.averaging.wire import FrameType
+from hivetrain.faults import FaultInjector, HookPoint
 from hivetrain.peers.bans import BanList
 
 __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
@@ -162,7 +148,6 @@ class ButterflyRound:
             raise ValueError("we are not a member of this round")
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
         self.accept = accept  # ``base.Averager.average``: checks the full result before we vote
-        self._votes_left = False  # we failed after our votes left (``_commit``): close gracefully behind them
         max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
         self.codec_config = codecs.CodecConfig(
             config.compression, config.codec_block_size if config.compression in ("int8", "int4") else 64
@@ -174,6 +159,9 @@ class ButterflyRound:
         self.transport = RoundTransport(round_id=round_id, me=me, members=self.members, secret=secret, server=server,
                                         config=config, on_frame=self.receiver.on_frame, fallback=fallback)  # fmt: skip
         self.receiver.transport = self.transport
+        self.vote = CommitVote(round_id=round_id, me=me, config=config, transport=self.transport,
+                               receiver=self.receiver, accept=accept, hook=self._hook, send=self._send,
+                               changed=self._changed)  # fmt: skip
         self._out: torch.Tensor | None = None
         self._residual_out: torch.Tensor | None = None  # error feedback: what the codec drops from what we send
         self._mid_fired: set[int] = set()
@@ -226,7 +214,7 @@ class ButterflyRound:
             if exc.reason == "excluded":  # the others go on without us: let what we queued (results) reach them
                 self.transport.flush(time.monotonic() + min(1.0, self.config.commit_timeout_s))
                 committed = True  # close gracefully
-            elif self._votes_left:  # "refused", or "aborted" on votes that differ: our votes must reach the others
+            elif self.vote.votes_left:  # "refused", or "aborted" on votes that differ: our votes must reach the others
                 committed = True  # before our links close (a reset would discard them unread, and a member still
                 # waiting for our vote would fail "peer_failed" holding a ``voted`` result instead of "aborted")
             raise
@@ -340,7 +328,7 @@ class ButterflyRound:
         contributors, weights = agree_contributors(haves, order)
         self.receiver.set_contributors(contributors)
         if me not in contributors:
-            raise RoundFailed("excluded", f"reducers found our data bad: {_bad_claims(haves, me)}")
+            raise RoundFailed("excluded", f"reducers found our data bad: {bad_claims(haves, me)}")
         removed = frozenset(gone & contributors)
         if not self._quorate(len(contributors - removed), len(order)) and gone:
             failures = self.transport.read(lambda ib: {p: ib.errors.get(p, "") for p in sorted(gone)})
@@ -497,7 +485,8 @@ class ButterflyRound:
             for p in failed:
                 self._drop(p, "before voting")
             return removed | failed
-        return self._commit(sub, plan, members, removed, own_meta["weights"], digests, contributors, deadline)
+        weights_now = own_meta["weights"]
+        return self.vote.commit(sub, plan, members, removed, weights_now, digests, contributors, deadline, self._out)
 
     def _own_part(self, flat: torch.Tensor, plan: Plan, i: int) -> torch.Tensor:
         """Our contribution to slice ``i`` as the others would read it: through the codec like everyone's."""
@@ -525,126 +514,3 @@ class ButterflyRound:
                 raise RoundFailed("aborted", str(exc)) from None
             return
         weighted_mean_into(out, parts, weights)
-
-    def _commit(
-        self, sub: int, plan: Plan, members: list[str], removed: frozenset[str], weights: dict[str, float],
-        digests: list[bytes], contributors: frozenset[str], deadline: float,
-    ) -> RoundOutcome | frozenset[str]:  # fmt: skip
-        others = [p for p in members if p != self.me]
-        summary = msgpack.packb([self.round_id, sub, sorted(removed), members, sorted(weights.items()), digests])
-        full_hash = blake3.blake3(summary).digest()
-        result = self.receiver.out(removed)
-        self._hook(HookPoint.AVERAGING_BEFORE_COMMIT, sub)
-        # One rule for every member, so that all commit or none does: vote only before our deadline; then wait for
-        # every vote until the deadline plus a grace of commit_timeout_s (members' deadlines differ by their
-        # matchmaking skew, and a vote queued behind RESULT frames on a home uplink takes seconds to arrive); commit
-        # if all votes match and ours have left. A fixed wait after our own vote made an early voter abort while a
-        # late one, which had every vote, committed: a fork (utilization bench, 2.5 Mbit/s links, 2026-11-25). A
-        # member that dies or stalls meanwhile is detected by its link (closed, or no byte for part_timeout_s).
-        refusal = self.accept(result, tuple(sorted(weights))) if self.accept is not None else ""
-        if time.monotonic() >= deadline:
-            raise RoundFailed("timeout", "the round deadline came before we could vote")
-        if refusal:  # a vote nobody's matches: every member aborts, nobody commits (and nobody holds a ``voted``)
-            full_hash = blake3.blake3(b"refused" + full_hash).digest()
-        lost: set[str] = set()
-        for p in others:
-            try:
-                self._hook(HookPoint.AVERAGING_VOTE, sub, to=p)
-            except FaultInjected:  # tests of the two-phase-commit gap: this vote is lost on the way
-                lost.add(p)
-                continue
-            vote_mac = mac(self.transport.key(p), b"vote", self.round_id.encode(), sub.to_bytes(2, "little"), full_hash)
-            self._send(p, FrameType.VOTE, sub, {"hash": full_hash, "mac": vote_mac})
-        votes_deadline = deadline + self.config.commit_timeout_s
-        if refusal:  # let our votes leave before the links close (gracefully: ``run``), so the others abort at once
-            self._flush_votes(votes_deadline)
-            logger.warning("round %s: we refused the result: %s", self.round_id[:8], refusal)
-            raise RoundFailed("refused", refusal)
-        inbox = self.transport.inbox
-        awaited = lambda: [p for p in others if inbox.votes.get(p, (-1, b""))[0] != sub]  # noqa: E731
-        moved = lambda: self._changed(contributors, removed) != removed  # noqa: E731
-        try:
-            self.transport.wait(lambda: not awaited() or moved(), awaited, votes_deadline, "waiting for votes")
-        except RoundFailed as exc:  # members that got every vote may commit: hand the caller what we voted for
-            # and let our own votes leave first: closing our links abruptly behind a queued vote made a member that
-            # had every other vote fail too (chaos lost-vote: 2 members recovering instead of the one that missed)
-            self._flush_votes(min(votes_deadline, time.monotonic() + min(1.0, self.config.commit_timeout_s)))
-            raise self._voted(exc, removed, weights) from None
-        grown = self.transport.read(lambda ib: self._changed(contributors, removed))
-        if grown != removed and awaited():
-            # A member still counted went on without someone before voting here (a member that voted never starts
-            # that), so its vote for this attempt never comes and nobody can commit it: go on with the others.
-            if self.me in grown:
-                raise RoundFailed("peer_failed", "the other members went on without us")
-            return grown
-        disagree = [p for p in others if inbox.votes[p] != (sub, full_hash)]
-        if disagree:  # nobody can commit: every member needs every vote to match its own hash; ours still must
-            self._flush_votes(votes_deadline)  # reach the others, so that they abort on them too
-            raise RoundFailed("aborted", f"commit votes of {disagree} differ from ours")
-        self.transport.flush(votes_deadline)
-        unsent = [p for p in others if p not in lost and not self.transport.has_sent(p, FrameType.VOTE)]
-        if unsent:  # still queued behind our RESULT frames: it reaches them after they gave up
-            exc = RoundFailed("timeout", f"our vote to {unsent} did not leave before the votes deadline")
-            raise self._voted(exc, removed, weights)
-        if result is not self._out:  # committed after a repair: the caller's ``out`` gets the result too
-            self._out.copy_(result)  # type: ignore[union-attr]
-            result = self._out
-        bytes_sent, bytes_received = self.transport.byte_counts()
-        return RoundOutcome(
-            flat=result,
-            contributors=tuple(sorted(weights)),
-            excluded=tuple(sorted(set(plan.order) - set(weights))),
-            total_weight=math.fsum(weights.values()),
-            bytes_sent=bytes_sent,
-            bytes_received=bytes_received,
-        )
-
-    def _flush_votes(self, deadline: float) -> None:
-        """We fail after voting, and nobody can commit: let our queued votes leave (until ``deadline``,
-        ``time.monotonic()``) and have ``run`` close our links gracefully behind them."""
-        self.transport.flush(deadline)
-        self._votes_left = True
-
-    def _voted(self, exc: RoundFailed, removed: frozenset[str], weights: dict[str, float]) -> RoundFailed:
-        """``exc`` with ``voted`` set to (a copy of) the result we voted for: fp32 (n,) as the single tensor."""
-        if exc.reason != "excluded":
-            exc.voted = RoundResult(
-                tensors=[self.receiver.out(removed).clone()],
-                group=tuple(sorted(weights)),
-                total_weight=math.fsum(weights.values()),
-                round_id=self.round_id,
-            )
-        return exc
-
-
-def agree_contributors(haves: dict[str, object], order: Sequence[str]) -> tuple[frozenset[str], dict[str, float]]:
-    """The contributors every member computes alike from the same HAVE frames, and their weights (samples).
-
-    A member counts if it sent a well-formed HAVE, every HAVE holds its part, and all of them give it one weight: a
-    member whose part a reducer found bad (or never got, its link having failed) is out, and so is one that claimed
-    different weights to different reducers. ``haves``: member -> its HAVE metadata, ours included."""
-    valid: dict[str, dict[str, float]] = {}
-    for p, meta in haves.items():
-        have = meta.get("have") if isinstance(meta, dict) else None
-        if isinstance(have, dict) and all(
-            isinstance(q, str) and q in order and isinstance(w, int | float) and math.isfinite(w) and w >= 0
-            for q, w in have.items()
-        ):
-            valid[p] = {q: float(w) for q, w in have.items()}
-    held = set(valid).intersection(*(set(h) for h in valid.values())) if valid else set()
-    claimed: dict[str, set[float]] = {}
-    for h in valid.values():
-        for q, w in h.items():
-            claimed.setdefault(q, set()).add(w)
-    contributors = frozenset(q for q in held if len(claimed[q]) == 1)
-    return contributors, {q: next(iter(claimed[q])) for q in contributors}
-
-
-def _bad_claims(haves: dict[str, object], me: str) -> str:
-    """What the HAVE frames say about our part, for the error message."""
-    said = []
-    for p, meta in sorted(haves.items()):
-        bad = meta.get("bad") if isinstance(meta, dict) else None
-        if isinstance(bad, dict) and me in bad:
-            said.append(f"{p}: {bad[me]}")
-    return "; ".join(said) or "a reducer did not hold our part"

@@ -224,7 +224,7 @@ def test_a_member_dying_just_before_the_vote_never_leaves_two_results(servers) -
 
 
 def test_contributors_are_those_every_have_frame_holds_with_one_weight() -> None:
-    from hivetrain.averaging.allreduce import agree_contributors
+    from hivetrain.averaging.agreement import agree_contributors
 
     order = ["a", "b", "c", "d"]
     full = {"a": 1.0, "b": 2.0, "c": 1.0, "d": 1.0}
