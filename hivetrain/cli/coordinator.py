@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--checkpoint-dir: a pipelined run ([swarm]) has no whole-model state for the coordinator to copy "
                 "(each stage's servers hold theirs): drop --checkpoint-dir"
             )
+        if args.checkpoint_dir:  # now, not at the first checkpoint: the run clock is saved there from the start
+            _make_checkpoint_dir(Path(args.checkpoint_dir))
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     node = loop = dashboard = None
@@ -210,11 +212,21 @@ def _revocations_path(args, config) -> Path | None:
     return Path(args.revocations or args.identity_path + REVOKED_SUFFIX)
 
 
+def _make_checkpoint_dir(path: Path) -> None:
+    """Create the checkpoint directory. Raises ValueError naming the cause when it cannot be created."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"--checkpoint-dir {path}: cannot create it ({exc.strerror or exc}): choose a directory this user can write"
+        ) from None
+
+
 def _run_clock_path(args) -> Path | None:
     """Where the run's start is saved: the checkpoint directory, else next to the identity file, else nowhere."""
     from hivetrain.coordinator.run_clock import RUN_CLOCK_FILE
 
-    if args.checkpoint_dir:  # created by the checkpoint store before the first publish
+    if args.checkpoint_dir:  # created before the node starts (``_make_checkpoint_dir``)
         return Path(args.checkpoint_dir) / RUN_CLOCK_FILE
     return Path(args.identity_path + ".run.json") if args.identity_path else None
 

@@ -85,6 +85,7 @@ class Coordinator:
         self.node, self.config, self.fingerprint, self.options = node, config, fingerprint, options
         self.follower, self.observer = follower, observer
         self._stop = threading.Event()
+        self._publish_lock = threading.Lock()
         self.records: list[PeerRecord] = []
         self.started_at = time.time()
         self.run_started_at: float | None = None  # DHT time of the run's epoch 0, set by the first publish()
@@ -93,7 +94,12 @@ class Coordinator:
         self.revocations = RevocationFile(path) if path is not None else None
 
     def publish(self) -> None:
-        """Publish (refresh) the signed run config and our record."""
+        """Publish (refresh) the signed run config and our record (from the main loop, and from the follower's
+        thread when our epoch changed)."""
+        with self._publish_lock:
+            self._publish()
+
+    def _publish(self) -> None:
         self._update_run_start()
         record = RunConfigRecord(
             run_config=self.config.to_dict(),
@@ -181,11 +187,26 @@ class Coordinator:
         assert self.follower is not None
         while not self._stop.wait(min(2.0, self.options.refresh_interval_s)):
             try:
-                self.follower.step(self.records)
+                records, before = self.records, self.follower.current().epoch
+                if self._at_the_end(records):  # trainers linger only until our record shows their last epoch
+                    records = fetch_records(self.node.dht, self.config.run_id)
+                self.follower.step(records)
+                if self.follower.current().epoch != before:
+                    self.publish()  # our epoch (and the checkpoint it stands for) reaches the trainers at once
                 if self.observer is not None:
                     self.observer.set_checkpoints(self.follower.checkpoint_rows(), self.follower.checkpoints_written)
             except Exception:  # noqa: BLE001 - keep following; the next poll retries
                 logger.exception("following the swarm's state failed")
+
+    def _at_the_end(self, records: list[PeerRecord]) -> bool:
+        """Whether trainers are at the run's last epoch (or one before it) and we do not hold it yet: then the
+        follower reads the records afresh every step instead of every ``refresh_interval_s``, so the final state is
+        downloaded (and checkpointed) seconds after its commit while its trainers wait for us to hold it
+        (``diloco.resync.Resync.linger``)."""
+        last = self.config.diloco.outer_steps
+        assert self.follower is not None
+        newest = max((r.epoch for r in records if r.role == "trainer"), default=0)
+        return bool(last) and newest >= last - 1 and self.follower.current().epoch < last
 
     def stop(self) -> None:
         self._stop.set()

@@ -127,6 +127,14 @@ def export_transformers(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("exported epoch %d (%s) to %s", state.epoch, state.state_hash()[:16], out_dir)
+    planned = int((run_config.get("diloco") or {}).get("outer_steps") or 0)
+    if planned > state.epoch:
+        logger.warning(
+            "epoch %d is the newest checkpoint here, but the run was set for %d outer steps: if it got further, its "
+            "coordinator did not save the rest (see its log)",
+            state.epoch,
+            planned,
+        )
     return out_dir
 
 

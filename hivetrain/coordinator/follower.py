@@ -206,9 +206,12 @@ class StateFollower:
         return SyncTrust(self.options.quorum, run_started_at=self.options.run_started_at, banned=banned)
 
     def _maybe_checkpoint(self) -> None:
+        """Checkpoint every ``checkpoint_every`` epochs, and the run's last epoch (``diloco.outer_steps``) whatever
+        ``checkpoint_every`` (not 0) says: a run of 8 steps checkpointed every 5 must still end saved."""
         state = self.current()
         every = self.options.checkpoint_every
-        if self.store is None or not every or state.epoch == 0 or state.epoch % every:
+        last = int((self.run_config.get("diloco") or {}).get("outer_steps") or 0)
+        if self.store is None or not every or state.epoch == 0 or (state.epoch % every and state.epoch != last):
             return
         if any(c.epoch == state.epoch and c.status == "ok" for c in self.store.list(verify=False)):
             return

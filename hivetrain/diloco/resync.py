@@ -165,16 +165,31 @@ class Resync:
 
     def linger(self, epoch: int, banned: Callable[[], frozenset[str]], wait_s: float) -> None:
         """We hold the run's last epoch ``epoch``: stay (publishing our record, serving our state) while a live
-        trainer behind us may still download it, at most ``wait_s`` seconds. A peer that arrived near the end would
-        otherwise train the last epoch alone once everyone else left, and fork it (seen in chaos runs under load: a
-        restarted peer up 45 s after its restart). ``banned``: peers not waited for (liars, peers that sent us bad
-        data)."""
-        give_up_at, said = time.monotonic() + wait_s, False
+        trainer behind us may still download it, or the run's coordinator's live record shows an earlier epoch (it
+        downloads and checkpoints the final state from us), at most ``wait_s`` seconds. A peer that arrived near the
+        end would otherwise train the last epoch alone once everyone else left, and fork it (seen in chaos runs under
+        load: a restarted peer up 45 s after its restart); and the run would end without its final checkpoint.
+        ``banned``: peers not waited for (liars, peers that sent us bad data)."""
+        give_up_at, said, said_keeper = time.monotonic() + wait_s, False, False
+        keeper_id = self.evidence.trust.coordinator_id
         while not self.stop.is_set() and time.monotonic() < give_up_at:
             now, skip = get_dht_time(), banned()
+            records = self.view.refresh()
+            # the run's coordinator keeps the checkpoints: until its record shows the last epoch, it may still need to
+            # download it from us (issue 26: runs of 3 and 8 outer steps exported epochs 2 and 7, the trainers gone)
+            keeper = [
+                r
+                for r in records
+                if keeper_id
+                and r.peer_id == keeper_id
+                and r.role == "coordinator"
+                and not r.left_reason
+                and r.epoch < epoch
+                and now - r.updated_at <= self.stale_after_s
+            ]
             behind = [
                 r
-                for r in self.view.refresh()
+                for r in records
                 if r.role == "trainer"
                 and r.peer_id != self.peer_id
                 and not r.left_reason
@@ -183,9 +198,13 @@ class Resync:
                 and r.epoch < epoch
                 and now - r.updated_at <= 3 * self.record_interval_s  # still heartbeating: not killed
             ]
-            if not behind:
+            if not behind and not keeper:
                 return
-            if not said:
+            if behind and not said:
                 said = True
                 logger.info("run finished at epoch %d: waiting for %d peer(s) behind to take it", epoch, len(behind))
+            if keeper and not said_keeper:
+                said_keeper = True
+                logger.info("run finished at epoch %d: waiting for the run's coordinator (at epoch %d) to save it",
+                            epoch, keeper[0].epoch)  # fmt: skip
             self.stop.wait(1.0)

@@ -95,3 +95,25 @@ def test_a_restarted_coordinator_keeps_its_checkpoint_from_before_an_adoption_it
     epoch, reason = store.protected()
     assert epoch == 40 and "epoch 41 adopted unchecked" in reason and "we hold epoch 40" in reason
     assert [c.epoch for c in store.list(verify=False)] == [41, 40]  # keep_last 1, and the protected one
+
+
+def test_the_runs_last_epoch_is_checkpointed_whatever_the_checkpoint_interval(tmp_path):
+    """Issue 26: a run of 3 outer steps checkpointed every 5 epochs ended with no checkpoint of its final state."""
+    from hivetrain.coordinator.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path, keep_last=3)
+    node = SimpleNamespace(peer_id="coord", dht=None)
+    run = {"diloco": {"outer_steps": 3}}
+    loop = FakeLoop({"a": 2, "b": 2})
+    follower = StateFollower(node, loop, "r", state(0), store, run, "f", FollowerOptions(checkpoint_every=5))
+    follower._p2p = None
+    follower.step([rec("a", 2), rec("b", 2)])
+    assert store.list(verify=False) == []  # epoch 2: neither a multiple of 5 nor the last
+    loop.epochs = {"a": 3, "b": 3}
+    assert follower.step([rec("a", 3), rec("b", 3)]).startswith("downloaded epoch 3")
+    assert 3 in [c.epoch for c in store.list(verify=False)]  # (2 too: kept before an adoption it could not bound)
+    never = StateFollower(node, FakeLoop({"a": 3, "b": 3}), "r", state(0), CheckpointStore(tmp_path / "n", keep_last=1),
+                          run, "f", FollowerOptions(checkpoint_every=0))  # fmt: skip
+    never._p2p = None
+    never.step([rec("a", 3), rec("b", 3)])
+    assert not (tmp_path / "n").exists()  # 0 = never, the last epoch included

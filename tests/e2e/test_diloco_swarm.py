@@ -5,6 +5,8 @@ import subprocess
 import sys
 from collections import Counter
 
+from hivetrain.coordinator.checkpoint import CheckpointStore
+from hivetrain.coordinator.checkpoint_format import MANIFEST_FILE
 from hivetrain.testing.summary import read_events
 from tests.e2e.conftest import LOADED_HOGS, wait_for_event, write_config
 
@@ -59,6 +61,12 @@ def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path, 
     for name in ("peer0", "peer1", "peer2"):
         steps = [e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"]
         assert [e["group_size"] for e in steps] == [3, 3, 3]
+    # the run ends saved: the coordinator's newest complete checkpoint is the final state (issue 26: runs of 3 and 8
+    # outer steps exported epochs 2 and 7, the trainers gone before the coordinator could download the last one)
+    complete = [c for c in CheckpointStore(out / "checkpoints", keep_last=1).list(verify=True) if c.status == "ok"]
+    assert complete and complete[0].epoch == 3, [(c.epoch, c.status) for c in complete]
+    manifest = json.loads((complete[0].path / MANIFEST_FILE).read_text())
+    assert manifest["state_hash"] == next(iter(summary["state_hashes"]["3"].values()))
 
 
 def test_late_joiner_downloads_state_and_contributes_to_the_next_outer_step(local_swarm, cpu_hogs):
