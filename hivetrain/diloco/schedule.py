@@ -141,9 +141,9 @@ def decide_phase_end(
         return PhaseDecision("continue", "no inner step yet", total, target, num_peers, eta_s)
     # From here on ``my_samples`` may be 0: the phase is asked before its first step too (``PhaseRunner.run``). A peer
     # whose one step outlasts the others' whole phase (chaos cpu-starve in CI: a 20%-CPU peer on a loaded machine
-    # took ~10 s for its first step, the others' phase ~4 s; it reached matchmaking after the group closed and missed
-    # 3 of 6 epochs) then joins the round with weight 0 instead: it contributes nothing this epoch but stays in it,
-    # where its step would have cost the others a wait or itself a download.
+    # reached matchmaking ~6 s after each group closed and missed 3 of 6 epochs) then joins the round with weight 0
+    # instead: it contributes nothing this epoch but stays in it, where its step would have cost the others a wait or
+    # itself a download.
     if total >= target:
         return PhaseDecision(
             "end", f"swarm reached {total:.0f}/{target} samples ({num_peers} peers)", total, target, num_peers, 0.0
