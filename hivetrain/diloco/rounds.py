@@ -181,24 +181,24 @@ def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: 
 
 
 def patience_for(
-    records: list[PeerRecord], expected: frozenset[str], epoch: int, samples_per_step: int, cap_s: float
+    records: list[PeerRecord], expected: frozenset[str], epoch: int, samples_per_step: int, round_timeout_s: float
 ) -> float:
     """How long past the matchmaking window a group waits for an expected peer that is not ready yet, seconds: one
     inner step (``samples_per_step`` / its published throughput) of the slowest of ``expected`` whose record does not
-    show its phase for ``epoch`` ended, at most ``cap_s``.
+    show its phase for ``epoch`` ended, at most ``PATIENCE_SHARE`` of ``round_timeout_s``.
 
     The swarm's schedule ends every peer's phase at about the same time, but a peer learns it only after the step it
     is in: a starved volunteer's step can outlast the window and the DHT grace (chaos cpu-starve on a loaded CI
     machine: the 20%-CPU peer reached matchmaking ~6 s after each group closed and missed 3 of 6 epochs, each one a
     state download). Waiting one of its steps costs the others that much idle time once per epoch; missing it costs
-    it the epoch's samples and a download of the whole state. A throughput is a claim: ``cap_s`` bounds what a peer
+    it the epoch's samples and a download of the whole state. A throughput is a claim: the cap bounds what a peer
     that never comes can cost (a peer not measured yet, throughput 0, adds nothing)."""
     steps = [
         samples_per_step / r.throughput
         for r in records
         if r.peer_id in expected and r.throughput > 0 and not (r.done_epoch == epoch and r.done_samples > 0)
     ]
-    return min(max(steps, default=0.0), cap_s)
+    return min(max(steps, default=0.0), round_timeout_s * PATIENCE_SHARE)
 
 
 class RoundRunner:
@@ -284,7 +284,7 @@ class RoundRunner:
             result, failure = None, ""
             expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
             per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
-            patience = patience_for(self.view.records, expected, epoch, per_step, cfg.round_timeout_s * PATIENCE_SHARE)
+            patience = patience_for(self.view.records, expected, epoch, per_step, cfg.round_timeout_s)
             self._checked_norm, self._epoch = None, epoch
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:

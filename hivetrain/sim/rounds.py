@@ -44,7 +44,7 @@ from hivetrain.averaging.matchmaking import (
     make_round_id,
 )
 from hivetrain.diloco.round_policy import RoundView, decide_after_round
-from hivetrain.diloco.rounds import PATIENCE_SHARE, expected_peers, patience_for
+from hivetrain.diloco.rounds import expected_peers, patience_for
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.network import Transfer, allreduce_cost, download_cost, two_stage_cost
@@ -175,8 +175,8 @@ class RoundEngine:
         the trainer passes it; the same for every caller)."""
         records = self.sim.records_for(slot)
         expected = expected_peers(records, "", key.epoch, now, self.sim.sc.schedule.stale_after_s)
-        cap_s = self.avg.round_timeout_s * PATIENCE_SHARE
-        return expected, patience_for(records, expected, key.epoch, self.sim.sc.schedule.batch_size, cap_s)
+        per_step = self.sim.sc.schedule.batch_size
+        return expected, patience_for(records, expected, key.epoch, per_step, self.avg.round_timeout_s)
 
     def forget(self, slot: int) -> None:
         """A departed peer stops waiting (its entry stays in the DHT until it expires)."""

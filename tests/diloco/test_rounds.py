@@ -128,8 +128,8 @@ def test_expected_peers_are_the_live_trainers_of_our_epoch():
     assert avg.calls[0] == (80.0, 4, frozenset({"a", "b"}))  # b may not have published its epoch 4 yet
     # the group waits one step of the slowest of them (records: 1 sample/s, a step of 8 windows: 8 s), at most a
     # quarter of the round timeout
-    cap = CONFIG.averaging.round_timeout_s / 4
-    assert avg.patience[0] == patience_for([rec("a", 4), rec("b", 3)], frozenset("ab"), 4, 8, cap) == min(8.0, cap)
+    timeout = CONFIG.averaging.round_timeout_s
+    assert avg.patience[0] == patience_for([rec("a", 4), rec("b", 3)], frozenset("ab"), 4, 8, timeout) == timeout / 4
     assert expected_peers([rec("me", 4)], "me", 4, get_dht_time(), 30.0) == frozenset()
 
 
@@ -141,12 +141,12 @@ def test_the_group_waits_one_step_of_the_slowest_expected_peer_still_computing_a
 
     records = [peer("fast", 80.0), peer("starved", 2.0), peer("unknown", 0.0), peer("stranger", 0.5)]
     expected = frozenset({"fast", "starved", "unknown"})
-    assert patience_for(records, expected, 4, 8, 7.5) == 4.0  # starved: 8 samples at 2 per second
-    assert patience_for(records, expected, 4, 8, 3.0) == 3.0  # a claim of a slow step is bounded
+    assert patience_for(records, expected, 4, 8, 30.0) == 4.0  # starved: 8 samples at 2 per second
+    assert patience_for(records, expected, 4, 8, 12.0) == 3.0  # a claim of a slow step is bounded: 12 s / 4
     # a peer whose phase for epoch 4 ended only has to announce: the DHT grace covers that
     records[1] = peer("starved", 2.0, done_epoch=4, done_samples=8)
-    assert patience_for(records, expected, 4, 8, 7.5) == 0.1
-    assert patience_for(records, frozenset(), 4, 8, 7.5) == 0.0
+    assert patience_for(records, expected, 4, 8, 30.0) == 0.1
+    assert patience_for(records, frozenset(), 4, 8, 30.0) == 0.0
 
 
 def test_a_paused_peer_is_not_expected_but_one_whose_throughput_is_not_measured_yet_is():

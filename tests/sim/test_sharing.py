@@ -9,7 +9,7 @@ import pytest
 
 from hivetrain.averaging.matchmaking import GroupDeclaration, decide, make_round_id
 from hivetrain.diloco.round_policy import decide_after_round
-from hivetrain.diloco.rounds import PATIENCE_SHARE, expected_peers, patience_for
+from hivetrain.diloco.rounds import expected_peers, patience_for
 from hivetrain.diloco.sync_policy import decide_sync
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.dataparallel import DataParallelSim
@@ -37,8 +37,7 @@ def _individual(sim: DataParallelSim, key: RoundKey, slot: int, now: float):
     avg = sim.sc.averaging
     records = sim.board.records()
     expected = expected_peers(records, "", key.epoch, now, sim.sc.schedule.stale_after_s)
-    patience = patience_for(records, expected, key.epoch, sim.sc.schedule.batch_size,
-                            avg.round_timeout_s * PATIENCE_SHARE)  # fmt: skip
+    patience = patience_for(records, expected, key.epoch, sim.sc.schedule.batch_size, avg.round_timeout_s)
     return decide(key.waiting[slot], key.entries.values(), key.declarations, now,
                   target_group_size=sim.rounds.max_members, min_group_size=avg.min_group_size,
                   declare_grace_s=avg.declare_grace_s, declaration_ttl_s=avg.round_timeout_s,
