@@ -70,9 +70,11 @@ class AveragingConfig:
             (dev/LOG.md, 2026-11-25).
         ban_time_s: a peer caught sending bad data is left out of our rounds for this long, seconds.
         drop_failed: a butterfly group goes on without a member that dies or stalls and commits the others' mean in
-            the same round (``allreduce``; issue 23). Off by default: on 2026-11-29 the loaded fresh-clone suite
-            failed 4 end-to-end tests of 3-peer swarms with it on (not yet understood), where all-or-nothing
-            rounds (off) pass. The two-stage grid's columns and confirms are all-or-nothing either way.
+            the same round (``allreduce``; issue 23 item 2): the leaver's contribution is lost, the survivors' kept.
+            An attempt still needs a strict majority of its declared members, and nothing is half-applied. On by
+            default since 2026-11-29 session 16 (the loaded suite and demo pass with it; dev/LOG.md). False = any
+            member lost fails the attempt everywhere and the survivors retry. The two-stage grid's columns and
+            confirms are all-or-nothing either way.
         moshpit_rounds: averaging rounds per outer step for "moshpit" and "gossip".
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of data-plane sockets, bytes (0 = the OS default).
         libp2p_fallback: when a member's data port cannot be dialed over TCP (NAT, firewall), carry the link over a
@@ -116,7 +118,7 @@ class AveragingConfig:
     shift_threshold: float = Field(default=0.2, ge=0.0, le=1.0)
     size_exponent: Literal["auto"] | Annotated[float, Field(ge=0.0, le=1.0)] = "auto"
     ban_time_s: float = Field(default=300.0, ge=0.0)
-    drop_failed: bool = False
+    drop_failed: bool = True
     moshpit_rounds: int = Field(default=2, ge=1, le=32)
     socket_buffer_bytes: int = Field(default=4 * 2**20, ge=0, le=1 << 30)
     libp2p_fallback: bool = True
