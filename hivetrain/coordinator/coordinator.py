@@ -28,10 +28,10 @@ from hivetrain.data import vocab_size_of
 from hivetrain.model import build_run_model
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.quorum import QuorumConfig
+from hivetrain.peers.record_shards import decide_shard_bits, fetch_swarm
 from hivetrain.peers.records import (
     PeerRecord,
     RunConfigRecord,
-    fetch_records,
     fetch_run_config,
     publish_record,
     publish_run_config,
@@ -87,8 +87,12 @@ class Coordinator:
         self._stop = threading.Event()
         self._publish_lock = threading.Lock()
         self.records: list[PeerRecord] = []
+        self.shard_bits = 0  # the level trainers store their records at (peers/record_shards.py), said in our record
+        self._previous_bits, self._bits_changed_at = 0, -float("inf")
         self.started_at = time.time()
         self.run_started_at: float | None = None  # DHT time of the run's epoch 0, set by the first publish()
+        if follower is not None:
+            follower.read_records = self._read_records  # the follower's fresh reads see every shard too
         self._follow_thread = threading.Thread(target=self._follow_loop, name="follower", daemon=True)
         path = options.revocations_path
         self.revocations = RevocationFile(path) if path is not None else None
@@ -126,6 +130,7 @@ class Coordinator:
             maddrs=tuple(self.node.visible_maddrs()[:8]),
             reachable=not self.node.config.client_mode,
             revoked=self.revocations.current() if self.revocations is not None else (),
+            record_shard_bits=self.shard_bits,
             updated_at=get_dht_time(),
         )
         publish_record(self.node.dht, self.node.owner_marker, me, self.options.record_ttl_s)
@@ -156,9 +161,10 @@ class Coordinator:
     def poll(self) -> list[PeerRecord]:
         """Refresh the view of the swarm (peer records of this run)."""
         try:
-            self.records = fetch_records(self.node.dht, self.config.run_id)
+            self.records = self._read_records()
         except Exception as exc:  # noqa: BLE001 - keep the last view
             logger.warning("could not read peer records: %r", exc)
+        self._update_shard_bits()
         if self.observer is not None:
             self.observer.observe(self.records, time.time())
             if self.observer.pipeline is not None:
@@ -189,7 +195,7 @@ class Coordinator:
             try:
                 records, before = self.records, self.follower.current().epoch
                 if self._at_the_end(records):  # trainers linger only until our record shows their last epoch
-                    records = fetch_records(self.node.dht, self.config.run_id)
+                    records = self._read_records()
                 self.follower.step(records)
                 if self.follower.current().epoch != before:
                     self.publish()  # our epoch (and the checkpoint it stands for) reaches the trainers at once
@@ -197,6 +203,25 @@ class Coordinator:
                     self.observer.set_checkpoints(self.follower.checkpoint_rows(), self.follower.checkpoints_written)
             except Exception:  # noqa: BLE001 - keep following; the next poll retries
                 logger.exception("following the swarm's state failed")
+
+    def _read_records(self) -> list[PeerRecord]:
+        """Every record of the run: the level-0 key and every shard at our level (and the previous one for a record
+        TTL after a change, while trainers move)."""
+        levels = {self.shard_bits}
+        if time.monotonic() - self._bits_changed_at <= self.options.record_ttl_s:
+            levels.add(self._previous_bits)
+        return fetch_swarm(self.node.dht, self.config.run_id, levels)
+
+    def _update_shard_bits(self) -> None:
+        """Move the shard level one step when the live trainers no longer fit it (``decide_shard_bits``); the next
+        publish tells the trainers."""
+        now = get_dht_time()
+        live = [r for r in self.records if r.role == "trainer" and not r.left_reason]
+        live = [r for r in live if now - r.updated_at <= self.options.record_ttl_s]
+        bits, reason = decide_shard_bits(len(live), self.shard_bits)
+        if bits != self.shard_bits:
+            logger.info("peer records: shard level %d -> %d (%s)", self.shard_bits, bits, reason)
+            self._previous_bits, self._bits_changed_at, self.shard_bits = self.shard_bits, time.monotonic(), bits
 
     def _at_the_end(self, records: list[PeerRecord]) -> bool:
         """Whether trainers are at the run's last epoch (or one before it) and we do not hold it yet: then the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
@@ -88,6 +89,8 @@ class StateFollower:
         options: FollowerOptions = FollowerOptions(),
     ):
         self.node, self.loop, self.run_id, self.store = node, loop, run_id, store
+        # every record of the run, read afresh (the coordinator replaces it with its read of every shard)
+        self.read_records: Callable[[], list[PeerRecord]] = lambda: fetch_records(node.dht, run_id)
         self.run_config, self.fingerprint, self.options = run_config, fingerprint, options
         self.reference = initial
         self._state, self._hash = initial, initial.state_hash()
@@ -196,7 +199,7 @@ class StateFollower:
 
     def _fresh_hashes(self) -> dict[int, str]:
         """The hashes trainers published, read afresh (donors may have committed since our last poll)."""
-        records = fetch_records(self.node.dht, self.run_id)
+        records = self.read_records()
         trainers = [r for r in records if r.role == "trainer" and r.model_fingerprint == self.fingerprint]
         now = get_dht_time()
         return published_hashes(trainers, trust=self._trust(now), now=now, stale_after_s=self.options.stale_after_s)

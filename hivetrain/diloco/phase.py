@@ -114,6 +114,7 @@ class PhaseRunner:
         records: Callable[[], list[PeerRecord]],
         stop: threading.Event,
         on_step: Callable[[int, float], None],
+        coverage: Callable[[], float] | None = None,
     ) -> PhaseResult:
         """Run the phase begun by ``begin``: inner steps until the schedule ends it. The schedule is asked before the
         first step too, so a phase may end with none (0 samples, ``mean_loss`` 0: the others' phase ends before our
@@ -123,6 +124,7 @@ class PhaseRunner:
             records: the swarm's latest records (no I/O expected: the swarm view's cache).
             stop: set when the trainer stops.
             on_step: callback(step_index, loss) after each step (events, liveness checks; may raise to abort).
+            coverage: the fraction of the swarm ``records`` holds (``SwarmView.coverage``); None = all of it.
 
         Raises:
             PhaseInterrupted: ``stop`` was set.
@@ -149,7 +151,14 @@ class PhaseRunner:
             # before the first step, our pace is the last phase's (a step's length is what the schedule weighs)
             rate = num_samples / max(time.monotonic() - started, 1e-9) if num_samples else self.last_rate
             decision = decide_phase_end(
-                self.plan, self.peer_id, phase_epoch, num_samples, rate, records(), get_dht_time()
+                self.plan,
+                self.peer_id,
+                phase_epoch,
+                num_samples,
+                rate,
+                records(),
+                get_dht_time(),
+                coverage() if coverage is not None else 1.0,
             )
             self.eta_s = decision.eta_s if decision.action == "continue" else float("inf")
             return decision.action == "end"

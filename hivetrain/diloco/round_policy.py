@@ -69,6 +69,7 @@ def group_holds_the_epoch(
     now: float,
     stale_after_s: float,
     trust: SyncTrust = SyncTrust(),
+    coverage: float = 1.0,
 ) -> tuple[bool, str]:
     """Whether a round's result may be applied: its contributors (``group``, us included) weigh at least as much as the
     live trainers at our epoch (or computing for it) that are not in it.
@@ -82,7 +83,9 @@ def group_holds_the_epoch(
     averager's ``accept``) and is retried with the peers we train with. Without seniority (a new run) the rule is a
     plain majority of heads, which a group of one honest peer and Sybils can still win: admission closes that.
     Banned, departed, paused and stale trainers do not count; nor do those behind our epoch (they follow us) or ahead
-    of it (claims ahead are the resync rules' evidence, and liars claim one epoch ahead)."""
+    of it (claims ahead are the resync rules' evidence, and liars claim one epoch ahead). ``coverage``: the fraction of
+    the swarm ``records`` holds (a sharded swarm's sample, ``peers/record_shards.py``): the mass outside is scaled by
+    1 / ``coverage``."""
     members = set(group) | {my_peer_id}
     weights = seniority_weights(trust.seniority, my_peer_id)
     weight = (lambda p: weights.get(p, 0.0)) if weights else (lambda p: 1.0)
@@ -98,7 +101,7 @@ def group_holds_the_epoch(
         and (r.epoch == my_epoch or r.phase_epoch == my_epoch)
     ]
     inside_mass = sum(weight(p) for p in members)
-    outside_mass = sum(weight(p) for p in set(outside))
+    outside_mass = sum(weight(p) for p in set(outside)) / max(coverage, 1e-9)
     if inside_mass >= outside_mass:  # a tie commits, as before this rule (refusing it could stall half a swarm)
         return True, ""
     return False, (

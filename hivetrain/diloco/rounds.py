@@ -282,9 +282,11 @@ class RoundRunner:
             )
             sent, weight = given["tensors"], float(given["weight"])
             result, failure = None, ""
-            expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
-            per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
-            patience = patience_for(self.view.records, expected, epoch, per_step, cfg.round_timeout_s)
+            expected, patience = frozenset(), 0.0
+            if self.view.coverage >= 1.0:  # a sample of a sharded swarm names too few: groups close by their window
+                expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
+                per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
+                patience = patience_for(self.view.records, expected, epoch, per_step, cfg.round_timeout_s)
             self._checked_norm, self._epoch = None, epoch
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
@@ -365,7 +367,7 @@ class RoundRunner:
         if len(contributors) > 1:  # a round of one: ``may_commit_alone`` decides after the call
             ok, why = group_holds_the_epoch(
                 self.peer_id, self._epoch, contributors, self.view.records, get_dht_time(), self.stale_after_s,
-                self.trust(),
+                self.trust(), coverage=self.view.coverage,
             )  # fmt: skip
         return "" if ok else why
 

@@ -72,6 +72,7 @@ def decide_phase_end(
     my_samples_per_s: float,
     records: Iterable[PeerRecord],
     now: float,
+    coverage: float = 1.0,
 ) -> PhaseDecision:
     """Decide whether to run another inner step or end the phase and average.
 
@@ -85,6 +86,9 @@ def decide_phase_end(
             first step, the last phase's (0 = unknown: a first step runs).
         records: the swarm's peer records (any roles; only live trainers in the same phase epoch count).
         now: DHT time, seconds.
+        coverage: the fraction of the swarm's trainers ``records`` holds (``SwarmView.coverage``: a uniform sample
+            of a sharded swarm, ``peers/record_shards.py``); the others' samples, throughputs and count are scaled by
+            1 / ``coverage``. In (0, 1]; 1 = every record.
 
     Returns:
         The decision, with the swarm's estimated samples, the target, the number of peers counted and the
@@ -95,6 +99,9 @@ def decide_phase_end(
         if my_samples >= target:
             return PhaseDecision("end", f"ran {plan.inner_steps} inner steps", my_samples, target)
         return PhaseDecision("continue", "fixed H", my_samples, target)
+    if not 0.0 < coverage <= 1.0:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+    scale = 1.0 / coverage  # each record we see stands for this many trainers
     live = [
         r
         for r in records
@@ -119,21 +126,21 @@ def decide_phase_end(
     # e2e on a busy machine: the 0.25 peer missed epoch 2 and downloaded state).
     starting = [r for r in live if not is_done(r) and r.epoch == phase_epoch and r.phase_epoch < phase_epoch]
     running += [r.model_copy(update={"phase_samples": 0}) for r in starting]
-    num_peers = 1 + len(done) + len(running)
+    num_peers = 1 + round((len(done) + len(running)) * scale)
     step_s = plan.batch_size / my_samples_per_s if my_samples_per_s > 0 else float("inf")
-    finished = sum(min(r.done_samples, plan.max_samples_per_peer) for r in done)
+    finished = scale * sum(min(r.done_samples, plan.max_samples_per_peer) for r in done)
 
     def swarm_samples(ahead_s: float, mine: float) -> float:
         """The swarm's samples ``ahead_s`` seconds from now: each record extrapolated by its throughput, bounded."""
-        total = mine + finished
+        others = 0.0
         for r in running:
             elapsed_s = min(max(now - r.updated_at, 0.0) + ahead_s, plan.max_extrapolation_s)
-            total += min(r.phase_samples + r.throughput * elapsed_s, plan.max_samples_per_peer)
-        return total
+            others += min(r.phase_samples + r.throughput * elapsed_s, plan.max_samples_per_peer)
+        return mine + finished + scale * others
 
     target = plan.target_samples_per_epoch or plan.inner_steps * plan.batch_size * num_peers
     total = swarm_samples(0.0, my_samples)
-    rate = my_samples_per_s + sum(r.throughput for r in running)
+    rate = my_samples_per_s + scale * sum(r.throughput for r in running)
     eta_s = max(0.0, target - total) / rate if rate > 0 else float("inf")
     if my_samples >= plan.max_samples_per_peer:
         return PhaseDecision("end", f"our {my_samples} samples reach the per-peer bound", total, target, num_peers)

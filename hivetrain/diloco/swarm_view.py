@@ -8,6 +8,11 @@ first outer step of any real-length run). Readers get the last good view at once
 A read counts as real only if our p2pd daemon answers and the answer holds our own record: the DHT also answers from
 local storage, and an empty or stale answer from a node that lost its daemon must not look like an empty swarm (a
 peer that believed it was alone would commit solo steps and fork the run).
+
+In a swarm larger than a few dozen trainers, records live in shards (``peers/record_shards.py``): we publish to our
+shard and read the level-0 key, our shard and ``extra_shards`` others in rotation; the view is every shard read
+within one record TTL (``coverage`` says which fraction of the swarm that is). The level comes from the run's
+coordinator's record, or, without one, from probing our own shard at every level (``PROBE_INTERVAL_S``).
 """
 
 from __future__ import annotations
@@ -17,15 +22,20 @@ import threading
 import time
 from collections.abc import Callable
 
+from hivemind.utils import get_dht_time
+
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
-from hivetrain.peers.records import PeerRecord, fetch_records, publish_record
+from hivetrain.peers.record_shards import MAX_SHARD_BITS, ShardPlan, probe_level, shard_key, shard_of
+from hivetrain.peers.records import PeerRecord, fetch_records_at, publish_record
 
 logger = logging.getLogger(__name__)
 
 P2PD_CHECK_TIMEOUT_S = 5.0
 MIN_INTERVAL_S = 0.5  # the fastest heartbeat, seconds (one DHT store and one get per period)
+PROBE_INTERVAL_S = 60.0  # without a coordinator's level, how often we probe our shard at every level, seconds
+READ_TIMEOUT_S = 30.0  # one heartbeat's DHT reads, seconds
 
 
 class SwarmView:
@@ -45,6 +55,9 @@ class SwarmView:
         members: an invite-only run's roster: every read first teaches it the tokens and the issuer's revocation list
             it carries, then keeps only members' records (a revoked peer leaves the view at the read that carries its
             revocation). None = an open run.
+        coordinator_id: the run's coordinator, whose record gives the shard level ("" = none known: we probe).
+        extra_shards: shards read per heartbeat beyond our own when the swarm is sharded.
+        dht_time: DHT (unix) time, for the probe's liveness test (tests inject one).
 
     Thread-safety: every method may be called from any thread.
     """
@@ -62,6 +75,9 @@ class SwarmView:
         clock: Callable[[], float] = time.monotonic,
         next_interval_s: Callable[[], float] | None = None,
         members: MemberRoster | None = None,
+        coordinator_id: str = "",
+        extra_shards: int = 1,
+        dht_time: Callable[[], float] | None = None,
     ):
         self.node, self.loop, self.run_id, self.fingerprint = node, loop, run_id, fingerprint
         self.make_record = make_record
@@ -69,6 +85,11 @@ class SwarmView:
         self.clock = clock
         self.next_interval_s, self.members = next_interval_s, members
         self._p2p = None
+        self.coordinator_id = coordinator_id
+        self.plan = ShardPlan(run_id, node.peer_id, extra_shards=extra_shards, max_age_s=record_ttl_s)
+        self._dht_time = dht_time
+        self._level_known = False  # from the coordinator's record
+        self._probed_at = -float("inf")
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._records: list[PeerRecord] = []
@@ -101,6 +122,19 @@ class SwarmView:
             return list(self._records)
 
     @property
+    def coverage(self) -> float:
+        """The fraction of the swarm's records the view holds: 1.0 unless the swarm is sharded (a uniform sample
+        of the trainers otherwise; sums over the view scale by 1 / coverage)."""
+        with self._lock:
+            return self.plan.coverage(self.clock())
+
+    @property
+    def shard_bits(self) -> int:
+        """The shard level we publish and read at (0 = one key)."""
+        with self._lock:
+            return self.plan.bits
+
+    @property
     def view_ok(self) -> bool:
         """Whether the last read was real (see the module docstring)."""
         with self._lock:
@@ -115,8 +149,12 @@ class SwarmView:
     def publish(self) -> None:
         """Store our current record now (a failure is logged; the heartbeat retries)."""
         with self._publish_lock:  # records published out of order could replace a newer one with an older one
+            with self._lock:
+                keys = self.plan.publish_keys(self.clock())
             try:
-                publish_record(self.node.dht, self.node.owner_marker, self.make_record(), self.record_ttl_s)
+                record = self.make_record()
+                for key in keys:
+                    publish_record(self.node.dht, self.node.owner_marker, record, self.record_ttl_s, key=key)
             except Exception as exc:  # noqa: BLE001 - retried by the heartbeat
                 logger.warning("could not publish our record: %r", exc)
 
@@ -126,22 +164,68 @@ class SwarmView:
         self._wake.set()
 
     def refresh(self) -> list[PeerRecord]:
-        """Read the swarm's records now (blocking: one DHT get and one p2pd call, each bounded); returns the view."""
+        """Read the swarm's records now (blocking: one DHT get per shard key, in parallel, and one p2pd call, each
+        bounded); returns the view."""
+        now = self.clock()
+        with self._lock:
+            wanted = self.plan.read_keys(now)
+            own = (self.plan.bits, shard_of(self.node.peer_id, self.plan.bits))
+        keys = {shard_key(self.run_id, b, s): (b, s) for b, s in wanted}
         try:
-            records = fetch_records(self.node.dht, self.run_id)
+            found = fetch_records_at(self.node.dht, list(keys), self.run_id, READ_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - keep the last view
             logger.warning("could not read peer records: %r", exc)
-            records = []
+            found = {}
+        read = {keys[k]: v for k, v in found.items() if v is not None}
         if self.members is not None:
-            self.members.observe(records)
-            records = [r for r in records if self.members.admits(r.peer_id)]
-        ok = any(r.peer_id == self.node.peer_id for r in records) and self._p2pd_alive()
+            for records in read.values():
+                self.members.observe(records)
+            read = {bs: [r for r in rs if self.members.admits(r.peer_id)] for bs, rs in read.items()}
+        ours = read.get(own, [])
+        ok = any(r.peer_id == self.node.peer_id for r in ours) and self._p2pd_alive()
+        level = self._level_from(read.get((0, 0), []))
         with self._lock:
             self._view_ok = ok
             if ok:
-                self._view_ok_at = self.clock()
-                self._records = [r for r in records if r.model_fingerprint == self.fingerprint]
+                self._view_ok_at = now
+                for (b, s), records in read.items():
+                    self.plan.record_read(b, s, [r for r in records if r.model_fingerprint == self.fingerprint], now)
+                self._records = self.plan.view(now)
+            if level is not None and self.plan.set_level(level, now):
+                logger.info("peer records move to shard level %d (%d shards)", level, 1 << level)
+                self._wake.set()  # publish at the new level at once
             return list(self._records)
+
+    def fetch_fresh(self) -> list[PeerRecord]:
+        """The view's shards read afresh (blocking, bounded; no daemon check and no view update): for decisions that
+        must not wait a heartbeat (a download's quorum evidence). At level 0: one get of the run's key. A shard whose
+        read fails is left out."""
+        with self._lock:
+            wanted = self.plan.viewed_shards(self.clock())
+        keys = [shard_key(self.run_id, b, s) for b, s in wanted]
+        newest: dict[str, PeerRecord] = {}
+        for records in fetch_records_at(self.node.dht, keys, self.run_id, READ_TIMEOUT_S).values():
+            for r in records or ():
+                if r.peer_id not in newest or r.updated_at > newest[r.peer_id].updated_at:
+                    newest[r.peer_id] = r
+        return sorted(newest.values(), key=lambda r: r.peer_id)
+
+    def _level_from(self, base: list[PeerRecord]) -> int | None:
+        """The shard level to follow: the trusted coordinator's (from the level-0 key), else a probe of our shard at
+        every level at most every ``PROBE_INTERVAL_S``; None = keep ours."""
+        if self.coordinator_id:
+            coordinator = next((r for r in base if r.peer_id == self.coordinator_id and r.role == "coordinator"), None)
+            if coordinator is not None:
+                self._level_known = True
+                return coordinator.record_shard_bits
+        if self._level_known or self.clock() - self._probed_at < PROBE_INTERVAL_S:
+            return None
+        self._probed_at = self.clock()
+        me = self.node.peer_id
+        keys = {shard_key(self.run_id, b, shard_of(me, b)): b for b in range(1, MAX_SHARD_BITS + 1)}
+        found = fetch_records_at(self.node.dht, list(keys), self.run_id, READ_TIMEOUT_S)
+        now = self._dht_time() if self._dht_time is not None else get_dht_time()
+        return probe_level({keys[k]: v or [] for k, v in found.items()}, me, now, self.record_ttl_s)
 
     def _p2pd_alive(self) -> bool:
         if self._p2p is None:

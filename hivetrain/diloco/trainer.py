@@ -48,7 +48,7 @@ from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
-from hivetrain.peers.records import PeerRecord, fetch_records
+from hivetrain.peers.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ class DilocoTrainer:
             record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
             next_interval_s=lambda: self.phases.refresh_hint_s(),
             members=membership,
+            coordinator_id=options.coordinator_id,
         )
         if faults is not NO_FAULTS:  # every fault that fires becomes a metrics event (the chaos harness reads them)
             faults.on_fire = self._fault_fired
@@ -156,11 +157,11 @@ class DilocoTrainer:
         self.admits = membership.admits if membership is not None else None  # None: an open run
 
         def published() -> dict[int, str]:  # runs inside a download: read the DHT only, no daemon check
-            fresh = fetch_records(self.node.dht, self.config.run_id)
+            fresh = self.view.fetch_fresh()
             return self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
 
         def claims(peers: Sequence[str]) -> dict[int, str]:  # what these peers' current records claim (probes)
-            fresh = fetch_records(self.node.dht, self.config.run_id)
+            fresh = self.view.fetch_fresh()
             return {r.epoch: r.state_hash for r in fresh if r.peer_id in peers and r.model_fingerprint == fingerprint}
 
         adopter = StateAdopter(
@@ -387,7 +388,7 @@ class DilocoTrainer:
             self._check_dht()
 
         try:
-            phase = self.phases.run(lambda: self.view.records, self._stop, on_step)
+            phase = self.phases.run(lambda: self.view.records, self._stop, on_step, coverage=lambda: self.view.coverage)
         except PhaseInterrupted:
             return None
         except FloatingPointError as exc:

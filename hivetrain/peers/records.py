@@ -15,6 +15,7 @@ nothing is unpickled.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import hivemind
@@ -29,6 +30,7 @@ from hivetrain.peers.membership import MAX_REVOKED
 logger = logging.getLogger(__name__)
 
 RUN_CONFIG_KEY = "hivetrain.run_config"
+MAX_SHARD_BITS = 10  # peers/record_shards.py: at most 2^10 shard keys per level
 Role = Literal["trainer", "coordinator", "stage_server", "pipeline_trainer"]
 
 
@@ -73,6 +75,13 @@ class PeerRecord(BaseModel):
     paused: bool = Field(default=False, description="the volunteer paused training (it stays in the swarm)")
     join_token: str = Field(
         default="", max_length=2048, description="join token of an invite-only run (peers/membership.py); '' = none"
+    )
+    record_shard_bits: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SHARD_BITS,
+        description="the coordinator's: the level trainers store their records at (peers/record_shards.py); "
+        "0 = one key",
     )
     revoked: tuple[tuple[Annotated[str, Field(max_length=128)], float], ...] = Field(
         default=(),
@@ -123,11 +132,47 @@ def check_compatible(record: PeerRecord, run_id: str, model_fingerprint: str) ->
     return True, "compatible"
 
 
-def publish_record(dht: hivemind.DHT, owner_marker: bytes, record: PeerRecord, ttl_s: float) -> bool:
-    """Store (or refresh) our signed record for ``ttl_s`` seconds. Returns whether any DHT node accepted it."""
+def publish_record(
+    dht: hivemind.DHT, owner_marker: bytes, record: PeerRecord, ttl_s: float, key: str | None = None
+) -> bool:
+    """Store (or refresh) our signed record for ``ttl_s`` seconds under ``key`` (default: the run's level-0 peers
+    key; a shard key from ``peers/record_shards.py`` otherwise). Returns whether any DHT node accepted it."""
     expiration = get_dht_time() + ttl_s
     value = record.model_dump(mode="json")
-    return bool(dht.store(peers_key(record.run_id), value, expiration, subkey=owner_marker))
+    return bool(dht.store(key or peers_key(record.run_id), value, expiration, subkey=owner_marker))
+
+
+def fetch_records_at(
+    dht: hivemind.DHT, keys: Sequence[str], run_id: str, timeout_s: float = 30.0
+) -> dict[str, list[PeerRecord] | None]:
+    """The valid records under each of ``keys`` (shard keys of one run), read in parallel.
+
+    Returns key -> its records (sorted by peer ID), or None for a key whose read failed or took longer than
+    ``timeout_s`` seconds (the caller keeps what it read before). Never raises for a failed read."""
+    if len(keys) == 1:  # the common case (level 0): no futures
+        try:
+            return {keys[0]: fetch_signed_records(dht, keys[0], PeerRecord, run_id)}
+        except Exception as exc:  # noqa: BLE001 - reported as a failed read
+            logger.warning("could not read %s: %r", keys[0], exc)
+            return {keys[0]: None}
+    futures: dict[str, Any] = {}
+    for key in keys:
+        try:
+            futures[key] = dht.get(key, latest=True, return_future=True)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed read
+            logger.warning("could not read %s: %r", key, exc)
+            futures[key] = None
+    out: dict[str, list[PeerRecord] | None] = {}
+    for key, future in futures.items():
+        try:
+            if future is None:
+                raise RuntimeError("the read could not start")
+            found = future.result(timeout=timeout_s)
+            out[key] = _parse_records(found, PeerRecord, run_id)
+        except Exception as exc:  # noqa: BLE001 - a timeout or DHT error: this key is not read this time
+            logger.warning("could not read %s: %r", key, exc)
+            out[key] = None
+    return out
 
 
 def fetch_records(dht: hivemind.DHT, run_id: str, latest: bool = True) -> list[PeerRecord]:
@@ -141,7 +186,10 @@ def fetch_signed_records(
 ) -> list[Any]:
     """Every valid, unexpired record under ``key`` (one per signer subkey) whose ``peer_id`` is its signer's and
     whose ``run_id`` is ``run_id``, sorted by peer ID. Malformed and forged records are dropped."""
-    found = dht.get(key, latest=latest)
+    return _parse_records(dht.get(key, latest=latest), schema, run_id)
+
+
+def _parse_records(found: Any, schema: type[BaseModel], run_id: str) -> list[Any]:
     if found is None or not isinstance(found.value, dict):
         return []
     records = []

@@ -64,6 +64,7 @@ from pydantic import BaseModel
 from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
 from hivetrain.peers.identity import peer_id_of_owner
 from hivetrain.peers.membership import AdmissionPolicy, decide_membership
+from hivetrain.peers.record_shards import all_shard_keys, shard_of
 from hivetrain.peers.records import RUN_CONFIG_KEY, PeerRecord, RunConfigRecord, peers_key
 from hivetrain.swarm.announce import StageRecord, servers_key
 from hivetrain.swarm.reports import RebalanceReport, TrainerReport, rebalances_key, trainer_reports_key
@@ -245,13 +246,33 @@ def check_member(record: PeerRecord, expiration_time: float, admission: Admissio
     return _ACCEPT
 
 
+def check_shard(subkey: bytes, bits: int, shard: int) -> Verdict:
+    """Whether a peer record stored under shard ``shard`` of level ``bits`` belongs there: its signer's peer ID
+    hashes to that shard (``record_shards.shard_of``), so no peer can fill shards other than its own. ``subkey`` is
+    the owner marker ``check_record`` already accepted."""
+    match = _OWNER_RE.match(subkey)
+    try:
+        signer = _signer_of(b"[owner:" + match.group(1) + b"]") if match else ""
+    except Exception:  # noqa: BLE001 - check_record accepted the marker; anything else is a refusal
+        signer = ""
+    if not signer or shard_of(signer, bits) != shard:
+        return Verdict(False, "shard", f"peer record stored in shard {shard} of level {bits}, not its signer's")
+    return _ACCEPT
+
+
 def key_id(key: str) -> bytes:
     """The bytes a validator sees as ``DHTRecord.key`` for the raw DHT key ``key``."""
     return DHTID.generate(source=key).to_bytes()
 
 
+@functools.lru_cache(maxsize=64)
+def shard_keys(run_id: str) -> dict[bytes, tuple[int, int]]:
+    """Hashed shard keys of a run's peer records (``peers/record_shards.py``) -> (bits, shard)."""
+    return {key_id(key): where for key, where in all_shard_keys(run_id).items()}
+
+
 def run_keys(run_id: str) -> dict[bytes, tuple[RecordKind, str]]:
-    """Hashed keys of a run's records -> (kind, run id)."""
+    """Hashed keys of a run's records -> (kind, run id); the peer-record shard keys are ``shard_keys``."""
     return {
         key_id(peers_key(run_id)): ("peer", run_id),
         key_id(servers_key(run_id)): ("stage", run_id),
@@ -285,9 +306,12 @@ class RecordGuard(RecordValidatorBase):
     ):
         self.bounds, self._clock = bounds, clock
         self._keys: dict[bytes, tuple[RecordKind, str]] = {key_id(RUN_CONFIG_KEY): ("run_config", "")}
+        self._shard_runs: set[str] = set()  # runs whose shard keys we know (built lazily in the DHT process: the
+        self._shards: dict[bytes, tuple[str, int, int]] | None = None  # guard crosses hivemind's pipe pickled)
         self._policies: dict[str, AdmissionPolicy] = {p.run_id: p for p in admission}
         for run_id in (*run_ids, *self._policies):
             self._keys.update(run_keys(run_id))
+            self._shard_runs.add(run_id)
         self.num_refused = 0
         self._told: set[str] = set()
 
@@ -296,6 +320,9 @@ class RecordGuard(RecordValidatorBase):
         known = self._keys.get(record.key)
         if known is not None:
             return known
+        shard = self._shard_map().get(record.key)
+        if shard is not None:
+            return "peer", shard[0]
         if record.subkey.endswith(_MATCHMAKING_TAILS) and b"[owner:" in record.subkey:
             return ("ready" if record.subkey.endswith(b"|ready") else "group"), ""
         return None
@@ -312,7 +339,22 @@ class RecordGuard(RecordValidatorBase):
             subkey = None
         now = self._clock() if self._clock is not None else get_dht_time()
         policy = self._policies.get(run_id) if kind == "peer" else None
-        return check_record(kind, run_id, subkey, record.value, record.expiration_time, now, self.bounds, policy)
+        verdict = check_record(kind, run_id, subkey, record.value, record.expiration_time, now, self.bounds, policy)
+        shard = self._shard_map().get(record.key)
+        if verdict.ok and shard is not None:
+            verdict = check_shard(subkey, shard[1], shard[2])
+        return verdict
+
+    def _shard_map(self) -> dict[bytes, tuple[str, int, int]]:
+        """Hashed shard key -> (run id, bits, shard) of every run we guard (``shard_keys``), built on first use."""
+        if self._shards is None:
+            self._shards = {k: (run, *where) for run in self._shard_runs for k, where in shard_keys(run).items()}
+        return self._shards
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_shards"] = None  # thousands of hashed keys: rebuilt where the guard runs
+        return state
 
     def validate(self, record: DHTRecord) -> bool:
         verdict = self.check(record)
@@ -333,5 +375,7 @@ class RecordGuard(RecordValidatorBase):
         if not isinstance(other, RecordGuard):
             return False
         self._keys.update(other._keys)
+        self._shard_runs |= other._shard_runs
+        self._shards = None
         self._policies.update(other._policies)
         return True

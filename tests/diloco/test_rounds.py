@@ -29,7 +29,7 @@ def rec(peer, epoch, phase_epoch=None, digest="h"):
 
 class FakeView:
     def __init__(self, records, view_ok=True):
-        self._records, self.view_ok, self.view_age_s = records, view_ok, 0.0
+        self._records, self.view_ok, self.view_age_s, self.coverage = records, view_ok, 0.0, 1.0
 
     @property
     def records(self):

@@ -154,3 +154,17 @@ def test_a_peer_that_committed_our_epoch_but_has_not_published_its_new_phase_cou
     d = decide_phase_end(SWARM, "me", 3, 100, 8.0, [lagging, rec("mid", samples=40, throughput=4.0)], NOW)
     assert d.action == "continue" and d.num_peers == 3 and d.target_samples == 240
     assert abs(d.swarm_samples - (100 + 40 + 2.0)) < 1e-9
+
+
+def test_a_sample_of_a_sharded_swarm_stands_for_the_whole_swarm():
+    # 20 trainers at 30 samples each, throughput 3; an explicit target of 2000. Seeing all of them, or every other one
+    # at coverage 0.5, gives the same estimate of the swarm's samples, peers and rate.
+    plan = PhasePlan(schedule="swarm", inner_steps=10, batch_size=8, target_samples_per_epoch=2000)
+    everyone = [rec(f"p{i:02d}", samples=30, throughput=3.0) for i in range(20)]
+    full = decide_phase_end(plan, "me", 3, 30, 3.0, everyone, NOW)
+    half = decide_phase_end(plan, "me", 3, 30, 3.0, everyone[::2], NOW, coverage=0.5)
+    assert full.num_peers == half.num_peers == 21 and abs(full.swarm_samples - half.swarm_samples) < 1e-9
+    assert abs(full.eta_s - half.eta_s) < 1e-9 and full.action == half.action == "continue"
+    # without the scale the sample would look like half the swarm: an explicit target then ends far too late
+    blind = decide_phase_end(plan, "me", 3, 30, 3.0, everyone[::2], NOW)
+    assert blind.num_peers == 11 and blind.eta_s > 2 * full.eta_s

@@ -509,3 +509,13 @@ def test_a_group_of_one_honest_peer_and_sybils_does_not_outweigh_the_peers_it_tr
     assert group_holds_the_epoch("a", 9, ("a",), [rec("b", 9, "h")], NOW, 30, SyncTrust(seniority={"b": 3}))[0]
     assert group_holds_the_epoch("j", 9, ("j", "x"), [rec("p", 9, "h")], NOW, 30)[0]
     assert not group_holds_the_epoch("j", 9, ("j",), [rec("p", 9, "h"), rec("q", 9, "h")], NOW, 30)[0]
+
+
+def test_in_a_sharded_swarm_the_trainers_left_out_weigh_for_the_ones_not_in_our_sample():
+    """With a view of a quarter of the swarm (``SwarmView.coverage`` 0.25), each live trainer of our epoch seen
+    outside the round stands for 4: a head count of 3 contributors against 1 seen outside commits with the whole
+    view and is refused with the sample."""
+    records = [rec("out", 9, "h9")]
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "a", "b"), records, NOW, 30)[0]
+    ok, why = group_holds_the_epoch("peer0", 9, ("peer0", "a", "b"), records, NOW, 30, coverage=0.25)
+    assert not ok and "weigh 3 against 4" in why
