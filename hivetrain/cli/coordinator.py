@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.checkpoint_dir:  # now, not at the first checkpoint: the run clock is saved there from the start
             _make_checkpoint_dir(Path(args.checkpoint_dir))
+        # the model against the tokenizer (vocabulary, positions) and a pretrained start's weights, before any node
+        fingerprint = run_fingerprint(config)
+        _warn_missing_data(config)
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     node = loop = dashboard = None
@@ -127,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         start_reaper()
         node = _start_with_known_peers(ncfg, args)
         policy = _guard_admission(node, config)
-        fingerprint = run_fingerprint(config)
         follower, observer, loop = None, None, None
         from hivetrain.coordinator.dashboard import RunInfo, summarize_config
         from hivetrain.coordinator.observer import SwarmObserver
@@ -276,6 +278,21 @@ def _save_known_peers(args, maddrs: list[str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(dict.fromkeys(maddrs[:32])) + "\n")
     tmp.replace(path)
+
+
+def _warn_missing_data(config) -> None:
+    """Warn about data paths missing on this machine: the coordinator reads no data, and volunteers may hold the
+    corpus at those paths on their own disks, so this is not a refusal (join-swarm refuses a missing path)."""
+    import glob
+
+    missing = [p for p in config.data.paths if not glob.has_magic(p) and not Path(p).expanduser().exists()]
+    missing += [p for p in config.data.paths if glob.has_magic(p) and not glob.glob(str(Path(p).expanduser()))]
+    if missing:
+        logger.warning(
+            "data.paths %s: not on this machine. Every volunteer needs them at these paths (or its own "
+            "--config); a volunteer without them is refused at join-swarm",
+            ", ".join(missing),
+        )
 
 
 def _start_with_known_peers(ncfg, args):

@@ -70,8 +70,8 @@ def load_corpus(config: DataConfig, cursor_path: str | Path | None = None) -> Co
 
     Raises:
         FileNotFoundError: a data path or the tokenizer directory is missing.
-        ValueError: the corpus is too small for one held-out and one training window, or a record file lacks the
-            text field (the message says what to change).
+        ValueError: the corpus holds no text, is too small for one held-out and one training window, or a record
+            file lacks the text field (the message says what to change).
     """
     shards = list_shards(resolve_files(config.paths), config.max_corpus_bytes)
     tokenizer = make_tokenizer(config)
@@ -88,6 +88,9 @@ def load_corpus(config: DataConfig, cursor_path: str | Path | None = None) -> Co
         digest=hashlib.sha256(blob.encode()).hexdigest(),
         shuffle_windows=config.shuffle_windows,
     )
+    if next(iter(corpus.documents(held_out=False)), None) is None and next(iter(corpus.documents(True)), None) is None:
+        named = ", ".join(config.paths) if config.paths else "the default corpus"
+        raise ValueError(f"no text in {named}: every file is empty; point data.paths at files that hold text")
     corpus.eval_windows(config.seq_len, config.num_eval_windows)  # raises if too small; cached for the trainer
     next(iter(corpus.train_windows(config.seq_len, stream_seed=0)), None)  # raises if no training window
     corpus.cursor_path = Path(cursor_path) if cursor_path is not None else None  # set after the check: it saves none

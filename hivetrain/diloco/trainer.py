@@ -48,6 +48,7 @@ from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
+from hivetrain.peers.record_shards import carries_sketch
 from hivetrain.peers.records import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -538,6 +539,12 @@ class DilocoTrainer:
             load_into_model(self.state, self.model)
         return loss
 
+    def _carries_sketch(self, sketch_epoch: int) -> bool:
+        """Our record carries our θ sketch of the current epoch: always in a small swarm, in 1 epoch of 8 in a sharded
+        one (``record_shards.carries_sketch``: bounded heartbeat reads)."""
+        epoch = self.state.epoch
+        return sketch_epoch == epoch and carries_sketch(self.node.peer_id, epoch, self.view.shard_bits)
+
     def _record(self) -> PeerRecord:
         """The record we publish now (a fault-harness "call" fault at ``HookPoint.DILOCO_RECORD`` may replace it)."""
         phase_epoch, phase_samples = self.phases.progress
@@ -552,7 +559,7 @@ class DilocoTrainer:
             epoch=self.state.epoch,
             throughput=min(self.phases.throughput, 1e12),
             state_hash=self.state_hash,
-            param_sketch=sketch_text if sketch_epoch == self.state.epoch else "",
+            param_sketch=sketch_text if self._carries_sketch(sketch_epoch) else "",
             samples_total=self.stats.samples_total,
             compute_s=self.stats.compute_s,
             public_name=self.options.public_name,

@@ -63,6 +63,17 @@ def all_shard_keys(run_id: str) -> dict[str, tuple[int, int]]:
     return {shard_key(run_id, b, s): (b, s) for b in range(1, MAX_SHARD_BITS + 1) for s in range(1 << b)}
 
 
+SKETCH_BITS = 3  # in a sharded swarm, 1 trainer in 2^SKETCH_BITS carries its θ sketch at a given epoch
+
+
+def carries_sketch(peer_id: str, epoch: int, bits: int) -> bool:
+    """Whether our record carries our θ sketch (``PeerRecord.param_sketch``, 2.7 KB of a ~4 KB record) at ``epoch``:
+    always at level 0; in a sharded swarm (``bits`` > 0) only for the trainers whose id hashes to ``epoch`` mod
+    2^SKETCH_BITS, a different eighth each epoch. A view of 2 shards of ~64 then still holds ~16 sketches of an epoch
+    (a joiner's check needs 3, ``diloco/join_check.py``), and a heartbeat reads 1.7 KB per record instead of 4 KB."""
+    return bits == 0 or shard_of(peer_id, SKETCH_BITS) == epoch % (1 << SKETCH_BITS)
+
+
 def decide_shard_bits(num_trainers: int, bits: int, per_shard: int = RECORDS_PER_SHARD) -> tuple[int, str]:
     """The level the swarm should use, given ``num_trainers`` live trainers and the current level ``bits``.
 

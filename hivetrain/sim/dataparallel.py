@@ -32,6 +32,7 @@ import simpy
 from hivetrain.diloco.round_policy import keep_carried
 from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
+from hivetrain.peers.record_shards import decide_shard_bits
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.config import Scenario
 from hivetrain.sim.consensus import relative_deviation
@@ -56,6 +57,7 @@ class DataParallelSim:
         self.state.speed_jitter = scenario.peers.speed_jitter
         self.state.jitter_rng = np.random.default_rng(scenario.sim.seed + 2)
         self.board = simdht.RecordBoard(self.state.capacity)
+        self.shard_bits = 0  # the peer records' shard level (``peers/record_shards.py``)
         self.metrics = SimMetrics(num_peers=n)
         s = scenario.schedule
         self.plan = PhasePlan(s.schedule, s.inner_steps, s.batch_size, s.target_samples_per_epoch,
@@ -121,9 +123,19 @@ class DataParallelSim:
         )  # fmt: skip
         self.next_publish[slots] += self.sc.schedule.record_interval_s
         stored = self.board.num_stored()
-        value_bytes = stored * simdht.record_bytes()
-        self.metrics.dht.value_size(simdht.PEERS_KEY, value_bytes)
-        self.metrics.dht.ops(len(slots), 2, value_bytes)  # one store of our record and one get of everyone's
+        self.shard_bits = decide_shard_bits(stored, self.shard_bits)[0]  # the coordinator's level, one step a beat
+        per_record = simdht.mean_record_bytes(self.shard_bits)
+        if self.shard_bits == 0:
+            value_bytes = read_bytes = stored * per_record  # one key: the whole swarm, read whole
+            self.metrics.dht.ops(len(slots), 2, int(read_bytes))  # one store of our record and one get of everyone's
+        else:
+            ids = [self.board.peer_ids[i] for i in np.flatnonzero(self.board.published).tolist()]
+            loads = simdht.shard_loads(ids, self.shard_bits)
+            value_bytes = float(loads.max()) * per_record
+            # a store, and gets of level 0 (the coordinator's record), our shard and one more in rotation
+            read_bytes = (1 + 2 * stored / len(loads)) * per_record
+            self.metrics.dht.ops(len(slots), 4, int(read_bytes))
+        self.metrics.dht.value_size(simdht.PEERS_KEY, int(value_bytes))
 
     def publish_now(self, slots: np.ndarray, now: float) -> None:
         """Publish the records of ``slots`` at once (the trainer's ``request_publish`` after a phase ends, a round

@@ -5,7 +5,10 @@ key ``ReadyEntry`` and ``GroupDeclaration`` under ``"{prefix}.{round_key}.mm"`` 
 sizes are measured once from real instances serialised the way hivemind stores them (msgpack of the pydantic dump)
 plus the subkey a signed value carries (hivemind's ``RSASignatureValidator`` owner marker with a 2048-bit RSA public
 key, and the value's signature). The routing of a DHT get (log N hops) is not modelled: a get or store is one
-operation, and its bytes are the value's size.
+operation, and its bytes are the value's size. Past ~96 trainers the records live in shards
+(``peers/record_shards.py``): the peers key's size is then that of the fullest shard, and a heartbeat reads the
+level-0 key, the peer's own shard and one more (``ShardPlan``, ``extra_shards`` 1). The decision functions still see
+every record (the board): the sample a sharded view holds is not modelled.
 
 ``RecordBoard`` keeps every peer's latest published record as numpy columns (for the vectorised schedule model) and as
 real ``PeerRecord`` objects (for the production decision functions), rebuilding only the records that changed.
@@ -21,6 +24,7 @@ import msgpack
 import numpy as np
 
 from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
+from hivetrain.peers import record_shards
 from hivetrain.peers.records import PeerRecord
 
 RUN_ID = "sim"
@@ -31,6 +35,22 @@ _FAKE_KEY = b"ssh-rsa " + b"A" * 364  # the length of a 2048-bit key in hivemind
 
 def _owner_marker_bytes() -> int:
     return len(b"[owner:" + _FAKE_KEY + b"]")
+
+
+SKETCH_TEXT_BYTES = 2732  # ``PeerRecord.param_sketch`` when carried (base64 of 2 KiB)
+
+
+def mean_record_bytes(shard_bits: int) -> float:
+    """Bytes of a stored trainer record on average at shard level ``shard_bits``: every record carries its θ sketch
+    at level 0, one in 2^SKETCH_BITS in a sharded swarm (``record_shards.carries_sketch``)."""
+    share = 1.0 if shard_bits == 0 else 1.0 / (1 << record_shards.SKETCH_BITS)
+    return record_bytes() - (1.0 - share) * (SKETCH_TEXT_BYTES + 3)  # msgpack's str header: 3 bytes
+
+
+def shard_loads(peer_ids: list[str], shard_bits: int) -> np.ndarray:
+    """Records per shard at level ``shard_bits`` for these peers (int64, 2^bits entries)."""
+    shards = [record_shards.shard_of(p, shard_bits) for p in peer_ids]
+    return np.bincount(np.asarray(shards, dtype=np.int64), minlength=1 << shard_bits)
 
 
 @functools.cache

@@ -39,6 +39,39 @@ def test_missing_data_path_is_refused(tmp_path):
     assert proc.returncode == 2 and "missing.txt" in proc.stderr
 
 
+def _small_vocab_model(tmp_path):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    config.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model" / "config.json")
+
+
+def test_an_empty_corpus_is_refused_in_one_line_naming_it(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    config = write_config(tmp_path / "run.toml", **{"data.paths": [str(tmp_path / "empty.txt")]})
+    proc, _ = run(["--config", str(config)], timeout_s=240)  # importing torch takes a minute on a busy machine
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"no text in {tmp_path / 'empty.txt'}" in proc.stderr
+
+
+def test_a_model_whose_vocabulary_is_smaller_than_the_tokenizers_is_refused_by_peer_and_coordinator(tmp_path):
+    config = write_config(tmp_path / "run.toml", model=_small_vocab_model(tmp_path))
+    proc, _ = run(["--config", str(config)], timeout_s=240)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "vocab_size 100 does not cover the tokenizer's 256 ids" in proc.stderr
+    coordinator = subprocess.run(
+        [sys.executable, "-m", "hivetrain.cli.main", "coordinator", "--config", str(config), "--host-maddrs",
+         "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert coordinator.returncode == 2 and "Traceback" not in coordinator.stderr, coordinator.stderr[-2000:]
+    errors = [line for line in coordinator.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "does not cover the tokenizer's 256 ids" in errors[0]
+    assert "DHT node" not in coordinator.stderr  # refused before anything started
+
+
 def test_peer_with_different_model_is_refused_and_others_keep_training(local_swarm, tmp_path):
     swarm = local_swarm(**{"diloco.outer_steps": 3, "diloco.inner_steps": 20})
     honest = swarm.add_peer()

@@ -10,6 +10,7 @@ from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.record_shards import (
     MAX_SHARD_BITS,
+    carries_sketch,
     ShardPlan,
     decide_shard_bits,
     level_for,
@@ -135,3 +136,11 @@ def test_trainers_follow_the_coordinators_level_see_each_other_and_cannot_fill_a
         for view in views:
             view.stop()
         loop.stop(timeout_s=2)
+
+
+def test_in_a_sharded_swarm_one_trainer_in_8_carries_its_sketch_each_epoch_and_every_one_in_turn():
+    ids = [f"Qm{i:044d}" for i in range(800)]
+    assert all(carries_sketch(p, 5, 0) for p in ids[:20])  # one key: everyone, as before
+    per_epoch = [sum(carries_sketch(p, e, 3) for p in ids) for e in range(8)]
+    assert all(70 <= n <= 130 for n in per_epoch)  # an eighth each (100 expected)
+    assert all(any(carries_sketch(p, e, 3) for e in range(8)) for p in ids)  # and everyone once in 8 epochs
