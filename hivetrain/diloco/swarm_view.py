@@ -27,7 +27,7 @@ from hivemind.utils import get_dht_time
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
-from hivetrain.peers.record_shards import MAX_SHARD_BITS, ShardPlan, probe_level, shard_key, shard_of
+from hivetrain.peers.record_shards import MAX_SHARD_BITS, ShardPlan, level_for, probe_level, shard_key, shard_of
 from hivetrain.peers.records import PeerRecord, fetch_records_at, publish_record
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class SwarmView:
             read = {bs: [r for r in rs if self.members.admits(r.peer_id)] for bs, rs in read.items()}
         ours = read.get(own, [])
         ok = any(r.peer_id == self.node.peer_id for r in ours) and self._p2pd_alive()
-        level = self._level_from(read.get((0, 0), []))
+        level = self._level_from(read.get((0, 0)))
         with self._lock:
             self._view_ok = ok
             if ok:
@@ -210,22 +210,27 @@ class SwarmView:
                     newest[r.peer_id] = r
         return sorted(newest.values(), key=lambda r: r.peer_id)
 
-    def _level_from(self, base: list[PeerRecord]) -> int | None:
-        """The shard level to follow: the trusted coordinator's (from the level-0 key), else a probe of our shard at
-        every level at most every ``PROBE_INTERVAL_S``; None = keep ours."""
+    def _level_from(self, base: list[PeerRecord] | None) -> int | None:
+        """The shard level to follow (None = keep ours): the trusted coordinator's (from the level-0 key ``base``),
+        else a probe of our shard at every level at most every ``PROBE_INTERVAL_S``; and at least the level the
+        level-0 key's own crowd calls for (``level_for``): a crowd that joined within one of the coordinator's polls
+        leaves it at once, as the coordinator will when it counts it."""
+        if base is None:  # the level-0 read failed: no evidence either way
+            return None
+        floor = level_for(sum(1 for r in base if r.role == "trainer"))
         if self.coordinator_id:
             coordinator = next((r for r in base if r.peer_id == self.coordinator_id and r.role == "coordinator"), None)
             if coordinator is not None:
                 self._level_known = True
-                return coordinator.record_shard_bits
+                return max(coordinator.record_shard_bits, floor)
         if self._level_known or self.clock() - self._probed_at < PROBE_INTERVAL_S:
-            return None
+            return floor if floor > self.plan.bits else None
         self._probed_at = self.clock()
         me = self.node.peer_id
         keys = {shard_key(self.run_id, b, shard_of(me, b)): b for b in range(1, MAX_SHARD_BITS + 1)}
         found = fetch_records_at(self.node.dht, list(keys), self.run_id, READ_TIMEOUT_S)
         now = self._dht_time() if self._dht_time is not None else get_dht_time()
-        return probe_level({keys[k]: v or [] for k, v in found.items()}, me, now, self.record_ttl_s)
+        return max(floor, probe_level({keys[k]: v or [] for k, v in found.items()}, me, now, self.record_ttl_s))
 
     def _p2pd_alive(self) -> bool:
         if self._p2p is None:

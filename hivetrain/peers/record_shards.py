@@ -77,30 +77,28 @@ def carries_sketch(peer_id: str, epoch: int, bits: int) -> bool:
 def decide_shard_bits(num_trainers: int, bits: int, per_shard: int = RECORDS_PER_SHARD) -> tuple[int, str]:
     """The level the swarm should use, given ``num_trainers`` live trainers and the current level ``bits``.
 
-    One level up when the mean shard holds more than ``RAISE_AT`` x ``per_shard`` records, one level down when the
-    level below would hold fewer than ``2 x LOWER_AT`` x ``per_shard`` per shard (a 4x hysteresis band: 96 and 24
-    records at the default), one step per call so readers follow (``ShardPlan`` keeps the previous level for a TTL).
+    Up as far as needed at once when the mean shard holds more than ``RAISE_AT`` x ``per_shard`` records (a crowd must
+    not sit in an overfull key while the level climbs a step per poll); one level down when the level below would
+    hold fewer than ``2 x LOWER_AT`` x ``per_shard`` per shard (a 4x hysteresis band: 96 and 24 records at the
+    default), one step per call. Readers follow either way (``ShardPlan`` keeps the previous level for a TTL).
     Returns (bits, reason).
     """
     if num_trainers < 0 or per_shard < 1 or not 0 <= bits <= MAX_SHARD_BITS:
         raise ValueError(f"bad level input: num_trainers={num_trainers}, bits={bits}, per_shard={per_shard}")
     mean = num_trainers / (1 << bits)
     if mean > RAISE_AT * per_shard and bits < MAX_SHARD_BITS:
-        return bits + 1, f"{num_trainers} trainers: {mean:.0f} per shard > {RAISE_AT * per_shard:.0f}"
+        up = bits
+        while up < MAX_SHARD_BITS and num_trainers / (1 << up) > RAISE_AT * per_shard:
+            up += 1
+        return up, f"{num_trainers} trainers: {mean:.0f} per shard > {RAISE_AT * per_shard:.0f}"
     if bits > 0 and num_trainers / (1 << (bits - 1)) < 2 * LOWER_AT * per_shard:
         return bits - 1, f"{num_trainers} trainers: {mean:.0f} per shard, {mean * 2:.0f} one level down"
     return bits, f"{num_trainers} trainers: {mean:.0f} per shard"
 
 
 def level_for(num_trainers: int, per_shard: int = RECORDS_PER_SHARD) -> int:
-    """The level ``decide_shard_bits`` settles at from level 0 for a steady ``num_trainers`` (simulator, docs)."""
-    bits = 0
-    for _ in range(MAX_SHARD_BITS + 1):
-        nxt, _ = decide_shard_bits(num_trainers, bits, per_shard)
-        if nxt <= bits:
-            return bits
-        bits = nxt
-    return bits
+    """The level ``decide_shard_bits`` raises level 0 to for ``num_trainers`` (the trainer's floor, simulator, docs)."""
+    return decide_shard_bits(num_trainers, 0, per_shard)[0]
 
 
 def probe_level(found: dict[int, Iterable[PeerRecord]], me: str, now: float, stale_after_s: float) -> int:

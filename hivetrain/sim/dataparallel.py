@@ -59,6 +59,7 @@ class DataParallelSim:
         self.board = simdht.RecordBoard(self.state.capacity)
         self.shard_bits = 0  # the peer records' shard level (``peers/record_shards.py``)
         self.metrics = SimMetrics(num_peers=n)
+        self.metrics.dht.steady_after_s = scenario.schedule.record_ttl_s
         s = scenario.schedule
         self.plan = PhasePlan(s.schedule, s.inner_steps, s.batch_size, s.target_samples_per_epoch,
                               s.max_samples_per_peer, s.stale_after_s, s.max_extrapolation_s)  # fmt: skip
@@ -122,20 +123,23 @@ class DataParallelSim:
             done_samples=st.i["done_samples"][slots], updated_at=np.full(len(slots), now),
         )  # fmt: skip
         self.next_publish[slots] += self.sc.schedule.record_interval_s
+        # the level: the coordinator's from the last count, at least what the level-0 key's crowd calls for (a
+        # trainer's floor); this batch published at it before seeing each other (peers/record_shards.py)
         stored = self.board.num_stored()
-        self.shard_bits = decide_shard_bits(stored, self.shard_bits)[0]  # the coordinator's level, one step a beat
-        per_record = simdht.mean_record_bytes(self.shard_bits)
-        if self.shard_bits == 0:
+        bits = self.shard_bits
+        per_record = simdht.mean_record_bytes(bits)
+        if bits == 0:
             value_bytes = read_bytes = stored * per_record  # one key: the whole swarm, read whole
             self.metrics.dht.ops(len(slots), 2, int(read_bytes))  # one store of our record and one get of everyone's
         else:
             ids = [self.board.peer_ids[i] for i in np.flatnonzero(self.board.published).tolist()]
-            loads = simdht.shard_loads(ids, self.shard_bits)
+            loads = simdht.shard_loads(ids, bits)
             value_bytes = float(loads.max()) * per_record
             # a store, and gets of level 0 (the coordinator's record), our shard and one more in rotation
             read_bytes = (1 + 2 * stored / len(loads)) * per_record
             self.metrics.dht.ops(len(slots), 4, int(read_bytes))
-        self.metrics.dht.value_size(simdht.PEERS_KEY, int(value_bytes))
+        self.metrics.dht.value_size(simdht.PEERS_KEY, int(value_bytes), now)
+        self.shard_bits = decide_shard_bits(stored, bits)[0]
 
     def publish_now(self, slots: np.ndarray, now: float) -> None:
         """Publish the records of ``slots`` at once (the trainer's ``request_publish`` after a phase ends, a round

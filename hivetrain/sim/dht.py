@@ -107,15 +107,22 @@ class DhtStats:
     ops_total: int = 0
     read_bytes_total: int = 0
     peak_value_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    peak_value_bytes_steady: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    steady_after_s: float = 0.0  # simulated seconds: the sim sets one record TTL
 
     def ops(self, num_peers: int, count_each: int = 1, read_bytes_each: int = 0) -> None:
         """``num_peers`` peers each do ``count_each`` operations that read ``read_bytes_each`` bytes in all."""
         self.ops_total += num_peers * count_each
         self.read_bytes_total += num_peers * read_bytes_each
 
-    def value_size(self, key: str, num_bytes: int) -> None:
+    def value_size(self, key: str, num_bytes: int, now: float | None = None) -> None:
+        """A value of ``num_bytes`` under ``key`` at simulated time ``now``: counted in the peak, and in the steady
+        peak from ``steady_after_s`` on (a simulation starts every peer within one heartbeat: a crowd that the
+        peers-key level cannot have followed yet)."""
         if num_bytes > self.peak_value_bytes[key]:
             self.peak_value_bytes[key] = num_bytes
+        if (now is None or now >= self.steady_after_s) and num_bytes > self.peak_value_bytes_steady[key]:
+            self.peak_value_bytes_steady[key] = num_bytes
 
 
 class RecordBoard:

@@ -17,7 +17,9 @@ Definitions (units in the names):
 - ``bytes_per_peer_per_step``: all-reduce bytes sent + received, per committed (peer, round).
 - ``dht_ops_per_peer_per_step`` / ``dht_read_bytes_per_peer_per_step``: DHT gets and stores (heartbeats,
   announcements, matchmaking polls), per committed (peer, round).
-- ``peak_dht_value_bytes``: the largest value stored under one DHT key (``peak_dht_value_bytes_by_key`` per key).
+- ``peak_dht_value_bytes``: the largest value stored under one DHT key (``peak_dht_value_bytes_by_key`` per key);
+  ``peak_dht_value_bytes_steady``: the same from one record TTL after the start on (every simulated peer starts
+  within one heartbeat: a crowd the peer records' shard level cannot have followed yet).
 - ``drift``: max_p ||θ_p - mean|| / ||mean|| over the live peers at the most common epoch, sampled every tick.
 - ``committed_states_max``: the most distinct states (state hashes) the commits of one epoch ended on, over epochs:
   1 = every peer that committed an epoch holds one model; more = the epoch forked.
@@ -156,6 +158,8 @@ class SimMetrics:
             "dht_read_bytes_per_peer_per_step": float(self.dht.read_bytes_total / per_step),
             "peak_dht_value_bytes": int(max(self.dht.peak_value_bytes.values(), default=0)),
             "peak_dht_value_bytes_by_key": dict(self.dht.peak_value_bytes),
+            "peak_dht_value_bytes_steady": int(max(self.dht.peak_value_bytes_steady.values(), default=0)),
+            "peak_dht_value_bytes_steady_by_key": dict(self.dht.peak_value_bytes_steady),
             "group_size_mean": float(np.mean(self.group_sizes)) if self.group_sizes else 0.0,
             "group_size_max": int(max(self.group_sizes, default=0)),
             "drift_final": final_drift,

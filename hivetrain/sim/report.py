@@ -194,6 +194,7 @@ def plot_sweep(reports: Sequence[dict[str, Any]], out_dir: str | Path) -> list[P
         ("time_per_outer_step_s", "time per outer step, s"),
         ("bytes_per_peer_per_step", "all-reduce bytes per peer per outer step"),
         ("peak_dht_value_bytes", "peak DHT value per key, bytes"),
+        ("peak_dht_value_bytes_steady", "peak DHT value per key after one record TTL, bytes"),
         ("dht_ops_per_peer_per_step", "DHT ops per peer per outer step"),
         ("dht_read_bytes_per_peer_per_step", "DHT bytes read per peer per outer step"),
         ("round_s_median", "one group all-reduce, s (median)"),

@@ -185,7 +185,7 @@ class RoundEngine:
 
     def _key_size(self, key: RoundKey) -> int:
         size = len(key.entries) * simdht.entry_bytes() + key.declarations_bytes
-        self.sim.metrics.dht.value_size("matchmaking", size)
+        self.sim.metrics.dht.value_size("matchmaking", size, self.sim.env.now)
         return size
 
     def _by_side(self, slots: list[int]) -> list[list[int]]:

@@ -34,12 +34,13 @@ def test_a_peers_shard_is_fixed_by_its_id_and_spreads_peers_evenly():
         shard_of("x", MAX_SHARD_BITS + 1)
 
 
-def test_the_level_moves_one_step_at_a_time_with_hysteresis():
+def test_the_level_rises_at_once_and_falls_one_step_at_a_time_with_hysteresis():
     assert decide_shard_bits(96, 0)[0] == 0  # 96 records per shard is still fine
     assert decide_shard_bits(97, 0)[0] == 1
     assert decide_shard_bits(60, 1)[0] == 1  # 30 per shard: inside the band, no flapping back
     assert decide_shard_bits(47, 1)[0] == 0  # 47 fit one key again
-    assert decide_shard_bits(100_000, 3)[0] == 4  # one step per call, however far the target
+    assert decide_shard_bits(100_000, 3)[0] == 10  # up at once, however far: a crowd never waits in a full key
+    assert decide_shard_bits(40, 4)[0] == 3  # down one step per call
     assert decide_shard_bits(10**9, MAX_SHARD_BITS)[0] == MAX_SHARD_BITS
     assert level_for(3) == 0 and level_for(100) == 1 and level_for(1000) == 4 and level_for(10_000) == 7
     # no shard ends over 512 KiB at 10,000 trainers (records of ~1.4 KiB without the sketch, ~4 KiB with it)
@@ -144,3 +145,16 @@ def test_in_a_sharded_swarm_one_trainer_in_8_carries_its_sketch_each_epoch_and_e
     per_epoch = [sum(carries_sketch(p, e, 3) for p in ids) for e in range(8)]
     assert all(70 <= n <= 130 for n in per_epoch)  # an eighth each (100 expected)
     assert all(any(carries_sketch(p, e, 3) for e in range(8)) for p in ids)  # and everyone once in 8 epochs
+
+
+def test_a_crowd_in_the_level_0_key_moves_trainers_up_before_the_coordinator_says_so():
+    class Node:
+        peer_id, dht = "me", None
+
+    view = SwarmView(Node(), None, "r", "f", lambda: None, record_ttl_s=30, record_interval_s=5, coordinator_id="c")
+    coordinator = peer_record("c", role="coordinator", record_shard_bits=0)
+    crowd = [peer_record(f"t{i}") for i in range(200)]
+    assert view._level_from([coordinator, *crowd]) == level_for(200) == 2  # 200 trainers: 4 shards of 50
+    assert view._level_from([coordinator.model_copy(update={"record_shard_bits": 5}), *crowd]) == 5
+    assert view._level_from([coordinator, *crowd[:50]]) == 0  # the coordinator's level while the key is not full
+    assert view._level_from(None) is None  # a failed read of the level-0 key changes nothing
