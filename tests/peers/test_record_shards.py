@@ -10,8 +10,8 @@ from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.record_shards import (
     MAX_SHARD_BITS,
-    carries_sketch,
     ShardPlan,
+    carries_sketch,
     decide_shard_bits,
     level_for,
     probe_level,
