@@ -18,6 +18,12 @@ class Interrupted(BaseException):
     """Raised in the main thread by SIGTERM/SIGINT so that blocking calls unwind and cleanup runs."""
 
 
+MODEL_HELP = (
+    "the model: a preset (tiny, small, base), a transformers config.json (fresh weights), or a model directory "
+    "(config.json + safetensors) to continue from"
+)
+
+
 def install_signal_handlers() -> None:
     """SIGINT and SIGTERM raise Interrupted in the main thread (once; a second signal exits at once)."""
     state = {"count": 0}
@@ -121,7 +127,11 @@ def node_config(args: argparse.Namespace, initial_peers: list[str]) -> NodeConfi
 def add_run_override_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("run config overrides (only with --config; the coordinator's config wins)")
     group.add_argument("--run-id", default=None, help="name of the run in the DHT")
-    group.add_argument("--model", default=None, help="model preset: tiny, small or base")
+    group.add_argument(
+        "--model",
+        default=None,
+        help=MODEL_HELP,
+    )
     group.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
     group.add_argument("--outer-steps", type=int, default=None, help="stop after this many outer steps (0 = never)")
     group.add_argument(

@@ -36,7 +36,12 @@ logger = logging.getLogger("hivetrain.coordinator")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hivetrain coordinator", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hivetrain coordinator",
+        description=__doc__.splitlines()[0],
+        epilog="subcommands: 'hivetrain coordinator invite PEER_ID --config run.toml' signs a join token for an "
+        "invite-only run; 'hivetrain coordinator revoke PEER_ID' voids that peer's tokens (each has its own --help)",
+    )
     parser.add_argument("--config", default=None, help="run config TOML (default: built-in defaults)")
     parser.add_argument(
         "--initial-peers",

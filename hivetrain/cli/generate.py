@@ -9,8 +9,11 @@ Exit codes: 0 ok, 1 the model could not be loaded or generation failed, 2 bad ar
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +45,9 @@ def generate(
     """The prompt followed by up to ``max_new_tokens`` generated tokens, as text.
 
     Raises:
-        ValueError: a non-positive ``max_new_tokens``, a negative temperature, or a directory without a model and
-            tokenizer ``transformers`` can load locally.
+        ValueError: a non-positive ``max_new_tokens``, a negative temperature, a directory without a model and
+            tokenizer ``transformers`` can load locally, or a prompt as long as the model's positions (longer
+            generations stop at the model's ``max_position_embeddings``, with a warning).
     """
     import torch
     from transformers import pipeline
@@ -59,6 +63,15 @@ def generate(
     sampling = (
         {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {"do_sample": False}
     )
+    limit = getattr(generator.model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0:  # positions past the model's are garbage (or an index error)
+        num_prompt = len(generator.tokenizer(prompt)["input_ids"])
+        if num_prompt >= limit:
+            raise ValueError(f"the prompt is {num_prompt} tokens; this model reads at most {limit}: shorten it")
+        if num_prompt + max_new_tokens > limit:
+            logger.warning("generating %d tokens, not %d: the model reads at most %d positions and the prompt is %d",
+                           limit - num_prompt, max_new_tokens, limit, num_prompt)  # fmt: skip
+            max_new_tokens = limit - num_prompt
     torch.manual_seed(seed)
     out = generator(prompt, max_new_tokens=max_new_tokens, **sampling)
     return out[0]["generated_text"]

@@ -27,6 +27,7 @@ from hivetrain.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
+    MODEL_HELP,
     Interrupted,
     duty_cycle_arg,
     fail,
@@ -52,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="K, outer steps to train (default: the config's, or 5 if it trains forever)",
     )
     parser.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
-    parser.add_argument("--model", default=None, help="model preset: tiny, small or base")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=MODEL_HELP,
+    )
     parser.add_argument(
         "--data", nargs="+", default=None, help="text files/dirs/globs (default: Python stdlib sources)"
     )

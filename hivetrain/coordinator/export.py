@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -121,6 +122,11 @@ def export_transformers(
         hf_model.save_pretrained(tmp, safe_serialization=True)
         hf_tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(_readme(config, state, manifest, hf_tokenizer))
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in tmp.iterdir():  # readable as any file this user writes (safetensors wrote the weights 0600)
+            if path.is_file():
+                path.chmod(0o666 & ~umask)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

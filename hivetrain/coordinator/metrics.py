@@ -79,10 +79,10 @@ class SnapshotCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "tokens_per_second", "Swarm training throughput", value=snap.tokens_per_s)
         yield GaugeMetricFamily(
             PREFIX + "peers_alive",
-            f"Peers seen within the last {self._alive_within_s:g} seconds",
+            f"Volunteers (every role but the coordinator) seen within the last {self._alive_within_s:g} seconds",
             value=snap.num_peers_alive(self._alive_within_s),
         )
-        yield GaugeMetricFamily(PREFIX + "peers_known", "Peers the coordinator knows", value=len(snap.peers))
+        yield GaugeMetricFamily(PREFIX + "peers_known", "Volunteers the coordinator knows", value=snap.num_volunteers())
         yield CounterMetricFamily(
             PREFIX + "averaging_rounds_committed", "Averaging rounds committed", value=snap.rounds_committed_total
         )

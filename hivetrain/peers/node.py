@@ -82,9 +82,13 @@ class NodeConfig:
                 try:
                     Multiaddr(addr)
                 except Exception as exc:  # noqa: BLE001 - multiaddr raises several types
+                    example = (
+                        "/ip4/203.0.113.5/tcp/31337/p2p/QmXv... (the address the coordinator prints)"
+                        if kind == "initial peer"
+                        else "/ip4/0.0.0.0/tcp/31337"
+                    )
                     raise ValueError(
-                        f"{kind} {addr!r} is not a valid multiaddr ({exc}); expected e.g. "
-                        "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
+                        f"{kind} {addr!r} is not a valid multiaddr ({exc}); expected e.g. {example}"
                     ) from None
         for addr in self.initial_peers:
             if "/p2p/" not in addr:

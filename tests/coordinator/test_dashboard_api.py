@@ -202,3 +202,12 @@ def test_parameter_drift_card_shows_the_latest_epoch_only_when_peers_published_s
     holder.set(replace(snap, drift_curve=()))
     assert "Parameter drift" not in get(dashboard, "")[2]
     assert "hivetrain_param_drift" not in get(dashboard, "metrics")[2]
+
+
+def test_the_coordinator_is_not_counted_as_a_volunteer():
+    import dataclasses
+
+    snap = make_snapshot(num_peers=3)
+    host = dataclasses.replace(snap.peers[0], peer_id="QmCoordinator", role="coordinator", public_name="")
+    snap = dataclasses.replace(snap, peers=(host, *snap.peers))
+    assert snap.num_volunteers() == 3 and snap.num_peers_alive(1e9) == 3

@@ -99,3 +99,26 @@ def test_cli_rejects_bad_input(
     assert "truncated" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
     assert run_export([str(tmp_path / "nothing"), "--out", str(tmp_path / "z")]) == 1
+
+
+def test_exported_files_are_readable_like_any_file_we_write(tmp_path: Path, trained: tuple[TrainingState, str]) -> None:
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    out = export_transformers(trained[0], "tiny", tmp_path / "perm", max_seq_len=SEQ_LEN)
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name  # safetensors alone wrote 0600
+
+
+def test_generate_stops_at_the_models_positions_and_refuses_a_prompt_that_fills_them(
+    tmp_path: Path, trained: tuple[TrainingState, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    from hivetrain.cli.generate import generate
+
+    out = export_transformers(trained[0], "tiny", tmp_path / "gen", max_seq_len=SEQ_LEN)
+    prompt = "abcdefghij"  # 10 byte tokens of the 32 positions
+    text = generate(out, prompt, max_new_tokens=100)  # past position 32 the model has no embedding
+    assert text.startswith(prompt) and "generating 22 tokens, not 100" in caplog.text
+    with pytest.raises(ValueError, match=f"reads at most {SEQ_LEN}"):
+        generate(out, "x" * SEQ_LEN, max_new_tokens=1)

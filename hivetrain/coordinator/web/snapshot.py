@@ -318,7 +318,12 @@ class DashboardSnapshot:
         return next((p for p in reversed(self.loss_curve) if math.isfinite(p.eval_loss)), None)
 
     def num_peers_alive(self, alive_within_s: float) -> int:
-        return sum(p.last_seen_s_ago <= alive_within_s for p in self.peers)
+        """Volunteers (every role but the coordinator, which hosts the run) seen within ``alive_within_s`` s."""
+        return sum(p.last_seen_s_ago <= alive_within_s and p.role != "coordinator" for p in self.peers)
+
+    def num_volunteers(self) -> int:
+        """Volunteers known (every role but the coordinator)."""
+        return sum(p.role != "coordinator" for p in self.peers)
 
 
 def to_jsonable(value: Any) -> Any:
