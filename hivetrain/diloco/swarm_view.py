@@ -212,7 +212,8 @@ class SwarmView:
 
     def _level_from(self, base: list[PeerRecord] | None) -> int | None:
         """The shard level to follow (None = keep ours): the trusted coordinator's (from the level-0 key ``base``),
-        else a probe of our shard at every level at most every ``PROBE_INTERVAL_S``; and at least the level the
+        else, while the level-0 key shows at most one other trainer, a probe of our shard at every level at most
+        every ``PROBE_INTERVAL_S``; and at least the level the
         level-0 key's own crowd calls for (``level_for``): a crowd that joined within one of the coordinator's polls
         leaves it at once, as the coordinator will when it counts it."""
         if base is None:  # the level-0 read failed: no evidence either way
@@ -223,7 +224,9 @@ class SwarmView:
             if coordinator is not None:
                 self._level_known = True
                 return max(coordinator.record_shard_bits, floor)
-        if self._level_known or self.clock() - self._probed_at < PROBE_INTERVAL_S:
+        others = sum(1 for r in base if r.role == "trainer" and r.peer_id != self.node.peer_id)
+        if self._level_known or others > 1 or self.clock() - self._probed_at < PROBE_INTERVAL_S:
+            # a level-0 key with other trainers in it is a live level-0 swarm: nothing to look for elsewhere
             return floor if floor > self.plan.bits else None
         self._probed_at = self.clock()
         me = self.node.peer_id
