@@ -130,14 +130,14 @@ class DataParallelSim:
         per_record = simdht.mean_record_bytes(bits)
         if bits == 0:
             value_bytes = read_bytes = stored * per_record  # one key: the whole swarm, read whole
-            self.metrics.dht.ops(len(slots), 2, int(read_bytes))  # one store of our record and one get of everyone's
+            self.metrics.dht.ops(len(slots), 2, int(read_bytes), "peers")  # a store of ours and a get of everyone's
         else:
             ids = [self.board.peer_ids[i] for i in np.flatnonzero(self.board.published).tolist()]
             loads = simdht.shard_loads(ids, bits)
             value_bytes = float(loads.max()) * per_record
             # a store, and gets of level 0 (the coordinator's record), our shard and one more in rotation
             read_bytes = (1 + 2 * stored / len(loads)) * per_record
-            self.metrics.dht.ops(len(slots), 4, int(read_bytes))
+            self.metrics.dht.ops(len(slots), 4, int(read_bytes), "peers")
         self.metrics.dht.value_size(simdht.PEERS_KEY, int(value_bytes), now)
         self.shard_bits = decide_shard_bits(stored, bits)[0]
 

@@ -108,12 +108,16 @@ class DhtStats:
     read_bytes_total: int = 0
     peak_value_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     peak_value_bytes_steady: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    read_bytes_by_key: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     steady_after_s: float = 0.0  # simulated seconds: the sim sets one record TTL
 
-    def ops(self, num_peers: int, count_each: int = 1, read_bytes_each: int = 0) -> None:
-        """``num_peers`` peers each do ``count_each`` operations that read ``read_bytes_each`` bytes in all."""
+    def ops(self, num_peers: int, count_each: int = 1, read_bytes_each: int = 0, key: str = "") -> None:
+        """``num_peers`` peers each do ``count_each`` operations that read ``read_bytes_each`` bytes in all (under
+        ``key``: "peers" or "matchmaking", for the per-key split)."""
         self.ops_total += num_peers * count_each
         self.read_bytes_total += num_peers * read_bytes_each
+        if key:
+            self.read_bytes_by_key[key] += num_peers * read_bytes_each
 
     def value_size(self, key: str, num_bytes: int, now: float | None = None) -> None:
         """A value of ``num_bytes`` under ``key`` at simulated time ``now``: counted in the peak, and in the steady

@@ -156,6 +156,9 @@ class SimMetrics:
             "bytes_per_peer_per_step": float((f["bytes_sent"][:n].sum() + f["bytes_received"][:n].sum()) / per_step),
             "dht_ops_per_peer_per_step": float(self.dht.ops_total / per_step),
             "dht_read_bytes_per_peer_per_step": float(self.dht.read_bytes_total / per_step),
+            "dht_read_bytes_per_peer_per_step_by_key": {
+                k: float(v / per_step) for k, v in self.dht.read_bytes_by_key.items()
+            },
             "peak_dht_value_bytes": int(max(self.dht.peak_value_bytes.values(), default=0)),
             "peak_dht_value_bytes_by_key": dict(self.dht.peak_value_bytes),
             "peak_dht_value_bytes_steady": int(max(self.dht.peak_value_bytes_steady.values(), default=0)),

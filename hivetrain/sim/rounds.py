@@ -230,7 +230,7 @@ class RoundEngine:
                 continue
             size = self._key_size(key)
             polls = max(1, round(self.sim.sc.sim.tick_s / self.avg.poll_interval_s))
-            m.dht.ops(len(key.waiting), polls, polls * size)
+            m.dht.ops(len(key.waiting), polls, polls * size, "matchmaking")
             for part in self._by_side(list(key.waiting)):  # each side of a split matches on its own
                 self._poll_key(key, part, now)
 
