@@ -194,11 +194,19 @@ class ShardPlan:
         return sorted(newest.values(), key=lambda r: r.peer_id)
 
     def coverage(self, now: float) -> float:
-        """The fraction of the swarm's shards at our level in the view (1.0 at level 0)."""
-        if self.bits == 0:
+        """The fraction of the swarm's id space whose records the view holds: the union of the shards read within
+        ``max_age_s`` at the levels trainers publish at now (ours and, after a change, the previous one, where they
+        still publish too). 1.0 at level 0, and while the swarm leaves level 0 (everyone is still there)."""
+        levels = self.levels(now)
+        if 0 in levels:
             return 1.0
-        seen = {s for (b, s), (t, _) in self._reads.items() if b == self.bits and now - t <= self.max_age_s}
-        return len(seen) / (1 << self.bits)
+        finest = max(levels)
+        covered: set[int] = set()
+        for (b, shard), (t, _) in self._reads.items():
+            if b in levels and now - t <= self.max_age_s:
+                span = 1 << (finest - b)
+                covered.update(range(shard * span, (shard + 1) * span))
+        return len(covered) / (1 << finest)
 
 
 def fetch_swarm(dht: hivemind.DHT, run_id: str, levels: Iterable[int], timeout_s: float = 30.0) -> list[PeerRecord]:

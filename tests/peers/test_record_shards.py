@@ -56,7 +56,7 @@ def test_at_level_0_a_heartbeat_reads_one_key_as_before():
 
 def test_a_sharded_view_reads_ours_and_rotates_through_the_others_within_a_ttl():
     plan = ShardPlan("r", "me", extra_shards=2, max_age_s=30.0)
-    plan.set_level(3, now=0.0)
+    plan.set_level(3, now=-100.0)  # long settled: no level-0 records to fall back on
     own = shard_of("me", 3)
     seen: set[int] = set()
     for beat in range(4):  # 7 other shards, 2 per heartbeat: all covered in 4 heartbeats
@@ -158,3 +158,17 @@ def test_a_crowd_in_the_level_0_key_moves_trainers_up_before_the_coordinator_say
     assert view._level_from([coordinator.model_copy(update={"record_shard_bits": 5}), *crowd]) == 5
     assert view._level_from([coordinator, *crowd[:50]]) == 0  # the coordinator's level while the key is not full
     assert view._level_from(None) is None  # a failed read of the level-0 key changes nothing
+
+
+def test_coverage_counts_the_id_space_the_view_holds_across_a_level_change():
+    plan = ShardPlan("r", "me", extra_shards=1, max_age_s=30.0)
+    assert plan.set_level(2, now=-100.0) and plan.coverage(-99.0) == 1.0  # leaving level 0: everyone is still there
+    plan.record_read(2, 0, [], 1.0)
+    plan.record_read(2, 1, [], 1.0)
+    assert plan.coverage(2.0) == 0.5  # 2 of 4 shards
+    plan.set_level(3, now=3.0)  # trainers publish at 2 and 3 for a TTL: the level-2 reads still count
+    plan.record_read(3, 4, [], 4.0)
+    assert plan.coverage(5.0) == 0.5 + 1 / 8
+    assert plan.coverage(40.0) == 0.0  # past the TTL every read is stale
+    plan.set_level(0, now=41.0)
+    assert plan.coverage(42.0) == 1.0
