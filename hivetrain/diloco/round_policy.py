@@ -82,8 +82,13 @@ def group_holds_the_epoch(
     stayed apart for 6 epochs (chaos ``ahead-liars-3v2``, 2026-11-29). Refused, the round fails on every member (the
     averager's ``accept``) and is retried with the peers we train with. Without seniority (a new run) the rule is a
     plain majority of heads, which a group of one honest peer and Sybils can still win: admission closes that.
-    Banned, departed, paused and stale trainers do not count; nor do those behind our epoch (they follow us) or ahead
-    of it (claims ahead are the resync rules' evidence, and liars claim one epoch ahead). ``coverage``: the fraction of
+    Trainers whose record shows our epoch + 1 count too: they committed this round without us (the epoch's one
+    declaration closed before we arrived), and a late group of our own would end the epoch on a second state (the
+    simulator's 1,000 peers: 998 committed epoch 0, then 2 stragglers committed a pair of their own and were forked;
+    issue 23 asks one state per epoch). Their weight is their seniority like anyone's, so fresh identities claiming
+    one epoch ahead (issue 28's liars) weigh nothing once we have committed with anyone; a joiner counts heads.
+    Banned, departed, paused and stale trainers do not count; nor do those behind our epoch (they follow us) or
+    further ahead (the resync rules' evidence). ``coverage``: the fraction of
     the swarm ``records`` holds (a sharded swarm's sample, ``peers/record_shards.py``): the mass outside is scaled by
     1 / ``coverage``."""
     members = set(group) | {my_peer_id}
@@ -98,7 +103,7 @@ def group_holds_the_epoch(
         and not r.paused
         and r.peer_id not in trust.banned
         and now - r.updated_at <= stale_after_s
-        and (r.epoch == my_epoch or r.phase_epoch == my_epoch)
+        and (r.epoch in (my_epoch, my_epoch + 1) or r.phase_epoch == my_epoch)
     ]
     inside_mass = sum(weight(p) for p in members)
     outside_mass = sum(weight(p) for p in set(outside)) / max(coverage, 1e-9)
@@ -106,7 +111,7 @@ def group_holds_the_epoch(
         return True, ""
     return False, (
         f"the round's {len(members)} contributor(s) weigh {inside_mass:g} against {outside_mass:g} for "
-        f"{len(set(outside))} live trainer(s) of epoch {my_epoch} outside it (rounds committed together): "
+        f"{len(set(outside))} live trainer(s) of epoch {my_epoch} (or past it) outside it (rounds committed together): "
         "applying it could split the peers we train with"
     )
 

@@ -519,3 +519,19 @@ def test_in_a_sharded_swarm_the_trainers_left_out_weigh_for_the_ones_not_in_our_
     assert group_holds_the_epoch("peer0", 9, ("peer0", "a", "b"), records, NOW, 30)[0]
     ok, why = group_holds_the_epoch("peer0", 9, ("peer0", "a", "b"), records, NOW, 30, coverage=0.25)
     assert not ok and "weigh 3 against 4" in why
+
+
+def test_a_late_group_is_refused_once_the_peers_we_train_with_committed_the_epoch_without_us():
+    """Issue 23, one state per epoch: the epoch's declaration closed before two stragglers arrived; their pair must
+    not commit epoch 9 on a second state beside the swarm's. Fresh identities claiming epoch 10 weigh nothing."""
+    trust = SyncTrust(seniority={"a": 5, "b": 5, "c": 5, "d": 5})
+    swarm_moved_on = [rec("a", 10, "h10"), rec("b", 10, "h10"), rec("c", 10, "h10")]
+    ok, why = group_holds_the_epoch("peer0", 9, ("peer0", "d"), swarm_moved_on, NOW, 30, trust)
+    assert not ok and "or past it" in why
+    liars = [rec("x", 10, "lie"), rec("y", 10, "lie"), rec("z", 10, "lie")]
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "d"), liars, NOW, 30, trust)[0]
+    # further ahead is the resync rules' business, not this one's
+    assert group_holds_the_epoch("peer0", 9, ("peer0", "d"), [rec("a", 11, "h11")] * 1, NOW, 30, trust)[0]
+    # without seniority heads count: 2 stragglers against 3 that moved on are refused, against 1 they commit
+    assert not group_holds_the_epoch("j", 9, ("j", "k"), swarm_moved_on, NOW, 30)[0]
+    assert group_holds_the_epoch("j", 9, ("j", "k"), swarm_moved_on[:1], NOW, 30)[0]
