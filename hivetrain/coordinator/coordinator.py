@@ -213,8 +213,8 @@ class Coordinator:
         return fetch_swarm(self.node.dht, self.config.run_id, levels)
 
     def _update_shard_bits(self) -> None:
-        """Move the shard level one step when the live trainers no longer fit it (``decide_shard_bits``); the next
-        publish tells the trainers."""
+        """Move the shard level when the live trainers no longer fit it (``decide_shard_bits``: up at once, down a
+        level per poll); the next publish tells the trainers."""
         now = get_dht_time()
         live = [r for r in self.records if r.role == "trainer" and not r.left_reason]
         live = [r for r in live if now - r.updated_at <= self.options.record_ttl_s]

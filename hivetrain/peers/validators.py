@@ -38,7 +38,8 @@ now + 10^9 s, kept forever, which also shadowed the owner's later refresh since 
 expires last).
 
 Which records: DHT keys reach validators hashed (``DHTID``), so the guard knows a key only if told its name: the run
-config key always, ``{run_id}.peers``, ``{run_id}.swarm.servers``, ``{run_id}.swarm.trainer_reports`` and
+config key always, ``{run_id}.peers`` and its shard keys ``{run_id}.peers.b{bits}.{shard}`` (a record
+there must be its signer's shard: ``check_shard``), ``{run_id}.swarm.servers``, ``{run_id}.swarm.trainer_reports`` and
 ``{run_id}.swarm.rebalances`` for each run given (``RecordGuard(run_ids=...)`` or ``PeerNode.guard_run``). A node on
 older code does not know the last two keys and lets their records pass (signature checked by hivemind only): that is
 what lets newer peers add them without older ones dropping anything (``swarm/reports.py``). Matchmaking keys
