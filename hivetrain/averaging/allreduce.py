@@ -34,7 +34,7 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` members in the agreed
    result nobody committed).
 
 Members that fail (``drop_failed``: the round's default; ``GroupAverager`` passes ``AveragingConfig.drop_failed``,
-off by default; issue 23: before, one failure failed the round for every member, and the engine matched again and
+on by default; issue 23: before, one failure failed the round for every member, and the engine matched again and
 every survivor sent everything again; under churn at 100 volunteers nearly every attempt of a long round lost
 someone). A member whose link closes, resets or carries no byte for ``part_timeout_s`` (heartbeats keep a member
 merely waiting alive), or that sends a bad reassigned part or result, is *removed*: its link is closed, and the others
