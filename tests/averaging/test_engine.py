@@ -211,8 +211,10 @@ def test_a_member_that_misses_a_vote_fails_holding_the_result_the_others_committ
 
 
 def test_a_member_that_never_voted_leaves_nothing_to_apply_anywhere(make_averagers) -> None:
-    """The opposite case: member 2 fails before voting. Nobody commits; 0 and 1 voted, so they hold ``voted``, but
-    no member will show the state it gives (what ``committed_without_us`` checks)."""
+    """The opposite case: member 2 fails before voting. Nobody commits. Those of 0 and 1 that voted before 2 failed
+    hold ``voted`` (the 3-member result), but no member will show the state it gives (what ``committed_without_us``
+    checks). Which of them voted first depends on timing: on a loaded machine one of them may still be reducing when
+    2 fails, and then the tolerant round (``drop_failed``) cannot leave it a strict majority that voted alike."""
     avgs = make_averagers(3, AveragingConfig(target_group_size=3, **SLOW_OK))
     breaker = FaultInjector()
     breaker.arm(Fault("averaging.before_commit", "raise"))
@@ -220,7 +222,9 @@ def test_a_member_that_never_voted_leaves_nothing_to_apply_anywhere(make_average
     results = _average_all(avgs, _inputs(3), [1.0, 2.0, 3.0])
     assert breaker.fired_count("averaging.before_commit") == 1
     assert all(isinstance(r, RoundFailed) for r in results), results
-    assert results[0].voted is not None and results[1].voted is not None and results[2].voted is None
+    assert results[2].voted is None
+    held = [r.voted for r in results[:2] if r.voted is not None]
+    assert all(v.total_weight == 6.0 and len(v.group) == 3 for v in held)  # the attempt's result, applied nowhere
 
 
 @pytest.mark.parametrize("compression", ["fp16", "int8", "int4"])
