@@ -27,7 +27,15 @@ from hivemind.utils import get_dht_time
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
-from hivetrain.peers.record_shards import MAX_SHARD_BITS, ShardPlan, level_for, probe_level, shard_key, shard_of
+from hivetrain.peers.record_shards import (
+    MAX_SHARD_BITS,
+    ShardPlan,
+    level_for,
+    newest_per_peer,
+    probe_level,
+    shard_key,
+    shard_of,
+)
 from hivetrain.peers.records import PeerRecord, fetch_records_at, publish_record
 
 logger = logging.getLogger(__name__)
@@ -203,12 +211,8 @@ class SwarmView:
         with self._lock:
             wanted = self.plan.viewed_shards(self.clock())
         keys = [shard_key(self.run_id, b, s) for b, s in wanted]
-        newest: dict[str, PeerRecord] = {}
-        for records in fetch_records_at(self.node.dht, keys, self.run_id, READ_TIMEOUT_S).values():
-            for r in records or ():
-                if r.peer_id not in newest or r.updated_at > newest[r.peer_id].updated_at:
-                    newest[r.peer_id] = r
-        return sorted(newest.values(), key=lambda r: r.peer_id)
+        found = fetch_records_at(self.node.dht, keys, self.run_id, READ_TIMEOUT_S)
+        return newest_per_peer(records or () for records in found.values())
 
     def _level_from(self, base: list[PeerRecord] | None) -> int | None:
         """The shard level to follow (None = keep ours): the trusted coordinator's (from the level-0 key ``base``),

@@ -25,6 +25,7 @@ Pure functions, one small stateful planner (no I/O), and ``fetch_swarm``, the co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterable
@@ -40,6 +41,7 @@ RAISE_AT = 1.5  # raise the level when the mean shard holds more than RAISE_AT x
 LOWER_AT = 0.375  # lower it when the mean shard at the level below would hold fewer than 2 x LOWER_AT x ... records
 
 
+@functools.lru_cache(maxsize=1 << 16)  # heartbeats, the guard and the simulator ask again for the same ids
 def shard_of(peer_id: str, bits: int) -> int:
     """The shard (0 .. 2^bits - 1) of ``peer_id`` at level ``bits``: the first ``bits`` bits of sha256(peer id)."""
     if not 0 <= bits <= MAX_SHARD_BITS:
@@ -110,6 +112,17 @@ def probe_level(found: dict[int, Iterable[PeerRecord]], me: str, now: float, sta
         if any(r.role == "trainer" and r.peer_id != me and now - r.updated_at <= stale_after_s for r in records)
     ]
     return max(live, default=0)
+
+
+def newest_per_peer(groups: Iterable[Iterable[PeerRecord]]) -> list[PeerRecord]:
+    """One record per peer, its newest (``updated_at``), from several shard reads (a peer may show at two levels
+    while the swarm moves); sorted by peer ID."""
+    newest: dict[str, PeerRecord] = {}
+    for records in groups:
+        for r in records:
+            if r.peer_id not in newest or r.updated_at > newest[r.peer_id].updated_at:
+                newest[r.peer_id] = r
+    return sorted(newest.values(), key=lambda r: r.peer_id)
 
 
 @dataclass
@@ -183,15 +196,10 @@ class ShardPlan:
     def view(self, now: float) -> list[PeerRecord]:
         """Every record of the shards read within ``max_age_s`` at our levels (one per peer: its newest)."""
         levels = set(self.levels(now)) | {0}
-        newest: dict[str, PeerRecord] = {}
-        for (b, _), (read_at, records) in list(self._reads.items()):
+        for (b, shard), (read_at, _) in list(self._reads.items()):
             if b not in levels or now - read_at > self.max_age_s:
-                del self._reads[(b, _)]
-                continue
-            for r in records:
-                if r.peer_id not in newest or r.updated_at > newest[r.peer_id].updated_at:
-                    newest[r.peer_id] = r
-        return sorted(newest.values(), key=lambda r: r.peer_id)
+                del self._reads[(b, shard)]
+        return newest_per_peer(records for _, records in self._reads.values())
 
     def coverage(self, now: float) -> float:
         """The fraction of the swarm's id space whose records the view holds: the union of the shards read within
@@ -214,9 +222,4 @@ def fetch_swarm(dht: hivemind.DHT, run_id: str, levels: Iterable[int], timeout_s
     DHT get per shard, in parallel). A record found at two levels counts once (its newest). A shard whose read fails
     is left out (logged); raises nothing."""
     keys = [peers_key(run_id)] + [shard_key(run_id, b, s) for b in sorted(set(levels)) if b for s in range(1 << b)]
-    newest: dict[str, PeerRecord] = {}
-    for records in fetch_records_at(dht, keys, run_id, timeout_s).values():
-        for r in records or ():
-            if r.peer_id not in newest or r.updated_at > newest[r.peer_id].updated_at:
-                newest[r.peer_id] = r
-    return sorted(newest.values(), key=lambda r: r.peer_id)
+    return newest_per_peer(records or () for records in fetch_records_at(dht, keys, run_id, timeout_s).values())
