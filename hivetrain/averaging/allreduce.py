@@ -15,7 +15,8 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` members in the agreed
    reducer found bad, whose link to a reducer failed, or that claimed two weights is out (RoundFailed("excluded")
    on that member when it finds itself out).
 3. Reduce: slice i is reduced by member i while it counts, else by the next member after it that does (``Plan.owner``):
-   the members resend their kept part of a reassigned slice to its new reducer (n/k each). Each reducer aggregates
+   the members resend their kept part of a reassigned slice to its new reducer (n/k each). A slice is reduced once
+   by its owner (below: an attempt after a removal reduces only reassigned slices). Each reducer aggregates
    its slices' contributions in the agreed order (``weighted_mean_into``, in place into the result, or
    ``bucketing.robust_aggregate``) and encodes each reduced slice *once*.
 4. Gather: the reducer sends those same bytes to every member (frame RESULT, naming the members removed and the
@@ -39,10 +40,16 @@ every survivor sent everything again; under churn at 100 volunteers nearly every
 someone). A member whose link closes, resets or carries no byte for ``part_timeout_s`` (heartbeats keep a member
 merely waiting alive), or that sends a bad reassigned part or result, is *removed*: its link is closed, and the others
 go on with C0 minus the removed members in a new *attempt* (steps 3-5; the frames name the removed set, sent at once
-in a GONE frame too). Its contribution is lost, the survivors' is not: reducers keep the parts they hold and reduce
-again, the removed members' slices are reassigned, and each new attempt costs at most one gather (n) plus n/k per
-reassigned slice, and holds one more result buffer (4 bytes per element) until the round ends. A member that failed
-before the connect deadline or before its HAVE is simply not in C0.
+in a GONE frame too). Slices are kept across attempts: a slice already reduced by a member still counted stays as
+it is (its RESULT was sent once; a receiver keeps a result of an earlier attempt while its reducer still owns the
+slice), with the parts it averaged, the removed member's included. Only the removed member's own slices are reduced
+again, by their new owners (``Plan.owner``), from the survivors' resent parts: the removed member's part of its own
+slice was only ever with it. So a member lost after its part was counted costs the others n/k in and n/k out per
+slice it owned (issue 23: a new gather of the whole vector per loss, as before, took a gather's time during which,
+under churn at 100 members, others left, and outer steps stretched to 6,000 s in the simulator), and the result
+holds its part in some slices (``RoundOutcome.slice_members`` says which; its samples are not counted in
+``total_weight``). Each attempt holds one more result buffer (4 bytes per element) until the round ends. A member
+that failed before the connect deadline or before its HAVE is simply not in C0.
 
 Failure handling otherwise: a local failure (a fault, the deadline, a crash) makes the member close all its links and
 raise RoundFailed; the others drop it as above. Inputs are never modified.
@@ -66,6 +73,7 @@ the number of members removed so far):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -292,6 +300,7 @@ class ButterflyRound:
                 frames[p] = [meta, self._encode(flat[start:end], start)]
         self._hook(HookPoint.AVERAGING_BEFORE_SEND, 0, flat=flat, frames=frames)
         self._sent_parts: set[tuple[int, str]] = set()
+        self._reduced: dict[int, tuple[frozenset[str], bytes, tuple[str, ...]]] = {}  # ours: removed set, digest, used
         self._frames = {plan.index(p): f for p, f in frames.items()}
         for p in others:
             if p not in gone:
@@ -415,13 +424,16 @@ class ButterflyRound:
             if owner != me and (i, owner) not in self._sent_parts:
                 self._send(owner, FrameType.PART, sub, {**meta, "gone": gone}, payload)
                 self._sent_parts.add((i, owner))
-        mine = plan.slices_of(me, left)
-        need = lambda: {p for i in mine for p in members if p != me and (i, p) not in inbox.parts}  # noqa: E731
+        # Slices are kept across attempts: a slice reduced (and sent) by a member still counted stays as it is, with
+        # the parts it averaged; only the slices of removed members are reduced again, by their new owners.
+        owner_of = {i: plan.owner(i, left) for i in range(len(plan.order))}
+        todo = [i for i, o in owner_of.items() if o == me and i not in self._reduced]
+        need = lambda: {p for i in todo for p in members if p != me and (i, p) not in inbox.parts}  # noqa: E731
         grown = self._step(lambda: not need(), need, contributors, removed, deadline, "waiting for parts")
         if grown != removed:
             return grown
-        now, digests_mine, own_meta = time.time(), {}, {"gone": gone, "weights": {p: weights[p] for p in members}}
-        for i in mine:
+        now, own_meta = time.time(), {"gone": gone, "weights": {p: weights[p] for p in members}}
+        for i in todo:
             start, end = plan.bounds[i]
             parts, bad = [], set()
             for p in members:
@@ -451,30 +463,42 @@ class ButterflyRound:
             hasher = blake3.blake3()
             for buf in payload:
                 hasher.update(buf)
-            digests_mine[i] = hasher.digest()
+            self._reduced[i] = (removed, hasher.digest(), tuple(members))
         self._mark("reduce")
 
-        # gather every other slice from its reducer
-        slices = range(len(plan.order))
-        missing = lambda: [i for i in slices if i not in digests_mine and (removed, i) not in inbox.results]  # noqa: E731
-        owners = lambda: {plan.owner(i, left) for i in missing()}  # noqa: E731
+        # gather every other slice from its reducer: the result it sent in this attempt or an earlier one
+        def held() -> dict[int, frozenset[str]]:  # slice -> the removed set of the result we can use (under the lock)
+            return {
+                i: r for (r, i), got in inbox.results.items() if r <= removed and got[4] == owner_of[i] != me
+            }
+
+        missing = lambda: [i for i, o in owner_of.items() if o != me and i not in held()]  # noqa: E731
+        owners = lambda: {owner_of[i] for i in missing()}  # noqa: E731
         grown = self._step(lambda: not missing(), owners, contributors, removed, deadline, "waiting for results")
         if grown != removed:
             return grown
         self._mark("results")
-        digests = []
+        results = self.transport.read(lambda ib: {i: (r, ib.results[(r, i)]) for i, r in held().items()})
+        result = self.receiver.out(removed)
+        digests, slice_members = [], []
         for i in range(len(plan.order)):
-            if i in digests_mine:
-                digests.append(digests_mine[i])
-                continue
-            ok, why, digest, meta, reducer = self.transport.read(lambda ib, i=i: ib.results[(removed, i)])
-            if not ok or not isinstance(meta, dict) or meta.get("weights") != own_meta["weights"]:
-                why = why or f"its result of slice {i} names other contributors or weights"
-                logger.warning("round %s: reducer %s: %s", self.round_id[:8], reducer, why)
-                if self.config.ban_time_s > 0 and not ok:
-                    self.bans.ban(reducer, now, self.config.ban_time_s, reason=why)
-                return removed | {reducer}
+            start, end = plan.bounds[i]
+            if owner_of[i] == me:
+                kept, digest, used = self._reduced[i]
+            else:
+                kept, (ok, why, digest, meta, reducer) = results[i]
+                used = tuple(p for p in plan.order if p in contributors - kept)
+                if not ok or not isinstance(meta, dict) or meta.get("weights") != {p: weights[p] for p in used}:
+                    why = why or f"its result of slice {i} names other contributors or weights"
+                    logger.warning("round %s: reducer %s: %s", self.round_id[:8], reducer, why)
+                    if self.config.ban_time_s > 0 and not ok:
+                        self.bans.ban(reducer, now, self.config.ban_time_s, reason=why)
+                    return removed | {reducer}
+            if kept != removed:  # a slice kept from an earlier attempt: into this attempt's buffer
+                result[start:end].copy_(self.receiver.out(kept)[start:end])
             digests.append(digest)
+            slice_members.append((start, end, used))
+        self._slice_members = tuple(slice_members)
         # A member that failed before our vote: nobody can commit this attempt without our vote, so go on without it
         # rather than vote in vain, unless its vote arrived: a member that votes and closes (one that refused the
         # result does) is judged by its vote, so that a refusal still stops the round everywhere.
@@ -486,7 +510,10 @@ class ButterflyRound:
                 self._drop(p, "before voting")
             return removed | failed
         weights_now = own_meta["weights"]
-        return self.vote.commit(sub, plan, members, removed, weights_now, digests, contributors, deadline, self._out)
+        outcome = self.vote.commit(sub, plan, members, removed, weights_now, digests, contributors, deadline, self._out)
+        if isinstance(outcome, RoundOutcome) and any(len(m) != len(members) for _, _, m in self._slice_members):
+            outcome = dataclasses.replace(outcome, slice_members=self._slice_members)
+        return outcome
 
     def _own_part(self, flat: torch.Tensor, plan: Plan, i: int) -> torch.Tensor:
         """Our contribution to slice ``i`` as the others would read it: through the codec like everyone's."""

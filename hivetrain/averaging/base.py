@@ -45,6 +45,10 @@ class RoundResult:
         bytes_sent: payload bytes this peer sent during the round.
         bytes_received: payload bytes this peer received during the round.
         duration_s: wall time of the call, seconds.
+        excluded: members of the round whose contributions are not counted in ``total_weight`` (they died, stalled
+            or sent bad data), sorted.
+        slice_members: (start, end, members) per slice of the flattened tensors that averages other members than
+            ``group``: a slice reduced before a member was dropped keeps its part (``allreduce``); empty = none.
     """
 
     tensors: list[torch.Tensor]
@@ -55,6 +59,7 @@ class RoundResult:
     bytes_received: int = 0
     duration_s: float = 0.0
     excluded: tuple[str, ...] = field(default_factory=tuple)
+    slice_members: tuple[tuple[int, int, tuple[str, ...]], ...] = field(default_factory=tuple)
 
 
 class Averager(Protocol):

@@ -299,6 +299,7 @@ class GroupAverager:
             bytes_received=outcome.bytes_received,
             duration_s=time.monotonic() - started,
             excluded=outcome.excluded,
+            slice_members=outcome.slice_members,
         )
 
     def _check_input(self, tensors: Sequence[torch.Tensor], weight: float, epoch: int, timeout_s: float):

@@ -70,7 +70,8 @@ class RoundReceiver:
             self._cond.notify_all()
 
     def set_removed(self, removed: frozenset[str]) -> None:
-        """The members the round now goes on without (results for a smaller set are stale: dropped unread)."""
+        """The members the round now goes on without: a result for a smaller set is stale (dropped unread) once its
+        slice has another reducer; one whose reducer still owns the slice is kept (slices are kept across attempts)."""
         with self._cond:
             self._removed = removed
 
@@ -211,9 +212,12 @@ class RoundReceiver:
             why = f"result of {num_bytes} bytes for {end - start} elements"
             self._deliver_result(removed, i, j, False, why, b"", meta)
             raise StopReading
-        with self._cond:
-            stale = removed < self._removed
-        if stale or self._transport.read(lambda inbox: (removed, i) in inbox.results):
+        with self._cond:  # a result of a set we have left is still the slice's while its reducer still owns it
+            current = self._removed
+        stale = removed < current and (j in current or plan.owner(i, self._contributors_now() - current) != j)
+        # a reducer sends each slice it owns once, whatever attempts follow (slices are kept across attempts)
+        sent_before = lambda inbox: any(s == i and got[4] == j for (_, s), got in inbox.results.items())  # noqa: E731
+        if stale or self._transport.read(sent_before):
             if not stale:
                 raise LinkClosed(f"{j} sent its result of slice {i} twice")
             link.recv_into(memoryview(bytearray(num_bytes)))  # a contributor set the round has left: drop it

@@ -37,6 +37,10 @@ class RoundOutcome:
         excluded: members of the round whose contributions are not in the result, sorted: they sent bad data (or a
             reducer said so), died or stalled.
         total_weight: sum of the contributors' weights, samples.
+        slice_members: per slice of the round's cut, (start, end, members): elements [start, end) of ``flat`` average
+            the parts of ``members`` (in the round's order); empty when every slice averages ``contributors``. A
+            slice reduced before a member was dropped keeps that member's part (``allreduce``: slices are kept across
+            attempts), so after a drop some slices hold more contributions than ``contributors`` lists.
     """
 
     flat: torch.Tensor
@@ -45,6 +49,7 @@ class RoundOutcome:
     total_weight: float
     bytes_sent: int
     bytes_received: int
+    slice_members: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"HVA1"
-VERSION = 2  # 2: HAVE and GONE frames and reassigned slices (members that die mid-round are dropped)
+VERSION = 3  # 2: HAVE and GONE frames and reassigned slices (members that die mid-round are dropped); 3: slices are
+# kept across attempts (only a removed member's slices are reduced again)
 HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = 1 << 20
 MAX_HANDSHAKE_META_BYTES = 4096

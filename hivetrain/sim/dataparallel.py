@@ -418,6 +418,7 @@ class DataParallelSim:
         # a trainer publishes its record as its first phase begins: a group that closes "complete" on the records it
         # sees must not miss a starting peer whose first heartbeat is still due (it would be "late")
         self.publish_now(self.state.alive(), 0.0)
+        self.rounds.check_round_fits()
         self.env.process(self._ticks())
         self.env.process(self._arrivals())
         self.env.process(self._flash_crowd())

@@ -88,6 +88,26 @@ class RoundEngine:
         self.shared = SharedCalls(sim)  # which peers share one decision call (``sim.sharing``)
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
 
+    def check_round_fits(self) -> None:
+        """Refuse a scenario whose rounds cannot finish: the all-reduce of the starting swarm's first declaration
+        (every peer, cut into rows past ``target_group_size``) on its links takes longer than
+        ``averaging.round_timeout_s``, which bounds the whole call (``averaging.engine``). Every round would time
+        out and the simulation would never reach an outer step. Raises ValueError naming both figures."""
+        st = self.sim.state
+        slots = st.alive()
+        if len(slots) < 2 or self.avg.strategy != "butterfly":
+            return
+        ids = sorted(st.peer_ids[int(s)] for s in slots)
+        order = np.array([st.index_of[p] for p in ids])
+        cost = self._cost(order, make_round_id(PREFIX, "e0", ()))
+        if cost.duration_s + self.avg.matchmaking_time_s > self.avg.round_timeout_s:
+            raise ValueError(
+                f"averaging.round_timeout_s ({self.avg.round_timeout_s:g} s) is shorter than one round on these "
+                f"links: the all-reduce of {len(slots)} peers takes {cost.duration_s:.0f} s (+ "
+                f"{self.avg.matchmaking_time_s:g} s matchmaking); every round would time out. Raise "
+                "averaging.round_timeout_s, or use fewer bytes (averaging.compression, sim.model_bytes)"
+            )
+
     # ---- matchmaking ---------------------------------------------------------------------------------------------
     def announce(self, slots: list[int], now: float) -> None:
         """``slots`` are ready to average their pseudo-gradients at their phase epochs: store fresh entries. A peer
@@ -285,11 +305,17 @@ class RoundEngine:
         self.sim.metrics.group_sizes.append(len(members))
         slots = np.array(members)
         live = slots[np.array(present)]
-        if not all(present):  # a member is gone (its entry outlived it): the round fails at connect
+        if not all(present) and not self._goes_on_without(len(live), len(slots)):
+            # a member is gone (its entry outlived it): the round fails at connect
             self.sim.env.process(self._fail_after(list(live), key.epoch, "member gone", self.avg.connect_timeout_s))
             return
         if len(slots) == 1:
             self._solo(int(slots[0]), key.epoch, now)
+        elif self.avg.strategy == "butterfly" and len(live) < len(slots):
+            # ``allreduce``: a member with no link by the connect deadline is not among the contributors; the others
+            # start their round once they gave up on it
+            self.sim.metrics.count("round.members_dropped", len(slots) - len(live))
+            self.sim.env.process(self._butterfly(live, decl, key.epoch, now, len(slots)))
         elif self.avg.strategy == "butterfly":
             self.sim.env.process(self._butterfly(slots, decl, key.epoch, now))
         else:
@@ -305,49 +331,65 @@ class RoundEngine:
             return allreduce_cost(ids, self.wire_bytes, *links)
         return two_stage_cost(ids, self.wire_bytes, *links, self.avg.target_group_size, round_id)
 
-    def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
+    def _goes_on_without(self, left: int, declared: int) -> bool:
+        """Whether ``left`` of ``declared`` members of one butterfly group go on without the others
+        (``ButterflyRound._quorate`` with ``averaging.drop_failed``): the grid and moshpit stay all-or-nothing."""
+        tolerant = self.avg.drop_failed and self.avg.strategy == "butterfly" and declared <= self.avg.target_group_size
+        return tolerant and left >= max(2, self.avg.min_group_size) and 2 * left > declared
+
+    def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float, declared: int = 0):
         """One mean for every participant of the epoch's declaration (``averaging.hierarchical`` past one group).
 
         One group with ``averaging.drop_failed`` (``averaging.allreduce``): a member that leaves mid-round is
-        dropped, and the others commit while a strict majority of the declared members is left. One that leaves
-        during the scatter (the first half of the round's cost) is simply not counted: the reducers wait
-        ``part_timeout_s`` for its part, and its slice moves to another member (1/k of a scatter more). One that
-        leaves during the gather costs ``part_timeout_s`` and one more gather among the survivors (half their
-        round's cost). Otherwise, and in the two-stage grid or a network partition, rounds are
-        all-or-nothing: the others fail ``part_timeout_s`` after the first loss."""
+        dropped, and the others commit while a strict majority of the ``declared`` members (default: ``slots``) is
+        left. One that leaves during the scatter (the first half of the round's cost) is simply not counted: the
+        reducers wait ``part_timeout_s`` for its part, and its slice moves to another member (1/k of a scatter
+        more). One that leaves during the gather costs ``part_timeout_s`` and its own slice once more: the others
+        resend their parts of it to the next member, which reduces it and sends it to everyone (1/k of the round;
+        the slices already reduced are kept). Otherwise, and in the two-stage grid or a network partition, rounds
+        are all-or-nothing: the others fail ``part_timeout_s`` after the first loss."""
         st = self.sim.state
+        declared = declared or len(slots)
         cost = self._cost(slots, decl.round_id)
-        finish = now + cost.duration_s
-        leaves = st.f["leaves_at"][slots]
+        # members declared but gone: the others give up on their links at the connect deadline, then go on
+        finish = now + cost.duration_s + (self.avg.connect_timeout_s if declared > len(slots) else 0.0)
+        # a member whose call reaches its deadline (``round_timeout_s`` after its first attempt) leaves the round
+        # then, as one that departs does (``averaging.engine``: the deadline bounds the whole call)
+        deadlines = st.f["ready_since"][slots] + self.avg.round_timeout_s
+        leaves = np.minimum(st.f["leaves_at"][slots], deadlines)
         cut = self.sim.partition.cut_s(slots, now)
         alive = np.ones(len(slots), bool)
-        regathers: list[tuple[np.ndarray, Transfer]] = []  # (the survivors, their round's cost) per member dropped
-        if self.avg.drop_failed and len(slots) <= self.avg.target_group_size and cut >= finish:
-            scatter_end = now + cost.duration_s / 2
+        resent = 0  # slices reduced again and sent once more, after a member was lost during the gather
+        if self._goes_on_without(len(slots), declared) and cut >= finish:
+            scatter_end = finish - cost.duration_s / 2
             for k in np.argsort(leaves, kind="stable"):
-                if leaves[k] >= finish or 2 * (alive.sum() - 1) <= len(slots) or alive.sum() - 1 < 2:
+                if leaves[k] >= finish or not self._goes_on_without(int(alive.sum()) - 1, declared):
                     break
                 alive[k] = False
                 noticed = float(leaves[k]) + self.avg.part_timeout_s
                 if leaves[k] < scatter_end:  # not in the contributors: wait for its part, then resend its slice
                     finish += max(0.0, noticed - scatter_end) + cost.duration_s / (2 * len(slots))
-                else:
-                    regathers.append((slots[alive], self._cost(slots[alive])))
-                    finish = max(finish, noticed) + regathers[-1][1].duration_s / 2
+                else:  # its slice, reduced again by the next member: its parts in, its result out
+                    finish = max(finish, noticed) + cost.duration_s / len(slots)
+                    resent += 1
             self.sim.metrics.count("round.members_dropped", int((~alive).sum()))
+            for k in np.flatnonzero(~alive & (deadlines < st.f["leaves_at"][slots])):  # dropped at its deadline
+                self.sim.env.process(self._fail_after([int(slots[k])], epoch, "timeout", max(0.0, float(deadlines[k]) - now)))
         first_gone = min(float(leaves[alive].min()), cut)
         if first_gone < finish:  # all-or-nothing: the others notice the silence after part_timeout_s
             self.sim.partition.cut_groups += int(cut < float(leaves[alive].min()))
-            yield self.sim.env.timeout(first_gone - now + self.avg.part_timeout_s)
-            self.fail([int(s) for s in slots if st.i["status"][s] == AVERAGING], epoch, "member died", self.sim.env.now)
+            timed_out = float(deadlines[alive].min()) <= first_gone
+            yield self.sim.env.timeout(max(0.0, first_gone - now + self.avg.part_timeout_s * (not timed_out)))
+            failing = [int(s) for s in slots if st.i["status"][s] == AVERAGING]
+            self.fail(failing, epoch, "timeout" if timed_out else "member died", self.sim.env.now)
             return
         yield self.sim.env.timeout(finish - now)
         kept = slots[alive]
         avg, _ = group_means(st.delta[kept], st.f["weight"][kept], np.zeros(len(kept), np.int64))
         self._account(slots, cost)
-        for survivors, extra in regathers:  # each survivor sends its reduced slice again and re-receives the others'
-            st.f["bytes_sent"][survivors] += extra.sent_bytes // 2
-            st.f["bytes_received"][survivors] += extra.received_bytes // 2
+        if resent:  # per slice reduced again: each survivor's part of it in, the result out (one slice each way)
+            st.f["bytes_sent"][kept] += resent * self.wire_bytes // len(slots)
+            st.f["bytes_received"][kept] += resent * self.wire_bytes // len(slots)
         # every member applies the same averaged pseudo-gradient to the state it held: members that came from
         # different groups of the last epoch (several groups per epoch) still hold different states after it
         held = [st.state_hash[int(s)] for s in kept]

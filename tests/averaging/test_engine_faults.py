@@ -1,6 +1,6 @@
 """A group member process killed at each averaging hook point (an armed ``exit`` fault: ``os._exit(137)``, no cleanup,
-like SIGKILL): the survivors drop it and commit their own mean in the same call (issue 23), bit-identical, their
-inputs unchanged. Killed holding the full result, when the survivors may already have voted, it may instead leave
+like SIGKILL): the survivors drop it and commit in the same call (issue 23), bit-identical, their inputs unchanged:
+their own mean, plus its part in the slices reduced before it died. Killed holding the full result, when the survivors may already have voted, it may instead leave
 them failing (the two-phase-commit gap); then a retry without the dead peer commits."""
 
 from __future__ import annotations
@@ -87,7 +87,14 @@ def test_member_killed_at_hook_point_costs_the_survivors_nothing_but_its_part(ma
         assert all(isinstance(r, RoundResult) for r in results), results
         assert victim_id not in results[0].group and len(results[0].group) == 2
         assert _sha(results[0]) == _sha(results[1])
-        torch.testing.assert_close(results[0].tensors[0], torch.full((NUM_ELEMENTS,), 0.5), atol=1e-6, rtol=0)
+        # per slice, the mean of the parts its reducer averaged: the survivors' (0 and 1), plus the victim's (100)
+        # in a slice reduced before it died (kept: only its own slice is reduced again without it)
+        value = {victim_id: 100.0, **{a.node.peer_id: float(i) for i, a in enumerate(survivors)}}
+        expected = torch.full((NUM_ELEMENTS,), 0.5)
+        for start, end, members in results[0].slice_members:
+            assert set(results[0].group) <= set(members), members
+            expected[start:end] = sum(value[p] for p in members) / len(members)
+        torch.testing.assert_close(results[0].tensors[0], expected, atol=1e-6, rtol=0)
     finally:
         go.set()
         _exit_code(proc, 5.0)

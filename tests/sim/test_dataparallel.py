@@ -145,7 +145,7 @@ def test_a_donor_cap_spreads_a_flash_crowd_over_more_donors() -> None:
 
     def crowd(cap: int) -> tuple[dict, int, int]:
         sc = tiny(sim={"outer_steps": 8, "model_bytes": 50_000_000}, flash_crowd={"num_joiners": 30, "at_s": 20.0},
-                  download={"max_downloaders": cap})  # fmt: skip
+                  download={"max_downloaders": cap}, averaging={"round_timeout_s": 600.0})  # fmt: skip
         sim = DataParallelSim(sc)
         peak = [0]
         serve = sim.rounds.download_cost
@@ -170,15 +170,18 @@ def test_a_donor_cap_spreads_a_flash_crowd_over_more_donors() -> None:
 
 def test_a_member_leaving_mid_round_costs_only_its_own_samples_in_one_group() -> None:
     """Issue 23, item 2, as the averaging round now does it (``averaging.allreduce``): in one group a leaver is dropped
-    and the others commit; before, every departure mid-round failed the round for all. 20 peers with 15 min sessions
-    and a 100 MB pseudo-gradient (2 min rounds): members are dropped, few rounds fail for a death, and the swarm
-    keeps more of what it computed than the same swarm in the all-or-nothing two-stage grid (rows of 8)."""
+    and the others commit; all-or-nothing (``drop_failed = false``), every departure mid-round failed the round for
+    all. 20 peers with 15 min sessions and a 100 MB pseudo-gradient (2 min rounds), 4 outer steps or 4,000 simulated
+    seconds: members are dropped and the swarm commits most of what it computed in ~4.6 min per outer step; all or
+    nothing, it never commits an outer step (2026-11-29 session 17: 0.52 against 0.0, 57 rounds failed for a death).
+    Before slices were kept across attempts (a loss after the scatter cost a whole gather) the tolerant swarm
+    committed 0.45."""
     churn = {"session": "exponential", "mean_session_s": 900.0}
-    sim = {"model_bytes": 100_000_000, "outer_steps": 4}
-    one = _summary(tiny(sim=sim, churn=churn, averaging={"drop_failed": True}))
-    grid = _summary(tiny(sim=sim, churn=churn, averaging={"target_group_size": 8, "drop_failed": True}))
-    assert one["decisions"]["round.members_dropped"] > 10
-    assert one["decisions"].get("round_failed.member died", 0) < 0.2 * grid["decisions"]["round_failed.member died"]
-    # (0.45 vs 0.39 of the computed samples committed, 2026-11-29; 0.46 vs 0.11 before groups waited one step of a
-    # slow expected peer, which took the grid's "late" failures from 2,429 to 653)
-    assert one["committed_sample_share"] > grid["committed_sample_share"]
+    sim = {"model_bytes": 100_000_000, "outer_steps": 4, "max_sim_s": 4000.0}
+    fits = {"round_timeout_s": 600.0}  # a 100 MB round on home links takes ~2 min
+    one = _summary(tiny(sim=sim, churn=churn, averaging={**fits, "drop_failed": True}))
+    strict = _summary(tiny(sim=sim, churn=churn, averaging={**fits, "drop_failed": False}))
+    assert one["decisions"]["round.members_dropped"] > 10 and "round_failed.member died" not in one["decisions"]
+    assert one["outer_steps_done"] == 4 and one["time_per_outer_step_s"] < 400
+    assert strict["decisions"]["round_failed.member died"] > 10
+    assert one["committed_sample_share"] > 0.4 > strict["committed_sample_share"]
