@@ -468,9 +468,7 @@ class ButterflyRound:
 
         # gather every other slice from its reducer: the result it sent in this attempt or an earlier one
         def held() -> dict[int, frozenset[str]]:  # slice -> the removed set of the result we can use (under the lock)
-            return {
-                i: r for (r, i), got in inbox.results.items() if r <= removed and got[4] == owner_of[i] != me
-            }
+            return {i: r for (r, i), got in inbox.results.items() if r <= removed and got[4] == owner_of[i] != me}
 
         missing = lambda: [i for i, o in owner_of.items() if o != me and i not in held()]  # noqa: E731
         owners = lambda: {owner_of[i] for i in missing()}  # noqa: E731

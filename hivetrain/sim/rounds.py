@@ -374,7 +374,9 @@ class RoundEngine:
                     resent += 1
             self.sim.metrics.count("round.members_dropped", int((~alive).sum()))
             for k in np.flatnonzero(~alive & (deadlines < st.f["leaves_at"][slots])):  # dropped at its deadline
-                self.sim.env.process(self._fail_after([int(slots[k])], epoch, "timeout", max(0.0, float(deadlines[k]) - now)))
+                self.sim.env.process(
+                    self._fail_after([int(slots[k])], epoch, "timeout", max(0.0, float(deadlines[k]) - now))
+                )
         first_gone = min(float(leaves[alive].min()), cut)
         if first_gone < finish:  # all-or-nothing: the others notice the silence after part_timeout_s
             self.sim.partition.cut_groups += int(cut < float(leaves[alive].min()))

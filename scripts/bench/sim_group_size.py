@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sim_sweep import CHURN  # noqa: E402
+from sim_sweep import CHURN, round_timeout_for  # noqa: E402
 
 from hivetrain.sim.config import load_scenario  # noqa: E402
 from hivetrain.sim.dataparallel import DataParallelSim  # noqa: E402
@@ -37,7 +37,8 @@ def run(n: int, churn: str, strategy: str, group_size: int, outer_steps: int, ti
     """One simulated run's report, with ``kept`` added."""
     base = load_scenario(ROOT / "scenarios/sim/dp-100.toml")
     sim_cfg = replace(base.sim, num_peers=n, outer_steps=outer_steps, schedule_probes=2)
-    averaging = replace(base.averaging, strategy=strategy, target_group_size=group_size)
+    timeout_s = round_timeout_for(n, base.averaging.round_timeout_s)
+    averaging = replace(base.averaging, strategy=strategy, target_group_size=group_size, round_timeout_s=timeout_s)
     scenario = replace(
         base, name=f"dp-{n}-{churn}-{strategy}{group_size}", churn=CHURN[churn], sim=sim_cfg, averaging=averaging
     )

@@ -48,6 +48,13 @@ CHURN = {
 }
 
 
+def round_timeout_for(num_peers: int, base_s: float) -> float:
+    """``averaging.round_timeout_s`` for a home-link swarm of ``num_peers`` built on ``dp-100.toml`` (600 s: one
+    round of 100 MB among up to ~100 peers takes ~300 s): past 100 peers the two-stage round takes ~600 s at 1,000
+    (``dp-1000.toml`` and ``dp-10000-*.toml`` use 1,200 s). The simulator refuses a scenario whose round cannot fit."""
+    return base_s if num_peers <= 100 else max(base_s, 1200.0)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -83,7 +90,8 @@ def sweep_dp(args, out: Path) -> list[dict[str, Any]]:
     for churn in args.churn.split(","):
         for n in _ints(args.sizes):
             sim = replace(base.sim, num_peers=n, outer_steps=args.outer_steps, schedule_probes=2)
-            sc = replace(base, name=f"dp-{n}-{churn}", churn=CHURN[churn], sim=sim)
+            avg = replace(base.averaging, round_timeout_s=round_timeout_for(n, base.averaging.round_timeout_s))
+            sc = replace(base, name=f"dp-{n}-{churn}", churn=CHURN[churn], sim=sim, averaging=avg)
             r = run_dp(sc, out / "runs" / sc.name, args.time_limit_s, f"butterfly g=64, churn {churn}")
             print(_line(r), flush=True)
             reports.append(r)

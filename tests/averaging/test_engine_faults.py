@@ -1,7 +1,8 @@
 """A group member process killed at each averaging hook point (an armed ``exit`` fault: ``os._exit(137)``, no cleanup,
 like SIGKILL): the survivors drop it and commit in the same call (issue 23), bit-identical, their inputs unchanged:
-their own mean, plus its part in the slices reduced before it died. Killed holding the full result, when the survivors may already have voted, it may instead leave
-them failing (the two-phase-commit gap); then a retry without the dead peer commits."""
+their own mean, plus its part in the slices reduced before it died. Killed holding the full result, when the
+survivors may already have voted, it may instead leave them failing (the two-phase-commit gap); then a retry
+without the dead peer commits."""
 
 from __future__ import annotations
 
