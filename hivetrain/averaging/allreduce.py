@@ -470,7 +470,10 @@ class ButterflyRound:
         def held() -> dict[int, frozenset[str]]:  # slice -> the removed set of the result we can use (under the lock)
             return {i: r for (r, i), got in inbox.results.items() if r <= removed and got[4] == owner_of[i] != me}
 
-        missing = lambda: [i for i, o in owner_of.items() if o != me and i not in held()]  # noqa: E731
+        def missing() -> list[int]:  # held() once per call: it scans every result received
+            have = held()
+            return [i for i, o in owner_of.items() if o != me and i not in have]
+
         owners = lambda: {owner_of[i] for i in missing()}  # noqa: E731
         grown = self._step(lambda: not missing(), owners, contributors, removed, deadline, "waiting for results")
         if grown != removed:

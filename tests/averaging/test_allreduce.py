@@ -228,6 +228,7 @@ def test_slices_reduced_before_a_member_stalled_are_kept_and_only_its_own_is_red
     stalling = FaultInjector()
     stalling.arm(Fault("averaging.after_reduce", "sleep", seconds=3.0))
     results, flats = _round(servers, 4, 4001, faults={3: stalling}, part_timeout_s=2.0)
+    assert stalling.fired_count("averaging.after_reduce") == 1
     survivors = [results[i] for i in (0, 1, 2)]
     assert all(isinstance(r, RoundOutcome) for r in survivors), results
     assert all(torch.equal(r.flat, survivors[0].flat) and r.excluded == ("peer3",) for r in survivors)
