@@ -8,6 +8,7 @@ The sbatch script runs here as plain bash with the SLURM variables set by hand a
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import re
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hivetrain.cli import args
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SBATCH = DEPLOY / "slurm" / "join-swarm.sbatch"
@@ -28,36 +31,24 @@ VOLUNTEERS_YAML = K8S / "volunteers" / "join-swarm-job.yaml"
 ADDR = "/ip4/203.0.113.5/tcp/31337/p2p/QmCoordinator"
 ADDR2 = "/ip4/198.51.100.9/tcp/4001/p2p/QmOtherPeer"
 
-# --- the CLIs' flags, read from their source ---------------------------------------------------------------------
-
-
-def _add_argument_calls(path: Path) -> dict[str, dict]:
-    """Every ``*.add_argument("--flag", ...)`` in ``path``: flag -> its literal keywords (action, nargs, choices), with
-    ``hidden`` set for flags whose help is ``argparse.SUPPRESS`` (test harness only)."""
-    options = {}
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
-            continue
-        names = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")]
-        spec: dict = {"hidden": False}
-        for kw in node.keywords:
-            if kw.arg == "help" and isinstance(kw.value, ast.Attribute) and kw.value.attr == "SUPPRESS":
-                spec["hidden"] = True
-            elif kw.arg in ("action", "nargs", "choices"):
-                try:
-                    spec[kw.arg] = ast.literal_eval(kw.value)
-                except ValueError:
-                    pass
-        for name in names:
-            options[name] = spec
-    return options
+# --- the CLIs' flags, from their real parsers (``hivetrain.cli.args``: importable without torch) ------------------
 
 
 def cli_options(command: str) -> dict[str, dict]:
-    """The options of ``join-swarm`` or ``hivetrain coordinator``: its module's and the shared node/run flags."""
-    module = {"join-swarm": "join_swarm.py", "coordinator": "coordinator.py"}[command]
-    options = _add_argument_calls(ROOT / "hivetrain" / "cli" / "common.py")
-    options.update(_add_argument_calls(ROOT / "hivetrain" / "cli" / module))
+    """The options of ``join-swarm`` or ``hivetrain coordinator``: flag -> its action ("store_true" for flags without a
+    value), nargs and choices, with ``hidden`` set for flags whose help is ``argparse.SUPPRESS`` (test harness only)."""
+    parser = {"join-swarm": args.join_swarm_parser, "coordinator": args.coordinator_parser}[command]()
+    options = {}
+    for action in parser._actions:
+        spec: dict = {"hidden": action.help == argparse.SUPPRESS}
+        if action.nargs == 0:
+            spec["action"] = "store_true"
+        elif action.nargs is not None:
+            spec["nargs"] = action.nargs
+        if action.choices is not None:
+            spec["choices"] = list(action.choices)
+        for name in action.option_strings:
+            options[name] = spec
     return options
 
 

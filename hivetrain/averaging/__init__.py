@@ -1,20 +1,26 @@
 """Averaging: DHT matchmaking and an all-or-nothing butterfly all-reduce over authenticated TCP (``GroupAverager``).
 
-``GroupAverager`` is imported lazily, so that ``hivetrain.config`` (which needs ``AveragingConfig``) does not pull in
-hivemind and the networking stack.
+Everything but ``AveragingConfig`` is imported lazily (PEP 562), so that ``hivetrain.config`` (which needs
+``AveragingConfig``) pulls in neither torch nor hivemind: a command's ``--help`` and config errors answer at once.
 """
 
 from typing import Any
 
-from hivetrain.averaging.base import Averager, RoundFailed, RoundResult
 from hivetrain.averaging.config import AveragingConfig
 
 __all__ = ["Averager", "AveragingConfig", "GroupAverager", "RoundFailed", "RoundResult"]
 
+_LAZY = {
+    "Averager": "hivetrain.averaging.base",
+    "RoundFailed": "hivetrain.averaging.base",
+    "RoundResult": "hivetrain.averaging.base",
+    "GroupAverager": "hivetrain.averaging.engine",
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "GroupAverager":
-        from hivetrain.averaging.engine import GroupAverager
+    if name in _LAZY:
+        import importlib
 
-        return GroupAverager
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hivetrain.averaging' has no attribute {name!r}")

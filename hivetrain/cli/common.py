@@ -8,20 +8,23 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from hivetrain.peers.node import NodeConfig
+from hivetrain.cli.args import (  # noqa: F401  (re-exported: the parsers live in cli.args)
+    MODEL_HELP,
+    add_node_arguments,
+    add_run_override_arguments,
+    duty_cycle_arg,
+)
+
+if TYPE_CHECKING:
+    from hivetrain.peers.node import NodeConfig
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INCOMPATIBLE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 
 
 class Interrupted(BaseException):
     """Raised in the main thread by SIGTERM/SIGINT so that blocking calls unwind and cleanup runs."""
-
-
-MODEL_HELP = (
-    "the model: a preset (tiny, small, base), a transformers config.json (fresh weights), or a model directory "
-    "(config.json + safetensors) to continue from"
-)
 
 
 def install_signal_handlers() -> None:
@@ -63,17 +66,6 @@ def install_pause_handler(toggle: Callable[[], bool]) -> object:
     return signal.signal(signal.SIGUSR1, handler)
 
 
-def duty_cycle_arg(text: str) -> float:
-    """argparse type of ``--duty-cycle``: a fraction of wall time in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction of wall time in (0, 1]") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a fraction of wall time in (0, 1] (e.g. 0.5), got {text}")
-    return value
-
-
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -85,35 +77,10 @@ def setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
 
 
-def add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("network")
-    group.add_argument(
-        "--identity-path",
-        default=None,
-        help="private key file of this peer (created if missing); keeps the peer ID across restarts",
-    )
-    group.add_argument(
-        "--host-maddrs",
-        nargs="+",
-        default=["/ip4/0.0.0.0/tcp/0"],
-        help="multiaddrs to listen on (tcp/0 = any free port)",
-    )
-    group.add_argument(
-        "--announce-maddrs",
-        nargs="+",
-        default=[],
-        help="multiaddrs others should dial (public IP/port when behind NAT with port forwarding)",
-    )
-    group.add_argument(
-        "--client-mode", action="store_true", help="accept no incoming connections (behind NAT without port forwarding)"
-    )
-    group.add_argument(
-        "--bootstrap-timeout", type=float, default=30.0, help="seconds to wait for an initial peer before giving up"
-    )
-
-
 def node_config(args: argparse.Namespace, initial_peers: list[str]) -> NodeConfig:
     """Raises ValueError for malformed addresses (the message names the address)."""
+    from hivetrain.peers.node import NodeConfig
+
     return NodeConfig(
         initial_peers=tuple(initial_peers),
         host_maddrs=tuple(args.host_maddrs),
@@ -121,28 +88,6 @@ def node_config(args: argparse.Namespace, initial_peers: list[str]) -> NodeConfi
         identity_path=args.identity_path,
         startup_timeout_s=args.bootstrap_timeout,
         client_mode=args.client_mode,
-    )
-
-
-def add_run_override_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("run config overrides (only with --config; the coordinator's config wins)")
-    group.add_argument("--run-id", default=None, help="name of the run in the DHT")
-    group.add_argument(
-        "--model",
-        default=None,
-        help=MODEL_HELP,
-    )
-    group.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
-    group.add_argument("--outer-steps", type=int, default=None, help="stop after this many outer steps (0 = never)")
-    group.add_argument(
-        "--data",
-        nargs="+",
-        default=None,
-        help="text files, directories or globs (default: this machine's Python stdlib sources)",
-    )
-    group.add_argument("--seq-len", type=int, default=None, help="tokens per training window")
-    group.add_argument(
-        "--batch-size", type=int, default=None, help="windows per microbatch (diloco.grad_accum_steps per inner step)"
     )
 
 

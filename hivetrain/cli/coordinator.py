@@ -6,26 +6,24 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import sys
 import time
 from pathlib import Path
 
+from hivetrain.cli.args import REVOKED_SUFFIX
+from hivetrain.cli.args import coordinator_parser as build_parser
 from hivetrain.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     Interrupted,
-    add_node_arguments,
-    add_run_override_arguments,
     fail,
     install_signal_handlers,
     node_config,
     run_overrides,
     setup_logging,
 )
-from hivetrain.cli.invite import REVOKED_SUFFIX
 from hivetrain.config import load_run_config
 from hivetrain.coordinator.coordinator import Coordinator, CoordinatorOptions, run_fingerprint
 from hivetrain.model import public_model_name
@@ -33,65 +31,6 @@ from hivetrain.peers.node import BootstrapFailed, start_node
 from hivetrain.peers.reaper import start_reaper
 
 logger = logging.getLogger("hivetrain.coordinator")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hivetrain coordinator",
-        description=__doc__.splitlines()[0],
-        epilog="subcommands: 'hivetrain coordinator invite PEER_ID --config run.toml' signs a join token for an "
-        "invite-only run; 'hivetrain coordinator revoke PEER_ID' voids that peer's tokens (each has its own --help)",
-    )
-    parser.add_argument("--config", default=None, help="run config TOML (default: built-in defaults)")
-    parser.add_argument(
-        "--initial-peers",
-        nargs="*",
-        default=[],
-        help="peers of the running swarm to bootstrap from (e.g. after a restart on a new address)",
-    )
-    parser.add_argument(
-        "--address-file", default=None, help="write the multiaddrs volunteers should use here, one per line, once ready"
-    )
-    parser.add_argument(
-        "--refresh-interval",
-        type=float,
-        default=10.0,
-        help="seconds between re-publishing the config and reading the swarm",
-    )
-    state = parser.add_argument_group("state copy and checkpoints")
-    state.add_argument(
-        "--no-state",
-        action="store_true",
-        help="only bootstrap and publish the config: keep no state copy, serve none, write no checkpoint",
-    )
-    state.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help="directory for checkpoints (safetensors + manifest); restored from on restart",
-    )
-    state.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every N epochs (0 = never)")
-    state.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K complete checkpoints")
-    parser.add_argument(
-        "--revocations",
-        default=None,
-        help="invite-only runs: the revocation list to publish, re-read at every refresh (default: the identity "
-        f"file + {REVOKED_SUFFIX!r}, where `hivetrain coordinator revoke PEER_ID` writes)",
-    )
-    web = parser.add_argument_group("dashboard")
-    web.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="serve the dashboard, JSON API and /metrics on this port (0 = any free port; unset = off)",
-    )
-    web.add_argument(
-        "--http-host", default="127.0.0.1", help="dashboard bind address (0.0.0.0 to publish it; it exposes no secret)"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    add_node_arguments(parser)
-    add_run_override_arguments(parser)
-    parser.set_defaults(identity_path="coordinator.key")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from hivetrain.cli.args import REVOKED_SUFFIX
 from hivetrain.cli.common import EXIT_BAD_INPUT, EXIT_OK, fail
 
 _UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
@@ -92,9 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(note, file=sys.stderr, flush=True)
     return EXIT_OK
-
-
-REVOKED_SUFFIX = ".revoked.json"
 
 
 def build_revoke_parser() -> argparse.ArgumentParser:

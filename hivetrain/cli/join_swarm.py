@@ -29,6 +29,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from hivetrain import __version__
+from hivetrain.cli.args import join_swarm_parser as build_parser
 from hivetrain.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -36,9 +37,6 @@ from hivetrain.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     Interrupted,
-    add_node_arguments,
-    add_run_override_arguments,
-    duty_cycle_arg,
     fail,
     install_pause_handler,
     install_signal_handlers,
@@ -47,7 +45,7 @@ from hivetrain.cli.common import (
     setup_logging,
 )
 from hivetrain.cli.progress import ProgressReporter
-from hivetrain.cli.swarm_roles import add_role_arguments, check_role_arguments, run_swarm_role
+from hivetrain.cli.swarm_roles import check_role_arguments, run_swarm_role
 from hivetrain.config import RunConfig, load_run_config
 from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
@@ -60,81 +58,6 @@ from hivetrain.preflight import resolve_device
 from hivetrain.testing.byzantine import arm_byzantine
 
 logger = logging.getLogger("hivetrain.join_swarm")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="join-swarm", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "addresses", nargs="*", help="multiaddrs of the coordinator or other peers (/ip4/HOST/tcp/PORT/p2p/PEERID)"
-    )
-    parser.add_argument(
-        "--config", default=None, help="run config TOML; without it the coordinator's signed config is used"
-    )
-    parser.add_argument(
-        "--config-timeout",
-        type=float,
-        default=30.0,
-        help="seconds to wait for the coordinator's config to appear in the DHT",
-    )
-    parser.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default=None,
-        help="where inner steps run (default auto = cuda if available; a pipelined run's stage servers default to "
-        "the run's swarm.device)",
-    )
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
-    parser.add_argument(
-        "--model-path",
-        default=None,
-        metavar="PATH",
-        help="this machine's copy of the run's model files (config.json or model directory) when they are not at "
-        "the path the run config names; verified against the run by the model fingerprint (weights' sha256)",
-    )
-    parser.add_argument(
-        "--skip-memory-check",
-        action="store_true",
-        help="train even if the memory preflight estimates that the model does not fit on the device",
-    )
-    parser.add_argument("--metrics-file", default=None, help="append JSON-lines metrics here")
-    parser.add_argument("--summary-file", default=None, help="write a JSON summary here when the peer stops")
-    parser.add_argument(
-        "--dht-lost-timeout",
-        type=float,
-        default=60.0,
-        help="seconds without a working DHT (e.g. p2pd died) before the peer gives up and exits",
-    )
-    parser.add_argument("--public-name", default="", help="name shown on the contributors' board (<= 64 chars)")
-    parser.add_argument(
-        "--join-token",
-        default="",
-        metavar="TOKEN|@FILE",
-        help="join token of an invite-only run (from `hivetrain coordinator invite YOUR_PEER_ID`), or @FILE holding "
-        "it; valid only with the --identity-path it was made for",
-    )
-    share = parser.add_argument_group("sharing this machine (see README: Sharing your machine)")
-    share.add_argument(
-        "--duty-cycle",
-        type=duty_cycle_arg,
-        default=1.0,
-        metavar="F",
-        help="train at most this fraction of wall time, 0 < F <= 1, sleeping between inner steps (1 = never sleep)",
-    )
-    share.add_argument(
-        "--pause-file",
-        default="",
-        metavar="PATH",
-        help="pause inner steps while this file exists (checked every 0.5 s; the peer stays in the swarm). "
-        "SIGUSR1 also pauses and resumes",
-    )
-    parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # chaos harness only
-    parser.add_argument("--byzantine", default="", help=argparse.SUPPRESS)  # chaos harness only
-    parser.add_argument("--data-announce-host", default="", help=argparse.SUPPRESS)  # chaos harness: a NAT'd peer
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    add_role_arguments(parser)
-    add_node_arguments(parser)
-    add_run_override_arguments(parser)
-    return parser
 
 
 def resolve_config(args: argparse.Namespace, node: PeerNode) -> RunConfig:

@@ -23,13 +23,13 @@ import tomli_w
 from rich.console import Console
 from rich.table import Table
 
+from hivetrain.cli.args import duty_cycles_arg  # noqa: F401  (re-exported)
+from hivetrain.cli.args import local_swarm_parser as build_parser
 from hivetrain.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
-    MODEL_HELP,
     Interrupted,
-    duty_cycle_arg,
     fail,
     install_signal_handlers,
     setup_logging,
@@ -39,62 +39,6 @@ from hivetrain.testing.launcher import LocalSwarm
 from hivetrain.testing.summary import PeerFiles, build_summary, read_events
 
 logger = logging.getLogger("hivetrain.local_swarm")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hivetrain local-swarm", description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=None, help="number of training peers (>= 1; default 3)")
-    parser.add_argument("--out", required=True, help="directory for logs, metrics and summary.json")
-    parser.add_argument("--config", default=None, help="run config TOML (default: built-in defaults)")
-    parser.add_argument(
-        "--outer-steps",
-        type=int,
-        default=None,
-        help="K, outer steps to train (default: the config's, or 5 if it trains forever)",
-    )
-    parser.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
-    parser.add_argument(
-        "--model",
-        default=None,
-        help=MODEL_HELP,
-    )
-    parser.add_argument(
-        "--data", nargs="+", default=None, help="text files/dirs/globs (default: Python stdlib sources)"
-    )
-    parser.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before everything is stopped")
-    parser.add_argument("--peer-args", default="", help="extra join-swarm arguments for every peer (one string)")
-    parser.add_argument(
-        "--duty-cycles",
-        type=duty_cycles_arg,
-        default=None,
-        metavar="F1,F2,...",
-        help="each peer's join-swarm --duty-cycle, one per peer (e.g. 1,0.5,0.25: peers 2x and 4x slower)",
-    )
-    parser.add_argument(
-        "--dashboard-port",
-        type=int,
-        default=None,
-        help="serve the coordinator's dashboard on 127.0.0.1:PORT (0 = any free port)",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging in peers")
-    pipe = parser.add_argument_group("SWARM pipeline (for models too big for one volunteer; see README)")
-    pipe.add_argument(
-        "--pipeline",
-        type=int,
-        default=0,
-        metavar="STAGES",
-        help="cut the model into this many stages served by separate processes (0 = the config's [swarm] table if "
-        "it has one, else data-parallel DiLoCo)",
-    )
-    pipe.add_argument("--servers-per-stage", type=int, default=None, help="stage servers per stage (default 2)")
-    pipe.add_argument(
-        "--trainers", type=int, default=None, help="pipeline trainer processes, they hold the data (default 2)"
-    )
-    pipe.add_argument(
-        "--steps", type=int, default=None, help="steps per pipeline trainer (default: swarm.trainer_steps, or 30)"
-    )
-    return parser
 
 
 PIPELINE_ONLY_FLAGS = {"servers_per_stage": "--servers-per-stage", "trainers": "--trainers", "steps": "--steps"}
@@ -176,14 +120,6 @@ def pipeline_plan(args: argparse.Namespace) -> PipelinePlan:
         extra_args=tuple(args.peer_args.split()),
         coordinator_args=coordinator_args,
     )
-
-
-def duty_cycles_arg(text: str) -> list[float]:
-    """argparse type of ``--duty-cycles``: comma-separated fractions of wall time, each in (0, 1]."""
-    try:
-        return [duty_cycle_arg(part.strip()) for part in text.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"each value {exc}") from None
 
 
 def run_pipeline(args: argparse.Namespace) -> int:

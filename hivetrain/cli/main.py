@@ -16,6 +16,14 @@ SUBCOMMANDS = {
     "generate": ("hivetrain.cli.generate:main", "continue a prompt with an exported model directory"),
 }
 
+PARSERS = {
+    "join-swarm": "join_swarm_parser",
+    "coordinator": "coordinator_parser",
+    "local-swarm": "local_swarm_parser",
+}
+"""Subcommands whose module imports torch and hivemind: their arguments are parsed first with the light parser of
+``hivetrain.cli.args``, so that ``--help`` and a wrong flag answer in well under a second, before those imports."""
+
 
 def usage() -> str:
     lines = ["usage: hivetrain SUBCOMMAND [ARGS...]", "", "subcommands:"]
@@ -38,8 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"error: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if name == "coordinator" and rest and rest[0] in ("invite", "revoke"):  # light: no node is started
+        from hivetrain.cli import invite
+
+        return (invite.main if rest[0] == "invite" else invite.revoke_main)(rest[1:])
+    if name in PARSERS:
+        from hivetrain.cli import args
+
+        getattr(args, PARSERS[name])().parse_args(rest)  # exits 0 on --help, 2 on a wrong flag
     module_name, function = SUBCOMMANDS[name][0].split(":")
     return getattr(importlib.import_module(module_name), function)(rest)
+
+
+def join_swarm(argv: list[str] | None = None) -> int:
+    """The ``join-swarm`` command: ``hivetrain join-swarm`` with its arguments checked before the heavy imports."""
+    return main(["join-swarm", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import zlib
 import torch
 from transformers import LlamaConfig
 
+from hivetrain.cli.args import add_role_arguments  # noqa: F401  (re-exported)
 from hivetrain.cli.common import EXIT_FAILED, EXIT_OK
 from hivetrain.config import RunConfig
 from hivetrain.faults import FaultInjector
@@ -36,21 +37,6 @@ from hivetrain.swarm.roles import RoleDecision, decide_role
 logger = logging.getLogger("hivetrain.join_swarm")
 
 SERVER_POLL_INTERVAL_S = 1.0
-
-
-def add_role_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--role`` and ``--stage``: only for pipelined runs (a run config with ``[swarm]``)."""
-    group = parser.add_argument_group("pipelined runs (a run config with [swarm]; see README: SWARM pipelines)")
-    group.add_argument(
-        "--role",
-        choices=["auto", "server", "trainer"],
-        default=None,
-        help="serve a stage or train through the pipeline; auto (default) = serve while a stage has fewer than "
-        "swarm.min_servers_per_stage servers, else train if this machine holds the run's data",
-    )
-    group.add_argument(
-        "--stage", type=int, default=None, help="the stage to serve, 0..num_stages-1 (default: the bottleneck stage)"
-    )
 
 
 def check_role_arguments(args: argparse.Namespace, config: RunConfig) -> None:
