@@ -55,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
 
         getattr(args, PARSERS[name])().parse_args(rest)  # exits 0 on --help, 2 on a wrong flag
     module_name, function = SUBCOMMANDS[name][0].split(":")
-    return getattr(importlib.import_module(module_name), function)(rest)
+    if name in PARSERS and sys.stderr.isatty():  # a person waits: say what the first seconds go to
+        from rich.console import Console
+
+        with Console(stderr=True).status(f"hivetrain {name}: loading torch and hivemind"):
+            module = importlib.import_module(module_name)
+    else:
+        module = importlib.import_module(module_name)
+    return getattr(module, function)(rest)
 
 
 def join_swarm(argv: list[str] | None = None) -> int:
