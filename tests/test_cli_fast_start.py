@@ -49,6 +49,7 @@ def probe(argv: list[str]) -> dict:
         ["chaos", "--help"],
         ["identity", "--help"],
         ["generate", "--help"],
+        ["export", "--help"],
     ],
     ids=lambda argv: " ".join(argv),
 )

@@ -1,12 +1,13 @@
 """The command lines' parsers, kept free of torch, transformers and hivemind: ``--help`` and a wrong flag answer
 before the heavy imports (``hivetrain.cli.main`` parses with these first, then imports the command's module).
 
-Nothing here may import more than the standard library: ``tests/test_cli_fast_start.py`` checks it.
+Nothing here may import torch, transformers or hivemind: ``tests/test_cli_fast_start.py`` checks it.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 JOIN_SWARM_DESCRIPTION = (
     "``join-swarm ADDRESS [ADDRESS ...]``: join a run and train with DiLoCo until the run ends or Ctrl+C."
@@ -296,4 +297,35 @@ def local_swarm_parser() -> argparse.ArgumentParser:
     pipe.add_argument(
         "--steps", type=int, default=None, help="steps per pipeline trainer (default: swarm.trainer_steps, or 30)"
     )
+    return parser
+
+
+def export_parser() -> argparse.ArgumentParser:
+    """``hivetrain export CKPT --out DIR`` (``hivetrain.coordinator.export.run_export``)."""
+    from hivetrain.config import MODEL_PRESETS  # pydantic, not torch
+
+    parser = argparse.ArgumentParser(
+        prog="hivetrain export",
+        description="Export a checkpoint's parameters as a transformers model directory (from_pretrained-ready).",
+    )
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (epoch-N) or a checkpoint store root")
+    parser.add_argument("--out", type=Path, required=True, help="output directory to create")
+    parser.add_argument("--preset", choices=MODEL_PRESETS, help="model preset; default: the run config's model")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="this machine's copy of the run's model files (config.json or model directory) when they are not at "
+        "the path the run config names",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer directory to write into --out; default: the run's data.tokenizer, or bytes if it has none",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="positions in a preset's exported config, tokens; default: the run's data.seq_len",
+    )
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser

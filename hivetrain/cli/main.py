@@ -20,6 +20,7 @@ PARSERS = {
     "join-swarm": "join_swarm_parser",
     "coordinator": "coordinator_parser",
     "local-swarm": "local_swarm_parser",
+    "export": "export_parser",
 }
 """Subcommands whose module imports torch and hivemind: their arguments are parsed first with the light parser of
 ``hivetrain.cli.args``, so that ``--help`` and a wrong flag answer in well under a second, before those imports."""

@@ -16,7 +16,6 @@ the directory appears atomically (written under a temporary name, then renamed).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from hivetrain.cli.args import export_parser
 from hivetrain.coordinator.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -297,30 +297,7 @@ def _readme(
 
 def run_export(args_list: list[str]) -> int:
     """``hivetrain export CKPT --out DIR``: returns the exit code (0 ok, 1 export failed, 2 bad arguments)."""
-    parser = argparse.ArgumentParser(
-        prog="hivetrain export",
-        description="Export a checkpoint's parameters as a transformers model directory (from_pretrained-ready).",
-    )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (epoch-N) or a checkpoint store root")
-    parser.add_argument("--out", type=Path, required=True, help="output directory to create")
-    parser.add_argument("--preset", choices=PRESETS, help="model preset; default: the run config's model")
-    parser.add_argument(
-        "--model",
-        metavar="PATH",
-        help="this machine's copy of the run's model files (config.json or model directory) when they are not at "
-        "the path the run config names",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="tokenizer directory to write into --out; default: the run's data.tokenizer, or bytes if it has none",
-    )
-    parser.add_argument(
-        "--max-seq-len",
-        type=int,
-        help="positions in a preset's exported config, tokens; default: the run's data.seq_len",
-    )
-    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser = export_parser()
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exc:  # --help (0) or a usage error (2)
