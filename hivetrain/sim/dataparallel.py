@@ -74,6 +74,9 @@ class DataParallelSim:
         self.done = False
         self.finished = self.env.event()
         self.wall_deadline = float("inf")  # perf_counter() seconds; a benchmark's time limit
+        self.stopped_by: str | None = None  # "outer_steps", "max_sim_s", "time_limit" or "interrupted" once done
+        self._deadline_means = "time_limit"
+        self.on_tick = None  # optional callable(sim_s, outer steps done): progress of a long run (the CLI's bar)
 
     # ---- peers -----------------------------------------------------------------------------------------------
     def _new_peer(self, status: int) -> int:
@@ -210,11 +213,16 @@ class DataParallelSim:
             self.metrics.sample_drift(st, now)
             if self.partition.enabled:
                 self._sample_partition(now)
-            if (
-                st.i["epoch"][: st.size].max(initial=0) >= self.sc.sim.outer_steps
-                or now >= self.sc.sim.max_sim_s
-                or (time.perf_counter() > self.wall_deadline)
-            ):
+            done_steps = int(st.i["epoch"][: st.size].max(initial=0))
+            if self.on_tick is not None:
+                self.on_tick(now, done_steps)
+            if done_steps >= self.sc.sim.outer_steps:
+                self.stopped_by = "outer_steps"
+            elif now >= self.sc.sim.max_sim_s:
+                self.stopped_by = "max_sim_s"
+            elif time.perf_counter() > self.wall_deadline:
+                self.stopped_by = self._deadline_means
+            if self.stopped_by is not None:
                 self.done = True
                 self.finished.succeed()
                 break
@@ -408,6 +416,12 @@ class DataParallelSim:
         return ends
 
     # ---- run -----------------------------------------------------------------------------------------------------
+    def stop(self, why: str = "interrupted") -> None:
+        """End the run at its next tick, metrics and report as for any other end (``stopped_by`` = ``why``). Safe to
+        call from a signal handler (it only sets two fields)."""
+        self._deadline_means = why
+        self.wall_deadline = float("-inf")
+
     def run(self) -> SimMetrics:
         """Simulate until a peer commits ``outer_steps`` outer steps (or ``max_sim_s``); returns the metrics."""
         started = time.perf_counter()

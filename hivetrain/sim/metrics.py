@@ -142,6 +142,7 @@ class SimMetrics:
         self.partition_history = sim.partition.history
         self.summary = {
             "scenario": sim.sc.name,
+            "stopped_by": sim.stopped_by,
             "strategy": sim.sc.averaging.strategy,
             "peers": self.num_peers,
             "peers_ever": n,
