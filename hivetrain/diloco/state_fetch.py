@@ -59,6 +59,8 @@ from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 
 logger = logging.getLogger(__name__)
 
+PROGRESS_EVERY_S = 5.0
+"""Seconds between progress lines of a download (bytes, rate, ETA): a GB-sized state takes minutes on a home link."""
 READ_BYTES = 256 * 2**10
 Expected = dict[int, str] | Callable[[], dict[int, str]]
 
@@ -199,6 +201,8 @@ class _GroupDownload:
         self.changed = asyncio.Event()
         self.finished = asyncio.Event()
         self.live = 0
+        self.started_s = self.last_report_s = clock()
+        self.bytes_at_start = sum(self.manifest.chunk_range(i)[1] - self.manifest.chunk_range(i)[0] for i in self.done)
 
     async def run(self) -> str:
         """ "complete", "refuted" (``self.refuted`` says why) or "exhausted" (every donor dropped)."""
@@ -302,8 +306,23 @@ class _GroupDownload:
         self.rates[donor] = len(data) / max(self.clock() - attempt.started_s, 1e-6)
         if len(self.done) == self.manifest.num_chunks:
             self.finished.set()
+        elif self.clock() - self.last_report_s >= PROGRESS_EVERY_S:
+            self._report_progress()
         self.faults.check(HookPoint.STATE_MID_DOWNLOAD, epoch=self.manifest.epoch, index=index)
         return True
+
+    def _report_progress(self) -> None:
+        """One log line: share of the state held, bytes, rate since this download began and time left at that rate."""
+        now = self.clock()
+        self.last_report_s = now
+        total = self.manifest.num_bytes
+        held = sum(self.manifest.chunk_range(i)[1] - self.manifest.chunk_range(i)[0] for i in self.done)
+        rate = (held - self.bytes_at_start) / max(now - self.started_s, 1e-6)
+        eta = f"{(total - held) / rate:,.0f} s left" if rate > 0 else "no rate yet"
+        logger.info(
+            "state download: epoch %d, %.0f%% (%.1f of %.1f MB) from %d donor(s) at %.2f MB/s, %s",
+            self.manifest.epoch, 100 * held / total, held / 1e6, total / 1e6, self.live, rate / 1e6, eta,
+        )  # fmt: skip
 
     async def _transfer(self, stream, attempt: Attempt) -> tuple[str, object]:
         """One chunk request: ("ok", bytes), ("superseded", None) or (outcome, reason) with outcome "bad",

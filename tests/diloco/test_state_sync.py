@@ -279,3 +279,24 @@ def test_a_state_modified_in_place_after_hashing_is_not_served(make_node, loop):
     result, _ = _fetch(loop, nodes[2], nodes[:2], {3: good.state_hash()})
     assert result.state.state_hash() == good.state_hash()
     assert mutated.chunks_refused >= 1 and result.bad_donors == {}
+
+
+def test_a_long_download_logs_its_progress_with_rate_and_time_left(make_node, loop, monkeypatch, caplog):
+    """Issue 26 item 3: a GB-sized state takes minutes; the joiner's log says how far it is (here every chunk)."""
+    from hivetrain.diloco import state_fetch
+
+    monkeypatch.setattr(state_fetch, "PROGRESS_EVERY_S", 0.0)
+    donor = make_node(name="d0")
+    joiner = make_node(donor.visible_maddrs(), name="j")
+    good = _state(3, seed=4)
+    _serve(loop, donor, good, chunk_bytes=256 * 1024)
+    p2p = loop.run(joiner.dht.replicate_p2p(), 30)
+    with caplog.at_level("INFO", logger=state_fetch.logger.name):
+        got = loop.run(download_state(p2p, "run", [donor.peer_id], {3: good.state_hash()}, _state(0, seed=9), 10), 60)
+    assert got.state_hash() == good.state_hash()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("state download: epoch 3")]
+    chunks = -(-good.num_bytes() // (256 * 1024))
+    assert len(lines) == chunks - 1, lines  # one per chunk but the last (the download's end is logged elsewhere)
+    shares = [float(line.split("%")[0].rsplit(" ", 1)[1]) for line in lines]
+    assert shares == sorted(shares) and 0 < shares[0] and shares[-1] < 100
+    assert all(" MB/s, " in line and ("s left" in line or "no rate yet" in line) for line in lines)
