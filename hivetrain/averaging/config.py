@@ -126,6 +126,13 @@ class AveragingConfig:
     update_norm_window: int = Field(default=16, ge=1, le=1024)
     update_norm_min_history: int = Field(default=3, ge=1, le=1024)
 
+    @property
+    def exact_average(self) -> bool:
+        """Whether a committed epoch leaves every member on one state: "butterfly" averages the epoch's ready peers in
+        one all-reduce (the exact sample-weighted mean); "moshpit" and "gossip" average approximately, so peers'
+        states differ by design (a hash mismatch is no fork)."""
+        return self.strategy == "butterfly"
+
     def __post_init__(self) -> None:
         if self.min_group_size > self.target_group_size:
             raise ValueError(

@@ -383,7 +383,7 @@ def build_report(
         window_end = min([after[0] if after else float("inf")] + ([later[0]] if later else []))
         fault["samples_lost"] = sum(n for t, n, _ in lost if fired <= t <= window_end)
 
-    exact = scenario.run_config().averaging.strategy == "butterfly"
+    exact = scenario.run_config().averaging.exact_average
     agree, diverged, disagreements = hash_agreement(peers) if exact else (True, [], {})  # moshpit: states differ
     honest = [p for p in peers if p.honest]
     survivors = [p for p in honest if p.survived]

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         wall_s=time.time() - started,
         batch_size=config.diloco.samples_per_inner_step(config.data.batch_size),
         started_at=started,
-        exact_average=config.averaging.strategy == "butterfly",
+        exact_average=config.averaging.exact_average,
     )
     summary["timed_out"] = not finished
     summary["exit_codes"] = {p.name: p.popen.returncode for p in swarm.peers}

@@ -243,7 +243,7 @@ class RoundRunner:
         self.faults, self.emit, self.stop = faults, emit, stop
         self.stale_after_s, self.dht_lost_after_s = stale_after_s, dht_lost_after_s
         self.trust, self.voted_wait_s = trust, voted_wait_s
-        self.exact_average = config.averaging.strategy == "butterfly"
+        self.exact_average = config.averaging.exact_average
         # norms of our last committed updates (``update_bound``); a state download keeps them: the run's scale stays
         self.norms = UpdateNorms(config.averaging.update_norm_window)
         self._checked_norm: float | None = None  # the norm ``_accept`` computed for the round in progress

@@ -96,7 +96,7 @@ class DilocoTrainer:
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         self._stop = threading.Event()
         self._left_reason = ""
-        self._exact_average = config.averaging.strategy == "butterfly"
+        self._exact_average = config.averaging.exact_average
         self._overlap = config.diloco.overlap if self._exact_average else "off"
         # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks. To the swarm's
         # schedule it is one peer N times as fast (the epoch target counts the run's batch per peer, the same on every

@@ -292,6 +292,20 @@ class PipelineSettings:
         return self.stage_costs[stage] if self.stage_costs else 1.0
 
 
+NOT_MODELLED_AVERAGING = (
+    "aggregation",
+    "clip_tau",
+    "clip_tau_factor",
+    "clip_iters",
+    "error_feedback",
+    "max_update_ratio",
+    "update_norm_window",
+    "update_norm_min_history",
+)
+"""``[averaging]`` keys a scenario may not change from their defaults: robust aggregation, error feedback and the
+update bound change what is applied, which the simulator does not model (it would silently run the default)."""
+
+
 @dataclass(frozen=True, config=_STRICT)
 class Scenario:
     """A whole simulation scenario (see the module docstring)."""
@@ -308,6 +322,18 @@ class Scenario:
     pipeline: PipelineSettings = PipelineSettings()
 
     def __post_init__(self) -> None:
+        defaults = AveragingConfig()
+        set_but_not_modelled = [
+            f"averaging.{name} = {getattr(self.averaging, name)!r}"
+            for name in NOT_MODELLED_AVERAGING
+            if getattr(self.averaging, name) != getattr(defaults, name)
+        ]
+        if set_but_not_modelled:
+            raise ValueError(
+                f"{', '.join(set_but_not_modelled)}: the simulator does not model this (its rounds take the plain "
+                "sample-weighted mean of what members send, with no update bound or error feedback); remove it from "
+                "the scenario, or measure it with a real swarm (`hivetrain chaos`, `scripts/bench/`)"
+            )
         given = len(self.peers.samples_per_s)
         if given and given != self.sim.num_peers:
             raise ValueError(f"peers.samples_per_s has {given} speed(s) for sim.num_peers = {self.sim.num_peers}")
@@ -321,8 +347,9 @@ def parse_scenario(raw: dict[str, Any], where: str = "scenario") -> Scenario:
         lines = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            msg = "unknown key" if err["type"] in ("extra_forbidden", "unexpected_keyword_argument") else err["msg"]
-            lines.append(f"{loc}: {msg}")
+            unknown = err["type"] in ("extra_forbidden", "unexpected_keyword_argument")
+            msg = "unknown key" if unknown else err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}: {msg}" if loc else msg)
         raise ValueError(f"{where}: " + "; ".join(lines)) from None
     except TypeError as exc:  # an unknown top-level table
         raise ValueError(f"{where}: {exc}") from None

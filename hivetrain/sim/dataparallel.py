@@ -64,7 +64,7 @@ class DataParallelSim:
         self.plan = PhasePlan(s.schedule, s.inner_steps, s.batch_size, s.target_samples_per_epoch,
                               s.max_samples_per_peer, s.stale_after_s, s.max_extrapolation_s)  # fmt: skip
         self.schedule_model = scenario.sim.resolved_schedule_model()
-        self.exact = scenario.averaging.strategy == "butterfly"
+        self.exact = scenario.averaging.exact_average
         self.trust = SyncTrust()  # what a trainer weighs records with (``diloco.evidence``: the default quorum rule)
         self.rounds = RoundEngine(self)
         self.partition = PartitionTracker(scenario.partition, scenario.sim.seed)

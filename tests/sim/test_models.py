@@ -92,3 +92,19 @@ def test_board_records_equal_validated_records_with_the_same_values() -> None:
     board.publish(1, "QmPeer1", "", epoch=0, phase_epoch=0, phase_samples=0, throughput=0.0, done_epoch=0,
                   done_samples=0, updated_at=13.0)  # fmt: skip
     assert [r.peer_id for r in board.records()] == ["QmPeer1", "QmPeer2"]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("aggregation", "centered_clip"), ("error_feedback", True), ("max_update_ratio", 0.0), ("clip_iters", 3)],
+)
+def test_a_scenario_that_sets_what_the_simulator_does_not_model_is_refused(key, value):
+    """Issue 27 item 3: ``aggregation = "centered_clip"`` was silently simulated as a plain mean."""
+    table = {key: value, **({"compression": "int8"} if key == "error_feedback" else {})}
+    with pytest.raises(ValueError, match=f"averaging.{key} = .*the simulator does not model this"):
+        parse_scenario({"averaging": table})
+
+
+def test_what_the_simulator_models_is_accepted_and_exact_average_follows_the_strategy():
+    assert parse_scenario({"averaging": {"compression": "int8", "drop_failed": True}}).averaging.exact_average
+    assert not parse_scenario({"averaging": {"strategy": "moshpit", "target_group_size": 4}}).averaging.exact_average
