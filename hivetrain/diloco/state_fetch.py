@@ -1,9 +1,10 @@
 """State download that routes around bad donors: a late or lagging peer fetches θ, outer momentum and epoch.
 
-1. Offers. Every donor is asked for its manifest (``state_wire.Manifest``). A donor whose current state is not the one
-   peers published for its epoch may still serve an older published one (donors keep their last few epochs): the
-   joiner then asks for that one. The first manifest starts a short grace (``FetchConfig.meta_grace_s``) for the
-   others (or as long again as the first answer took), so a donor that drips its reply cannot hold everyone up.
+1. Offers (``state_offers``). Every donor is asked for its manifest (``state_wire.Manifest``). A donor whose current
+   state is not the one peers published for its epoch may still serve an older published one (donors keep their last
+   few epochs): the joiner then asks for that one. The first manifest starts a short grace
+   (``FetchConfig.meta_grace_s``) for the others (or as long again as the first answer took), so a donor that drips
+   its reply cannot hold everyone up.
 2. Manifests. A manifest is never taken from one donor on trust. The state hash is one sequential sha256 over the
    whole state (``TrainingState.state_hash``), so a list of chunk hashes can only be checked against it with the
    data in hand; what is checked, and when: before use, every bound against our own model (``parse_manifest``: the
@@ -33,9 +34,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_offers import collect_offers, open_stream
 from hivetrain.diloco.state_routing import (
     Attempt,
     FetchConfig,
@@ -50,7 +52,6 @@ from hivetrain.diloco.state_wire import (
     chunk_is_finite,
     layout_num_bytes,
     parse_manifest,
-    parse_recent,
     recv_control,
     send_control,
     unflatten,
@@ -104,84 +105,6 @@ class FetchResult:
         if donor not in self.bad_donors and donor not in self.dropped_donors:
             logger.info("state donor %s dropped: %s", donor[:12], reason)
             self.dropped_donors[donor] = reason
-
-
-@dataclass
-class _Answer:
-    donor: str
-    current: dict | None = None  # the meta reply for the donor's current state
-    offers: list[Offer] = field(default_factory=list)
-    problem: str = ""
-    lied: bool = False
-
-
-async def _open(p2p: P2P, protocol: str, donor: str, timeout_s: float):
-    _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(donor), protocol), timeout_s
-    )
-    return reader, writer
-
-
-async def _ask(p2p: P2P, protocol: str, donor: str, known: dict[int, str], num_bytes: int, timeout_s: float):
-    """One donor's offers: its current state's manifest if published, else a retained older one that is."""
-    answer = _Answer(donor)
-    try:
-        reader, writer = await _open(p2p, protocol, donor, timeout_s)
-    except Exception as exc:  # noqa: BLE001 - any failure just disqualifies this donor
-        answer.problem = f"unreachable: {exc!r}"
-        return answer
-    try:
-        await send_control(writer, {"op": "meta"})
-        reply = await recv_control(reader, timeout_s)
-        if "error" in reply:
-            answer.problem = f"says {str(reply['error'])[:100]}"
-            return answer
-        answer.current = reply
-        if known.get(reply.get("epoch")) == reply.get("state_hash"):
-            answer.offers.append(Offer(donor, parse_manifest(reply, num_bytes)))
-            return answer
-        for epoch, state_hash in sorted(parse_recent(reply), reverse=True):
-            if known.get(epoch) == state_hash:
-                await send_control(writer, {"op": "meta", "epoch": epoch, "state_hash": state_hash})
-                older = await recv_control(reader, timeout_s)
-                if "error" not in older and (older.get("epoch"), older.get("state_hash")) == (epoch, state_hash):
-                    answer.offers.append(Offer(donor, parse_manifest(older, num_bytes)))
-                break
-    except ProtocolError as exc:  # claimed the published hash with an impossible manifest
-        answer.problem, answer.lied = str(exc), True
-    except Exception as exc:  # noqa: BLE001
-        answer.problem = f"no manifest: {exc!r}"
-    finally:
-        writer.close()
-    return answer
-
-
-async def _collect(
-    p2p: P2P, protocol: str, donors: Sequence[str], known: dict, num_bytes: int, timeout_s: float, grace_s: float
-) -> list[_Answer]:
-    """Every donor's answer, waiting for all of them, at most ``timeout_s``, and once the first donor has answered
-    (any meta reply), at most ``max(grace_s, the time that first answer took)`` more: honest donors answer at about
-    the same time (they hash the same state), so the others get as long again as the first one needed (at least
-    ``grace_s``) and a donor that drips its reply cannot hold the download up for a whole ``timeout_s``. Donors that
-    had not answered by then get a ``problem``."""
-    tasks = {asyncio.ensure_future(_ask(p2p, protocol, d, known, num_bytes, timeout_s)): d for d in donors}
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    deadline, graced = started + timeout_s, False
-    waiting = set(tasks)
-    while waiting:
-        remaining_s = max(deadline - loop.time(), 0.0)
-        done, waiting = await asyncio.wait(waiting, timeout=remaining_s, return_when=asyncio.FIRST_COMPLETED)
-        if not done:
-            break
-        if not graced and any(t.result().current is not None for t in done):
-            now = loop.time()
-            deadline, graced = min(deadline, now + max(grace_s, now - started)), True
-    for task in waiting:
-        task.cancel()
-    await asyncio.gather(*waiting, return_exceptions=True)
-    late = f"no manifest within the grace after the first donor's (or {timeout_s:.1f} s)"
-    return [t.result() if t.done() and not t.cancelled() else _Answer(d, problem=late) for t, d in tasks.items()]
 
 
 class _GroupDownload:
@@ -256,7 +179,7 @@ class _GroupDownload:
                 self.in_flight.setdefault(index, []).append(attempt)
                 try:
                     if stream is None:
-                        stream = await _open(self.p2p, self.protocol, donor, self.timeout_s)
+                        stream = await open_stream(self.p2p, self.protocol, donor, self.timeout_s)
                     outcome, payload = await self._transfer(stream, attempt)
                 except ProtocolError as exc:
                     outcome, payload = "bad", f"broke the protocol: {exc}"
@@ -425,7 +348,7 @@ async def fetch_state(
     read_expected = expected if callable(expected) else (lambda: expected)
     loop = asyncio.get_running_loop()
     known = await loop.run_in_executor(None, read_expected)  # the caller's read may block (a DHT get)
-    answers = await _collect(p2p, protocol, donors, known, num_bytes, timeout_s, config.meta_grace_s)
+    answers = await collect_offers(p2p, protocol, donors, known, num_bytes, timeout_s, config.meta_grace_s)
     newest_offered = max(
         (a.current["epoch"] for a in answers if a.current and isinstance(a.current.get("epoch"), int)), default=-1
     )
