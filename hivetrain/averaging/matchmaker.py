@@ -66,8 +66,14 @@ class Matchmaker:
     One per GroupAverager; ``match`` from one thread at a time, ``offer``/``offer_entry`` from any thread.
     """
 
-    def __init__(self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None, admits=None):
+    def __init__(
+        self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None, admits=None,
+        dht_clock=get_dht_time,
+    ):  # fmt: skip
+        """``dht_clock()``: the DHT's time, seconds (hivemind's ``get_dht_time``): entries' announce times, windows and
+        declarations use it. Tests freeze it to prove that a group closed without waiting out its window."""
         self.node, self.prefix, self.push = node, prefix, push
+        self.dht_clock = dht_clock
         self.admits = admits  # peer id -> member of the run? (None: open run); non-members' records are dropped
         self._told: set[str] = set()
         self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
@@ -121,7 +127,7 @@ class Matchmaker:
     ) -> ReadyEntry:
         """Our signed entry: ready now, waiting at most ``wait_s`` seconds for a group; the window it opens closes
         after ``window_s`` seconds (at most ``wait_s``; None = ``wait_s``)."""
-        now = get_dht_time()
+        now = self.dht_clock()
         window_s = wait_s if window_s is None else min(window_s, wait_s)
         entry = ReadyEntry(
             peer_id=self.node.peer_id,
@@ -181,7 +187,7 @@ class Matchmaker:
             round_key=me.round_key,
             round_id=make_round_id(self.prefix, me.round_key, members),
             members=members,
-            declared_at=get_dht_time(),
+            declared_at=self.dht_clock(),
             reason="full" if closed_by == "full" else "window",
         )
         decl = sign_declaration(self.prefix, decl, self.node.identity.private_key)
@@ -389,7 +395,7 @@ class Matchmaker:
                 me,
                 entries,
                 decls,
-                get_dht_time(),
+                self.dht_clock(),
                 target_group_size=target_group_size,
                 min_group_size=min_group_size,
                 declare_grace_s=self.grace_s(),
@@ -437,13 +443,13 @@ class Matchmaker:
             # Poll fast when a declaration is imminent (followers whose window closed or group filled up), and during
             # the first second while we lead (the group may fill up any moment) or have not told our leader yet. A
             # follower that finds the group complete does not: its leader may expect more peers than it does.
-            just_started = get_dht_time() - me.announced_at < FAST_LEAD_S
+            just_started = self.dht_clock() - me.announced_at < FAST_LEAD_S
             imminent = decision.closed_by in ("window", "full") or (
                 just_started and (leader is None or leader.peer_id == me.peer_id or leader.peer_id not in pushed_to)
             )
             interval_s = min(self.poll_interval_s, FAST_POLL_S) if imminent else self.poll_interval_s
             if read is None and (now_m >= next_read_at or stale or unproven):
-                read_started_dht = get_dht_time()
+                read_started_dht = self.dht_clock()
                 read, read_started, next_read_at = self._start_read(me.round_key), now_m, now_m + interval_s
             if now_m >= deadline_monotonic:
                 if announce_at is None:
