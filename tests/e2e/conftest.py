@@ -1,6 +1,10 @@
 """Real multi-process swarms on 127.0.0.1 (coordinator + join-swarm processes), always cleaned up."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -71,3 +75,26 @@ def wait_for_event(peer, predicate, timeout_s: float) -> dict:
             )
         time.sleep(0.5)
     pytest.fail(f"{peer.name}: no matching event within {timeout_s}s; log:\n" + peer.log_path.read_text()[-3000:])
+
+
+def run_local_swarm(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """``hivetrain local-swarm ARGS`` as a user starts it: in a session of its own, as a terminal gives it.
+
+    Started from pytest's session instead, the CLI shared the kernel's per-session CPU share (autogroup) with
+    whatever else runs from the shell that started the suite (the acceptance runs' busy loops): it got ~5% of a core
+    and took minutes to import and start, where its peers (own sessions) got their fair share. On timeout the whole
+    process group (the CLI and anything it started in it) is killed and ``subprocess.TimeoutExpired`` raised."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hivetrain.cli.main", "local-swarm", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout_s, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

@@ -1,14 +1,12 @@
 """A real swarm on loopback: peers agree bit-for-bit after every outer step, loss falls, late joiners catch up."""
 
 import json
-import subprocess
-import sys
 from collections import Counter
 
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.checkpoint_format import MANIFEST_FILE
 from hivetrain.testing.summary import read_events
-from tests.e2e.conftest import LOADED_HOGS, wait_for_event, write_config
+from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, wait_for_event, write_config
 
 
 def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path, cpu_hogs):
@@ -18,24 +16,9 @@ def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path, 
     # the first two finished all three epochs before the third began its first (it then had nobody to join)
     config = write_config(tmp_path / "run.toml", **{"diloco.inner_steps": 100})
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hivetrain.cli.main",
-            "local-swarm",
-            "--peers",
-            "3",
-            "--config",
-            str(config),
-            "--out",
-            str(out),
-            "--timeout",
-            "240",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_local_swarm(
+        ["--peers", "3", "--config", str(config), "--out", str(out), "--timeout", "240"],
+        300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -104,8 +87,7 @@ def test_moshpit_swarm_averages_parameters_in_pairs_and_loss_falls(tmp_path):
         },
     )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm", "--peers", "4", "--config", str(config)]
-    proc = subprocess.run([*cmd, "--out", str(out), "--timeout", "240"], capture_output=True, text=True, timeout=300)
+    proc = run_local_swarm(["--peers", "4", "--config", str(config), "--out", str(out), "--timeout", "240"], 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["outer_steps"] == 3 and summary["state_downloads"] == 0

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hivetrain.testing.summary import read_events
-from tests.e2e.conftest import LOADED_HOGS, write_config
+from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, write_config
 
 JOIN = [sys.executable, "-m", "hivetrain.cli.join_swarm"]
 LOCAL_SWARM = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm"]
@@ -41,12 +41,10 @@ def test_peers_at_duty_cycles_1_half_quarter_all_commit_every_outer_step(tmp_pat
     duty_cycles = {"peer0": 1.0, "peer1": 0.5, "peer2": 0.25}
     config = write_config(tmp_path / "run.toml", **{"diloco.inner_steps": 40, "diloco.outer_steps": 3})
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [*LOCAL_SWARM, "--peers", "3", "--duty-cycles", ",".join(map(str, duty_cycles.values()))]
+    proc = run_local_swarm(
+        ["--peers", "3", "--duty-cycles", ",".join(map(str, duty_cycles.values()))]
         + ["--config", str(config), "--out", str(out), "--timeout", "300"],
-        capture_output=True,
-        text=True,
-        timeout=360,
+        360,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

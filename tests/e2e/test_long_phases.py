@@ -6,23 +6,16 @@ inner phase lasts longer than that.
 """
 
 import json
-import subprocess
-import sys
 
 from hivetrain.testing.summary import read_events
-from tests.e2e.conftest import LOADED_HOGS, write_config
-
-LOCAL_SWARM = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm"]
+from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, write_config
 
 
 def run_swarm(tmp_path, peers: int, extra: list[str], **overrides) -> tuple[dict, dict[str, list[dict]]]:
     config = write_config(tmp_path / "run.toml", **overrides)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [*LOCAL_SWARM, "--peers", str(peers), "--config", str(config), "--out", str(out), "--timeout", "400", *extra],
-        capture_output=True,
-        text=True,
-        timeout=460,
+    proc = run_local_swarm(
+        ["--peers", str(peers), "--config", str(config), "--out", str(out), "--timeout", "400", *extra], 460
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = {f"peer{i}": read_events(out / f"peer{i}.jsonl") for i in range(peers)}
