@@ -10,13 +10,6 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hivetrain.cli.args import (  # noqa: F401  (re-exported: the parsers live in cli.args)
-    MODEL_HELP,
-    add_node_arguments,
-    add_run_override_arguments,
-    duty_cycle_arg,
-)
-
 if TYPE_CHECKING:
     from hivetrain.peers.node import NodeConfig
 

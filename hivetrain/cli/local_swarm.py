@@ -23,7 +23,6 @@ import tomli_w
 from rich.console import Console
 from rich.table import Table
 
-from hivetrain.cli.args import duty_cycles_arg  # noqa: F401  (re-exported)
 from hivetrain.cli.args import local_swarm_parser as build_parser
 from hivetrain.cli.common import (
     EXIT_BAD_INPUT,

@@ -126,7 +126,7 @@ class _stop_on_sigint:
     def __enter__(self):
         def handler(_signum, _frame):
             if self.sim.stopped_by is not None or self.sim.wall_deadline == float("-inf"):
-                raise KeyboardInterrupt
+                raise SystemExit(EXIT_INTERRUPTED)  # the second one: quit now, without a report or a traceback
             print("\nstopping: writing the report of what was simulated (Ctrl+C again to quit now)", file=sys.stderr)
             self.sim.stop("interrupted")
 

@@ -25,7 +25,6 @@ import zlib
 import torch
 from transformers import LlamaConfig
 
-from hivetrain.cli.args import add_role_arguments  # noqa: F401  (re-exported)
 from hivetrain.cli.common import EXIT_FAILED, EXIT_OK
 from hivetrain.config import RunConfig
 from hivetrain.faults import FaultInjector
