@@ -48,3 +48,78 @@ def cpu_hogs():
     for hogs in started:
         print(f"\n{hogs.describe()}")
         assert not hogs.exited_early, f"CPU hogs {hogs.exited_early} ended before the test did: {hogs.describe()}"
+
+
+# The fast lane (`./scripts/test --fast`, issue 27 item 6) leaves out every test marked `slow`; a test that starts an OS
+# process (a subprocess, a multiprocessing child such as a hivemind DHT, p2pd), itself or through a function-scoped
+# fixture, must carry the mark, or it fails here naming what it started, so the fast lane cannot grow process starts
+# unnoticed. Processes of module- or session-scoped fixtures (a DHT shared by a whole file) are not charged to the test
+# that happens to set them up; matplotlib's one-time font scan (fc-list) is not a process the test starts.
+_started: list[str] = []
+_charging = [False]  # True while the test's own code or one of its function-scoped fixtures runs
+_NOT_CHARGED = ("fc-list",)
+
+
+def _record_starts() -> None:
+    import multiprocessing.process
+    import subprocess
+
+    execute_child = subprocess.Popen._execute_child
+    start = multiprocessing.process.BaseProcess.start
+
+    def recording_execute_child(self, args, *rest, **kwargs):
+        name = args if isinstance(args, (str, bytes)) else (list(args)[:3] if args else args)
+        if _charging[0] and not any(exe in str(name) for exe in _NOT_CHARGED):
+            _started.append(f"subprocess {name}")
+        return execute_child(self, args, *rest, **kwargs)
+
+    def recording_start(self):
+        if _charging[0]:
+            _started.append(f"multiprocessing {type(self).__name__} {self.name}")
+        return start(self)
+
+    subprocess.Popen._execute_child = recording_execute_child
+    multiprocessing.process.BaseProcess.start = recording_start
+
+
+_record_starts()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _started.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    # Broader-scoped fixtures reach this hook only from this directory's nodes (a session fixture's hook runs on the
+    # session), so charge only what runs inside a function-scoped fixture.
+    was, _charging[0] = _charging[0], fixturedef.scope == "function"
+    try:
+        yield
+    finally:
+        _charging[0] = was
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _charging[0] = True
+    try:
+        yield
+    finally:
+        _charging[0] = False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not _started or item.get_closest_marker("slow") is not None:
+        return
+    if report.passed:
+        report.outcome = "failed"
+        shown = "; ".join(_started[:3]) + (f"; and {len(_started) - 3} more" if len(_started) > 3 else "")
+        report.longrepr = (
+            f"{item.nodeid} started {len(_started)} process(es) ({shown}) but is not marked slow: add "
+            "@pytest.mark.slow (the fast lane, ./scripts/test --fast, runs no process-starting test)"
+        )

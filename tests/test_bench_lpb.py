@@ -25,6 +25,7 @@ from lpb_arms import Arm, Setup, run_arm  # noqa: E402
 KEYS = {"arm", "eval_loss", "eval_loss_std", "seeds", "bytes", "vs_ddp", "outer_lr", "outer_momentum"}
 
 
+@pytest.mark.slow
 def test_quick_json_has_one_finite_row_per_arm():
     proc = subprocess.run(
         [sys.executable, str(BENCH / "diloco_vs_ddp.py"), "--quick", "--json", "--jobs", "0", "--data", str(DATA)],

@@ -53,6 +53,7 @@ def probe(argv: list[str]) -> dict:
     ],
     ids=lambda argv: " ".join(argv),
 )
+@pytest.mark.slow
 def test_help_prints_usage_without_the_heavy_imports(argv):
     got = probe(argv)
     assert got["code"] in (0, None), got
@@ -69,6 +70,7 @@ def test_help_prints_usage_without_the_heavy_imports(argv):
         (["local-swarm", "--peers", "three", "--out", "x"], "--peers"),
     ],
 )
+@pytest.mark.slow
 def test_a_wrong_flag_is_one_error_line_with_exit_2_before_the_heavy_imports(argv, flag):
     got = probe(argv)
     assert got["code"] == 2, got
@@ -77,6 +79,7 @@ def test_a_wrong_flag_is_one_error_line_with_exit_2_before_the_heavy_imports(arg
     assert got["heavy"] == [], f"{' '.join(argv)} imported {got['heavy']} before refusing"
 
 
+@pytest.mark.slow
 def test_the_run_config_loads_without_torch():
     """``hivetrain.config`` is what every command reads first: it must stay light (``averaging`` imports lazily)."""
     code = (

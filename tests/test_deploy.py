@@ -209,12 +209,14 @@ def peer_argv(state: Path, i: int, *tail: str) -> list[str]:
 # --- SLURM --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sbatch_script_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True, timeout=10)
     assert result.returncode == 0, result.stderr
     assert os.access(SBATCH, os.X_OK)
 
 
+@pytest.mark.slow
 def test_sbatch_runs_one_peer_per_node_with_its_own_identity(slurm):
     result = slurm.run(ADDR, ADDR2, "--duty-cycle", "0.5")
     assert result.returncode == 0, result.stderr
@@ -242,6 +244,7 @@ def test_sbatch_runs_one_peer_per_node_with_its_own_identity(slurm):
     assert not (slurm.out / "scontrol-argv").exists()
 
 
+@pytest.mark.slow
 def test_sbatch_public_nodes_announce_their_address_and_invited_peers_pass_their_token(slurm, tmp_path):
     state = tmp_path / "state"
     (state / "peer-1").mkdir(parents=True)
@@ -265,6 +268,7 @@ def test_sbatch_public_nodes_announce_their_address_and_invited_peers_pass_their
         assert check_argv(argv, options)["--announce-maddrs"] == ["/ip4/198.51.100.7/tcp/4100"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, requeue, message",
     [(signal.SIGUSR1, True, "time limit near"), (signal.SIGUSR2, False, "asked to leave")],
@@ -298,6 +302,7 @@ def test_sbatch_signal_makes_each_join_swarm_leave_once(slurm, sig, requeue, mes
     assert message in stderr
 
 
+@pytest.mark.slow
 def test_sbatch_cancel_leaves_signalling_the_peers_to_slurm(slurm):
     proc = slurm.popen(ADDR, STUB_WAIT="1")
     try:
@@ -315,6 +320,7 @@ def test_sbatch_cancel_leaves_signalling_the_peers_to_slurm(slurm):
     assert not (slurm.out / "scontrol-argv").exists() and not (slurm.out / "scancel-argv").exists()
 
 
+@pytest.mark.slow
 def test_sbatch_exits_with_the_peers_status_without_requeueing(slurm):
     result = slurm.run(ADDR, STUB_EXIT=str(exit_codes()["EXIT_INCOMPATIBLE"]))
     assert result.returncode == exit_codes()["EXIT_INCOMPATIBLE"]
@@ -331,6 +337,7 @@ def test_sbatch_exits_with_the_peers_status_without_requeueing(slurm):
         ((ADDR,), {"HIVETRAIN_JOIN_SWARM": "/nonexistent/join-swarm"}, "/nonexistent/join-swarm not found"),
     ],
 )
+@pytest.mark.slow
 def test_sbatch_refuses_bad_settings_before_starting_peers(slurm, args, env, message):
     result = slurm.run(*args, **env)
     assert result.returncode == exit_codes()["EXIT_BAD_INPUT"]
@@ -446,6 +453,7 @@ def test_coordinator_manifests_agree_with_the_coordinator_cli():
     assert dashboard["prometheus.io/port"] == str(ports["http"]) and dashboard["prometheus.io/path"] == "/metrics"
 
 
+@pytest.mark.slow
 def test_coordinator_init_container_installs_the_identity_key_from_the_secret(tmp_path):
     spec = pod_spec(load_docs(COORDINATOR_YAML)["Deployment/hivetrain-coordinator"])
     (init,) = spec["initContainers"]
@@ -468,6 +476,7 @@ def test_coordinator_run_config_is_valid():
     assert config.run_id and config.model
 
 
+@pytest.mark.slow
 def test_volunteer_job_runs_one_join_swarm_per_index(tmp_path):
     docs = load_docs(VOLUNTEERS_YAML)
     job = docs["Job/hivetrain-volunteers"]

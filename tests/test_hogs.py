@@ -5,6 +5,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from hivetrain.testing.hogs import CpuHogs, _cpu_seconds
 
@@ -21,6 +22,7 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_hogs_spin_until_stopped_by_pid(cpu_hogs):
     hogs = cpu_hogs(2, max_duration_s=60)
     time.sleep(1.0)
@@ -32,6 +34,7 @@ def test_hogs_spin_until_stopped_by_pid(cpu_hogs):
     assert len(hogs.cpu_s) == 2 and "2 CPU hog(s)" in hogs.describe()
 
 
+@pytest.mark.slow
 def test_a_hog_ends_by_itself_at_its_deadline_and_when_its_starter_is_gone():
     with CpuHogs(1, max_duration_s=0.5) as hogs:
         hogs.popens[0].wait(timeout=30)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from hivetrain.averaging import AveragingConfig, RoundResult
@@ -49,6 +50,7 @@ def _deviation_norm(rows: list[torch.Tensor]) -> float:
     return float((stacked - stacked.mean(dim=0)).norm())
 
 
+@pytest.mark.slow
 def test_moshpit_drift_stays_bounded_over_outer_steps(make_averagers, prefix: str) -> None:
     cfg = AveragingConfig(strategy="moshpit", target_group_size=2, moshpit_rounds=1, **CONFIG)
     avgs = make_averagers(NUM_PEERS, cfg)

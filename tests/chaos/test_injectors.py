@@ -50,6 +50,7 @@ def wait_for(predicate, timeout_s=5.0):
     return True
 
 
+@pytest.mark.slow
 def test_kill_takes_the_whole_group(fake_peer):
     assert len(process.p2pd_pids(fake_peer)) == 1
     assert process.kill(fake_peer) is True
@@ -58,6 +59,7 @@ def test_kill_takes_the_whole_group(fake_peer):
     assert process.kill(fake_peer) is False  # already gone: reported, nothing signalled
 
 
+@pytest.mark.slow
 def test_pause_and_resume(fake_peer):
     assert not process.is_stopped(fake_peer)
     assert process.pause(fake_peer)
@@ -66,6 +68,7 @@ def test_pause_and_resume(fake_peer):
     assert wait_for(lambda: not process.is_stopped(fake_peer))
 
 
+@pytest.mark.slow
 def test_kill_p2pd_leaves_the_peer_running(fake_peer):
     seen: dict[int, float] = {}
     process.remember_p2pds(fake_peer, seen)
@@ -128,6 +131,7 @@ def runner_with(tmp_path, fake_peer, *faults):
     return runner
 
 
+@pytest.mark.slow
 def test_runner_records_each_process_fault_when_it_fires(tmp_path, fake_peer):
     runner = runner_with(
         tmp_path,
@@ -154,6 +158,7 @@ def test_runner_records_each_process_fault_when_it_fires(tmp_path, fake_peer):
     assert sum(f["fired_at_s"] is not None for f in runner.faults) == 3
 
 
+@pytest.mark.slow
 def test_a_peer_that_stops_itself_at_a_hook_is_paused_whole_then_resumed(tmp_path, fake_peer):
     """A ``stop`` hook SIGSTOPs only the peer's own process; the harness stops the rest of its group (p2pd, DHT
     process) when it sees that, as a laptop lid would, and SIGCONTs them all ``seconds`` later."""
@@ -198,6 +203,7 @@ def test_a_hook_fault_fires_when_its_peer_reports_a_matching_fault_fired_event(t
     assert runner.faults[1]["fired_at_s"] is None  # its epoch 3 has not come
 
 
+@pytest.mark.slow
 def test_cpu_starve_duty_cycles_the_peers_group_until_teardown_and_leaves_it_running(tmp_path, fake_peer):
     """The runner starts a duty cycler on the peer's process group (its p2pd stopped with it), records the fault as
     fired, and at teardown stops the cycler before anything else: the group ends running, the counts in the record."""

@@ -150,6 +150,7 @@ def send(topo, sender, receiver, num_bytes: int, connect_timeout_s: float = 5.0)
         server.wait(10)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_bandwidth_limit_slows_a_member(topology):
     a, b = topology.add_member(), topology.add_member()
@@ -162,6 +163,7 @@ def test_bandwidth_limit_slows_a_member(topology):
     assert slow > 0.8 and slow > 5 * fast, (fast, slow)  # 2 MB at 1 MB/s, less what the socket buffers hold
 
 
+@pytest.mark.slow
 @needs_netns
 def test_partition_cuts_and_heal_restores(topology):
     a, b, c = topology.add_member(), topology.add_member(), topology.add_member()
@@ -188,6 +190,7 @@ def dial(member: Member, address: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables not installed (Debian package iptables)")
 def test_nat_member_dials_out_under_the_routers_address_and_cannot_be_dialed(topology):

@@ -119,6 +119,7 @@ def recorder(pgid: int, log: list):
     return send
 
 
+@pytest.mark.slow
 def test_cycler_stops_and_continues_the_childs_group_at_its_duty_fraction(busy_child):
     log: list[tuple[float, int]] = []
     stopped_seen = 0
@@ -149,6 +150,7 @@ def test_cycler_stops_and_continues_the_childs_group_at_its_duty_fraction(busy_c
     assert cpu_used <= stats.running_s + 0.1, "the child computed while it should have been stopped"
 
 
+@pytest.mark.slow
 def test_cycler_ends_on_its_deadline_or_when_the_target_is_gone_and_leaves_it_running(busy_child):
     log: list[tuple[float, int]] = []
     cycler = DutyCycler(recorder(busy_child.pid, log), fraction=0.2, period_s=0.1, duration_s=0.5).start()
@@ -170,6 +172,7 @@ def test_cycler_ends_on_its_deadline_or_when_the_target_is_gone_and_leaves_it_ru
     assert psutil.Process(busy_child.pid).status() != psutil.STATUS_STOPPED
 
 
+@pytest.mark.slow
 def test_cycler_of_a_process_that_exited_ends_without_raising():
     popen = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     popen.wait(timeout=30)

@@ -63,6 +63,7 @@ def test_the_published_list_follows_the_file_and_a_damaged_file_keeps_the_last_g
     assert published.current() == ((OTHER, 5.0),)
 
 
+@pytest.mark.slow
 def test_the_coordinator_publishes_its_list_in_its_record(make_node, tmp_path):
     from hivetrain.config import RunConfig
     from hivetrain.coordinator.coordinator import Coordinator, CoordinatorOptions

@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from hivetrain.coordinator.run_clock import earliest_start, load_start, save_start, start_for_epoch
 
 NOW = 10_000.0
@@ -33,6 +35,7 @@ def test_saved_start_round_trips_per_run_and_a_damaged_file_loses_nothing(tmp_pa
     save_start(tmp_path / "missing-dir" / "run_clock.json", "r", NOW)  # logged, not raised
 
 
+@pytest.mark.slow
 def test_coordinator_publishes_the_start_and_a_restart_never_moves_it_later(make_node, tmp_path):
     import time
 

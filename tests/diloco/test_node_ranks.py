@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -187,6 +188,7 @@ def single_process_reference() -> torch.Tensor:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_train_as_one_peer(tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)

@@ -7,6 +7,7 @@ from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer
 from tests.diloco.test_state_sync import _fetch, _register, _state, _swarm, loop  # noqa: F401 - fixture
 
 
+@pytest.mark.slow
 def test_a_non_member_donor_is_never_asked(make_node, loop):  # noqa: F811 - the fixture
     member, outsider, joiner = _swarm(make_node, loop, 3)
     good = _state(3, seed=1)
@@ -19,6 +20,7 @@ def test_a_non_member_donor_is_never_asked(make_node, loop):  # noqa: F811 - the
         _fetch(loop, joiner, [outsider], {3: good.state_hash()}, admits=lambda p: p != outsider.peer_id)
 
 
+@pytest.mark.slow
 def test_a_state_server_refuses_a_non_member_requester(make_node, loop):  # noqa: F811 - the fixture
     donor, stranger = _swarm(make_node, loop, 2)
     good = _state(3, seed=2)

@@ -36,6 +36,7 @@ def _serve(loop, node, state, chunk_bytes=256 * 1024, faults=None):
     return server
 
 
+@pytest.mark.slow
 def test_download_spreads_chunks_over_agreeing_donors_and_verifies_hash(make_node, loop):
     donors = [make_node(name="d0")]
     donors.append(make_node(donors[0].visible_maddrs(), name="d1"))
@@ -50,6 +51,7 @@ def test_download_spreads_chunks_over_agreeing_donors_and_verifies_hash(make_nod
     assert sum(s.bytes_served for s in servers) >= good.num_bytes()  # more if a lagging chunk was re-requested
 
 
+@pytest.mark.slow
 def test_donor_with_unpublished_state_is_refused(make_node, loop):
     donor = make_node(name="d0")
     joiner = make_node(donor.visible_maddrs(), name="j")
@@ -59,6 +61,7 @@ def test_donor_with_unpublished_state_is_refused(make_node, loop):
         loop.run(download_state(p2p, "run", [donor.peer_id], {3: "0" * 64}, _state(0, seed=9), 10), 60)
 
 
+@pytest.mark.slow
 def test_donor_dying_mid_download_hands_its_chunks_to_the_others(make_node, loop):
     donors = [make_node(name="d0")]
     donors.append(make_node(donors[0].visible_maddrs(), name="d1"))
@@ -105,6 +108,7 @@ def _fetch(loop, joiner, donors, expected, timeout_s=30.0, reference=None, **kwa
     return result, time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("manifest", ["honest", "lying"])
 def test_nan_donor_first_among_three_honest_does_not_stop_the_first_download(make_node, loop, manifest):
     # the attacker is first in the donor list (the order decide_sync gives and the old code trusted)
@@ -141,6 +145,7 @@ def test_nan_donor_first_among_three_honest_does_not_stop_the_first_download(mak
         assert lie.fired >= 1 and bad.bytes_served == 0  # three donors outvote its manifest: never downloaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lie", ["finite", "nan"])
 def test_a_lying_manifest_is_refused_and_another_donors_is_used(make_node, loop, lie):
     # two sybils offer one false manifest for the published hash, so it is tried first (2 donors against 1)
@@ -163,6 +168,7 @@ def test_a_lying_manifest_is_refused_and_another_donors_is_used(make_node, loop,
         assert "NaN" in next(iter(result.bad_donors.values()))
 
 
+@pytest.mark.slow
 def test_a_dripping_donor_costs_about_one_chunk_not_a_network_timeout(make_node, loop):
     nodes = _swarm(make_node, loop, 4)
     donors, joiner = nodes[:3], nodes[3]
@@ -178,6 +184,7 @@ def test_a_dripping_donor_costs_about_one_chunk_not_a_network_timeout(make_node,
     assert result.bad_donors == {}  # slow is not malicious: dropped or outrun, never reported for a ban
 
 
+@pytest.mark.slow
 def test_a_donor_that_never_answers_the_manifest_request_holds_nobody_up(make_node, loop):
     nodes = _swarm(make_node, loop, 3)
     good = _state(3, seed=1)
@@ -189,6 +196,7 @@ def test_a_donor_that_never_answers_the_manifest_request_holds_nobody_up(make_no
     assert nodes[0].peer_id in result.dropped_donors and not result.bad_donors
 
 
+@pytest.mark.slow
 def test_a_joiner_with_stale_records_gets_the_previous_epoch(make_node, loop):
     donor, first, joiner = _swarm(make_node, loop, 3)
     states = {3: _state(3, seed=1), 4: _state(4, seed=2)}
@@ -201,6 +209,7 @@ def test_a_joiner_with_stale_records_gets_the_previous_epoch(make_node, loop):
     assert result.state.epoch == 3 and result.state.state_hash() == states[3].state_hash()
 
 
+@pytest.mark.slow
 def test_a_download_survives_the_donor_moving_two_epochs_ahead_mid_way(make_node, loop):
     donor, joiner = _swarm(make_node, loop, 2)
     states = [_state(e, seed=e) for e in (3, 4, 5)]
@@ -218,6 +227,7 @@ def test_a_download_survives_the_donor_moving_two_epochs_ahead_mid_way(make_node
     assert fault.fired == 1 and result.state.state_hash() == states[0].state_hash()
 
 
+@pytest.mark.slow
 def test_a_donor_at_its_downloader_cap_refuses_one_more_and_the_joiner_takes_the_others_chunks(make_node, loop):
     """``max_downloaders=1``: while one peer holds a chunk stream open, a second peer's chunk request is answered
     "busy" (its manifest still is); a joiner that finds that donor busy completes from the other holder, without
@@ -263,6 +273,7 @@ def test_snapshots_are_references_and_bounded():
     assert len(snapshots) == 3 and all(s.state is t for s, t in zip(snapshots, states[3:], strict=True))
 
 
+@pytest.mark.slow
 def test_a_state_modified_in_place_after_hashing_is_not_served(make_node, loop):
     nodes = _swarm(make_node, loop, 3)
     good = _state(3, seed=1)
@@ -281,6 +292,7 @@ def test_a_state_modified_in_place_after_hashing_is_not_served(make_node, loop):
     assert mutated.chunks_refused >= 1 and result.bad_donors == {}
 
 
+@pytest.mark.slow
 def test_a_long_download_logs_its_progress_with_rate_and_time_left(make_node, loop, monkeypatch, caplog):
     """Issue 26 item 3: a GB-sized state takes minutes; the joiner's log says how far it is (here every chunk)."""
     from hivetrain.diloco import state_fetch

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from hivetrain.testing.summary import read_events
 from tests.e2e.conftest import wait_for_event, write_config
 
@@ -19,6 +21,7 @@ def run(args, timeout_s=60):
     return proc, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_unreachable_bootstrap_exits_nonzero_quickly_naming_the_address():
     proc, elapsed = run([BOGUS, "--bootstrap-timeout", "10"])
     assert proc.returncode == 2
@@ -27,12 +30,14 @@ def test_unreachable_bootstrap_exits_nonzero_quickly_naming_the_address():
     assert elapsed < 30
 
 
+@pytest.mark.slow
 def test_invalid_config_value_is_refused_naming_the_field(tmp_path):
     config = write_config(tmp_path / "bad.toml", **{"diloco.inner_steps": -5})
     proc, _ = run(["--config", str(config)])
     assert proc.returncode == 2 and "diloco.inner_steps" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_data_path_is_refused(tmp_path):
     config = write_config(tmp_path / "run.toml", **{"data.paths": [str(tmp_path / "missing.txt")]})
     proc, _ = run(["--config", str(config)])
@@ -48,6 +53,7 @@ def _small_vocab_model(tmp_path):
     return str(tmp_path / "model" / "config.json")
 
 
+@pytest.mark.slow
 def test_an_empty_corpus_is_refused_in_one_line_naming_it(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     config = write_config(tmp_path / "run.toml", **{"data.paths": [str(tmp_path / "empty.txt")]})
@@ -56,6 +62,7 @@ def test_an_empty_corpus_is_refused_in_one_line_naming_it(tmp_path):
     assert f"no text in {tmp_path / 'empty.txt'}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_model_whose_vocabulary_is_smaller_than_the_tokenizers_is_refused_by_peer_and_coordinator(tmp_path):
     config = write_config(tmp_path / "run.toml", model=_small_vocab_model(tmp_path))
     proc, _ = run(["--config", str(config)], timeout_s=240)
@@ -72,6 +79,7 @@ def test_a_model_whose_vocabulary_is_smaller_than_the_tokenizers_is_refused_by_p
     assert "DHT node" not in coordinator.stderr  # refused before anything started
 
 
+@pytest.mark.slow
 def test_peer_with_different_model_is_refused_and_others_keep_training(local_swarm, tmp_path):
     swarm = local_swarm(**{"diloco.outer_steps": 3, "diloco.inner_steps": 20})
     honest = swarm.add_peer()

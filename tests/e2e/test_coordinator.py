@@ -44,6 +44,7 @@ def _dashboard_url(swarm) -> str:
     pytest.fail("the coordinator printed no dashboard URL")
 
 
+@pytest.mark.slow
 def test_dashboard_shows_the_running_swarm_in_a_browser(swarm, browser_page, tmp_path):  # noqa: F811
     for peer in swarm.peers:
         wait_for_event(peer, lambda e: e["event"] == "outer_step" and e["epoch"] >= 2, timeout_s=120)
@@ -66,6 +67,7 @@ def test_dashboard_shows_the_running_swarm_in_a_browser(swarm, browser_page, tmp
     assert errors == []
 
 
+@pytest.mark.slow
 def test_training_goes_on_with_the_coordinator_down_40s_and_it_catches_up(swarm):
     """Down past its record's 30 s TTL: the peers no longer see it at all, and keep training."""
     store = CheckpointStore(swarm.ckpt, keep_last=3)

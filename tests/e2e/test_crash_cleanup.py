@@ -4,11 +4,13 @@ import os
 import signal
 
 import psutil
+import pytest
 
 from hivetrain.testing.summary import read_events
 from tests.e2e.conftest import wait_for_event
 
 
+@pytest.mark.slow
 def test_sigkilled_peer_leaves_no_dht_process_or_p2pd(local_swarm):
     swarm = local_swarm(**{"diloco.outer_steps": 50, "diloco.inner_steps": 200})
     peer = swarm.add_peer()
@@ -21,6 +23,7 @@ def test_sigkilled_peer_leaves_no_dht_process_or_p2pd(local_swarm):
     assert not alive, f"orphans: {[(p.pid, p.name()) for p in alive]}"
 
 
+@pytest.mark.slow
 def test_peer_whose_p2pd_dies_never_commits_alone_and_exits(local_swarm):
     swarm = local_swarm(**{"diloco.outer_steps": 40, "diloco.inner_steps": 10})
     a = swarm.add_peer(["--dht-lost-timeout", "15"])

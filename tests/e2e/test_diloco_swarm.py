@@ -3,12 +3,15 @@
 import json
 from collections import Counter
 
+import pytest
+
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.checkpoint_format import MANIFEST_FILE
 from hivetrain.testing.summary import read_events
 from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, wait_for_event, write_config
 
 
+@pytest.mark.slow
 def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path, cpu_hogs):
     """The demo's run (``scripts/demo``: local-swarm, 3 peers) on the tiny model, beside 4 CPU hogs (issue 22)."""
     cpu_hogs(LOADED_HOGS)
@@ -52,6 +55,7 @@ def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path, 
     assert manifest["state_hash"] == next(iter(summary["state_hashes"]["3"].values()))
 
 
+@pytest.mark.slow
 def test_late_joiner_downloads_state_and_contributes_to_the_next_outer_step(local_swarm, cpu_hogs):
     cpu_hogs(LOADED_HOGS)  # issue 22: a late joiner on a loaded machine failed every round as "alone" for minutes
     # long enough that the first two are still training when the late joiner is up (groups close as soon as every
@@ -73,6 +77,7 @@ def test_late_joiner_downloads_state_and_contributes_to_the_next_outer_step(loca
     assert downloaded["state_hash"] == summaries[0]["state_hashes"][str(downloaded["epoch"])]
 
 
+@pytest.mark.slow
 def test_moshpit_swarm_averages_parameters_in_pairs_and_loss_falls(tmp_path):
     """Four peers, Moshpit groups of two on a 2x2 grid, one round per outer step: the groups average θ after local
     outer steps (momentum stays local), so peers hold different states that must not be taken for forks."""

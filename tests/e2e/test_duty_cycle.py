@@ -14,6 +14,7 @@ JOIN = [sys.executable, "-m", "hivetrain.cli.join_swarm"]
 LOCAL_SWARM = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "1.5"])
 def test_join_swarm_refuses_a_duty_cycle_outside_0_1(value, tmp_path):
     config = write_config(tmp_path / "run.toml")
@@ -27,6 +28,7 @@ def test_join_swarm_refuses_a_duty_cycle_outside_0_1(value, tmp_path):
     assert "--duty-cycle" in proc.stderr and "(0, 1]" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_local_swarm_wants_one_duty_cycle_per_peer(tmp_path):
     cmd = [*LOCAL_SWARM, "--peers", "3", "--duty-cycles", "1,0.5", "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -34,6 +36,7 @@ def test_local_swarm_wants_one_duty_cycle_per_peer(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_peers_at_duty_cycles_1_half_quarter_all_commit_every_outer_step(tmp_path, cpu_hogs):
     """Issue 11's acceptance: the 0.25 peer runs 4x slower than the 1.0 peer, yet its samples reach every committed
     outer step and nobody throws work away or downloads state for having been slow; beside 4 CPU hogs (issue 22)."""

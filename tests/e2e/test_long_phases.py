@@ -7,6 +7,8 @@ inner phase lasts longer than that.
 
 import json
 
+import pytest
+
 from hivetrain.testing.summary import read_events
 from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, write_config
 
@@ -22,6 +24,7 @@ def run_swarm(tmp_path, peers: int, extra: list[str], **overrides) -> tuple[dict
     return json.loads((out / "summary.json").read_text()), events
 
 
+@pytest.mark.slow
 def test_inner_phases_longer_than_the_lost_dht_timeout_keep_every_peer_in_every_epoch(tmp_path, cpu_hogs):
     cpu_hogs(LOADED_HOGS)  # issue 22: here two loaded peers never met for 5 minutes, then one outer step wrecked θ
     summary, events = run_swarm(
@@ -41,6 +44,7 @@ def test_inner_phases_longer_than_the_lost_dht_timeout_keep_every_peer_in_every_
         assert len(summary["state_hashes"][epoch]) == 2 and len(set(summary["state_hashes"][epoch].values())) == 1
 
 
+@pytest.mark.slow
 def test_overlapped_rounds_keep_every_peer_bit_identical_and_commit_every_sample(tmp_path, cpu_hogs):
     cpu_hogs(LOADED_HOGS)
     summary, events = run_swarm(

@@ -4,6 +4,8 @@ import json
 import socket
 import sys
 
+import pytest
+
 from hivetrain.testing.summary import read_events
 
 
@@ -13,6 +15,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_two_rank_node_and_a_single_peer_end_bit_identical(local_swarm):
     # min_group_size 2: no solo outer step while the node (torchrun, two imports) is still starting
     swarm = local_swarm(**{"diloco.outer_steps": 2, "averaging.min_group_size": 2})

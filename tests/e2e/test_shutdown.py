@@ -4,10 +4,12 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from tests.e2e.conftest import wait_for_event
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_quickly_without_orphan_p2pd(local_swarm):
     swarm = local_swarm(**{"diloco.outer_steps": 50, "diloco.inner_steps": 200})
     peer = swarm.add_peer()

@@ -28,6 +28,7 @@ async def _connected_peers(dht, node) -> list[str]:
     return [str(info.peer_id) for info in await node.protocol.p2p.list_peers()]
 
 
+@pytest.mark.slow
 def test_a_reused_identity_is_named_with_the_fix(make_node, tmp_path):
     boot = make_node()
     twin = make_node(boot.visible_maddrs(), name="twin")  # tmp_path/twin.key, live
@@ -48,6 +49,7 @@ def test_a_reused_identity_is_named_with_the_fix(make_node, tmp_path):
     assert "firewall" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_skewed_clock_is_named_with_the_fix(make_node, monkeypatch):
     boot = make_node()
     monkeypatch.setattr(hivemind.dht.protocol, "get_dht_time", lambda: time.time() + 120.0)
@@ -58,6 +60,7 @@ def test_a_skewed_clock_is_named_with_the_fix(make_node, monkeypatch):
     assert "120" in message and "ahead of" in message and "NTP" in message and "firewall" not in message
 
 
+@pytest.mark.slow
 def test_the_clock_offset_is_measured_against_neighbours(make_node, monkeypatch):
     a = make_node()
     monkeypatch.setattr(hivemind.dht.protocol, "get_dht_time", lambda: time.time() + 2.0)  # within hivemind's 3 s

@@ -4,12 +4,15 @@ start and ``guard_run``, and its swarm view counted the non-member until the rec
 
 import time
 
+import pytest
+
 from hivetrain.peers.membership import AdmissionPolicy, make_token
 from hivetrain.peers.records import fetch_records, peers_key, publish_record
 from tests.peers.guardless import guardless_node
 from tests.records import peer_record
 
 
+@pytest.mark.slow
 def test_guard_run_drops_the_non_member_records_the_node_already_holds(make_node, tmp_path):
     coordinator = make_node(name="coordinator")
     joiner = make_node(coordinator.visible_maddrs(), name="joiner")  # no guard yet: it has not read the policy

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from hivetrain.peers.identity import load_or_create_identity
 from hivetrain.peers.membership import AdmissionPolicy, make_token
 from hivetrain.peers.records import fetch_records, peers_key, publish_record
@@ -14,6 +16,7 @@ from tests.peers.guardless import guardless_node
 from tests.records import peer_record
 
 
+@pytest.mark.slow
 def test_a_non_members_record_is_dropped_by_every_honest_node(make_node, tmp_path):
     coordinator = make_node(name="coordinator")
     member = make_node(coordinator.visible_maddrs(), name="member")
@@ -49,6 +52,7 @@ def _join(tmp_path, *extra, timeout_s=90):
     return done.returncode, done.stderr, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_join_swarm_refuses_a_peer_without_a_valid_token_and_says_what_to_do(tmp_path):
     issuer = load_or_create_identity(tmp_path / "coordinator.key")
     volunteer = load_or_create_identity(tmp_path / "volunteer.key")
@@ -65,6 +69,7 @@ def test_join_swarm_refuses_a_peer_without_a_valid_token_and_says_what_to_do(tmp
     assert code == 3 and "the join token expired at" in err and "new one" in err, err
 
 
+@pytest.mark.slow
 def test_a_revoked_token_is_refused_at_every_honest_node_within_one_record_refresh(make_node):
     """Issue 28: a leaked token must stop working before it expires. The issuer's record carries its revocation list;
     each honest peer's view drops the revoked peer at the first read that carries it (one record refresh), and its

@@ -29,6 +29,7 @@ def test_identity_persists_and_signs_as_its_peer_id(tmp_path):
         load_or_create_identity(tmp_path / "bad.key")
 
 
+@pytest.mark.slow
 def test_node_keeps_its_peer_id_across_restarts(make_node, tmp_path):
     first = make_node(name="same")
     peer_id = first.peer_id
@@ -36,6 +37,7 @@ def test_node_keeps_its_peer_id_across_restarts(make_node, tmp_path):
     assert make_node(name="same").peer_id == peer_id
 
 
+@pytest.mark.slow
 def test_unreachable_bootstrap_fails_fast_with_addresses_named():
     bogus = "/ip4/127.0.0.1/tcp/9/p2p/QmZaPV7t8Ru4TUBX6qryUsdLzF6JuQCx8oH3c9xuuuBkGm"
     started = time.monotonic()
@@ -66,6 +68,7 @@ def _record(node, **kw):
     return PeerRecord(**fields)
 
 
+@pytest.mark.slow
 def test_records_are_signed_and_forgeries_dropped(make_node):
     a = make_node()
     b = make_node(a.visible_maddrs())
@@ -80,6 +83,7 @@ def test_records_are_signed_and_forgeries_dropped(make_node):
     assert [(r.peer_id, r.model_fingerprint) for r in records] == [(a.peer_id, "f")]
 
 
+@pytest.mark.slow
 def test_run_config_accepted_only_from_trusted_signer(make_node):
     coord = make_node()
     other = make_node(coord.visible_maddrs())

@@ -3,6 +3,8 @@ owner's later sane record is."""
 
 import time
 
+import pytest
+
 from hivetrain.peers.records import PeerRecord, fetch_records, peers_key, publish_record
 from tests.peers.guardless import guardless_node
 
@@ -20,6 +22,7 @@ def _record(peer_id: str, epoch: int) -> PeerRecord:
     )
 
 
+@pytest.mark.slow
 def test_a_hostile_record_is_dropped_by_every_honest_node(make_node, tmp_path):
     a = make_node()
     b = make_node(a.visible_maddrs())

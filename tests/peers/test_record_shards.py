@@ -89,6 +89,7 @@ def test_without_a_coordinator_the_deepest_level_where_another_trainer_lives_win
     assert probe_level({1: [peer_record("me", updated_at=now)]}, "me", now, 30.0) == 0  # only ourselves
 
 
+@pytest.mark.slow
 def test_trainers_follow_the_coordinators_level_see_each_other_and_cannot_fill_another_shard(make_node):
     coordinator = make_node()
     trainers = [make_node(coordinator.visible_maddrs()) for _ in range(3)]

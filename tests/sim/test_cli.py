@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hivetrain.cli.main import main
 
 REQUIRED = ("peers", "consensus_rounds", "utilization_mean", "committed_sample_share", "peak_dht_value_bytes", "wall_s")
@@ -45,6 +47,7 @@ def test_a_run_stopped_by_its_time_limit_still_writes_the_report_of_what_it_simu
     assert "stopped by --time-limit-s after 0 of" in err and "report.json" in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_run_and_writes_its_partial_report(tmp_path: Path) -> None:
     """The first SIGINT ends the run at its next tick: exit 130, report.json with ``stopped_by`` = "interrupted"."""
     scenario = Path(__file__).resolve().parents[2] / "scenarios/sim/dp-100.toml"
