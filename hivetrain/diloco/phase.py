@@ -71,6 +71,7 @@ class PhaseRunner:
         self._progress = (0, 0, 0.0)  # (phase epoch, samples so far, monotonic start)
         self._done = (0, 0)  # (epoch of our last ended phase, its samples)
         self._running = False
+        self._waiting = False  # between ``wait_for`` and the next ``begin``
         self.last_rate = 0.0  # samples per wall second of our last phase (sleeps included)
         self.eta_s = float("inf")  # the schedule's estimate of the seconds left in the swarm's phase
 
@@ -88,7 +89,7 @@ class PhaseRunner:
     def throughput(self) -> float:
         """Our effective samples per wall second, as published: 0 while paused, the last phase's rate between
         phases and until a few steps of the current one are measured."""
-        if self.duty.paused:
+        if self.duty.paused or self._waiting:
             return 0.0
         _, samples, started = self._progress
         if not self._running or samples < MIN_MEASURED_STEPS * self.samples_per_step:
@@ -108,6 +109,16 @@ class PhaseRunner:
         if self._done[0] == phase_epoch:  # another phase for the same round (after a failed one): it runs anew
             self._done = (0, 0)
         self._running = True
+        self._waiting = False
+
+    def wait_for(self, phase_epoch: int) -> None:
+        """Mark that our next phase will be for ``phase_epoch`` and that we compute nothing until it begins (the round
+        before it is under way without us: ``schedule.round_under_way``). The records published meanwhile show that
+        phase with 0 samples and a throughput of 0, so peers neither count us as computing for the round under way
+        nor extrapolate samples we do not compute."""
+        self._progress = (phase_epoch, 0, time.monotonic())
+        self._running = False
+        self._waiting = True
 
     def run(
         self,

@@ -37,7 +37,7 @@ from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.resync import Resync
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
-from hivetrain.diloco.schedule import PhasePlan
+from hivetrain.diloco.schedule import PhasePlan, round_under_way
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
 from hivetrain.diloco.swarm_view import SwarmView
@@ -96,6 +96,7 @@ class DilocoTrainer:
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         self._stop = threading.Event()
         self._left_reason = ""
+        self._waited_epoch = -1  # our epoch when we last waited out a round (``_wait_out_round``: once per epoch)
         self._exact_average = config.averaging.exact_average
         self._overlap = config.diloco.overlap if self._exact_average else "off"
         # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks. To the swarm's
@@ -297,10 +298,14 @@ class DilocoTrainer:
         try:
             while not self._stop.is_set() and not self._done():
                 self._check_dht()
+                if self._wait_out_round():
+                    continue  # a download now would fetch the state the round under way replaces
                 if not self.background.in_flight and not self.sync_state():
                     continue
                 if self._done():  # the download reached the run's last epoch: train no epoch past it
                     break
+                if self._wait_out_round():
+                    continue  # then download its result
                 phase = self.inner_phase()
                 if phase is None:
                     continue
@@ -502,6 +507,37 @@ class DilocoTrainer:
             and now - r.updated_at <= self.options.record_ttl_s
         ]
         return epoch + 1 if ahead else epoch
+
+    def _wait_out_round(self) -> bool:
+        """Without overlap and with nothing pending: if the round of the swarm's epoch (ours, or the newest a live
+        trainer holds when we are behind) is under way without us (``schedule.round_under_way``), wait until it is
+        over instead of computing a phase it would not take, or downloading a state it is about to replace; at most
+        ``averaging.round_timeout_s``, once per epoch of ours (a claim of being done only delays us). Returns whether
+        we waited: the loop then downloads the round's result if the records show it."""
+        if self._overlap != "off" or self._pending is not None or self.background.in_flight:
+            return False
+        mine = self.state.epoch
+        if self._waited_epoch == mine:
+            return False
+        records, now, ttl = self.view.records, get_dht_time(), self.options.record_ttl_s
+        live = [r.epoch for r in records if r.role == "trainer" and not r.left_reason and now - r.updated_at <= ttl]
+        epoch = max([mine, *live])
+        if not self._round_under_way(epoch, records):
+            return False
+        self._waited_epoch = mine
+        logger.info("epoch %d's round is under way without us: waiting for it, then training for the next", epoch)
+        self._emit("round_wait", round_epoch=epoch)
+        self.phases.wait_for(epoch + 1)
+        self.view.request_publish()
+        until = time.monotonic() + self.config.averaging.round_timeout_s
+        while not self._stop.wait(0.5) and time.monotonic() < until:
+            if not self._round_under_way(epoch, self.view.refresh()):
+                break
+            self._check_dht()
+        return True
+
+    def _round_under_way(self, epoch: int, records: Sequence[PeerRecord]) -> bool:
+        return round_under_way(self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s)
 
     def _catch_up(self, epoch: int) -> bool:
         """Wait (at most the matchmaking window plus a record interval) until peers publish ``epoch``, then download

@@ -13,6 +13,8 @@ Production functions called with simulated inputs (records, entries, time):
   groups, slices, and the rows and columns of the two-stage round;
 - ``diloco.sync_policy.decide_sync``, ``diloco.round_policy.may_commit_alone`` and ``decide_after_round``: downloads,
   solo commits, retries.
+- ``diloco.schedule.round_under_way``: a peer that holds state while its epoch's round is under way without it (a
+  joiner's download ended during the round) waits for that round, as the trainer does, instead of training for it.
 
 Where the simulation simplifies (each also said where it happens): decisions are taken on the tick grid; every peer
 reads the same DHT (the newest stored records: no propagation delay), except across a ``[partition]`` while it lasts
@@ -30,7 +32,7 @@ import numpy as np
 import simpy
 
 from hivetrain.diloco.round_policy import keep_carried
-from hivetrain.diloco.schedule import PhasePlan
+from hivetrain.diloco.schedule import PhasePlan, round_under_way
 from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
 from hivetrain.peers.record_shards import decide_shard_bits
 from hivetrain.sim import dht as simdht
@@ -41,7 +43,18 @@ from hivetrain.sim.partition import PartitionTracker, SideBoard
 from hivetrain.sim.peers import draw_peer
 from hivetrain.sim.rounds import RoundEngine
 from hivetrain.sim.schedule_model import aggregate_phase_ends, check_against_real, real_phase_ends
-from hivetrain.sim.swarm_state import ABSENT, AVERAGING, DOWNLOADING, READY, SYNCING, TRAINING, SwarmState
+from hivetrain.sim.swarm_state import (
+    ABSENT,
+    AVERAGING,
+    DOWNLOADING,
+    READY,
+    SYNCING,
+    TRAINING,
+    WAITING,
+    SwarmState,
+)
+
+GENESIS = "genesis"  # the state hash of θ₀ (every peer builds the same θ₀ from the run's seed)
 
 
 class DataParallelSim:
@@ -122,7 +135,8 @@ class DataParallelSim:
         self.board.publish_many(
             slots, ids, hashes, epoch=st.i["epoch"][slots], phase_epoch=st.i["phase_epoch"][slots],
             phase_samples=steps * B + np.where(training, st.f["carried_samples"][slots], 0),
-            throughput=st.f["samples_per_s"][slots], done_epoch=st.i["done_epoch"][slots],
+            throughput=np.where(st.i["status"][slots] == WAITING, 0.0, st.f["samples_per_s"][slots]),
+            done_epoch=st.i["done_epoch"][slots],
             done_samples=st.i["done_samples"][slots], updated_at=np.full(len(slots), now),
         )  # fmt: skip
         self.next_publish[slots] += self.sc.schedule.record_interval_s
@@ -207,6 +221,7 @@ class DataParallelSim:
             self.board.expire(now, self.sc.schedule.record_ttl_s)
             self.views = self.partition.views(self.board, now)
             self._first_views(now)
+            self._waiting(now)
             self._schedule(now)
             self.rounds.announce_retries(now)
             self.rounds.poll(now)
@@ -242,12 +257,74 @@ class DataParallelSim:
             d = decide_sync(st.peer_ids[first], 0, "", self.records_for(first), now, self.sc.schedule.record_ttl_s,
                             self.exact, trust=self.trust)  # fmt: skip
             self.metrics.count("decide_sync." + d.action)
+            if d.action == "download" and d.donors:  # not while the round under way replaces that state
+                waited = self._round_to_wait_for(first, 0, now)
+                if waited is not None:
+                    self._wait(side_due, waited, now)
+                    continue
             for slot in side_due:
                 if d.action == "download" and d.donors:
                     self.env.process(self._download(int(slot), d.target_epoch, d.donors))
-                else:
-                    st.start_phase(int(slot), 0, now)
+                else:  # no state to download: it trains from θ₀, which the run's seed makes the same everywhere
+                    st.state_hash[int(slot)] = GENESIS
+                    self.begin_phase(int(slot), 0, now)
                     self.partition.on_fresh_model(int(slot), now)
+
+    # ---- peers whose epoch's round is under way without them ------------------------------------------------------
+    def begin_phase(self, slot: int, epoch: int, now: float) -> None:
+        """``slot`` holds the state of ``epoch`` and nothing carried (after a download, or θ₀): it starts its phase
+        for ``epoch``, or waits while a round is under way without it (``_round_to_wait_for``)."""
+        waited = self._round_to_wait_for(slot, epoch, now)
+        if waited is None:
+            self.state.start_phase(slot, epoch, now)
+        else:
+            self._wait(np.array([slot]), waited, now)
+
+    def _round_to_wait_for(self, slot: int, epoch: int, now: float) -> int | None:
+        """As ``DilocoTrainer._wait_out_round``: the epoch whose round ``slot`` waits for before it trains or
+        downloads, the newest a live trainer holds (or ours, ``epoch``, if newer), if that round is under way
+        without it (``round_under_way``); else None."""
+        records, ttl = self.records_for(slot), self.sc.schedule.record_ttl_s
+        newest = max((r.epoch for r in records if now - r.updated_at <= ttl and not r.left_reason), default=epoch)
+        top = max(epoch, newest)
+        return top if round_under_way(self.state.peer_ids[slot], top, records, now, ttl) else None
+
+    def _wait(self, slots: np.ndarray, round_epoch: int, now: float) -> None:
+        """``slots`` wait for ``round_epoch``'s round, showing the next epoch's phase with 0 samples and 0 throughput,
+        at most ``round_timeout_s`` (``_waiting`` ends it)."""
+        st = self.state
+        st.i["status"][slots] = WAITING
+        st.i["phase_epoch"][slots] = round_epoch + 1
+        st.f["phase_start"][slots] = now + self.sc.averaging.round_timeout_s  # the trainer waits at most this long
+        self.metrics.count("round_wait", len(slots))
+        self.publish_now(slots, now)
+
+    def _waiting(self, now: float) -> None:
+        """Waiting slots whose round is over (or whose wait reached its bound) download its result if
+        ``decide_sync`` says so, else start their phase for the epoch they hold (the round failed: the others
+        compute for it again; a joiner holding nothing starts from θ₀). One ``round_under_way`` call per (round,
+        side): a waiting peer's own record counts neither way; one ``decide_sync`` per held epoch and state, which
+        differ in the caller's own record only."""
+        st = self.state
+        waiting = st.with_status(WAITING)
+        for part in self._by_side(waiting) if len(waiting) else ():
+            rounds = st.i["phase_epoch"][part] - 1
+            for round_epoch in np.unique(rounds).tolist():
+                slots = part[rounds == round_epoch]
+                first = int(slots[0])
+                over = not round_under_way(st.peer_ids[first], round_epoch, self.records_for(first), now,
+                                           self.sc.schedule.record_ttl_s)  # fmt: skip
+                going = slots if over else slots[st.f["phase_start"][slots] <= now]
+                by_state: dict[tuple[int, str], list[int]] = {}
+                for slot in going.tolist():
+                    by_state.setdefault((int(st.i["epoch"][slot]), st.state_hash[slot]), []).append(slot)
+                for (epoch, state_hash), group in by_state.items():
+                    if self.sync_or_download(group, epoch, state_hash, now):
+                        continue
+                    for slot in group:
+                        if not state_hash:  # a joiner with nothing to download: θ₀, as ``_first_views`` starts it
+                            st.state_hash[slot] = GENESIS
+                        st.start_phase(slot, epoch, now)
 
     # ---- partition (``sim.partition``) ------------------------------------------------------------------------------
     def records_for(self, slot: int) -> list:
@@ -342,7 +419,7 @@ class DataParallelSim:
         st.theta[slot], st.state_hash[slot], st.i["epoch"][slot] = theta, hash_, src_epoch
         st.f["carried_samples"][slot] = 0
         st.i["carried_phases"][slot] = 0
-        st.start_phase(slot, src_epoch, self.env.now)
+        self.begin_phase(slot, src_epoch, self.env.now)
         self.partition.on_download(slot, source, self.env.now)
         self.publish_now(np.array([slot]), self.env.now)
 
@@ -428,7 +505,7 @@ class DataParallelSim:
         for _ in range(self.sc.sim.num_peers):
             slot = self._new_peer(TRAINING)
             self.state.start_phase(slot, 0, 0.0)
-            self.state.state_hash[slot] = "genesis"
+            self.state.state_hash[slot] = GENESIS
         # a trainer publishes its record as its first phase begins: a group that closes "complete" on the records it
         # sees must not miss a starting peer whose first heartbeat is still due (it would be "late")
         self.publish_now(self.state.alive(), 0.0)

@@ -3,7 +3,9 @@
 A slot is never reused (a peer that leaves and comes back is a new peer, as a restarted trainer with a fresh identity
 would be). Statuses: ABSENT (left or not yet joined), SYNCING (joined, waiting for its first view of the swarm),
 DOWNLOADING (fetching state), TRAINING (in an inner phase), READY (phase ended, announced for matchmaking),
-AVERAGING (in an all-reduce). Units: seconds, samples, bytes.
+AVERAGING (in an all-reduce), WAITING (holding state while its epoch's round is under way without it,
+``diloco.schedule.round_under_way``: it trains for the next epoch once that round is over).
+Units: seconds, samples, bytes.
 
 The stand-in model: each peer holds θ (``vector_size`` float64) and, at the end of a phase, a pseudo-gradient
 Δ = samples x ``STEP_SCALE`` x (g + b_p + ε), with g common to all peers, b_p the peer's data bias and ε fresh noise:
@@ -16,7 +18,7 @@ import numpy as np
 
 from hivetrain.sim.peers import PeerDraw
 
-ABSENT, SYNCING, DOWNLOADING, TRAINING, READY, AVERAGING = range(6)
+ABSENT, SYNCING, DOWNLOADING, TRAINING, READY, AVERAGING, WAITING = range(7)
 STEP_SCALE = 1e-4  # Δ per sample, relative to |θ₀| ~ 3 sqrt(D)
 
 

@@ -1,6 +1,6 @@
 """The swarm's schedule (pure): when a peer ends its inner phase, from the progress others publish."""
 
-from hivetrain.diloco.schedule import PhasePlan, decide_phase_end
+from hivetrain.diloco.schedule import PhasePlan, decide_phase_end, round_under_way
 from tests.records import peer_record
 
 NOW = 1000.0
@@ -168,3 +168,40 @@ def test_a_sample_of_a_sharded_swarm_stands_for_the_whole_swarm():
     # without the scale the sample would look like half the swarm: an explicit target then ends far too late
     blind = decide_phase_end(plan, "me", 3, 30, 3.0, everyone[::2], NOW)
     assert blind.num_peers == 11 and blind.eta_s > 2 * full.eta_s
+
+
+def _at(peer, epoch, done_epoch=0, done_samples=0, age=0.0, paused=False, role="trainer", phase_epoch=None):
+    phase_epoch = epoch if phase_epoch is None else phase_epoch
+    r = peer_record(peer, epoch, NOW - age, role=role, phase_epoch=phase_epoch, paused=paused)
+    return r.model_copy(update={"done_epoch": done_epoch, "done_samples": done_samples})
+
+
+def test_a_round_is_under_way_without_us_once_most_trainers_at_our_epoch_ended_their_phase_for_it():
+    done = [_at("a", 3, 3, 80), _at("b", 3, 3, 40)]
+    assert round_under_way("me", 3, done, NOW, 30.0)
+    # a straggler still computing for epoch 3 (its last phase ended at epoch 2) is itself late: it holds nobody back
+    assert round_under_way("me", 3, [*done, _at("c", 3, 2, 80)], NOW, 30.0)
+    # but while as many still compute for it as ended (or more), the epoch's group is not formed yet
+    assert not round_under_way("me", 3, [*done, _at("c", 3, 2, 80), _at("d", 3, 2, 80)], NOW, 30.0)
+    # a peer that committed epoch 2 and is about to start its phase for 3 computes for it
+    assert not round_under_way("me", 3, [_at("a", 3, 3, 80), _at("c", 3)], NOW, 30.0)
+    # a peer at epoch 3 whose phase is for epoch 4 (waiting out this round too, or overlapping it) does not compute
+    # for 3: two joiners waiting side by side must not hold each other back
+    assert round_under_way("me", 3, [*done, _at("other joiner", 3, phase_epoch=4)], NOW, 30.0)
+    assert not round_under_way("me", 3, [_at("other joiner", 3, phase_epoch=4)], NOW, 30.0)
+
+
+def test_no_round_is_under_way_with_nobody_else_at_our_epoch():
+    assert not round_under_way("me", 3, [], NOW, 30.0)
+    # others at another epoch (ahead: we download; behind: they download) and our own record do not count
+    assert not round_under_way("me", 3, [_at("a", 4, 3, 80), _at("b", 2, 2, 80)], NOW, 30.0)
+    assert not round_under_way("me", 3, [_at("me", 3, 3, 80)], NOW, 30.0)
+
+
+def test_stale_paused_and_non_trainer_records_do_not_count_either_way():
+    done = [_at("a", 3, 3, 80)]
+    # a stale record of a peer still training, a paused peer, the coordinator: none of them holds the round back
+    others = [_at("old", 3, 2, 80, age=31.0), _at("paused", 3, 2, 80, paused=True), _at("coord", 3, role="coordinator")]
+    assert round_under_way("me", 3, done + others, NOW, 30.0)
+    # and alone they make no round
+    assert not round_under_way("me", 3, others, NOW, 30.0)

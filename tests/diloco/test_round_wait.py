@@ -1,0 +1,82 @@
+"""A peer whose epoch's round is under way without it waits for that round instead of computing a phase the round
+cannot take (``DilocoTrainer._wait_out_round``, issue 23: joiners arriving during a round dropped their first phase)."""
+
+import threading
+from types import SimpleNamespace
+
+from hivemind.utils import get_dht_time
+
+from hivetrain.diloco.trainer import DilocoTrainer
+from tests.records import peer_record
+
+
+def _rec(peer: str, epoch: int, done_epoch: int) -> object:
+    r = peer_record(peer, epoch, get_dht_time(), phase_epoch=epoch)
+    return r.model_copy(update={"done_epoch": done_epoch, "done_samples": 80 if done_epoch == epoch else 0})
+
+
+def _trainer(records: list, later: list, *, overlap: str = "off", pending=None) -> SimpleNamespace:
+    """A trainer at epoch 3 whose view shows ``records`` first, then ``later`` from the second refresh on."""
+    reads = iter([records] + [later] * 1000)
+    t = SimpleNamespace(
+        state=SimpleNamespace(epoch=3),
+        node=SimpleNamespace(peer_id="me"),
+        options=SimpleNamespace(record_ttl_s=30.0),
+        config=SimpleNamespace(averaging=SimpleNamespace(round_timeout_s=20.0)),
+        _overlap=overlap,
+        _pending=pending,
+        _waited_epoch=-1,
+        _stop=threading.Event(),
+        background=SimpleNamespace(in_flight=False),
+        events=[],
+        waiting_for=[],
+        checks=[],
+    )
+    t.view = SimpleNamespace(records=records, refresh=lambda: next(reads), request_publish=lambda: None)
+    t._emit = lambda event, **fields: t.events.append(event)
+    t.phases = SimpleNamespace(wait_for=t.waiting_for.append)
+    t._check_dht = lambda: t.checks.append(1)
+    t._round_under_way = lambda epoch, recs: DilocoTrainer._round_under_way(t, epoch, recs)
+    return t
+
+
+def test_a_peer_waits_while_its_epochs_round_is_under_way_then_once_it_is_over_goes_on():
+    under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
+    committed = [_rec("a", 4, 3), _rec("b", 4, 3)]  # the round committed: they hold epoch 4
+    t = _trainer(under_way, committed)
+    assert DilocoTrainer._wait_out_round(t) is True
+    assert t.events == ["round_wait"] and t.waiting_for == [4]  # it shows epoch 4's phase, computing nothing yet
+    # once per epoch: back at epoch 3 (the download has not happened yet), it trains rather than wait again
+    t.view.records = under_way
+    assert DilocoTrainer._wait_out_round(t) is False and t.events == ["round_wait"]
+
+
+def test_a_peer_behind_waits_for_the_round_of_the_newest_epoch_before_downloading_it():
+    # a joiner still at epoch 0: the swarm's epoch 3 round is under way, so its state is about to be replaced
+    under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
+    t = _trainer(under_way, [_rec("a", 4, 3), _rec("b", 4, 3)])
+    t.state.epoch = 0
+    assert DilocoTrainer._wait_out_round(t) is True and t.waiting_for == [4]
+    # while they still compute for epoch 3 it downloads at once
+    computing = [_rec("a", 3, 2), _rec("b", 3, 2)]
+    t = _trainer(computing, computing)
+    t.state.epoch = 0
+    assert DilocoTrainer._wait_out_round(t) is False
+
+
+def test_the_wait_is_bounded_by_the_round_timeout():
+    under_way = [_rec("a", 3, 3)]
+    t = _trainer(under_way, under_way)
+    t.config.averaging.round_timeout_s = 1.2
+    DilocoTrainer._wait_out_round(t)
+    assert 1 <= len(t.checks) <= 3  # ~2 looks at 0.5 s intervals, then it stops waiting
+
+
+def test_no_wait_while_others_compute_for_our_epoch_with_overlap_or_with_a_contribution_pending():
+    computing = [_rec("a", 3, 2), _rec("b", 3, 2)]  # they committed epoch 2 and compute for 3
+    assert DilocoTrainer._wait_out_round(_trainer(computing, computing)) is False
+    under_way = [_rec("a", 3, 3)]
+    # with overlap our phase is for epoch 4 already (``_phase_epoch``); with a pending contribution for epoch 3, the
+    # round policy decides (retry, carry or resync) and the phase adds to it
+    assert DilocoTrainer._wait_out_round(_trainer(under_way, under_way, overlap="eager")) is False
+    assert DilocoTrainer._wait_out_round(_trainer(under_way, under_way, pending=object())) is False
