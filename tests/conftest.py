@@ -123,12 +123,3 @@ def pytest_runtest_makereport(item, call):
             f"{item.nodeid} started {len(_started)} process(es) ({shown}) but is not marked slow: add "
             "@pytest.mark.slow (the fast lane, ./scripts/test --fast, runs no process-starting test)"
         )
-
-
-def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (``./scripts/test`` runs the full suite on several workers), tests that start CPU hogs of their
-    own run one after another on one worker: two of them at once would put 8 busy loops on a 2-core machine, a load
-    their time bounds were not measured for."""
-    for item in items:
-        if "cpu_hogs" in getattr(item, "fixturenames", ()) or "cpu-starve" in item.nodeid:
-            item.add_marker(pytest.mark.xdist_group("cpu-hogs"))
