@@ -48,6 +48,7 @@ def probe(argv: list[str]) -> dict:
         ["sim", "--help"],
         ["chaos", "--help"],
         ["identity", "--help"],
+        ["status", "--help"],
         ["generate", "--help"],
         ["export", "--help"],
     ],

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "join-swarm": ("hivetrain.cli.join_swarm:main", "join a run and train (same as the join-swarm command)"),
     "chaos": ("hivetrain.cli.chaos:main", "run fault-injection scenarios against a local swarm (chaos run/list)"),
     "sim": ("hivetrain.cli.sim:main", "simulate a swarm of N volunteers on this machine (discrete events)"),
+    "status": ("hivetrain.cli.status:main", "a run's live view without joining it: epoch, trainers, speeds, failures"),
     "identity": ("hivetrain.cli.identity:main", "print this peer's ID (to be invited to an invite-only run)"),
     "export": ("hivetrain.coordinator.export:run_export", "write a checkpoint as a transformers model directory"),
     "generate": ("hivetrain.cli.generate:main", "continue a prompt with an exported model directory"),
