@@ -1,7 +1,7 @@
 """``hivetrain status ADDRESS...``: a run's live view without joining it (is the network up, who trains, how fast).
 
 It starts a client-mode DHT node (no incoming connections, nothing published), reads the run config the first
-address's peer signed (the coordinator's, as ``join-swarm`` does) and every peer record of the run (the level-0 key
+addresses' peers signed (the coordinator's, as ``join-swarm`` does) and every peer record of the run (the level-0 key
 and every shard, as the coordinator's dashboard reads them), and prints the figures the dashboard shows from one poll
 of those records (``coordinator.observer.SwarmObserver``): run id, model, epoch, live trainers and their speeds,
 their recent failed rounds, whether admission is open. ``--json`` prints the dashboard's ``/api/status`` body from
@@ -11,8 +11,9 @@ What one poll cannot show: the loss curve and round history the coordinator fold
 dashboard has them; the coordinator's record shows the epoch it holds, which it checkpoints when it has a
 ``--checkpoint-dir``).
 
-Exit codes: 0, or 2 with one ``error:`` line (an address that is not a multiaddr, no peer reachable, no run config
-signed by the first address's peer within ``--timeout`` seconds).
+Exit codes: 0; 2 with one ``error:`` line (an address that is not a multiaddr, no peer reachable, no run config
+signed by one of the addresses' peers within ``--timeout`` seconds, a run config this version cannot read); 4 with one
+``error:`` line if the DHT fails mid-read.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import sys
 import time
 
-from hivetrain.cli.common import EXIT_BAD_INPUT, EXIT_OK, fail
+from hivetrain.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, fail
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         body = read_status(node, args.addresses, args.timeout)
     except ValueError as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
+    except Exception as exc:  # noqa: BLE001 - a DHT failure mid-read: one line, not a traceback
+        return fail(f"could not read the run's records: {exc!r} (try again, or another address)", EXIT_FAILED)
     finally:
         node.shutdown()
     print(json.dumps(body, indent=2) if args.json else render(body), flush=True)
@@ -65,8 +68,10 @@ def read_status(node, addresses: list[str], timeout_s: float) -> dict:
     """The run's status from one poll of its records, as a JSON-able dict (the dashboard's ``/api/status`` body).
 
     Raises:
-        ValueError: no run config signed by the first address's peer appeared within ``timeout_s`` seconds.
+        ValueError: no run config signed by one of the addresses' peers appeared within ``timeout_s`` seconds, or it
+            is not one this hivetrain can read (another major.minor version).
     """
+    from hivetrain import __version__
     from hivetrain.config import RunConfig
     from hivetrain.coordinator.dashboard import DashboardConfig
     from hivetrain.coordinator.observer import SwarmObserver
@@ -74,7 +79,7 @@ def read_status(node, addresses: list[str], timeout_s: float) -> dict:
     from hivetrain.model import public_model_name
     from hivetrain.peers.node import trusted_ids
     from hivetrain.peers.record_shards import fetch_swarm
-    from hivetrain.peers.records import fetch_records, fetch_run_config
+    from hivetrain.peers.records import fetch_records, fetch_run_config, versions_compatible
 
     trusted = trusted_ids(tuple(addresses))
     deadline = time.monotonic() + timeout_s
@@ -84,10 +89,14 @@ def read_status(node, addresses: list[str], timeout_s: float) -> dict:
         record = fetch_run_config(node.dht, trusted)
     if record is None:
         raise ValueError(
-            f"no run config signed by {', '.join(sorted(trusted))} appeared within {timeout_s:g}s: is the first "
-            "address the run's coordinator? (its log prints it: 'volunteers join with: join-swarm ...')"
+            f"no run config signed by {', '.join(sorted(trusted))} appeared within {timeout_s:g}s: is it the run's "
+            "coordinator's address? (its log prints it after 'Volunteers join with:')"
         )
-    config = RunConfig.from_dict(record.run_config)
+    ok, reason = versions_compatible(__version__, record.version)
+    try:
+        config = RunConfig.from_dict(record.run_config)
+    except ValueError as exc:
+        raise ValueError(f"the coordinator's run config does not load here ({reason}): {exc}") from None
     level0 = fetch_records(node.dht, config.run_id)
     bits = {r.record_shard_bits for r in level0 if r.peer_id == record.coordinator_id} or {0}
     records = fetch_swarm(node.dht, config.run_id, bits)
@@ -107,6 +116,8 @@ def read_status(node, addresses: list[str], timeout_s: float) -> dict:
         admission=config.admission.mode,
         coordinator=record.coordinator_id,
         run_started_at=record.run_started_at,
+        coordinator_version=record.version,
+        compatible=ok,
     )
     return body
 
@@ -118,7 +129,7 @@ def render(body: dict) -> str:
     speeds = sum(p["throughput_samples_per_s"] for p in trainers)
     lines = [
         f"run {run['run_id']}: model {run['model_preset']}, epoch {body['epoch']}, admission {body['admission']}",
-        f"coordinator {body['coordinator']}",
+        f"coordinator {body['coordinator']} (hivetrain {body['coordinator_version']})",
         f"{len(trainers)} trainer(s), {speeds:.1f} samples/s in all ({body['tokens_per_s']:.0f} tokens/s)",
     ]
     for p in trainers:
@@ -133,6 +144,8 @@ def render(body: dict) -> str:
         lines += [f"  epoch {r['epoch']}: {r['reason']}" for r in failed[:5]]
     if body["latest_eval_loss"] is not None:
         lines.append(f"eval loss {body['latest_eval_loss']:.3f}")
+    if not body["compatible"]:
+        lines.append(f"this hivetrain cannot join it: install hivetrain {body['coordinator_version']}")
     return "\n".join(lines)
 
 
