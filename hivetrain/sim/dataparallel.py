@@ -32,8 +32,8 @@ import numpy as np
 import simpy
 
 from hivetrain.diloco.round_policy import keep_carried
-from hivetrain.diloco.schedule import PhasePlan, round_under_way
-from hivetrain.diloco.sync_policy import SyncTrust, decide_sync
+from hivetrain.diloco.schedule import PhasePlan
+from hivetrain.diloco.sync_policy import SyncTrust
 from hivetrain.peers.record_shards import decide_shard_bits
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.config import Scenario
@@ -43,6 +43,7 @@ from hivetrain.sim.partition import PartitionTracker, SideBoard
 from hivetrain.sim.peers import draw_peer
 from hivetrain.sim.rounds import RoundEngine
 from hivetrain.sim.schedule_model import aggregate_phase_ends, check_against_real, real_phase_ends
+from hivetrain.sim.state_sync import GENESIS, StateSync
 from hivetrain.sim.swarm_state import (
     ABSENT,
     AVERAGING,
@@ -53,8 +54,6 @@ from hivetrain.sim.swarm_state import (
     WAITING,
     SwarmState,
 )
-
-GENESIS = "genesis"  # the state hash of θ₀ (every peer builds the same θ₀ from the run's seed)
 
 
 class DataParallelSim:
@@ -80,6 +79,7 @@ class DataParallelSim:
         self.exact = scenario.averaging.exact_average
         self.trust = SyncTrust()  # what a trainer weighs records with (``diloco.evidence``: the default quorum rule)
         self.rounds = RoundEngine(self)
+        self.sync = StateSync(self)
         self.partition = PartitionTracker(scenario.partition, scenario.sim.seed)
         self.views: dict[int, SideBoard] | None = None  # each side's view of the board while split, else None
         self.next_publish = np.zeros(self.state.capacity)
@@ -180,7 +180,7 @@ class DataParallelSim:
             by_view.setdefault(self.rounds.shared.commit_key(slot, now, free), []).append(slot)
         downloading: set[int] = set()
         for group in by_view.values():
-            if self.sync_or_download(group, epoch, self.state.state_hash[group[0]], now, top=free is not None):
+            if self.sync.sync_or_download(group, epoch, self.state.state_hash[group[0]], now, top=free is not None):
                 downloading.update(group)
                 self.metrics.samples_discarded += float(self.state.f["weight"][group].sum())  # the round just applied
         self.publish_now(slots, now)
@@ -220,8 +220,8 @@ class DataParallelSim:
                 self._publish(publishing, now)
             self.board.expire(now, self.sc.schedule.record_ttl_s)
             self.views = self.partition.views(self.board, now)
-            self._first_views(now)
-            self._waiting(now)
+            self.sync.first_views(now)
+            self.sync.waiting(now)
             self._schedule(now)
             self.rounds.announce_retries(now)
             self.rounds.poll(now)
@@ -243,89 +243,6 @@ class DataParallelSim:
                 break
             yield self.env.timeout(tick_s)
 
-    # ---- joiners -------------------------------------------------------------------------------------------------
-    def _first_views(self, now: float) -> None:
-        """Joiners whose first heartbeat read is due decide whether to download state (``decide_sync``)."""
-        st = self.state
-        syncing = st.with_status(SYNCING)
-        due = syncing[self.next_publish[syncing] <= now + self.sc.sim.tick_s]
-        if len(due) == 0:
-            return
-        for side_due in self._by_side(due):
-            # a joiner holds no state (epoch 0, no hash) and has no record yet: the inputs differ only in its own id
-            first = int(side_due[0])
-            d = decide_sync(st.peer_ids[first], 0, "", self.records_for(first), now, self.sc.schedule.record_ttl_s,
-                            self.exact, trust=self.trust)  # fmt: skip
-            self.metrics.count("decide_sync." + d.action)
-            if d.action == "download" and d.donors:  # not while the round under way replaces that state
-                waited = self._round_to_wait_for(first, 0, now)
-                if waited is not None:
-                    self._wait(side_due, waited, now)
-                    continue
-            for slot in side_due:
-                if d.action == "download" and d.donors:
-                    self.env.process(self._download(int(slot), d.target_epoch, d.donors))
-                else:  # no state to download: it trains from θ₀, which the run's seed makes the same everywhere
-                    st.state_hash[int(slot)] = GENESIS
-                    self.begin_phase(int(slot), 0, now)
-                    self.partition.on_fresh_model(int(slot), now)
-
-    # ---- peers whose epoch's round is under way without them ------------------------------------------------------
-    def begin_phase(self, slot: int, epoch: int, now: float) -> None:
-        """``slot`` holds the state of ``epoch`` and nothing carried (after a download, or θ₀): it starts its phase
-        for ``epoch``, or waits while a round is under way without it (``_round_to_wait_for``)."""
-        waited = self._round_to_wait_for(slot, epoch, now)
-        if waited is None:
-            self.state.start_phase(slot, epoch, now)
-        else:
-            self._wait(np.array([slot]), waited, now)
-
-    def _round_to_wait_for(self, slot: int, epoch: int, now: float) -> int | None:
-        """As ``DilocoTrainer._wait_out_round``: the epoch whose round ``slot`` waits for before it trains or
-        downloads, the newest a live trainer holds (or ours, ``epoch``, if newer), if that round is under way
-        without it (``round_under_way``); else None."""
-        records, ttl = self.records_for(slot), self.sc.schedule.record_ttl_s
-        newest = max((r.epoch for r in records if now - r.updated_at <= ttl and not r.left_reason), default=epoch)
-        top = max(epoch, newest)
-        return top if round_under_way(self.state.peer_ids[slot], top, records, now, ttl) else None
-
-    def _wait(self, slots: np.ndarray, round_epoch: int, now: float) -> None:
-        """``slots`` wait for ``round_epoch``'s round, showing the next epoch's phase with 0 samples and 0 throughput,
-        at most ``round_timeout_s`` (``_waiting`` ends it)."""
-        st = self.state
-        st.i["status"][slots] = WAITING
-        st.i["phase_epoch"][slots] = round_epoch + 1
-        st.f["phase_start"][slots] = now + self.sc.averaging.round_timeout_s  # the trainer waits at most this long
-        self.metrics.count("round_wait", len(slots))
-        self.publish_now(slots, now)
-
-    def _waiting(self, now: float) -> None:
-        """Waiting slots whose round is over (or whose wait reached its bound) download its result if
-        ``decide_sync`` says so, else start their phase for the epoch they hold (the round failed: the others
-        compute for it again; a joiner holding nothing starts from θ₀). One ``round_under_way`` call per (round,
-        side): a waiting peer's own record counts neither way; one ``decide_sync`` per held epoch and state, which
-        differ in the caller's own record only."""
-        st = self.state
-        waiting = st.with_status(WAITING)
-        for part in self._by_side(waiting) if len(waiting) else ():
-            rounds = st.i["phase_epoch"][part] - 1
-            for round_epoch in np.unique(rounds).tolist():
-                slots = part[rounds == round_epoch]
-                first = int(slots[0])
-                over = not round_under_way(st.peer_ids[first], round_epoch, self.records_for(first), now,
-                                           self.sc.schedule.record_ttl_s)  # fmt: skip
-                going = slots if over else slots[st.f["phase_start"][slots] <= now]
-                by_state: dict[tuple[int, str], list[int]] = {}
-                for slot in going.tolist():
-                    by_state.setdefault((int(st.i["epoch"][slot]), st.state_hash[slot]), []).append(slot)
-                for (epoch, state_hash), group in by_state.items():
-                    if self.sync_or_download(group, epoch, state_hash, now):
-                        continue
-                    for slot in group:
-                        if not state_hash:  # a joiner with nothing to download: θ₀, as ``_first_views`` starts it
-                            st.state_hash[slot] = GENESIS
-                        st.start_phase(slot, epoch, now)
-
     # ---- partition (``sim.partition``) ------------------------------------------------------------------------------
     def records_for(self, slot: int) -> list:
         """The records ``slot`` reads from the DHT: everyone's, or its side's while the network is split."""
@@ -334,7 +251,7 @@ class DataParallelSim:
     def board_for(self, slot: int) -> simdht.RecordBoard | SideBoard:
         return self.board if self.views is None else self.views[int(self.partition.side[slot])]
 
-    def _by_side(self, slots: np.ndarray) -> list[np.ndarray]:
+    def by_side(self, slots: np.ndarray) -> list[np.ndarray]:
         """``slots`` split by side while the network is split (non-empty parts only), else ``[slots]``."""
         if self.views is None:
             return [slots]
@@ -351,77 +268,6 @@ class DataParallelSim:
         held = alive[holding]
         drift = relative_deviation(st.theta[held]) if len(held) >= 2 else 0.0
         self.partition.sample(now, alive, holding, st.i["epoch"][alive], drift)
-
-    def sync_or_download(self, slots: list[int], epoch: int, state_hash: str, now: float, top: bool = False) -> bool:
-        """Peers at ``epoch`` with state ``state_hash`` (after a failed round, or a commit): download if ``decide_sync``
-        says so. ``top``: reuse the answer of an earlier call under ``SharedCalls.top_key`` when there is one."""
-        d = self.sync_decision(slots, epoch, state_hash, now, self.rounds.shared.top_key(epoch, now) if top else None)
-        self.metrics.count("decide_sync." + d.action)
-        if d.action != "download" or not d.donors:
-            return False
-        for slot in slots:
-            self.env.process(self._download(slot, d.target_epoch, d.donors))
-        return True
-
-    def sync_decision(self, slots: list[int], epoch: int, state_hash: str, now: float, key: tuple | None = None):
-        """``decide_sync`` for ``slots`` (one call stands for them: ``sim.sharing``), or the answer cached under
-        ``key``."""
-        tops = self.rounds.shared.tops
-        if key is not None and key in tops:
-            self.metrics.count("decide_sync.cached")
-            return tops[key]
-        d = decide_sync(self.state.peer_ids[slots[0]], epoch, state_hash, self.records_for(slots[0]), now,
-                        self.sc.schedule.record_ttl_s, self.exact, trust=self.trust)  # fmt: skip
-        if key is not None:
-            tops[key] = d
-        return d
-
-    def _download(self, slot: int, epoch: int, donors: tuple[str, ...]):
-        st, dl = self.state, self.sc.download
-        st.i["status"][slot] = DOWNLOADING
-        holders = [st.index_of[p] for p in donors if p in st.index_of and st.peer_ids[slot] != p]
-        while True:
-            # donors at ``max_downloaders`` answer "busy" (``StateServer``): the joiner fetches from the others
-            live = [d for d in holders if st.i["status"][d] != ABSENT]
-            pool = [d for d in live if not dl.max_downloaders or self.metrics.serving[d] < dl.max_downloaders]
-            if pool or not live:
-                break
-            self.metrics.count("download.all_donors_busy")
-            yield self.env.timeout(1.0)  # the trainer looks again a second after a failed download
-            if st.i["status"][slot] != DOWNLOADING:
-                return  # left meanwhile
-        self.rng.shuffle(pool)  # ``state_routing.rank_candidates`` shuffles donors
-        pool = pool[: dl.num_donors] if dl.num_donors else pool
-        if not pool:
-            st.start_phase(slot, int(st.i["epoch"][slot]), self.env.now)
-            return
-        donor_slots = np.array(pool)
-        concurrent = self.metrics.serving[donor_slots] + 1
-        cost = self.rounds.download_cost(slot, donor_slots, concurrent)
-        busy = donor_slots[cost.sent_bytes > 0]  # the donors it takes chunks from: one stream each (``state_fetch``)
-        self.metrics.serving[busy] += 1
-        source = int(donor_slots[0])
-        theta, hash_, src_epoch = st.theta[source].copy(), st.state_hash[source], int(st.i["epoch"][source])
-        started = self.env.now
-        cut_s = self.partition.cut_s(np.append(donor_slots, slot), started)
-        if cut_s < started + cost.duration_s:  # donors across a split: the fetch fails, the joiner looks again
-            yield self.env.timeout(cut_s - started + self.sc.averaging.part_timeout_s)
-            self.metrics.serving[busy] -= 1
-            self.partition.cut_downloads += 1
-            if st.i["status"][slot] == DOWNLOADING:
-                st.i["status"][slot] = SYNCING
-            return
-        yield self.env.timeout(cost.duration_s)
-        self.metrics.serving[busy] -= 1
-        self.metrics.record_download(slot, donor_slots, cost, started, self.env.now, slot in self.metrics.flash_set)
-        if st.i["status"][slot] != DOWNLOADING:
-            return  # left during the download
-        st.theta[slot], st.state_hash[slot], st.i["epoch"][slot] = theta, hash_, src_epoch
-        st.f["carried_samples"][slot] = 0
-        st.i["carried_phases"][slot] = 0
-        self.begin_phase(slot, src_epoch, self.env.now)
-        self.partition.on_download(slot, source, self.env.now)
-        self.publish_now(np.array([slot]), self.env.now)
 
     # ---- the schedule --------------------------------------------------------------------------------------------
     def _schedule(self, now: float) -> None:

@@ -539,7 +539,7 @@ class RoundEngine:
         st = self.sim.state
         for slot in slots:
             st.i["attempt"][slot] += 1
-        if policy.action == "resync" and self.sim.sync_or_download(slots, epoch, st.state_hash[slots[0]], now):
+        if policy.action == "resync" and self.sim.sync.sync_or_download(slots, epoch, st.state_hash[slots[0]], now):
             for slot in slots:
                 st.f["carried_samples"][slot] = 0  # ``keep_carried`` with max_staleness 0: lost across a download
                 st.i["carried_phases"][slot] = 0

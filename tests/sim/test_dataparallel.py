@@ -203,7 +203,7 @@ def test_joiners_arriving_during_a_round_wait_for_it_instead_of_training_for_it(
     assert waited.decisions["round_failed.late"] == 0
     assert "dropped by a resync" not in waited.summary["lost_sample_shares"]
     assert waited.summary["outer_steps_done"] == 4 and waited.summary["committed_states_max"] == 1
-    monkeypatch.setattr("hivetrain.sim.dataparallel.round_under_way", lambda *args: False)
+    monkeypatch.setattr("hivetrain.sim.state_sync.round_under_way", lambda *args: False)
     trained = DataParallelSim(scenario).run()
     assert trained.decisions["round_failed.late"] > 0
     assert trained.summary["lost_sample_shares"]["dropped by a resync"] > 0.02

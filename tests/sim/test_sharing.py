@@ -192,7 +192,7 @@ def test_members_of_committed_groups_share_decide_sync_only_with_equal_answers()
     members hold their own hashes."""
     sim = _declarations_of(4, sim={"num_peers": 40, "outer_steps": 4},
                            churn={"session": "exponential", "mean_session_s": 300.0})  # fmt: skip
-    real, compared, mixed = sim.sync_decision, [0], [0]
+    real, compared, mixed = sim.sync.sync_decision, [0], [0]
 
     def checked(slots, epoch, state_hash, now, key=None):
         d = real(slots, epoch, state_hash, now, key)
@@ -205,7 +205,7 @@ def test_members_of_committed_groups_share_decide_sync_only_with_equal_answers()
         mixed[0] += len({st.state_hash[s] for s in slots}) > 1
         return d
 
-    sim.sync_decision = checked
+    sim.sync.sync_decision = checked
     sim.run()
     assert compared[0] >= 20 and mixed[0] >= 1  # shared, also across different states
     assert sim.metrics.decisions["decide_sync.cached"] >= 10  # and reused across groups and times
