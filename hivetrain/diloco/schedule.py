@@ -184,16 +184,26 @@ def decide_phase_end(
 
 
 def round_under_way(
-    my_peer_id: str, epoch: int, records: Iterable[PeerRecord], now: float, stale_after_s: float
+    my_peer_id: str,
+    epoch: int,
+    records: Iterable[PeerRecord],
+    now: float,
+    stale_after_s: float,
+    min_group_size: int = 2,
 ) -> bool:
     """Whether the round of ``epoch`` is under way without us: of the other live, unpaused trainers at ``epoch``, more
     have ended their inner phase for it (``done_epoch == epoch``, ``done_samples > 0``) than still compute one
-    (``phase_epoch <= epoch``, not ended). The swarm's schedule ends the phases of one epoch within seconds of each
-    other, so a majority that ended is matching or averaging, and its group closes (or closed) without a phase we
-    would start now; a peer still computing then is itself late (a slow one, or a joiner that started before this
-    rule could see the round), and must not hold back everyone who arrives after it (the simulator: one such peer
-    kept every later joiner of the epoch training for a round it could not join). Peers at ``epoch`` whose phase is
-    for a later round (waiting out this one, or overlapping it) count neither way.
+    (``phase_epoch <= epoch``, not ended), and those that ended can average without us (at least 2, and at least
+    ``min_group_size``, ``averaging.min_group_size``).
+
+    The swarm's schedule ends the phases of one epoch within seconds of each other, so a majority that ended is
+    matching or averaging, and its group closes (or closed) without a phase we would start now; a peer still
+    computing then is itself late (a slow one, or a joiner that started before this rule could see the round), and
+    must not hold back everyone who arrives after it (the simulator: one such peer kept every later joiner of the
+    epoch training for a round it could not join). Peers at ``epoch`` whose phase is for a later round (waiting out
+    this one, or overlapping it) count neither way. A lone peer that ended waits for us instead (a group of one
+    beside a live trainer is never formed): in a run of two, a peer that restarted while the other had ended its
+    phase would otherwise wait for a round that waits for it, until both timed out.
 
     A phase started then for ``epoch`` ends after that group was declared: its matchmaking answer is "late", and
     once the group commits the peer is behind, downloads ``epoch + 1`` and drops the phase (a pseudo-gradient
@@ -222,4 +232,4 @@ def round_under_way(
             ended += 1
         elif r.phase_epoch <= epoch:
             computing += 1
-    return ended > computing
+    return ended >= max(2, min_group_size) and ended > computing

@@ -537,7 +537,8 @@ class DilocoTrainer:
         return True
 
     def _round_under_way(self, epoch: int, records: Sequence[PeerRecord]) -> bool:
-        return round_under_way(self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s)
+        min_size = self.config.averaging.min_group_size
+        return round_under_way(self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s, min_size)
 
     def _catch_up(self, epoch: int) -> bool:
         """Wait (at most the matchmaking window plus a record interval) until peers publish ``epoch``, then download

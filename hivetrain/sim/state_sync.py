@@ -72,7 +72,8 @@ class StateSync:
         records, ttl = self.sim.records_for(slot), self.sim.sc.schedule.record_ttl_s
         newest = max((r.epoch for r in records if now - r.updated_at <= ttl and not r.left_reason), default=epoch)
         top = max(epoch, newest)
-        return top if round_under_way(self.sim.state.peer_ids[slot], top, records, now, ttl) else None
+        min_size = self.sim.sc.averaging.min_group_size
+        return top if round_under_way(self.sim.state.peer_ids[slot], top, records, now, ttl, min_size) else None
 
     def _wait(self, slots: np.ndarray, round_epoch: int, now: float) -> None:
         """``slots`` wait for ``round_epoch``'s round, showing the next epoch's phase with 0 samples and 0 throughput,
@@ -98,7 +99,8 @@ class StateSync:
                 slots = part[rounds == round_epoch]
                 first = int(slots[0])
                 over = not round_under_way(st.peer_ids[first], round_epoch, self.sim.records_for(first), now,
-                                           self.sim.sc.schedule.record_ttl_s)  # fmt: skip
+                                           self.sim.sc.schedule.record_ttl_s,
+                                           self.sim.sc.averaging.min_group_size)  # fmt: skip
                 going = slots if over else slots[st.f["phase_start"][slots] <= now]
                 by_state: dict[tuple[int, str], list[int]] = {}
                 for slot in going.tolist():

@@ -22,7 +22,7 @@ def _trainer(records: list, later: list, *, overlap: str = "off", pending=None) 
         state=SimpleNamespace(epoch=3),
         node=SimpleNamespace(peer_id="me"),
         options=SimpleNamespace(record_ttl_s=30.0),
-        config=SimpleNamespace(averaging=SimpleNamespace(round_timeout_s=20.0)),
+        config=SimpleNamespace(averaging=SimpleNamespace(round_timeout_s=20.0, min_group_size=1)),
         _overlap=overlap,
         _pending=pending,
         _waited_epoch=-1,
@@ -65,7 +65,7 @@ def test_a_peer_behind_waits_for_the_round_of_the_newest_epoch_before_downloadin
 
 
 def test_the_wait_is_bounded_by_the_round_timeout():
-    under_way = [_rec("a", 3, 3)]
+    under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
     t = _trainer(under_way, under_way)
     t.config.averaging.round_timeout_s = 1.2
     DilocoTrainer._wait_out_round(t)
@@ -75,7 +75,9 @@ def test_the_wait_is_bounded_by_the_round_timeout():
 def test_no_wait_while_others_compute_for_our_epoch_with_overlap_or_with_a_contribution_pending():
     computing = [_rec("a", 3, 2), _rec("b", 3, 2)]  # they committed epoch 2 and compute for 3
     assert DilocoTrainer._wait_out_round(_trainer(computing, computing)) is False
-    under_way = [_rec("a", 3, 3)]
+    alone = [_rec("a", 3, 3)]  # a run of two: the other ended its phase and waits for us in matchmaking
+    assert DilocoTrainer._wait_out_round(_trainer(alone, alone)) is False
+    under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
     # with overlap our phase is for epoch 4 already (``_phase_epoch``); with a pending contribution for epoch 3, the
     # round policy decides (retry, carry or resync) and the phase adds to it
     assert DilocoTrainer._wait_out_round(_trainer(under_way, under_way, overlap="eager")) is False

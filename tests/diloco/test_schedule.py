@@ -184,11 +184,20 @@ def test_a_round_is_under_way_without_us_once_most_trainers_at_our_epoch_ended_t
     # but while as many still compute for it as ended (or more), the epoch's group is not formed yet
     assert not round_under_way("me", 3, [*done, _at("c", 3, 2, 80), _at("d", 3, 2, 80)], NOW, 30.0)
     # a peer that committed epoch 2 and is about to start its phase for 3 computes for it
-    assert not round_under_way("me", 3, [_at("a", 3, 3, 80), _at("c", 3)], NOW, 30.0)
+    assert not round_under_way("me", 3, [*done, _at("c", 3), _at("d", 3)], NOW, 30.0)
     # a peer at epoch 3 whose phase is for epoch 4 (waiting out this round too, or overlapping it) does not compute
     # for 3: two joiners waiting side by side must not hold each other back
     assert round_under_way("me", 3, [*done, _at("other joiner", 3, phase_epoch=4)], NOW, 30.0)
-    assert not round_under_way("me", 3, [_at("other joiner", 3, phase_epoch=4)], NOW, 30.0)
+    assert not round_under_way("me", 3, [_at("other joiner", 3, phase_epoch=4), _at("c", 3, phase_epoch=4)], NOW, 30.0)
+
+
+def test_a_lone_peer_that_ended_its_phase_waits_for_us_rather_than_averaging_without_us():
+    # a run of two: the other ended its phase and waits for us in matchmaking (it never forms a group of one beside a
+    # live trainer), so a round "without us" cannot happen: we train and join it
+    assert not round_under_way("me", 3, [_at("a", 3, 3, 80)], NOW, 30.0)
+    assert round_under_way("me", 3, [_at("a", 3, 3, 80), _at("b", 3, 3, 80)], NOW, 30.0)
+    # nor below the run's min_group_size
+    assert not round_under_way("me", 3, [_at("a", 3, 3, 80), _at("b", 3, 3, 80)], NOW, 30.0, min_group_size=3)
 
 
 def test_no_round_is_under_way_with_nobody_else_at_our_epoch():
@@ -199,7 +208,7 @@ def test_no_round_is_under_way_with_nobody_else_at_our_epoch():
 
 
 def test_stale_paused_and_non_trainer_records_do_not_count_either_way():
-    done = [_at("a", 3, 3, 80)]
+    done = [_at("a", 3, 3, 80), _at("b", 3, 3, 80)]
     # a stale record of a peer still training, a paused peer, the coordinator: none of them holds the round back
     others = [_at("old", 3, 2, 80, age=31.0), _at("paused", 3, 2, 80, paused=True), _at("coord", 3, role="coordinator")]
     assert round_under_way("me", 3, done + others, NOW, 30.0)
