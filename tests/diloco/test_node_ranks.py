@@ -43,7 +43,11 @@ T, B = 16, 2  # tokens per window, windows per microbatch and rank
 PHASES = [(0, 3), (10, 2)]  # (first inner step, inner steps rank 0's schedule allows)
 ABORTED = (20, 2)  # a phase rank 0 abandons after this many inner steps (the trainer stopping)
 SIGNALLED = (30, 2)  # a phase during whose 2nd inner step rank 0 gets SIGINT: held until the step's end
-CONTROL_TIMEOUT_S, PAUSE_S = 2.5, 3.0  # rank 0 pauses in a phase's first step and between phases
+# rank 0 pauses in a phase's first step and between phases, longer than the control timeout: only keepalives (every
+# 0.2 s) bridge it. The product's timeout is 1800 s against 10 s keepalives; at 2.5 s a loaded machine (2 CPU hogs, the
+# suite and more) once held the keepalive's send past it (gloo: "Timed out waiting 2500ms for send operation",
+# 2026-11-30), so the test's timeout keeps a 30x margin over its keepalive interval.
+CONTROL_TIMEOUT_S, PAUSE_S = 6.0, 7.0
 CONFIG = DilocoConfig(inner_lr=3e-3, warmup_steps=2, grad_clip=1.0, precision="fp32", grad_accum_steps=2)
 
 
