@@ -233,3 +233,23 @@ def round_under_way(
         elif r.phase_epoch <= epoch:
             computing += 1
     return ended >= max(2, min_group_size) and ended > computing
+
+
+def round_to_wait_for(
+    my_peer_id: str,
+    my_epoch: int,
+    records: Iterable[PeerRecord],
+    now: float,
+    stale_after_s: float,
+    min_group_size: int = 2,
+) -> int | None:
+    """The epoch whose round a peer at ``my_epoch`` should wait out before it trains or downloads: the newest epoch a
+    live trainer holds (ours if newer; behind, the state we would download is about to be replaced), if that round is
+    under way without us (``round_under_way``); else None. The trainer (``DilocoTrainer._wait_out_round``) and the
+    simulator (``sim.state_sync``) both ask this."""
+    records = list(records)
+    live = [
+        r.epoch for r in records if r.role == "trainer" and not r.left_reason and now - r.updated_at <= stale_after_s
+    ]
+    epoch = max([my_epoch, *live])
+    return epoch if round_under_way(my_peer_id, epoch, records, now, stale_after_s, min_group_size) else None

@@ -37,7 +37,7 @@ from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.resync import Resync
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
-from hivetrain.diloco.schedule import PhasePlan, round_under_way
+from hivetrain.diloco.schedule import PhasePlan, round_to_wait_for, round_under_way
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
 from hivetrain.diloco.swarm_view import SwarmView
@@ -519,10 +519,10 @@ class DilocoTrainer:
         mine = self.state.epoch
         if self._waited_epoch == mine:
             return False
-        records, now, ttl = self.view.records, get_dht_time(), self.options.record_ttl_s
-        live = [r.epoch for r in records if r.role == "trainer" and not r.left_reason and now - r.updated_at <= ttl]
-        epoch = max([mine, *live])
-        if not self._round_under_way(epoch, records):
+        min_size = self.config.averaging.min_group_size
+        ttl = self.options.record_ttl_s
+        epoch = round_to_wait_for(self.node.peer_id, mine, self.view.records, get_dht_time(), ttl, min_size)
+        if epoch is None:
             return False
         self._waited_epoch = mine
         logger.info("epoch %d's round is under way without us: waiting for it, then training for the next", epoch)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hivetrain.diloco.schedule import round_under_way
+from hivetrain.diloco.schedule import round_to_wait_for, round_under_way
 from hivetrain.diloco.sync_policy import decide_sync
 from hivetrain.sim.swarm_state import ABSENT, DOWNLOADING, SYNCING, WAITING
 
@@ -66,14 +66,11 @@ class StateSync:
             self._wait(np.array([slot]), waited, now)
 
     def _round_to_wait_for(self, slot: int, epoch: int, now: float) -> int | None:
-        """As ``DilocoTrainer._wait_out_round``: the epoch whose round ``slot`` waits for before it trains or
-        downloads, the newest a live trainer holds (or ours, ``epoch``, if newer), if that round is under way
-        without it (``round_under_way``); else None."""
-        records, ttl = self.sim.records_for(slot), self.sim.sc.schedule.record_ttl_s
-        newest = max((r.epoch for r in records if now - r.updated_at <= ttl and not r.left_reason), default=epoch)
-        top = max(epoch, newest)
-        min_size = self.sim.sc.averaging.min_group_size
-        return top if round_under_way(self.sim.state.peer_ids[slot], top, records, now, ttl, min_size) else None
+        """``schedule.round_to_wait_for`` for ``slot`` holding ``epoch`` (as ``DilocoTrainer._wait_out_round``)."""
+        sc = self.sim.sc
+        records = self.sim.records_for(slot)
+        peer_id = self.sim.state.peer_ids[slot]
+        return round_to_wait_for(peer_id, epoch, records, now, sc.schedule.record_ttl_s, sc.averaging.min_group_size)
 
     def _wait(self, slots: np.ndarray, round_epoch: int, now: float) -> None:
         """``slots`` wait for ``round_epoch``'s round, showing the next epoch's phase with 0 samples and 0 throughput,

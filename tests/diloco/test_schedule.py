@@ -1,6 +1,6 @@
 """The swarm's schedule (pure): when a peer ends its inner phase, from the progress others publish."""
 
-from hivetrain.diloco.schedule import PhasePlan, decide_phase_end, round_under_way
+from hivetrain.diloco.schedule import PhasePlan, decide_phase_end, round_to_wait_for, round_under_way
 from tests.records import peer_record
 
 NOW = 1000.0
@@ -214,3 +214,13 @@ def test_stale_paused_and_non_trainer_records_do_not_count_either_way():
     assert round_under_way("me", 3, done + others, NOW, 30.0)
     # and alone they make no round
     assert not round_under_way("me", 3, others, NOW, 30.0)
+
+
+def test_the_round_to_wait_for_is_the_newest_epochs_when_we_are_behind():
+    under_way = [_at("a", 3, 3, 80), _at("b", 3, 3, 80)]
+    assert round_to_wait_for("me", 3, under_way, NOW, 30.0) == 3
+    assert round_to_wait_for("me", 0, under_way, NOW, 30.0) == 3  # a joiner: not a state about to be replaced
+    computing = [_at("a", 3, 2, 80), _at("b", 3, 2, 80)]
+    assert round_to_wait_for("me", 0, computing, NOW, 30.0) is None
+    # a stale record's epoch is not the swarm's
+    assert round_to_wait_for("me", 0, [_at("old", 7, 7, 80, age=31.0), *under_way], NOW, 30.0) == 3
