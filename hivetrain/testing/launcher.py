@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hivetrain.testing import forkserver
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -27,7 +29,7 @@ class PeerProcess:
     """One launched process (coordinator or peer) and its files."""
 
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | forkserver.ForkedProcess
     log_path: Path
     metrics_path: Path | None = None
     summary_path: Path | None = None
@@ -103,8 +105,13 @@ class LocalSwarm:
         threads_per_peer: int = 1,
         verbose: bool = False,
         extra_env: dict[str, str] | None = None,
+        preload: bool = True,
     ):
+        """``preload``: fork processes started without a command prefix from one process that has imported torch,
+        transformers and hivemind (``testing.forkserver``: about 6 s of CPU saved per process) instead of starting a
+        fresh interpreter for each."""
         self.out_dir = Path(out_dir)
+        self.preload = preload and forkserver.available()
         self.extra_env = dict(extra_env or {})
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = Path(config_path)
@@ -119,15 +126,18 @@ class LocalSwarm:
     def _spawn(self, name: str, argv: list[str], prefix: Sequence[str] = (), **paths) -> PeerProcess:
         log_path = self.out_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_peer), **self.extra_env}
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(
-                [*prefix, sys.executable, "-m", *argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=env,
-            )
+        if self.preload and not prefix:  # a prefix (``ip netns exec``) must exec
+            popen = forkserver.start(argv, env, log_path)
+        else:
+            with open(log_path, "ab") as log:
+                popen = subprocess.Popen(
+                    [*prefix, sys.executable, "-m", *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env=env,
+                )
         proc = PeerProcess(name=name, popen=popen, log_path=log_path, **paths)
         self.history.append(proc)
         return proc

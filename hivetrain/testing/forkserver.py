@@ -1,0 +1,189 @@
+"""Start ``python -m MODULE ARGS`` processes by forking one server process that has already imported the heavy modules.
+
+A coordinator or join-swarm process spends about 6 s of CPU importing torch, transformers (about 3.4 s alone, from
+version 5) and hivemind before it does anything. A local swarm of a coordinator and four peers on a 2-core machine thus
+spent about 15 s of its first 25 importing the same modules five times. Python's ``multiprocessing`` forkserver
+(started once per launching process, with ``set_forkserver_preload``) imports them once; every process is then forked
+from it, sharing those pages copy-on-write.
+
+Each forked process is still a process of its own, as ``subprocess.Popen(..., start_new_session=True)`` would make
+it: a new session and process group (so signalling the group reaches its p2pd), stdin from /dev/null, stdout and
+stderr appended to its log file, its own environment and working directory, the module run as ``__main__`` with
+``sys.argv`` as ``python -m`` sets it, non-daemon threads joined and ``atexit`` handlers run at the end, and its exit
+status (``-N`` for a signal) read back. What differs: its parent is the fork server, not the launcher, and
+environment variables that the interpreter reads at start (``PYTHON*``) or that torch reads at import
+(``OMP_NUM_THREADS``, applied here with ``torch.set_num_threads``) come from the server's start.
+
+As with any multiprocessing start method but "fork", the fork server imports the launching program's main module
+again (as ``__mp_main__``): a script that starts processes this way guards its own work with
+``if __name__ == "__main__":`` (pytest's and hivetrain's entry points do).
+
+``ForkedProcess`` is the ``subprocess.Popen`` subset the launchers use (``pid``, ``poll``, ``wait``, ``returncode``,
+``send_signal``, ``terminate``, ``kill``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+PRELOAD = ("torch", "transformers", "hivemind", "hivetrain.cli.main", "hivetrain.cli.join_swarm", "hivetrain.cli.coordinator")
+"""What the server imports before it forks anything: what every coordinator and join-swarm process imports."""
+
+SESSION_WAIT_S = 10.0
+"""How long ``start`` waits for the child to be in its own process group (it is at once unless the machine is
+starved), seconds; so that signalling the group right after ``start`` reaches it, as after ``Popen``."""
+
+_lock = threading.Lock()
+_context: multiprocessing.context.BaseContext | None = None
+
+
+def available() -> bool:
+    """Whether this platform has a fork server (Linux and macOS do)."""
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def _forkserver() -> multiprocessing.context.BaseContext:
+    global _context
+    with _lock:
+        if _context is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(list(PRELOAD))
+            _context = context
+        return _context
+
+
+class ForkedProcess:
+    """A process forked from the fork server, with the ``subprocess.Popen`` methods the launchers use.
+
+    ``returncode`` is None while it runs, then its exit code (``-N`` when signal N ended it)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]):
+        self._process = process
+        self.args = args
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code, once the process has exited. Raises ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> ForkedProcess:
+    """Fork ``python -m argv[0] argv[1:]`` from the fork server (started, and its modules imported, on first use: about
+    6 s of CPU, once per launching process), its output appended to ``log_path``.
+
+    Returns once the child is in its own session and process group. Raises RuntimeError if it is not within
+    ``SESSION_WAIT_S`` (the child is killed first) or if the fork server cannot start."""
+    context = _forkserver()
+    args = [sys.executable, "-m", *argv]
+    process = context.Process(
+        target=_child_main,
+        args=(list(argv), dict(env), str(log_path), os.getcwd()),
+        name=f"hivetrain:{argv[0]}",
+        daemon=True,  # ended (SIGTERM) and joined if the launcher exits without stopping it; _child_main undoes it
+    )
+    process.start()
+    forked = ForkedProcess(process, args)
+    deadline = time.monotonic() + SESSION_WAIT_S
+    while _process_group(forked.pid) not in (forked.pid, None):
+        if time.monotonic() > deadline:
+            forked.kill()
+            forked.wait(5)
+            raise RuntimeError(f"{argv[0]} (pid {forked.pid}) was not in its own session after {SESSION_WAIT_S}s")
+        time.sleep(0.005)
+    return forked
+
+
+def _process_group(pid: int) -> int | None:
+    """The process group of ``pid`` (None once it is gone)."""
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _child_main(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
+    """In the forked child: become what ``Popen([python, -m, *argv], stdout=log, stderr=STDOUT,
+    stdin=DEVNULL, start_new_session=True, env=env)`` would have started, run the module, exit with its code."""
+    os.setsid()
+    multiprocessing.current_process().daemon = False  # the CLI may start processes of its own (hivemind's DHT does)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115 - lives as long as we do
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    threads = env.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = list(argv)
+    sys.modules.pop(argv[0], None)  # preloaded: run it afresh as __main__, as ``python -m`` does
+    code = 0
+    try:
+        import runpy
+
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # as at interpreter exit: non-daemon threads first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - nothing left to tell it to
+            pass
+    os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    """The exit status ``sys.exit(code)`` gives: None 0, an int itself, anything else printed and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
