@@ -36,7 +36,9 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-PRELOAD = ("torch", "transformers", "hivemind", "hivetrain.cli.main", "hivetrain.cli.join_swarm", "hivetrain.cli.coordinator")
+PRELOAD = (
+    "torch", "transformers", "hivemind", "hivetrain.cli.main", "hivetrain.cli.join_swarm", "hivetrain.cli.coordinator",
+)  # fmt: skip
 """What the server imports before it forks anything: what every coordinator and join-swarm process imports."""
 
 SESSION_WAIT_S = 10.0
