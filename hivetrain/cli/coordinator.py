@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                 "--checkpoint-dir: a pipelined run ([swarm]) has no whole-model state for the coordinator to copy "
                 "(each stage's servers hold theirs): drop --checkpoint-dir"
             )
+        if args.checkpoint_dir and not config.averaging.exact_average:
+            raise ValueError(
+                f"--checkpoint-dir: with averaging.strategy = {config.averaging.strategy!r} peers hold different "
+                "states by design (approximate averaging, momentum kept local), so there is no one state for the "
+                'coordinator to copy: drop --checkpoint-dir, or use strategy = "butterfly"'
+            )
         if args.checkpoint_dir:  # now, not at the first checkpoint: the run clock is saved there from the start
             _make_checkpoint_dir(Path(args.checkpoint_dir))
         # the model against the tokenizer (vocabulary, positions) and a pretrained start's weights, before any node
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         from hivetrain.peers.loop import LoopThread
 
         loop = LoopThread()
-        if not args.no_state and not config.pipelined:  # a pipeline's state lives in its stages' servers
+        # a pipeline's state lives in its stages' servers; moshpit/gossip peers hold no common state to follow
+        if not args.no_state and not config.pipelined and config.averaging.exact_average:
             follower = _make_follower(args, config, node, loop, fingerprint)
         num_parameters = sum(t.numel() for t in follower.reference.params.values()) if follower else 0
         observer = SwarmObserver(
