@@ -18,6 +18,7 @@ As with any multiprocessing start method but "fork", the fork server imports the
 again (as ``__mp_main__``): a script that starts processes this way guards its own work with
 ``if __name__ == "__main__":`` (pytest's and hivetrain's entry points do).
 
+``run`` is ``subprocess.run(..., capture_output=True, text=True, timeout=T)`` for one command-line call.
 ``ForkedProcess`` is the ``subprocess.Popen`` subset the launchers use (``pid``, ``poll``, ``wait``, ``returncode``,
 ``send_signal``, ``terminate``, ``kill``).
 """
@@ -103,17 +104,21 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def start(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> ForkedProcess:
+def start(
+    argv: Sequence[str], env: Mapping[str, str], log_path: Path, stderr_path: Path | None = None
+) -> ForkedProcess:
     """Fork ``python -m argv[0] argv[1:]`` from the fork server (started, and its modules imported, on first use: about
-    6 s of CPU, once per launching process), its output appended to ``log_path``.
+    6 s of CPU, once per launching process), its stdout appended to ``log_path``, its stderr too unless
+    ``stderr_path`` is given.
 
     Returns once the child is in its own session and process group. Raises RuntimeError if it is not within
     ``SESSION_WAIT_S`` (the child is killed first) or if the fork server cannot start."""
     context = _forkserver()
     args = [sys.executable, "-m", *argv]
+    paths = (str(log_path), str(stderr_path) if stderr_path is not None else None)
     process = context.Process(
         target=_child_main,
-        args=(list(argv), dict(env), str(log_path), os.getcwd()),
+        args=(list(argv), dict(env), paths, os.getcwd()),
         name=f"hivetrain:{argv[0]}",
         daemon=True,  # ended (SIGTERM) and joined if the launcher exits without stopping it; _child_main undoes it
     )
@@ -129,6 +134,31 @@ def start(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Forked
     return forked
 
 
+def run(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -m, *argv], capture_output=True, text=True, timeout=timeout)``, forked from the fork
+    server: stdout and stderr apart, the exit code. On timeout its whole process group is killed (SIGKILL) and
+    ``subprocess.TimeoutExpired`` raised with what it had written."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hivetrain-run-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = start(argv, dict(os.environ if env is None else env), out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+            raise subprocess.TimeoutExpired(
+                proc.args, timeout, output=out.read_text(errors="replace"), stderr=err.read_text(errors="replace")
+            ) from None
+        return subprocess.CompletedProcess(
+            proc.args, code, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
+
+
 def _process_group(pid: int) -> int | None:
     """The process group of ``pid`` (None once it is gone)."""
     try:
@@ -137,18 +167,19 @@ def _process_group(pid: int) -> int | None:
         return None
 
 
-def _child_main(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
-    """In the forked child: become what ``Popen([python, -m, *argv], stdout=log, stderr=STDOUT,
+def _child_main(argv: list[str], env: dict[str, str], paths: tuple[str, str | None], cwd: str) -> None:
+    """In the forked child: become what ``Popen([python, -m, *argv], stdout=log, stderr=STDOUT or its own file,
     stdin=DEVNULL, start_new_session=True, env=env)`` would have started, run the module, exit with its code."""
     os.setsid()
     multiprocessing.current_process().daemon = False  # the CLI may start processes of its own (hivemind's DHT does)
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    out_path, err_path = paths
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
     os.close(null)
+    for fd, path in ((1, out_path), (2, err_path or out_path)):
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115 - lives as long as we do
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
     os.environ.clear()

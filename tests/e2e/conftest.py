@@ -1,10 +1,7 @@
 """Real multi-process swarms on 127.0.0.1 (coordinator + join-swarm processes), always cleaned up."""
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,6 +9,7 @@ import pytest
 import tomli_w
 
 from hivetrain.config import load_run_config
+from hivetrain.testing.forkserver import run as run_cli
 from hivetrain.testing.launcher import LocalSwarm
 from hivetrain.testing.summary import read_events
 
@@ -78,23 +76,11 @@ def wait_for_event(peer, predicate, timeout_s: float) -> dict:
 
 
 def run_local_swarm(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    """``hivetrain local-swarm ARGS`` as a user starts it: in a session of its own, as a terminal gives it.
+    """``hivetrain local-swarm ARGS`` as a user starts it: in a session of its own, as a terminal gives it (forked from
+    the pre-imported fork server, ``testing.forkserver.run``: the same process without ~6 s of CPU importing).
 
-    Started from pytest's session instead, the CLI shared the kernel's per-session CPU share (autogroup) with
+    Started in pytest's session instead, the CLI shared the kernel's per-session CPU share (autogroup) with
     whatever else runs from the shell that started the suite (the acceptance runs' busy loops): it got ~5% of a core
     and took minutes to import and start, where its peers (own sessions) got their fair share. On timeout the whole
     process group (the CLI and anything it started in it) is killed and ``subprocess.TimeoutExpired`` raised."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hivetrain.cli.main", "local-swarm", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise subprocess.TimeoutExpired(proc.args, timeout_s, output=stdout, stderr=stderr) from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return run_cli(["hivetrain.cli.main", "local-swarm", *args], timeout_s)

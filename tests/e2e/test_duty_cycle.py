@@ -2,28 +2,22 @@
 duty cycles 1, 0.5 and 0.25 in which every peer's samples reach every committed outer step."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from hivetrain.testing.forkserver import run as run_cli
 from hivetrain.testing.summary import read_events
 from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, write_config
 
-JOIN = [sys.executable, "-m", "hivetrain.cli.join_swarm"]
-LOCAL_SWARM = [sys.executable, "-m", "hivetrain.cli.main", "local-swarm"]
+JOIN = ["hivetrain.cli.join_swarm"]  # forked from the pre-imported fork server (``run_cli``)
+LOCAL_SWARM = ["hivetrain.cli.main", "local-swarm"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "1.5"])
 def test_join_swarm_refuses_a_duty_cycle_outside_0_1(value, tmp_path):
     config = write_config(tmp_path / "run.toml")
-    proc = subprocess.run(
-        [*JOIN, "--config", str(config), "--duty-cycle", value, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_cli([*JOIN, "--config", str(config), "--duty-cycle", value, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], 60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--duty-cycle" in proc.stderr and "(0, 1]" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -31,7 +25,7 @@ def test_join_swarm_refuses_a_duty_cycle_outside_0_1(value, tmp_path):
 @pytest.mark.slow
 def test_local_swarm_wants_one_duty_cycle_per_peer(tmp_path):
     cmd = [*LOCAL_SWARM, "--peers", "3", "--duty-cycles", "1,0.5", "--out", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = run_cli(cmd, 60)
     assert proc.returncode == 2 and "--duty-cycles" in proc.stderr and "3 peer(s)" in proc.stderr
     assert not (tmp_path / "out").exists()
 

@@ -3,8 +3,6 @@ member's (with its coordinator-signed token) is read everywhere; ``join-swarm`` 
 token, at once, saying why and what to do."""
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,6 +10,7 @@ import pytest
 from hivetrain.peers.identity import load_or_create_identity
 from hivetrain.peers.membership import AdmissionPolicy, make_token
 from hivetrain.peers.records import fetch_records, peers_key, publish_record
+from hivetrain.testing.forkserver import run as run_cli
 from tests.peers.guardless import guardless_node
 from tests.records import peer_record
 
@@ -44,11 +43,11 @@ def test_a_non_members_record_is_dropped_by_every_honest_node(make_node, tmp_pat
 
 def _join(tmp_path, *extra, timeout_s=90):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "hivetrain.cli.join_swarm", "--config", str(tmp_path / "run.toml"),
+    cmd = ["hivetrain.cli.join_swarm", "--config", str(tmp_path / "run.toml"),
            "--identity-path", str(tmp_path / "volunteer.key"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
            "--device", "cpu", *extra]  # fmt: skip
     started = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    done = run_cli(cmd, timeout_s, env=env)  # forked from the pre-imported fork server
     return done.returncode, done.stderr, time.monotonic() - started
 
 
