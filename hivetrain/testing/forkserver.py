@@ -55,13 +55,15 @@ def available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def _forkserver() -> multiprocessing.context.BaseContext:
+def context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context whose processes are forked from the preloaded server (for
+    ``torch.multiprocessing.start_processes(..., start_method="forkserver")`` and ``context().Process``)."""
     global _context
     with _lock:
         if _context is None:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(list(PRELOAD))
-            _context = context
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(list(PRELOAD))
+            _context = ctx
         return _context
 
 
@@ -113,10 +115,10 @@ def start(
 
     Returns once the child is in its own session and process group. Raises RuntimeError if it is not within
     ``SESSION_WAIT_S`` (the child is killed first) or if the fork server cannot start."""
-    context = _forkserver()
+    server = context()
     args = [sys.executable, "-m", *argv]
     paths = (str(log_path), str(stderr_path) if stderr_path is not None else None)
-    process = context.Process(
+    process = server.Process(
         target=_child_main,
         args=(list(argv), dict(env), paths, os.getcwd()),
         name=f"hivetrain:{argv[0]}",

@@ -38,6 +38,7 @@ from hivetrain.diloco.node_ranks import (
 from hivetrain.diloco.phase import MAX_PHASE_STEPS, PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.schedule import PhasePlan
 from hivetrain.model import build_config, build_model
+from hivetrain.testing import forkserver
 
 T, B = 16, 2  # tokens per window, windows per microbatch and rank
 PHASES = [(0, 3), (10, 2)]  # (first inner step, inner steps rank 0's schedule allows)
@@ -194,7 +195,8 @@ def single_process_reference() -> torch.Tensor:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_train_as_one_peer(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    forkserver.context()  # the ranks fork from the server that imported torch once (mp.spawn: 2 fresh interpreters)
+    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="forkserver")
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
 
