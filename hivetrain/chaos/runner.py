@@ -9,14 +9,12 @@ created is deleted before it returns or raises.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +22,12 @@ from pathlib import Path
 
 import tomli_w
 
-from hivetrain.chaos import adversary, process
+from hivetrain.chaos import firing, process
 from hivetrain.chaos.network import Member, NetnsTopology, TcpProxy
 from hivetrain.chaos.plot import plot_run
 from hivetrain.chaos.report import PeerRun, build_report, format_summary
 from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, UNREACHABLE_HOST, Scenario
-from hivetrain.chaos.schedule import ChurnStep, Observed, churn_decision, churn_plan, due_faults
+from hivetrain.chaos.schedule import Observed, due_faults
 from hivetrain.chaos.starve import DutyCycler
 from hivetrain.peers.identity import Identity, load_or_create_identity
 from hivetrain.peers.membership import make_token
@@ -41,9 +39,7 @@ logger = logging.getLogger(__name__)
 
 RSS_INTERVAL_S = 2.0
 TOKEN_MARGIN_S = 3600.0  # join tokens expire this long after the scenario's max_duration_s
-PROBE_TIMEOUT_S = 60.0
 _NORMAL_EXITS = (0, 2, 3, 4, 130)
-_DATA_PORT = re.compile(r"averager \S+ listening on ([0-9.]+):(\d+)")
 _COORDINATOR_DOWNLOAD = re.compile(r"downloaded epoch (\d+)")
 
 
@@ -118,7 +114,7 @@ class ChaosRunner:
             self._setup(config_path)
             timed_out = not self._loop()
             if any(f["kind"] == "forge_record" and f["fired_at_s"] is not None for f in self.faults):
-                self._probe_dht(final=True)  # while the coordinator's DHT node is still up
+                self.probe_dht(final=True)  # while the coordinator's DHT node is still up
         finally:
             dht_probes = self._probe_results()
             leftover = self._teardown()
@@ -170,9 +166,9 @@ class ChaosRunner:
                 )
                 proxy_port = self.proxy.start()
                 self.peer_address = address.replace(f"/tcp/{port}/", f"/tcp/{proxy_port}/")
-                self._fired(i, f"proxy on port {proxy_port} in front of the coordinator")
+                self.fired(i, f"proxy on port {proxy_port} in front of the coordinator")
         for index in range(scenario.peers):
-            self._launch(index)
+            self.launch(index)
 
     def _loop(self) -> bool:
         """Returns False when the scenario ran past max_duration_s."""
@@ -208,7 +204,7 @@ class ChaosRunner:
         leftover: list[int] = []
         try:
             for index in list(self.cyclers):  # first, or a cycler could SIGSTOP a peer after its SIGCONT below
-                self._end_starve(index)
+                firing.end_starve(self, index)
             if self.swarm is not None:
                 for proc in self.swarm.history:
                     proc.signal_group(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
@@ -229,11 +225,11 @@ class ChaosRunner:
         return leftover
 
     # ---- peers ------------------------------------------------------------------------------------------------
-    def _relaunch(self, peer: _Peer) -> None:
+    def relaunch(self, peer: _Peer) -> None:
         """Start ``peer`` again (a ``restart`` fault): its index and identity, a new name (``peerNr``)."""
-        self._launch(peer.run.index, name=f"{peer.run.name}r", identity_of=peer.run.name)
+        self.launch(peer.run.index, name=f"{peer.run.name}r", identity_of=peer.run.name)
 
-    def _launch(self, index: int | None, name: str = "", identity_of: str = "") -> _Peer:
+    def launch(self, index: int | None, name: str = "", identity_of: str = "") -> _Peer:
         """Start a join-swarm peer: ``peer{index}`` (or ``churnN`` for None) unless ``name`` is given; with
         ``identity_of``, the identity file (and join token) of that earlier peer."""
         assert self.swarm is not None
@@ -274,9 +270,9 @@ class ChaosRunner:
             self.by_index[index] = peer
         for i, fault in enumerate(self.scenario.faults):
             if fault.kind == "byzantine" and fault.peer == index:
-                self._fired(i, f"{name} launched with --byzantine {fault.mode}")
+                self.fired(i, f"{name} launched with --byzantine {fault.mode}")
             elif fault.kind == "unreachable" and fault.peer == index:
-                self._fired(i, f"{name} launched announcing the undialable data address {UNREACHABLE_HOST}")
+                self.fired(i, f"{name} launched announcing the undialable data address {UNREACHABLE_HOST}")
         self.log(f"[{self.now():6.1f}s] started {name}" + (f" ({' '.join(args)})" if args else ""))
         return peer
 
@@ -393,7 +389,7 @@ class ChaosRunner:
                 continue
             if all(str(context.get(key)) == str(value) for key, value in fault.when.items()):
                 detail = f"{peer.run.name}: {fault.spec()} (its fault_fired event)"
-                self._fired(i, detail, at_s=event["t_s"])
+                self.fired(i, detail, at_s=event["t_s"])
                 return
 
     def _check_hooks(self, peer: _Peer) -> None:
@@ -404,9 +400,9 @@ class ChaosRunner:
                 continue
             if fault.action == "stop" and process.is_stopped(peer.proc):
                 process.pause(peer.proc)  # a laptop lid stops everything: its p2pd and DHT process too
-                self._fired(i, f"{peer.run.name} stopped itself at {fault.point}; SIGCONT in {fault.seconds:g}s")
+                self.fired(i, f"{peer.run.name} stopped itself at {fault.point}; SIGCONT in {fault.seconds:g}s")
                 self.faults[i]["ended_at_s"] = self.now() + fault.seconds
-                self.timers.append(_Timer(self.now() + fault.seconds, lambda p=peer.proc: process.resume(p)))
+                self.later(self.now() + fault.seconds, lambda p=peer.proc: process.resume(p))
 
     def _sample(self) -> None:
         for peer in self.peers:
@@ -415,7 +411,7 @@ class ChaosRunner:
                 peer.run.rss.append((self.now(), process.group_rss_bytes(peer.proc)))
 
     # ---- faults -----------------------------------------------------------------------------------------------
-    def _fired(self, index: int, detail: str, at_s: float | None = None) -> None:
+    def fired(self, index: int, detail: str, at_s: float | None = None) -> None:
         record = self.faults[index]
         record["fired_at_s"] = round(self.now() if at_s is None else at_s, 2)
         record["detail"] = detail
@@ -425,164 +421,32 @@ class ChaosRunner:
         return self.by_index.get(index)
 
     def _fire(self, index: int, reason: str) -> None:
+        """Fire triggered fault ``index`` (``firing.FIRE`` by its model's type), unless the peer it names is gone."""
         fault = self.scenario.faults[index]
-        kind = fault.kind
         target = self._peer(fault.peer) if hasattr(fault, "peer") else None
         if hasattr(fault, "peer") and (target is None or not target.proc.alive()):
-            self._fired(index, f"peer {fault.peer} was not running ({reason}); nothing to do")
+            self.fired(index, f"peer {fault.peer} was not running ({reason}); nothing to do")
             self.faults[index]["fired_at_s"] = None  # it did not fire: faults_fired fails
             return
-        if kind == "kill":
-            target.run.killed = True
-            process.kill(target.proc)
-            self._fired(index, f"SIGKILL {target.run.name} and its p2pd ({reason})")
-        elif kind == "pause":
-            process.pause(target.proc)
-            self._fired(index, f"SIGSTOP {target.run.name} for {fault.duration_s:g}s ({reason})")
-            self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
-            self.timers.append(_Timer(self.now() + fault.duration_s, lambda p=target.proc: process.resume(p)))
-        elif kind == "cpu_starve":
-            self._starve(index, fault, target, reason)
-        elif kind == "restart":
-            target.run.killed = True
-            process.kill(target.proc)
-            self._fired(index, f"SIGKILL {target.run.name}, back with its identity in {fault.down_s:g}s ({reason})")
-            self.timers.append(_Timer(self.now() + fault.down_s, lambda p=target: self._relaunch(p)))
-        elif kind == "kill_p2pd":
-            # Without its daemon the peer cannot see the swarm: by design it stops (exit 4) rather than train alone
-            # and fork the run. It is a casualty of the fault, not a survivor that must finish.
-            target.run.killed = True
-            pids = process.kill_p2pd(target.proc)
-            self._fired(index, f"SIGKILL p2pd {pids} of {target.run.name} ({reason})")
-        elif kind == "kill_coordinator":
-            assert self.swarm is not None and self.swarm.coordinator is not None
-            process.kill(self.swarm.coordinator)
-            self._fired(index, f"SIGKILL coordinator, back in {fault.down_s:g}s ({reason})")
-            self.timers.append(_Timer(self.now() + fault.down_s, lambda i=index: self._restart_coordinator(i)))
-        elif kind == "join":
-            names = [self._launch(self._take_index()).run.name for _ in range(fault.count)]
-            self._fired(index, f"started {', '.join(names)} ({reason})")
-        elif kind == "bandwidth":
-            assert self.topology is not None and target.member is not None
-            self.topology.set_bandwidth(target.member, fault.mbps)
-            self._fired(index, f"{target.run.name} limited to {fault.mbps:g} Mbit/s each way ({reason})")
-        elif kind == "partition":
-            assert self.topology is not None
-            side = [self.by_index[i] for i in fault.side if i in self.by_index]
-            self.topology.isolate([p.member for p in side if p.member is not None])
-            self._fired(index, f"cut {', '.join(p.run.name for p in side)} off for {fault.heal_after_s:g}s ({reason})")
-            self.faults[index]["ended_at_s"] = round(self.now() + fault.heal_after_s, 2)
-            self.timers.append(_Timer(self.now() + fault.heal_after_s, self._heal))
-        elif kind == "adversary":
-            self._attack(index, fault, target, reason)
-        elif kind == "forge_record":
-            self._forge(index, fault, reason)
-        elif kind == "flood":
-            self._flood(index, fault, target, reason)
-        elif kind == "churn":
-            plan = churn_plan(fault, self.now(), self.scenario.seed)
-            self._fired(index, f"{len(plan)} churn events over {fault.duration_s:g}s ({reason})")
-            self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
-            for step in plan:
-                self.timers.append(_Timer(step.t_s, lambda s=step, f=fault: self._churn_step(s, f)))
+        firing.FIRE[type(fault)](self, index, fault, target, reason)
 
-    def _starve(self, index: int, fault, target: _Peer, reason: str) -> None:
-        """Start duty cycling ``target``'s process group (SIGSTOP/SIGCONT, ``chaos/starve.py``); it ends after the
-        fault's duration, when the peer exits, or at teardown, and always leaves the group running."""
-        cycler = DutyCycler(
-            target.proc.signal_group,
-            fault.fraction,
-            fault.period_s,
-            duration_s=fault.duration_s,
-            alive=target.proc.alive,
-            name=target.run.name,
-        )
-        self.cyclers[index] = cycler.start()
-        until = f"for {fault.duration_s:g}s" if fault.duration_s else "until it exits"
-        duty = f"{fault.fraction:g} of every {fault.period_s:g}s (SIGSTOP/SIGCONT)"
-        self._fired(index, f"{target.run.name} runs {duty} {until} ({reason})")
-        if fault.duration_s:
-            self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
-            self.timers.append(_Timer(self.now() + fault.duration_s + 0.5, lambda i=index: self._end_starve(i)))
+    def later(self, at_s: float, action: Callable[[], None]) -> None:
+        """Run ``action`` from the control loop once the run's clock (``now()``) reaches ``at_s``."""
+        self.timers.append(_Timer(at_s, action))
 
-    def _end_starve(self, index: int) -> None:
-        """Stop the duty cycler of fault ``index`` (its target left running) and add what it did to the detail."""
-        cycler = self.cyclers.pop(index, None)
-        if cycler is None:
-            return
-        stats = cycler.stop()
-        record = self.faults[index]
-        if record["ended_at_s"] is None or stats.ended_by != "deadline":
-            record["ended_at_s"] = round(record["fired_at_s"] + stats.wall_s, 2)
-        record["detail"] += f"; {stats.describe()}"
-        record["starve"] = dataclasses.asdict(stats)  # stops, conts, running_s, wall_s, ended_by
-        self.log(f"[{self.now():6.1f}s] cpu_starve ended: {stats.describe()}")
-
-    def _attack(self, index: int, fault, target: _Peer, reason: str) -> None:
-        python, maddr = adversary.adversary_python(), adversary.peer_maddr(target.proc.log_path)
-        if python is None or maddr is None:
-            why = "py-libp2p is not installed (scripts/setup_adversary)" if python is None else "no address logged"
-            self.faults[index]["detail"] = f"adversary not started: {why}"
-            self.log(f"[{self.now():6.1f}s] adversary not started: {why}")
-            return
-        out_path = self.out_dir / f"adversary{index}.jsonl"
-        popen = adversary.launch(
-            python, maddr, self.config.run_id, fault.duration_s, fault.slowloris, self.scenario.seed, out_path
-        )
-        self.adversaries.append(popen)
-        self._fired(index, f"py-libp2p adversary attacks {target.run.name} for {fault.duration_s:g}s ({reason})")
-        self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
-
-        def done() -> None:
-            self.faults[index]["detail"] += "; " + adversary.summarize(out_path)
-
-        self.timers.append(_Timer(self.now() + fault.duration_s + 5.0, done))
-
-    def _tool(self, module: str, args: list[str], out_path: Path) -> subprocess.Popen:
-        """Start ``python -m module args`` in its own process group (killed at teardown); stdout to ``out_path``."""
-        with open(out_path, "ab") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                stdout=out, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-        self.adversaries.append(popen)
-        return popen
-
-    def _forge(self, index: int, fault, reason: str) -> None:
-        assert self.swarm is not None and self.swarm.address is not None
-        out = self.out_dir / f"forge{index}.json"
-        args = [self.swarm.address, self.config.run_id, "--epoch", str(fault.epoch)]
-        popen = self._tool(
-            "hivetrain.testing.dht_forger", ["forge", *args, "--expires-in-s", str(fault.expires_in_s)], out
-        )
-        self._fired(
-            index,
-            f"an attacker stores a record of epoch {fault.epoch} expiring in {fault.expires_in_s:g}s ({reason})",
-        )
-        self.faults[index]["ended_at_s"] = round(self.now() + fault.probe_after_s, 2)
-
-        def done() -> None:  # the attacker has stored its record and left by now (if not, the probe waits)
-            if popen.poll() is None and self.now() < self.faults[index]["fired_at_s"] + PROBE_TIMEOUT_S:
-                self.timers.append(_Timer(self.now() + 1.0, done))
-                return
-            answer = out.read_text().strip()[-300:] if out.exists() else ""
-            self.faults[index]["detail"] += "; forger: " + (answer or "no answer")
-            self._probe_dht(final=False)
-
-        self.timers.append(_Timer(self.now() + fault.probe_after_s, done))
-
-    def _probe_dht(self, final: bool) -> None:
+    def probe_dht(self, final: bool) -> None:
         """Read the run's peer records from the honest DHT nodes without a guard (``testing/dht_forger.py probe``);
         the end-of-run probe waits for its answer, the others are read at the end."""
         assert self.swarm is not None and self.swarm.address is not None
         n = len(self.probes)
         out = self.out_dir / f"dht_probe{n}.json"
-        popen = self._tool("hivetrain.testing.dht_forger", ["probe", self.swarm.address, self.config.run_id], out)
+        args = ["probe", self.swarm.address, self.config.run_id]
+        popen = firing.tool(self, "hivetrain.testing.dht_forger", args, out)
         self.probes.append({"at_s": round(self.now(), 2), "final": final, "out": out, "popen": popen})
         self.log(f"[{self.now():6.1f}s] probing the DHT for forged records{' (end of run)' if final else ''}")
         if final:
             try:
-                popen.wait(timeout=PROBE_TIMEOUT_S)
+                popen.wait(timeout=firing.PROBE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
 
@@ -591,7 +455,7 @@ class ChaosRunner:
         for probe in self.probes:
             popen, out = probe["popen"], probe["out"]
             try:
-                popen.wait(timeout=max(1.0, PROBE_TIMEOUT_S - (self.now() - probe["at_s"])))
+                popen.wait(timeout=max(1.0, firing.PROBE_TIMEOUT_S - (self.now() - probe["at_s"])))
             except subprocess.TimeoutExpired:
                 pass
             lines = out.read_text().splitlines() if out.exists() else []
@@ -602,76 +466,16 @@ class ChaosRunner:
             results.append({"at_s": probe["at_s"], "final": probe["final"], **answer})
         return results
 
-    def _flood(self, index: int, fault, target: _Peer, reason: str) -> None:
-        log = target.proc.log_path.read_text(errors="replace") if target.proc.log_path.exists() else ""
-        match = _DATA_PORT.search(log)
-        if match is None:
-            self.faults[index]["detail"] = f"flood not started: {target.run.name} logged no data port"
-            return
-        host, port = match.group(1), match.group(2)
-        out = self.out_dir / f"flood{index}.json"
-        counts = ["--idle", str(fault.idle), "--slowloris", str(fault.slowloris), "--oversized", str(fault.oversized)]
-        self._tool("hivetrain.testing.flood", [host, port, "--duration-s", str(fault.duration_s), *counts], out)
-        self._fired(
-            index,
-            f"{fault.idle} idle + {fault.slowloris} slowloris + {fault.oversized} oversized connections to "
-            f"{target.run.name}'s data port {port} for {fault.duration_s:g}s ({reason})",
-        )
-        self.faults[index]["ended_at_s"] = round(self.now() + fault.duration_s, 2)
-
-        ends_at_s = self.now() + fault.duration_s
-
-        def done() -> None:  # the flood prints its counters once it has closed its connections
-            counters = out.read_text().strip() if out.exists() else ""
-            if not counters and self.now() < ends_at_s + PROBE_TIMEOUT_S:
-                self.timers.append(_Timer(self.now() + 1.0, done))
-                return
-            self.faults[index]["detail"] += "; flood: " + (counters or "no counters")
-
-        self.timers.append(_Timer(ends_at_s + 1.0, done))
-
     def _coordinator_epochs(self) -> list[int]:
         """The epochs the coordinator downloaded (its log, restarts included)."""
         path = self.out_dir / "coordinator.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         return [int(m.group(1)) for m in _COORDINATOR_DOWNLOAD.finditer(text)]
 
-    def _take_index(self) -> int:
+    def take_index(self) -> int:
         index = self._next_index
         self._next_index += 1
         return index
-
-    def _restart_coordinator(self, index: int) -> None:
-        assert self.swarm is not None
-        try:
-            address = self.swarm.restart_coordinator(timeout_s=90)
-            self.faults[index]["ended_at_s"] = round(self.now(), 2)
-            self.log(f"[{self.now():6.1f}s] coordinator restarted at {address}")
-        except RuntimeError as exc:
-            self.faults[index]["detail"] += f"; restart failed: {exc}"
-            self.log(f"[{self.now():6.1f}s] coordinator restart FAILED: {exc}")
-
-    def _heal(self) -> None:
-        assert self.topology is not None
-        self.topology.heal()
-        self.log(f"[{self.now():6.1f}s] partition healed")
-
-    def _churn_step(self, step: ChurnStep, fault) -> None:
-        live = {p.run.name: p for p in self.peers if p.proc.alive() and not p.run.killed}
-        protected = [name for name, p in live.items() if p.run.byzantine]
-        action, victim, why = churn_decision(step, list(live), protected, fault.min_peers, fault.max_peers)
-        record = {"index": None, "kind": f"churn:{action}", "fired_at_s": round(self.now(), 2), "ended_at_s": None}
-        if action == "join":
-            name = self._launch(None).run.name
-            record.update(label=f"+{name}", detail=f"started {name} ({why})")
-        elif action == "kill":
-            live[victim].run.killed = True
-            process.kill(live[victim].proc)
-            record.update(label=f"-{victim}", detail=f"SIGKILL {victim} ({why})")
-        else:
-            return
-        self.faults.append(record)
-        self.log(f"[{self.now():6.1f}s] CHURN {record['detail']}")
 
 
 def run_scenario(scenario: Scenario, out_dir: Path, log: Callable[[str], None] = print) -> dict:
