@@ -21,7 +21,8 @@ from hivetrain.peers.records import PeerRecord
 
 def wait_for_sketches(num_others: int, num_published: int, waited_s: float, max_wait_s: float) -> bool:
     """Should a joiner wait before downloading and checking a state (``sketch_outlier``)? Yes while fewer than
-    min(3, ``num_others``) of the other trainers at the state's epoch (donors and banned peers left out) have
+    min(3, ``num_others``) of the other trainers at the state's epoch or one behind it (committing it; donors and
+    banned peers left out) have
     published their θ sketch, for at most ``max_wait_s`` seconds (``waited_s`` since the first wait at that epoch):
     honest peers publish a few seconds after their commit, so one that has not by then withholds its sketch, and the
     check runs on those there are."""
@@ -65,14 +66,19 @@ class JoinCheck:
         (ready, note): the note says how many of the epoch's other trainers published a sketch when it waits or gives
         up waiting. After a refusal that banned nobody (one sketch against the donor) the same donors are not asked
         again for that epoch until another sketch of it is out: the answer could only be the same."""
-        at = {r.peer_id for r in records if r.role == "trainer" and r.epoch == epoch and not r.left_reason} - exclude
+        # the epoch's other trainers, and those one epoch behind: they are committing it and publish its sketch
+        # seconds later (a joiner started 0.3 s after the first commit saw only a liar's record at the epoch, found
+        # no sketch to compare, and adopted its random weights: chaos moshpit-hash-liar, 2026-11-30)
+        at = {
+            r.peer_id for r in records if r.role == "trainer" and r.epoch in (epoch - 1, epoch) and not r.left_reason
+        } - exclude
         published = len(epoch_sketches(records, epoch, exclude))
         if self._unsettled is not None and self._unsettled[:2] == (epoch, frozenset(donors)):
             if published <= self._unsettled[2]:
                 return False, f"waiting for a second θ sketch of epoch {epoch}: its only one contradicts the donor"
         if self._waiting[0] != epoch:
             self._waiting = (epoch, now)
-        note = f"{published} of {len(at)} other peers of epoch {epoch} published a θ sketch"
+        note = f"{published} of {len(at)} other peers at or committing epoch {epoch} published a θ sketch"
         if wait_for_sketches(len(at), published, now - self._waiting[1], self.max_wait_s):
             return False, note
         return True, note if published < min(3, len(at)) else ""

@@ -24,14 +24,30 @@ def test_a_download_waits_for_the_other_peers_sketches_then_gives_up_after_its_b
     base = _sketch(1)
     records = [_record("a", 4, base), _record("b", 4, None), _record("liar", 4, None)]
     exclude = {"me", "liar"}  # the donor
-    waiting = (False, "1 of 2 other peers of epoch 4 published a θ sketch")
+    waiting = (False, "1 of 2 other peers at or committing epoch 4 published a θ sketch")
     assert check.ready(records, 4, ["liar"], exclude, now=100.0) == waiting
     assert not check.ready(records, 4, ["liar"], exclude, now=129.0)[0]
     ready, note = check.ready(records, 4, ["liar"], exclude, now=131.0)  # b withholds its sketch: check on a's alone
     assert ready and note.startswith("1 of 2")
     records[1] = _record("b", 4, base + 0.01 * _sketch(2))
     assert check.ready(records, 4, ["liar"], exclude, now=132.0) == (True, "")
-    assert check.ready(records, 5, ["liar"], exclude, now=500.0) == (True, "")  # nobody else at epoch 5
+    assert check.ready(records, 6, ["liar"], exclude, now=500.0) == (True, "")  # nobody else at or near epoch 6
+
+
+def test_a_donor_alone_at_its_epoch_waits_for_the_peers_committing_it():
+    """A joiner that started right after the first commit saw only the liar's record at the new epoch: with no
+    sketch to compare it adopted the liar's random weights. The peers one epoch behind are committing it: wait for
+    their sketches (bounded), then judge."""
+    check = JoinCheck(max_wait_s=30.0)
+    records = [_record("a", 4, _sketch(1)), _record("b", 4, _sketch(1)), _record("liar", 5, None)]
+    exclude = {"me", "liar"}
+    assert check.ready(records, 5, ["liar"], exclude, now=100.0) == (
+        False,
+        "0 of 2 other peers at or committing epoch 5 published a θ sketch",
+    )
+    records[:2] = [_record("a", 5, _sketch(3)), _record("b", 5, _sketch(3) + 0.01 * _sketch(4))]
+    assert check.ready(records, 5, ["liar"], exclude, now=103.0) == (True, "")
+    assert check.verdict(_sketch(9, scale=40.0), records, 5, ["liar"], exclude).ban_donors  # then refused, banned
 
 
 def test_a_state_far_from_the_sketches_is_refused_and_its_donor_banned_only_on_two_or_more():
@@ -61,7 +77,7 @@ def test_after_a_refusal_on_one_sketch_the_same_donor_is_asked_again_only_on_new
     assert not ready and "second θ sketch" in note
     assert check.ready(records, 4, ["a"], {"me", "a"}, now=40.0)[0]  # another donor may be asked (the liar has no
     # sketch to wait for past the bound)
-    assert check.ready(records, 5, ["liar"], exclude, now=1.0)[0]  # and the next epoch
+    assert check.ready(records, 6, ["liar"], exclude, now=1.0)[0]  # and another epoch (nobody at or committing it)
     records.append(_record("b", 4, base + 0.05 * _sketch(2)))
     assert check.ready(records, 4, ["liar"], exclude, now=2.0) == (True, "")
 
