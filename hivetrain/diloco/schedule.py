@@ -253,3 +253,19 @@ def round_to_wait_for(
     ]
     epoch = max([my_epoch, *live])
     return epoch if round_under_way(my_peer_id, epoch, records, now, stale_after_s, min_group_size) else None
+
+
+def failed_rounds(records: Iterable[PeerRecord]) -> dict[str, int]:
+    """peer id -> the ``rounds_failed`` count each trainer's record shows (the baseline of ``round_failed_since``)."""
+    return {r.peer_id: r.rounds_failed for r in records if r.role == "trainer"}
+
+
+def round_failed_since(baseline: dict[str, int], epoch: int, records: Iterable[PeerRecord]) -> bool:
+    """Whether a trainer at ``epoch`` (a member of the round we wait out) published a failed round since ``baseline``
+    (``failed_rounds`` when the wait began). Its members then match again for the same epoch, and a peer that waited
+    for them can train for it and join that attempt instead of waiting out ``round_timeout_s`` (chaos nan-peer: two
+    peers that started 1 s after the others waited 32 s for a round that had failed 2 s in)."""
+    return any(
+        r.role == "trainer" and r.epoch == epoch and r.rounds_failed > baseline.get(r.peer_id, r.rounds_failed)
+        for r in records
+    )

@@ -37,7 +37,13 @@ from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.resync import Resync
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
-from hivetrain.diloco.schedule import PhasePlan, round_to_wait_for, round_under_way
+from hivetrain.diloco.schedule import (
+    PhasePlan,
+    failed_rounds,
+    round_failed_since,
+    round_to_wait_for,
+    round_under_way,
+)
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
 from hivetrain.diloco.swarm_view import SwarmView
@@ -512,8 +518,9 @@ class DilocoTrainer:
         """Without overlap and with nothing pending: if the round of the swarm's epoch (ours, or the newest a live
         trainer holds when we are behind) is under way without us (``schedule.round_under_way``), wait until it is
         over instead of computing a phase it would not take, or downloading a state it is about to replace; at most
-        ``averaging.round_timeout_s``, once per epoch of ours (a claim of being done only delays us). Returns whether
-        we waited: the loop then downloads the round's result if the records show it."""
+        ``averaging.round_timeout_s``, once per epoch of ours (a claim of being done only delays us), and no longer
+        than until one of its members publishes a failed attempt. Returns whether we waited: the loop then downloads
+        the round's result if the records show it."""
         if self._overlap != "off" or self._pending is not None or self.background.in_flight:
             return False
         mine = self.state.epoch
@@ -529,10 +536,11 @@ class DilocoTrainer:
         self._emit("round_wait", round_epoch=epoch)
         self.phases.wait_for(epoch + 1)
         self.view.request_publish()
-        until = time.monotonic() + self.config.averaging.round_timeout_s
+        until, failures = time.monotonic() + self.config.averaging.round_timeout_s, failed_rounds(self.view.records)
         while not self._stop.wait(0.5) and time.monotonic() < until:
-            if not self._round_under_way(epoch, self.view.refresh()):
-                break
+            records = self.view.refresh()
+            if not self._round_under_way(epoch, records) or round_failed_since(failures, epoch, records):
+                break  # over, or its attempt failed: its members match again for the epoch, with us if we train
             self._check_dht()
         return True
 

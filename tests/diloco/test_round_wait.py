@@ -72,6 +72,23 @@ def test_the_wait_is_bounded_by_the_round_timeout():
     assert 1 <= len(t.checks) <= 3  # ~2 looks at 0.5 s intervals, then it stops waiting
 
 
+def test_the_wait_ends_when_a_member_of_the_round_publishes_a_failed_attempt():
+    """Chaos nan-peer: two peers that started 1 s after the others waited 32 s for a round that failed 2 s in (its
+    members then matched again for the same epoch, which the waiters could have trained for and joined)."""
+    under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
+    failed = [under_way[0].model_copy(update={"rounds_failed": 1}), under_way[1]]
+    t = _trainer(under_way, failed)
+    t.config.averaging.round_timeout_s = 10.0
+    started = get_dht_time()
+    assert DilocoTrainer._wait_out_round(t) is True
+    assert get_dht_time() - started < 2.0 and len(t.checks) == 1  # left at its second look, not at the 10 s bound
+    # a failure that was there before the wait began is no news
+    t = _trainer(failed, failed)
+    t.config.averaging.round_timeout_s = 1.2
+    DilocoTrainer._wait_out_round(t)
+    assert len(t.checks) >= 1
+
+
 def test_no_wait_while_others_compute_for_our_epoch_with_overlap_or_with_a_contribution_pending():
     computing = [_rec("a", 3, 2), _rec("b", 3, 2)]  # they committed epoch 2 and compute for 3
     assert DilocoTrainer._wait_out_round(_trainer(computing, computing)) is False

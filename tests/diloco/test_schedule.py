@@ -1,6 +1,15 @@
 """The swarm's schedule (pure): when a peer ends its inner phase, from the progress others publish."""
 
-from hivetrain.diloco.schedule import PhasePlan, decide_phase_end, round_to_wait_for, round_under_way
+import time
+
+from hivetrain.diloco.schedule import (
+    PhasePlan,
+    decide_phase_end,
+    failed_rounds,
+    round_failed_since,
+    round_to_wait_for,
+    round_under_way,
+)
 from tests.records import peer_record
 
 NOW = 1000.0
@@ -224,3 +233,16 @@ def test_the_round_to_wait_for_is_the_newest_epochs_when_we_are_behind():
     assert round_to_wait_for("me", 0, computing, NOW, 30.0) is None
     # a stale record's epoch is not the swarm's
     assert round_to_wait_for("me", 0, [_at("old", 7, 7, 80, age=31.0), *under_way], NOW, 30.0) == 3
+
+
+def test_a_failed_attempt_is_news_only_from_a_trainer_at_the_epoch_and_only_past_the_baseline():
+    now = time.time()
+    before = [peer_record("a", 3, now, rounds_failed=2), peer_record("b", 3, now)]
+    baseline = failed_rounds(before)
+    assert baseline == {"a": 2, "b": 0}
+    assert not round_failed_since(baseline, 3, before)
+    assert round_failed_since(baseline, 3, [peer_record("a", 3, now, rounds_failed=3)])
+    assert not round_failed_since(baseline, 3, [peer_record("a", 4, now, rounds_failed=3)])  # it committed, moved on
+    assert not round_failed_since(baseline, 3, [peer_record("c", 3, now, rounds_failed=5)])  # new: no baseline
+    coordinator = peer_record("k", 3, now, role="coordinator", rounds_failed=9)
+    assert not round_failed_since(failed_rounds([]), 3, [coordinator])
