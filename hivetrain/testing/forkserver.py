@@ -42,9 +42,10 @@ PRELOAD = (
 )  # fmt: skip
 """What the server imports before it forks anything: what every coordinator and join-swarm process imports."""
 
-SESSION_WAIT_S = 10.0
-"""How long ``start`` waits for the child to be in its own process group (it is at once unless the machine is
-starved), seconds; so that signalling the group right after ``start`` reaches it, as after ``Popen``."""
+SESSION_WAIT_S = 60.0
+"""How long ``start`` waits for the child to be in its own process group, seconds, so that signalling the group right
+after ``start`` reaches it, as after ``Popen``. It takes milliseconds; the bound is for a starved machine (beside 4
+CPU hogs a child gets a third of a core), where a launch must be slow, not fail."""
 
 _lock = threading.Lock()
 _context: multiprocessing.context.BaseContext | None = None
