@@ -15,7 +15,8 @@ from hivetrain.peers.records import RunConfigRecord, publish_record, publish_run
 from hivetrain.testing.forkserver import run as run_cli
 from tests.records import peer_record
 
-STATUS = [sys.executable, "-m", "hivetrain.cli.main", "status"]
+STATUS_ARGV = ["hivetrain.cli.main", "status"]  # run_cli forks it from the pre-imported fork server
+STATUS = [sys.executable, "-m", *STATUS_ARGV]  # a fresh interpreter: what --help must answer without a node
 
 
 def _records(coordinator, trainers, now):
@@ -48,7 +49,7 @@ def test_status_shows_the_runs_epoch_trainers_and_speeds_as_the_dashboard_counts
         assert publish_record(node.dht, node.owner_marker, record, 60)
 
     address = str(coordinator.visible_maddrs()[0])
-    proc = run_cli([*STATUS[2:], address, "--json"], 120)  # forked from the pre-imported fork server
+    proc = run_cli([*STATUS_ARGV, address, "--json"], 120)
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
     # what the coordinator's dashboard computes from the same records (its /api/status fields)
@@ -67,7 +68,7 @@ def test_status_shows_the_runs_epoch_trainers_and_speeds_as_the_dashboard_counts
     assert body["run"]["run_id"] == "status-run" and body["run"]["model_preset"] == "tiny"
     assert body["admission"] == "token" and body["coordinator"] == coordinator.peer_id
 
-    text = run_cli([*STATUS[2:], address], 120)
+    text = run_cli([*STATUS_ARGV, address], 120)
     assert text.returncode == 0, text.stderr
     assert "run status-run: model tiny, epoch 3, admission token" in text.stdout
     assert "2 trainer(s), 50.0 samples/s" in text.stdout and "fast one" in text.stdout
@@ -77,7 +78,7 @@ def test_status_shows_the_runs_epoch_trainers_and_speeds_as_the_dashboard_counts
 @pytest.mark.slow
 def test_status_of_an_address_that_is_no_runs_coordinator_is_one_error_line(make_node):
     lone = make_node(name="lone")  # a DHT peer with no run config signed by it
-    proc = run_cli([*STATUS[2:], str(lone.visible_maddrs()[0]), "--timeout", "3"], 120)
+    proc = run_cli([*STATUS_ARGV, str(lone.visible_maddrs()[0]), "--timeout", "3"], 120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no run config signed by" in errors[0] and lone.peer_id in errors[0]
