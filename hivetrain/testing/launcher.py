@@ -105,13 +105,12 @@ class LocalSwarm:
         threads_per_peer: int = 1,
         verbose: bool = False,
         extra_env: dict[str, str] | None = None,
-        preload: bool = True,
     ):
-        """``preload``: fork processes started without a command prefix from one process that has imported torch,
-        transformers and hivemind (``testing.forkserver``: about 6 s of CPU saved per process) instead of starting a
-        fresh interpreter for each."""
+        """Processes started without a command prefix are forked from one process that has imported torch,
+        transformers and hivemind (``testing.forkserver``: about 6 s of CPU saved per process) where the platform has
+        a fork server; a fresh interpreter each otherwise."""
         self.out_dir = Path(out_dir)
-        self.preload = preload and forkserver.available()
+        self.preload = forkserver.available()
         self.extra_env = dict(extra_env or {})
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = Path(config_path)

@@ -55,5 +55,5 @@ def test_a_moshpit_or_gossip_peer_does_not_wait_for_a_coordinator_that_follows_n
     """Their peers hold different states by design, so the coordinator never holds the last epoch: every such run
     waited out the whole bound at its end (60 s in the moshpit e2e run)."""
     view = View("coord", 0, then=0, at=1)
-    assert linger(view, exact_average=False, wait_s=20.0) < 2.0
-    assert view.reads == 1
+    linger(view, exact_average=False, wait_s=20.0)
+    assert view.reads == 1  # it left at its first read: waiting would have read once a second for 20 s

@@ -79,9 +79,8 @@ def test_the_wait_ends_when_a_member_of_the_round_publishes_a_failed_attempt():
     failed = [under_way[0].model_copy(update={"rounds_failed": 1}), under_way[1]]
     t = _trainer(under_way, failed)
     t.config.averaging.round_timeout_s = 10.0
-    started = get_dht_time()
     assert DilocoTrainer._wait_out_round(t) is True
-    assert get_dht_time() - started < 2.0 and len(t.checks) == 1  # left at its second look, not at the 10 s bound
+    assert len(t.checks) == 1  # left at its second look (the first shows no failure), not after ~20 at the 10 s bound
     # a failure that was there before the wait began is no news
     t = _trainer(failed, failed)
     t.config.averaging.round_timeout_s = 1.2
