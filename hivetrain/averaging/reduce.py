@@ -131,8 +131,13 @@ def weighted_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], weights
     """``out = sum_i w_i parts_i / sum_i w_i`` in fp32, in list order, in place: one pass per part and no allocation
     (``robust.weighted_mean`` does two passes per part and allocates, to be bit-reproducible across machines; here
     only the reducer computes, everyone else receives its bytes). Weights finite, >= 0, with a positive sum; they are
-    normalized first (w_i / sum), which saves the final division pass."""
+    normalized first (w_i / sum), which saves the final division pass. Parts of weight 0 are skipped (adding 0 x a
+    part would only turn a -0.0 into +0.0), so a single part of positive weight comes back bit for bit: the two-stage
+    round's fetch relies on it (``hierarchical``)."""
     total = math.fsum(weights)
+    if total > 0 and 0.0 in weights:
+        kept = [(p, w) for p, w in zip(parts, weights, strict=True) if w != 0.0]
+        parts, weights = [p for p, _ in kept], [w for _, w in kept]
     torch.mul(parts[0], weights[0] / total, out=out)
     for p, w in zip(parts[1:], weights[1:], strict=True):
         out.add_(p, alpha=w / total)

@@ -1,5 +1,5 @@
 """The two-stage all-reduce (issue 23): rows and columns, one bit-identical mean for more peers than one group, and
-all-or-nothing across the whole grid."""
+what one leaver costs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from hivetrain.averaging import AveragingConfig, RoundFailed, RoundResult
 from hivetrain.averaging.groups import hierarchy
+from hivetrain.averaging.hierarchical import FAILED, read_confirm, settle
+from hivetrain.averaging.reduce import RoundOutcome
 from hivetrain.faults import Fault, FaultInjector
 
 from .conftest import run_threads
@@ -79,16 +81,96 @@ def test_more_peers_than_one_group_hold_one_bit_identical_mean(make_averagers, n
 
 
 @pytest.mark.parametrize("stage", ["row", "column"])
-def test_a_member_failing_in_one_stage_leaves_nothing_applied_anywhere(make_averagers, stage):
-    """One member raises before voting in its row round, or in its column round (its second round): that row or
-    column fails, every column (or every row's confirm) shows it, and no participant returns a result (the caller
-    retries without it)."""
+def test_with_drop_failed_off_a_member_failing_in_one_stage_leaves_nothing_applied_anywhere(make_averagers, stage):
+    """``drop_failed = false``: one member raises before voting in its row round, or in its column round (its second
+    round): that row or column fails, every column (or every row's confirm) shows it, and no participant returns a
+    result (the caller retries without it)."""
     breaker = FaultInjector()
     breaker.arm(Fault("averaging.before_commit", "raise", skip=0 if stage == "row" else 1))
-    avgs = make_averagers(7, AveragingConfig(target_group_size=3, **SLOW_OK), faults=[None] * 6 + [breaker])
+    config = AveragingConfig(target_group_size=3, drop_failed=False, **SLOW_OK)
+    avgs = make_averagers(7, config, faults=[None] * 6 + [breaker])
     results = _average_all(avgs, _inputs(7), [1.0] * 7)
     assert breaker.fired_count("averaging.before_commit") == 1
     assert all(isinstance(r, RoundFailed) for r in results), results
+
+
+def test_a_member_lost_in_its_row_costs_its_own_contribution_only(make_averagers):
+    """8 peers in 2 rows of 4 (4 columns of 2). One member fails before sending in its row round: its row commits
+    without it, its column fails (it refuses it), the column-mate in the other row fetches the result from a
+    row-mate, and the 7 others commit one bit-identical mean of their own contributions in this attempt."""
+    breaker = FaultInjector()
+    breaker.arm(Fault("averaging.before_send", "raise", skip=0))
+    avgs = make_averagers(8, AveragingConfig(target_group_size=4, **SLOW_OK), faults=[None] * 7 + [breaker])
+    inputs, weights = _inputs(8), [float(i + 1) for i in range(8)]
+    results = _average_all(avgs, inputs, weights)
+    assert breaker.fired_count("averaging.before_send") == 1
+    assert isinstance(results[7], RoundFailed), results[7]
+    committed = results[:7]
+    assert all(isinstance(r, RoundResult) for r in committed), committed
+    assert len({_digest(r) for r in committed}) == 1
+    for r in committed:
+        assert r.total_weight == pytest.approx(sum(weights[:7]))
+        for got, want in zip(r.tensors, _weighted_mean(inputs[:7], weights[:7]), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_column_that_fails_is_made_good_by_row_mates(make_averagers):
+    """8 peers in 2 rows of 4. One member fails before voting in its column round: that column (2 members) fails,
+    both its members fetch the result from a row-mate whose column committed, and all 8 hold one bit-identical mean
+    of all 8 contributions: nobody's samples are lost."""
+    breaker = FaultInjector()
+    breaker.arm(Fault("averaging.before_commit", "raise", skip=1))
+    avgs = make_averagers(8, AveragingConfig(target_group_size=4, **SLOW_OK), faults=[None] * 7 + [breaker])
+    inputs, weights = _inputs(8), [float(i + 1) for i in range(8)]
+    results = _average_all(avgs, inputs, weights)
+    assert breaker.fired_count("averaging.before_commit") == 1
+    assert all(isinstance(r, RoundResult) for r in results), results
+    assert len({_digest(r) for r in results}) == 1
+    for r in results:
+        assert r.total_weight == pytest.approx(sum(weights))
+        for got, want in zip(r.tensors, _weighted_mean(inputs, weights), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+D1, D2 = tuple(range(16)), tuple(range(1, 17))
+
+
+@pytest.mark.parametrize(
+    ("digests", "me", "action", "source", "fetchers"),
+    [
+        ({"a": D1, "b": D1, "c": D1}, "b", "commit", "a", ()),
+        ({"a": None, "b": D1, "c": D1}, "a", "fetch", "b", ("a",)),
+        ({"a": None, "b": D1, "c": D1}, "b", "commit", "b", ("a",)),
+        ({"a": None, "c": D1}, "a", "fetch", "c", ("a",)),  # b dropped from the confirm (died)
+        ({"a": None, "b": None, "c": None}, "a", "abort", None, ()),
+        ({"a": D1, "b": D2, "c": None}, "a", "abort", None, ()),  # a column computed other bytes
+    ],
+)
+def test_settle_tolerant(digests, me, action, source, fetchers):
+    s = settle(digests, ["a", "b", "c"], me, strict=False)
+    assert (s.action, s.source, s.fetchers) == (action, source, fetchers), s
+    assert s.digest == (D1 if action != "abort" else None)
+
+
+@pytest.mark.parametrize(
+    ("digests", "action"),
+    [({"a": D1, "b": D1, "c": D1}, "commit"), ({"a": None, "b": D1, "c": D1}, "abort"), ({"a": D1, "c": D1}, "abort")],
+)
+def test_settle_strict_needs_every_member_and_one_result(digests, action):
+    assert settle(digests, ["a", "b", "c"], "c", strict=True).action == action
+
+
+def test_read_confirm_scales_each_slice_by_its_own_count_of_parts():
+    """3 confirm members, b dropped after its part of the first slice was reduced: that slice averaged 3 parts, the
+    others 2. Every present member's words come back exactly; a failed column reads None; b is absent."""
+    words = {"a": torch.arange(16.0) * 4000, "b": torch.arange(16.0) + 7, "c": torch.full((16,), FAILED)}
+    flat = torch.zeros(48)
+    flat[:16] = (words["a"] + words["b"][:16] * 0) / 3  # slice [0, 16): a, b (zeros there) and c (zeros)
+    flat[16:32] = 0.0  # b's own words were not reduced: its slice went to c after it was dropped
+    flat[32:] = words["c"] / 2
+    outcome = RoundOutcome(flat, ("a", "c"), ("b",), 2.0, 0, 0, slice_members=((0, 16, ("a", "b", "c")),))
+    got = read_confirm(outcome, ["a", "b", "c"])
+    assert got == {"a": tuple(int(v) for v in words["a"]), "c": None}
 
 
 def test_a_port_nobody_listens_on_refuses_and_a_listening_one_does_not():
