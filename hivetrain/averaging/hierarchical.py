@@ -161,7 +161,9 @@ def settle(digests: Mapping[str, Digest | None], order: Sequence[str], me: str, 
     digest = digests[holders[0]]
     if me in fetchers:
         return Settlement("fetch", digest, holders[0], fetchers, f"our column failed: fetching from {holders[0]}")
-    why = f"{len(holders)} of {len(order)} confirmed" + (f"; {len(fetchers)} fetch from {holders[0]}" if fetchers else "")
+    why = f"{len(holders)} of {len(order)} confirmed"
+    if fetchers:
+        why += f"; {len(fetchers)} fetch from {holders[0]}"
     return Settlement("commit", digest, holders[0], fetchers, why)
 
 
@@ -209,7 +211,9 @@ def two_stage(
     sent = row.bytes_sent + grid.sent + confirm.bytes_sent
     received = row.bytes_received + grid.received + confirm.bytes_received
     if plan.action == "abort":
-        raise failure if failure is not None and not grid.tolerant else RoundFailed("aborted", f"row {r}: {plan.reason}")
+        if failure is not None and not grid.tolerant:
+            raise failure
+        raise RoundFailed("aborted", f"row {r}: {plan.reason}")
     if plan.action == "fetch":
         logger.info("two-stage round %s: %s", round_id[:8], plan.reason)
         total, fetched = grid.fetch(plan, out)
