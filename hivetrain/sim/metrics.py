@@ -103,6 +103,12 @@ class SimMetrics:
         if num_samples > 0:
             self.samples_lost[why] += float(num_samples)
 
+    def regain(self, why: str, num_samples: float) -> None:
+        """``num_samples`` counted lost because ``why`` reached a committed round after all (a member of a two-stage
+        round that left after its row committed: its pseudo-gradient is in the mean)."""
+        if num_samples > 0:
+            self.samples_lost[why] -= float(num_samples)
+
     def _lost_shares(self, computed: float, committed: float) -> dict[str, float]:
         shares = {why: lost / max(computed, 1.0) for why, lost in sorted(self.samples_lost.items())}
         shares["unaccounted"] = (computed - committed - sum(self.samples_lost.values())) / max(computed, 1.0)

@@ -98,6 +98,59 @@ def download_cost(
     return Transfer(state_bytes / total_rate + rtt_s, served, np.array([state_bytes], np.int64))
 
 
+@dataclass(frozen=True)
+class StageCosts:
+    """The stages of one two-stage round (``averaging.hierarchical``), cut by the production ``groups.hierarchy``.
+
+    Attributes:
+        rows / columns: member indices (into the declaration's ``peer_ids``) of each row and column, in the
+            production order (a member of a short row appears in two columns).
+        row_s: (R,) seconds each row's round takes; column_s: (C,) each column's; confirm_s: (R,) each confirm's.
+        sent_bytes / received_bytes: (g,) per member over the row, column and confirm rounds.
+    """
+
+    rows: list[np.ndarray]
+    columns: list[np.ndarray]
+    row_s: np.ndarray
+    column_s: np.ndarray
+    confirm_s: np.ndarray
+    sent_bytes: np.ndarray
+    received_bytes: np.ndarray
+
+
+def two_stage_stages(
+    peer_ids: Sequence[str],
+    vector_bytes: int,
+    upload_bytes_per_s: np.ndarray,
+    download_bytes_per_s: np.ndarray,
+    latency_s: np.ndarray,
+    max_group_size: int,
+    seed: str,
+) -> StageCosts | None:
+    """Per-stage costs of the two-stage all-reduce among ``peer_ids`` (``two_stage_cost``'s arguments); None when
+    they fit one group (no columns)."""
+    rows, columns = hierarchy(peer_ids, max_group_size, seed)
+    if not columns:
+        return None
+    index = {p: i for i, p in enumerate(peer_ids)}
+    sent = np.zeros(len(peer_ids), np.int64)
+    received = np.zeros(len(peer_ids), np.int64)
+    durations = []
+    for groups, num_bytes in ((rows, vector_bytes), (columns, vector_bytes), (rows, CONFIRM_BYTES * max_group_size)):
+        stage = np.zeros(len(groups))
+        for j, group in enumerate(groups):
+            # a column lists members in row order (its sum's order); the slice cut of its round sorts them
+            idx = np.array([index[p] for p in sorted(group)])
+            cost = allreduce_cost(sorted(group), num_bytes, upload_bytes_per_s[idx], download_bytes_per_s[idx],
+                                  latency_s[idx])  # fmt: skip
+            np.add.at(sent, idx, cost.sent_bytes)
+            np.add.at(received, idx, cost.received_bytes)
+            stage[j] = cost.duration_s
+        durations.append(stage)
+    to_idx = lambda groups: [np.array([index[p] for p in g]) for g in groups]  # noqa: E731
+    return StageCosts(to_idx(rows), to_idx(columns), durations[0], durations[1], durations[2], sent, received)
+
+
 def two_stage_cost(
     peer_ids: Sequence[str],
     vector_bytes: int,
@@ -108,29 +161,17 @@ def two_stage_cost(
     seed: str,
 ) -> Transfer:
     """Cost of the two-stage all-reduce among ``peer_ids`` (the declaration's members), cut by the production
-    ``groups.hierarchy(peer_ids, max_group_size, seed)`` (``seed``: the declaration's round id). With no more than
-    ``max_group_size`` peers it is one butterfly round (``allreduce_cost``).
+    ``groups.hierarchy(peer_ids, max_group_size, seed)`` (``seed``: the declaration's round id), when nobody leaves:
+    the slowest row, then the slowest column, then the slowest confirm. With no more than ``max_group_size`` peers it
+    is one butterfly round (``allreduce_cost``).
 
     Args:
         vector_bytes: bytes of the averaged vector on the wire (both stages send the same encoding).
         upload_bytes_per_s / download_bytes_per_s / latency_s: (g,) per member, in the order of ``peer_ids``.
     """
-    rows, columns = hierarchy(peer_ids, max_group_size, seed)
-    if not columns:
-        return allreduce_cost(peer_ids, vector_bytes, upload_bytes_per_s, download_bytes_per_s, latency_s)
-    index = {p: i for i, p in enumerate(peer_ids)}
-    sent = np.zeros(len(peer_ids), np.int64)
-    received = np.zeros(len(peer_ids), np.int64)
-    duration_s = 0.0
-    for groups, num_bytes in ((rows, vector_bytes), (columns, vector_bytes), (rows, CONFIRM_BYTES * max_group_size)):
-        slowest_s = 0.0
-        for group in groups:
-            # a column lists members in row order (its sum's order); the slice cut of its round sorts them
-            idx = np.array([index[p] for p in sorted(group)])
-            cost = allreduce_cost(sorted(group), num_bytes, upload_bytes_per_s[idx], download_bytes_per_s[idx],
-                                  latency_s[idx])  # fmt: skip
-            np.add.at(sent, idx, cost.sent_bytes)
-            np.add.at(received, idx, cost.received_bytes)
-            slowest_s = max(slowest_s, cost.duration_s)
-        duration_s += slowest_s
-    return Transfer(duration_s, sent, received)
+    links = (upload_bytes_per_s, download_bytes_per_s, latency_s)
+    stages = two_stage_stages(peer_ids, vector_bytes, *links, max_group_size, seed)
+    if stages is None:
+        return allreduce_cost(peer_ids, vector_bytes, *links)
+    duration_s = float(stages.row_s.max() + stages.column_s.max() + stages.confirm_s.max())
+    return Transfer(duration_s, stages.sent_bytes, stages.received_bytes)

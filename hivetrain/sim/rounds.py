@@ -47,7 +47,8 @@ from hivetrain.diloco.round_policy import RoundView, decide_after_round
 from hivetrain.diloco.rounds import expected_peers, patience_for
 from hivetrain.sim import dht as simdht
 from hivetrain.sim.consensus import group_means
-from hivetrain.sim.network import Transfer, allreduce_cost, download_cost, two_stage_cost
+from hivetrain.sim.grid import grid_round
+from hivetrain.sim.network import Transfer, allreduce_cost, download_cost, two_stage_cost, two_stage_stages
 from hivetrain.sim.sharing import SharedCalls
 from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
 
@@ -305,6 +306,9 @@ class RoundEngine:
         self.sim.metrics.group_sizes.append(len(members))
         slots = np.array(members)
         live = slots[np.array(present)]
+        if self._tolerant_grid(len(slots)) and self.sim.partition.cut_s(slots, now) == float("inf"):
+            self.sim.env.process(self._grid(slots, np.array(present), decl, key.epoch, now))
+            return
         if not all(present) and not self._goes_on_without(len(live), len(slots)):
             # a member is gone (its entry outlived it): the round fails at connect
             self.sim.env.process(self._fail_after(list(live), key.epoch, "member gone", self.avg.connect_timeout_s))
@@ -336,6 +340,73 @@ class RoundEngine:
         (``ButterflyRound._quorate`` with ``averaging.drop_failed``): the grid and moshpit stay all-or-nothing."""
         tolerant = self.avg.drop_failed and self.avg.strategy == "butterfly" and declared <= self.avg.target_group_size
         return tolerant and left >= max(2, self.avg.min_group_size) and 2 * left > declared
+
+    def _tolerant_grid(self, declared: int) -> bool:
+        """Whether a declaration of ``declared`` members runs the tolerant two-stage round (``sim.grid``)."""
+        avg = self.avg
+        return avg.strategy == "butterfly" and avg.drop_failed and declared > avg.target_group_size
+
+    def _grid(self, slots: np.ndarray, present: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
+        """The tolerant two-stage round (``averaging.hierarchical`` with ``drop_failed``; ``sim.grid``): members
+        gone at the declaration and those that leave mid-round are dropped from their rows, the row-mates of a
+        failed column fetch the result, and the others commit one state in the same attempt."""
+        st = self.sim.state
+        ids = [st.peer_ids[int(s)] for s in slots]
+        links = (st.f["up_bps"][slots], st.f["down_bps"][slots], st.f["latency_s"][slots])
+        stages = two_stage_stages(ids, self.wire_bytes, *links, self.avg.target_group_size, decl.round_id)
+        assert stages is not None
+        deadlines = st.f["ready_since"][slots] + self.avg.round_timeout_s
+        leaves = np.where(present, np.minimum(st.f["leaves_at"][slots], deadlines), now)
+        fp32 = self.sim.sc.sim.model_bytes
+
+        def fetch(source: int, fetchers: list[int]) -> Transfer:
+            idx = np.array([source, *fetchers])
+            return allreduce_cost([ids[i] for i in idx], fp32, *(x[idx] for x in links))
+
+        out = grid_round(stages, leaves, now, part_timeout_s=self.avg.part_timeout_s,
+                         connect_grace_s=min(1.0, self.avg.connect_timeout_s),
+                         quorate=lambda left, declared: left >= max(2, self.avg.min_group_size) and 2 * left > declared,
+                         fetch_s=lambda source, fetchers: fetch(source, fetchers).duration_s)  # fmt: skip
+        metrics = self.sim.metrics
+        metrics.count("round.members_dropped", int((~out.contributors).sum()))
+        metrics.count("round.columns_failed", out.columns_failed)
+        sent, received = stages.sent_bytes.copy(), stages.received_bytes.copy()
+        for _, source, fetchers in out.fetch_rows:
+            cost = fetch(source, list(fetchers))
+            idx = np.array([source, *fetchers])
+            sent[idx] += cost.sent_bytes
+            received[idx] += cost.received_bytes
+        duration_s = float(np.nanmax(out.commit_at_s, initial=now) - now) if out.reason == "" else 0.0
+        self._account(slots, Transfer(duration_s, sent, received))
+        kept = slots[out.contributors]
+        avg, _ = group_means(st.delta[kept], st.f["weight"][kept], np.zeros(len(kept), np.int64))
+        held = [st.state_hash[int(s)] for s in slots]
+        hashes = np.array([decl.round_id if len(set(held)) == 1 else state_hash_of(decl.round_id, h) for h in held])
+        timed_out = np.isnan(out.commit_at_s) & np.isnan(out.fail_at_s) & (deadlines < st.f["leaves_at"][slots])
+        events = [(float(t), "commit", k) for k, t in enumerate(out.commit_at_s) if not np.isnan(t)]
+        events += [(float(t), "fail", k) for k, t in enumerate(out.fail_at_s) if not np.isnan(t)]
+        events += [(float(deadlines[k]), "timeout", int(k)) for k in np.flatnonzero(timed_out)]
+        credited = False
+        for when in sorted({t for t, _, _ in events}):
+            yield self.sim.env.timeout(max(0.0, when - self.sim.env.now))
+            if not credited and any(t == when and a == "commit" for t, a, _ in events):
+                # members that left after their row committed: their pseudo-gradient is in the mean the swarm keeps
+                gone = kept[st.i["status"][kept] == ABSENT]
+                st.f["samples_committed"][gone] += st.f["weight"][gone]
+                self.sim.metrics.regain("left before its round", float(st.f["weight"][gone].sum()))
+                credited = True
+            for action in ("commit", "fail", "timeout"):
+                ks = [k for t, a, k in events if t == when and a == action]
+                live = [k for k in ks if st.i["status"][int(slots[k])] == AVERAGING]
+                if not live:
+                    continue
+                if action == "commit":
+                    members = slots[live]
+                    self._commit(members, np.broadcast_to(avg[:1], (len(live), avg.shape[1])), epoch,
+                                 [str(h) for h in hashes[live]], self.sim.env.now)  # fmt: skip
+                else:
+                    why = "timeout" if action == "timeout" else ("member died" if out.reason == "" else out.reason)
+                    self.fail([int(slots[k]) for k in live], epoch, why, self.sim.env.now)
 
     def _butterfly(self, slots: np.ndarray, decl: GroupDeclaration, epoch: int, now: float, declared: int = 0):
         """One mean for every participant of the epoch's declaration (``averaging.hierarchical`` past one group).
