@@ -43,17 +43,18 @@ class HookPoint(str, enum.Enum):
 
     AVERAGING_BEFORE_SEND = "averaging.before_send"
     """A member is about to send its parts to the reducers (``averaging.allreduce``). Context: ``epoch``, ``peer``,
-    ``round_id``, ``subround``, ``flat`` (our fp32 vector) and ``frames`` (peer id -> [meta dict, payload buffers]),
-    which a "call" fault may corrupt in place (a hostile peer's wire)."""
+    ``round_id``, ``subround``, ``stage`` (the round's place in the averaging call: "group" for one group, "row",
+    "column", "confirm" or "fetch" in the two-stage round), ``flat`` (our fp32 vector) and ``frames`` (peer id ->
+    [meta dict, payload buffers]), which a "call" fault may corrupt in place (a hostile peer's wire)."""
     AVERAGING_MID_TRANSFER = "averaging.mid_transfer"
     """A member has sent half of its first part of an attempt (from a sender thread). Context: ``epoch``, ``peer``,
-    ``round_id``, ``subround``."""
+    ``round_id``, ``subround``, ``stage`` (as before_send)."""
     AVERAGING_AFTER_REDUCE = "averaging.after_reduce"
     """A reducer has reduced its part, before sending results back. Context: as before_send, ``reduced`` (the fp32
     slice) instead of ``flat``/``frames``."""
     AVERAGING_BEFORE_COMMIT = "averaging.before_commit"
     """A member holds the full result, before voting to commit. Context: ``epoch``, ``peer``, ``round_id``,
-    ``subround``."""
+    ``subround``, ``stage`` (as before_send)."""
     AVERAGING_VOTE = "averaging.vote"
     """A member is about to send its commit vote to member ``to`` (``agreement.CommitVote.commit``); a "raise" fault
     drops that one vote (the two-phase-commit gap: the others commit, ``to`` fails with ``voted`` set). Context: as

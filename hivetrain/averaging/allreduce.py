@@ -120,8 +120,10 @@ class ButterflyRound:
     columns of the two-stage all-reduce (``groups.hierarchy``) pass both, so that every column, whatever its
     members' ids, computes the same bytes from the same row means. ``drop_failed``: go on without members that fail
     (the module docstring); False = all-or-nothing, any member lost fails the round for every member: the columns
-    and confirms of the two-stage all-reduce, where a column without a member's row would compute another mean than
-    the others (and a column without a whole late row the same mean as the others, committing without that row).
+    of the two-stage all-reduce, where a column without a member's row would compute another mean than the others
+    (and a column without a whole late row the same mean as the others, committing without that row). ``stage``: the
+    round's place in the averaging call ("group", or "row", "column", "confirm", "fetch" in ``hierarchical``), for
+    fault hooks and logs.
     """
 
     def __init__(
@@ -144,8 +146,9 @@ class ButterflyRound:
         order: Sequence[str] | None = None,
         seed_tag: bytes | None = None,
         drop_failed: bool = True,
+        stage: str = "group",
     ):
-        self.round_id, self.me = round_id, me
+        self.round_id, self.me, self.stage = round_id, me, stage
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
         if order is not None:
             if sorted(order) != list(self.members):
@@ -259,7 +262,8 @@ class ButterflyRound:
 
     # ---- the round ----------------------------------------------------------------------------------------------
     def _hook(self, point: HookPoint, sub: int, **extra) -> None:
-        self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, **extra)
+        self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, stage=self.stage,
+                          **extra)  # fmt: skip
 
     def _encode(self, x: torch.Tensor, residual_at: int | None = None) -> list:
         """Wire buffers of ``x``; with error feedback and ``residual_at`` (the offset of ``x`` in our contribution),

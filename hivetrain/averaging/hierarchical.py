@@ -22,7 +22,8 @@ all-reduce; Moshpit SGD, Ryabinin et al. 2021, Sec. 3.1, shows the same two-leve
 3. **Confirm**: each row runs the butterfly round (fp32, plain mean) on k x 16 numbers: member i writes the BLAKE3
    digest of the result its column committed (16 uint16 words; -1s for a column that failed) at its own 16 places and
    zeros elsewhere, so the mean times the number of parts gives back every member's digest exactly (rounded to
-   integers). ``settle`` decides from these digests.
+   integers). ``settle`` decides from these digests. A member whose column committed keeps its result if the
+   confirm fails (its row-mates died: a row of 2 that lost one has no strict majority), as a row of one does.
 4. **Fetch** (only in a row where a column failed): the members whose column failed (a dead or stalled column-mate,
    a refusal) receive the result from the first row-mate that holds it (``settle``'s source), in one more butterfly
    round of the source and them (the source's vector at weight 1, theirs zeros at weight 0: the mean is the source's
@@ -206,7 +207,18 @@ def two_stage(
     row = grid.row_stage(flat, weight, residual_out)
     result, failure = grid.column_stage(row, out)
     order = list(row.contributors) if grid.tolerant else rows[r]
-    confirm = grid.confirm(order, None if failure is not None else out)
+    held = None if failure is not None else out
+    try:
+        confirm = grid.confirm(order, held)
+    except RoundFailed as exc:
+        if not grid.tolerant or held is None:
+            raise
+        # our row-mates are gone or stalled (a row of 2 that lost one cannot confirm: no strict majority): our column
+        # committed the grid's result, so we keep it, as a row of one does; nobody of our row is left to fetch it
+        logger.warning("two-stage round %s: row %d's confirm failed (%s): keeping our column's result", round_id[:8],
+                       r, exc)  # fmt: skip
+        order = [me]
+        confirm = grid.confirm(order, held)
     plan = settle(read_confirm(confirm, order), order, me, strict=not grid.tolerant)
     sent = row.bytes_sent + grid.sent + confirm.bytes_sent
     received = row.bytes_received + grid.received + confirm.bytes_received
@@ -251,7 +263,7 @@ class _Grid:
         try:
             self.run(stage_id(self.round_id, "column", c), self.columns[c], torch.zeros(self.n), 0.0, None, None,
                      order=self.columns[c], seed_tag=self.seed_tag, max_weight=self.max_weight,
-                     accept=lambda *_: why, drop_failed=False)  # fmt: skip
+                     accept=lambda *_: why, drop_failed=False, stage="column")  # fmt: skip
         except RoundFailed:
             pass
 
@@ -263,7 +275,8 @@ class _Grid:
                 if residual_out is not None:
                     residual_out.zero_()
                 return RoundOutcome(flat.clone(), (me,), (), float(weight), 0, 0)
-            return self.run(stage_id(self.round_id, "row", r), self.rows[r], flat, weight, None, residual_out)
+            return self.run(stage_id(self.round_id, "row", r), self.rows[r], flat, weight, None, residual_out,
+                            stage="row")  # fmt: skip
         except RoundFailed as exc:
             # our row has no mean to give: refuse our columns on a thread of their own, so that we are free to match
             # for the retry at once (a 9-peer run: a member that refused in line was 10 s late and missed it)
@@ -285,7 +298,8 @@ class _Grid:
             try:
                 got = self.run(stage_id(self.round_id, "column", c), self.columns[c], row.flat, row.total_weight,
                                out if result is None else None, None, order=self.columns[c], seed_tag=self.seed_tag,
-                               max_weight=self.max_weight, accept=self.everyone, drop_failed=False)  # fmt: skip
+                               max_weight=self.max_weight, accept=self.everyone, drop_failed=False,
+                               stage="column")  # fmt: skip
             except RoundFailed as exc:
                 logger.info("two-stage round %s: column %d failed: %s", self.round_id[:8], c, exc)
                 failure = exc
@@ -307,12 +321,12 @@ class _Grid:
         if k == 1:  # nobody to confirm with: our column's outcome is our row's
             return RoundOutcome(mine, (self.me,), (), 1.0, 0, 0)
         return self.run(stage_id(self.round_id, "confirm", self.r), order, mine, 1.0, None, None, config=self.plain,
-                        drop_failed=self.tolerant)  # fmt: skip
+                        drop_failed=self.tolerant, stage="confirm")  # fmt: skip
 
     def _fetch_round(self, plan: Settlement, x: torch.Tensor, weight: float, dest: torch.Tensor) -> RoundOutcome:
         members = [plan.source, *plan.fetchers]
         return self.run(stage_id(self.round_id, "fetch", self.r), members, x, weight, dest, None, config=self.plain,
-                        order=members, drop_failed=True)  # fmt: skip
+                        order=members, drop_failed=True, stage="fetch")  # fmt: skip
 
     def serve(self, plan: Settlement, result: torch.Tensor, total_weight: float) -> tuple[int, int]:
         """Give our result to the row-mates whose column failed (stage 4, we are ``plan.source``); its failure is

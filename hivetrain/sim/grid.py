@@ -12,8 +12,8 @@ The model follows the production stages:
    before it ends fails: at once if the member was gone before it started (its data port refuses connections:
    ``connect_grace_s``), ``part_timeout_s`` after the departure otherwise. If every column fails, nobody commits.
 3. **Confirm** per row once every column has ended or failed (members of a failed column come to it late); a member
-   gone by its end is dropped, while the row keeps a quorum of its row-stage survivors; otherwise the row's members
-   apply nothing.
+   gone by its end is dropped, while the row keeps a quorum of its row-stage survivors; otherwise the confirm fails
+   ``part_timeout_s`` later: members whose column committed keep its result, the others apply nothing.
 4. **Fetch** in each row with survivors whose every column failed: the first row-mate holding the result sends it
    (``fetch_s(source, fetchers)`` seconds). They commit if the source stays until the fetch ends.
 
@@ -118,10 +118,11 @@ def grid_round(
         members = row[contributors[row]]
         end = confirm_start + float(stages.confirm_s[r])
         here = members[leaves_s[members] > end]
-        if len(here) < len(members) and not quorate(len(here), len(members)):
-            fail_at[here] = end + part_timeout_s
-            continue
         holders, fetchers = here[holds[here]], here[~holds[here]]
+        if len(here) < len(members) and not quorate(len(here), len(members)):
+            commit_at[holders] = end + part_timeout_s  # they keep their column's result, as a row of one does
+            fail_at[fetchers] = end + part_timeout_s
+            continue
         if len(holders) == 0:
             fail_at[here] = end
             continue

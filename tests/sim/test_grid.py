@@ -79,3 +79,13 @@ def test_a_source_that_leaves_mid_fetch_leaves_its_fetchers_with_nothing():
     assert out.commit_at_s[0] == confirm_end  # it committed before it left
     assert np.isnan(out.commit_at_s[1]) and out.fail_at_s[1] == confirm_end + 2.0 + 5.0
     assert out.commit_at_s[7] == confirm_end + 4.0
+
+
+def test_a_row_that_cannot_confirm_keeps_its_holders_results():
+    """Row 0 loses members 1 and 2 during the columns: its confirm has no quorum, so member 0 (column 0 committed)
+    keeps its result part_timeout_s later; nobody of row 0 is left to fetch."""
+    out = run([INF, 12.0, 13.0] + [INF] * 6)
+    assert out.columns_failed == 2
+    assert out.commit_at_s[0] == 20.0 + 1.0 + 5.0  # the columns' end, the confirm, its part timeout
+    assert sorted(out.fetch_rows) == [(1, 3, (4, 5)), (2, 6, (7, 8))]
+    assert np.isnan(out.commit_at_s[1:3]).all()
