@@ -73,8 +73,9 @@ class AveragingConfig:
             the same round (``allreduce``; issue 23 item 2): the leaver's contribution is lost, the survivors' kept.
             An attempt still needs a strict majority of its declared members, and nothing is half-applied. On by
             default since 2026-11-29 session 16 (the loaded suite and demo pass with it; dev/LOG.md). False = any
-            member lost fails the attempt everywhere and the survivors retry. The two-stage grid's columns and
-            confirms are all-or-nothing either way.
+            member lost fails the attempt everywhere and the survivors retry. In the two-stage grid
+            (``hierarchical``) it also lets the grid go on without a failed column (its members fetch the result from
+            row-mates) and confirms go on without members that died; each column is all-or-nothing either way.
         moshpit_rounds: averaging rounds per outer step for "moshpit" and "gossip".
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of data-plane sockets, bytes (0 = the OS default).
         libp2p_fallback: when a member's data port cannot be dialed over TCP (NAT, firewall), carry the link over a
