@@ -119,8 +119,10 @@ class DataParallelSim:
                 st.f["samples_computed"][slot] += steps * self.sc.schedule.batch_size
                 st.f["compute_s"][slot] += steps * st.step_s(np.array([slot]), self.sc.schedule.batch_size)[0]
                 self.metrics.lose("left mid-phase", steps * self.sc.schedule.batch_size + st.f["carried_samples"][slot])
-            elif status in (READY, AVERAGING):
+            elif status == READY:
                 self.metrics.lose("left before its round", st.f["weight"][slot])
+            elif status == AVERAGING:
+                self.metrics.lose("left during its round", st.f["weight"][slot])
             st.f["live_s"][slot] = now - st.f["joined_at"][slot]
             st.i["status"][slot] = ABSENT
             self.rounds.forget(slot)

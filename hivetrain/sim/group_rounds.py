@@ -106,7 +106,7 @@ class GroupRounds:
                 # members that left after their row committed: their pseudo-gradient is in the mean the swarm keeps
                 gone = kept[st.i["status"][kept] == ABSENT]
                 st.f["samples_committed"][gone] += st.f["weight"][gone]
-                self.sim.metrics.regain("left before its round", float(st.f["weight"][gone].sum()))
+                self.sim.metrics.regain("left during its round", float(st.f["weight"][gone].sum()))
                 credited = True
             for action in ("commit", "fail", "timeout"):
                 ks = [k for t, a, k in events if t == when and a == action]

@@ -6,10 +6,11 @@ Definitions (units in the names):
   mid-phase, or whose contribution is dropped across a state download, loses them).
 - ``lost_sample_shares``: where the computed samples that no committed round took went, each a share of the
   samples computed: ``left mid-phase`` (a peer left while training), ``left before its round`` (it left with a
-  finished phase, waiting for or inside its round), ``dropped by a resync`` (a failed round sent it to download
-  state: ``keep_carried`` with staleness 0 drops its pseudo-gradient), ``dropped from a carried contribution`` (a
-  contribution carried past ``schedule.max_carried_phases`` phases loses its oldest); ``unaccounted`` is what is left of
-  computed - committed after those (0 when the accounting closes).
+  finished phase, waiting for its round), ``left during its round`` (it left inside its round before its
+  contribution was in it: in the two-stage round, before its row committed), ``dropped by a resync`` (a failed round
+  sent it to download state: ``keep_carried`` with staleness 0 drops its pseudo-gradient), ``dropped from a carried
+  contribution`` (a contribution carried past ``schedule.max_carried_phases`` phases loses its oldest);
+  ``unaccounted`` is what is left of computed - committed after those (0 when the accounting closes).
 - ``discarded_sample_share``: samples of committed rounds whose members then found themselves forked and downloaded
   another group's state (butterfly with several groups per epoch) / samples computed: counted as committed above
   (as the real trainers' summaries count them), yet not in the model the swarm keeps.
