@@ -132,6 +132,13 @@ def join_swarm_parser() -> argparse.ArgumentParser:
         "the path the run config names; verified against the run by the model fingerprint (weights' sha256)",
     )
     parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check this machine against the run (reachability, device, speed, link rates) and print its predicted "
+        "contribution, then exit without joining",
+    )
+    parser.add_argument("--json", action="store_true", help="with --check: print the checks as JSON")
+    parser.add_argument(
         "--skip-memory-check",
         action="store_true",
         help="train even if the memory preflight estimates that the model does not fit on the device",

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         from hivetrain.peers.loop import LoopThread
 
         loop = LoopThread()
+        _serve_link_checks(node, loop, config.run_id)
         # a pipeline's state lives in its stages' servers; moshpit/gossip peers hold no common state to follow
         if not args.no_state and not config.pipelined and config.averaging.exact_average:
             follower = _make_follower(args, config, node, loop, fingerprint)
@@ -153,6 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             loop.stop(timeout_s=2)
         if node is not None:
             node.shutdown()
+
+
+def _serve_link_checks(node, loop, run_id: str) -> None:
+    """Answer volunteers' ``join-swarm --check`` link probes (``peers.link_probe``); a failure only costs the checks."""
+    from hivetrain.peers.link_probe import LinkProbeServer
+
+    try:
+        p2p = loop.run(node.dht.replicate_p2p(), timeout_s=30)
+        loop.run(LinkProbeServer().register(p2p, run_id), timeout_s=30)
+    except Exception as exc:  # noqa: BLE001 - the run goes on without them
+        logger.warning("join-swarm --check link probes are not served: %r", exc)
 
 
 def _revocations_path(args, config) -> Path | None:

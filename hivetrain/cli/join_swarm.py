@@ -144,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         if len(args.public_name) > 64:
             raise ValueError("--public-name must be at most 64 characters")
+        if args.check and not args.addresses:
+            raise ValueError("--check needs the run's coordinator address: join-swarm --check /ip4/.../p2p/...")
         if not args.addresses and not args.config:
             raise ValueError("give the coordinator's address (join-swarm /ip4/.../p2p/...) or --config to start alone")
+        if args.json and not args.check:
+            raise ValueError("--json goes with --check")
         ncfg = node_config(args, args.addresses)
         duty = DutyCycle(args.duty_cycle, pause_file=args.pause_file)
     except ValueError as exc:
@@ -155,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_reaper()
         node = start_node(ncfg)
+        if args.check:
+            from hivetrain.cli.join_check import run_check
+
+            return run_check(args, node, device)
         ending.node = node
         return _train(args, node, device, faults, duty, ending)
     except BootstrapFailed as exc:

@@ -64,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
-def read_status(node, addresses: list[str], timeout_s: float) -> dict:
-    """The run's status from one poll of its records, as a JSON-able dict (the dashboard's ``/api/status`` body).
+def find_run(node, addresses: list[str], timeout_s: float):
+    """The run config signed by one of the ``addresses``' peers (the coordinator's), waiting up to ``timeout_s``.
+
+    Returns:
+        (record, config, (compatible, reason)): the signed ``RunConfigRecord``, its ``RunConfig``, and whether this
+        hivetrain can join a run of the coordinator's version (``records.versions_compatible``).
 
     Raises:
         ValueError: no run config signed by one of the addresses' peers appeared within ``timeout_s`` seconds, or it
@@ -73,13 +77,8 @@ def read_status(node, addresses: list[str], timeout_s: float) -> dict:
     """
     from hivetrain import __version__
     from hivetrain.config import RunConfig
-    from hivetrain.coordinator.dashboard import DashboardConfig
-    from hivetrain.coordinator.observer import SwarmObserver
-    from hivetrain.coordinator.web.snapshot import RunInfo, summarize_config, to_jsonable
-    from hivetrain.model import public_model_name
     from hivetrain.peers.node import trusted_ids
-    from hivetrain.peers.record_shards import fetch_swarm
-    from hivetrain.peers.records import fetch_records, fetch_run_config, versions_compatible
+    from hivetrain.peers.records import fetch_run_config, versions_compatible
 
     trusted = trusted_ids(tuple(addresses))
     deadline = time.monotonic() + timeout_s
@@ -92,11 +91,31 @@ def read_status(node, addresses: list[str], timeout_s: float) -> dict:
             f"no run config signed by {', '.join(sorted(trusted))} appeared within {timeout_s:g}s: is it the run's "
             "coordinator's address? (its log prints it after 'Volunteers join with:')"
         )
-    ok, reason = versions_compatible(__version__, record.version)
+    compatible = versions_compatible(__version__, record.version)
     try:
         config = RunConfig.from_dict(record.run_config)
     except ValueError as exc:
-        raise ValueError(f"the coordinator's run config does not load here ({reason}): {exc}") from None
+        raise ValueError(f"the coordinator's run config does not load here ({compatible[1]}): {exc}") from None
+    return record, config, compatible
+
+
+def read_status(node, addresses: list[str], timeout_s: float, found=None) -> dict:
+    """The run's status from one poll of its records, as a JSON-able dict (the dashboard's ``/api/status`` body).
+
+    Args:
+        found: ``find_run``'s answer, if the caller has it already.
+
+    Raises:
+        ValueError: as ``find_run``.
+    """
+    from hivetrain.coordinator.dashboard import DashboardConfig
+    from hivetrain.coordinator.observer import SwarmObserver
+    from hivetrain.coordinator.web.snapshot import RunInfo, summarize_config, to_jsonable
+    from hivetrain.model import public_model_name
+    from hivetrain.peers.record_shards import fetch_swarm
+    from hivetrain.peers.records import fetch_records
+
+    record, config, (ok, _) = found or find_run(node, addresses, timeout_s)
     level0 = fetch_records(node.dht, config.run_id)
     bits = {r.record_shard_bits for r in level0 if r.peer_id == record.coordinator_id} or {0}
     records = fetch_swarm(node.dht, config.run_id, bits)

@@ -1,0 +1,54 @@
+"""``peers.link_probe``: the coordinator's side of ``join-swarm --check`` dials only the caller's own address, and
+measures rates within its bounds, on a real libp2p pair on loopback."""
+
+import socket
+
+import pytest
+
+from hivetrain.peers.link_probe import MAX_PROBE_BYTES, LinkProbeServer, probe_dial, probe_rate, stream_ip
+from hivetrain.peers.loop import LoopThread
+
+
+def test_stream_ip_is_the_streams_own_ip_or_nothing():
+    assert stream_ip("/ip4/10.1.2.3/tcp/4001") == "10.1.2.3"
+    assert stream_ip("/ip6/::1/tcp/4001") == "::1"
+    assert stream_ip("/ip4/10.1.2.3/tcp/4001/p2p/QmX/p2p-circuit") is None  # relayed: no address of the caller
+    assert stream_ip("/dns4/example.org/tcp/4001") is None
+    assert stream_ip("/ip4/not-an-ip/tcp/1") is None
+
+
+@pytest.fixture
+def pair(make_node):
+    coordinator = make_node(name="coordinator")
+    volunteer = make_node(coordinator.visible_maddrs(), name="volunteer")
+    loop = LoopThread(name="probe-test")
+    server = LinkProbeServer()
+    try:
+        loop.run(server.register(loop.run(coordinator.dht.replicate_p2p(), 30), "run"), 30)
+        client = loop.run(volunteer.dht.replicate_p2p(), 30)
+        yield loop, server, client, coordinator.peer_id
+    finally:
+        loop.stop(timeout_s=2)
+
+
+@pytest.mark.slow
+def test_the_coordinator_dials_a_listening_port_and_reports_a_closed_one(pair):
+    loop, server, client, coordinator = pair
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        ok, detail = loop.run(probe_dial(client, coordinator, "run", port), 30)
+        assert ok, detail
+        assert f"127.0.0.1:{port}" in detail
+    ok, detail = loop.run(probe_dial(client, coordinator, "run", port), 30)  # nobody listens there now
+    assert not ok and "could not dial" in detail
+    assert server.served == 2
+
+
+@pytest.mark.slow
+def test_rates_are_measured_and_oversized_probes_refused(pair):
+    loop, server, client, coordinator = pair
+    for direction in ("up", "down"):
+        assert loop.run(probe_rate(client, coordinator, "run", direction, 1 << 20), 30) > 0
+    with pytest.raises(ValueError, match="bytes must be"):
+        loop.run(probe_rate(client, coordinator, "run", "up", MAX_PROBE_BYTES + 1), 30)
+    assert server.served == 2
