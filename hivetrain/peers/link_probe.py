@@ -15,7 +15,10 @@ so requests are length-prefixed and replies are read to a known length):
   own clock (upload rate).
 
 Bounds: N <= ``MAX_PROBE_BYTES``; at most ``MAX_CONCURRENT`` probes at once (others are answered ``ok`` False at
-once); every read within ``READ_TIMEOUT_S``; a dial within ``DIAL_TIMEOUT_S``. Nothing received is unpickled.
+once); per caller address (its IP, or its peer id when relayed) at most ``BUDGET_BYTES`` of rate checks and
+``BUDGET_DIALS`` dials per ``BUDGET_WINDOW_S`` (a 256-byte request must not buy 16 MiB of the coordinator's uplink
+over and over); every read within ``READ_TIMEOUT_S``; a dial within ``DIAL_TIMEOUT_S``. Nothing received is
+unpickled.
 
 The rates are those of the path to the coordinator over libp2p (through both p2p daemons): a lower bound on what the
 volunteer's direct TCP links to other peers carry, and a fair figure for a home uplink, which is usually the
@@ -40,6 +43,9 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 256
 MAX_PROBE_BYTES = 16 * 2**20
 MAX_CONCURRENT = 4
+BUDGET_WINDOW_S = 600.0
+BUDGET_BYTES = 64 * 2**20  # per caller address (IP, or peer id when relayed) per window: a check takes 8 MiB
+BUDGET_DIALS = 16
 READ_TIMEOUT_S = 30.0
 DIAL_TIMEOUT_S = 3.0
 CHUNK_BYTES = 64 * 1024
@@ -98,6 +104,24 @@ class LinkProbeServer:
     def __init__(self) -> None:
         self.served = self.refused = 0
         self._active = 0
+        self._spent: dict[str, list[tuple[float, int]]] = {}  # caller -> (monotonic time, bytes; 0 = a dial)
+
+    def _allow(self, caller: str, num_bytes: int) -> str:
+        """Why ``caller`` may not run a probe of ``num_bytes`` now ("" = it may; then it is counted)."""
+        now = time.monotonic()
+        spent = [(t, n) for t, n in self._spent.get(caller, []) if now - t < BUDGET_WINDOW_S]
+        if num_bytes == 0 and sum(1 for _, n in spent if n == 0) >= BUDGET_DIALS:
+            return f"more than {BUDGET_DIALS} dial checks from {caller} in {BUDGET_WINDOW_S:g} s: try later"
+        if sum(n for _, n in spent) + num_bytes > BUDGET_BYTES:
+            return (
+                f"more than {BUDGET_BYTES >> 20} MiB of rate checks from {caller} in {BUDGET_WINDOW_S:g} s: try later"
+            )
+        spent.append((now, num_bytes))
+        self._spent[caller] = spent
+        if len(self._spent) > 10_000:  # forget the oldest callers rather than grow without bound
+            for key in list(self._spent)[: len(self._spent) // 2]:
+                del self._spent[key]
+        return ""
 
     async def register(self, p2p: P2P, run_id: str) -> None:
         await p2p.add_binary_stream_handler(handler_name(run_id), self._handle)
@@ -124,6 +148,12 @@ class LinkProbeServer:
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = await _read_request(reader)
         op = request.get("op")
+        caller = stream_ip(info.addr) or info.peer_id.to_base58()
+        why = self._allow(caller, _probe_bytes(request) if op in ("up", "down") else 0)
+        if why:
+            self.refused += 1
+            await _write_message(writer, {"ok": False, "detail": why})
+            return
         if op == "dial":
             port = request.get("port")
             if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:

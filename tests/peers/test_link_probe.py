@@ -52,3 +52,15 @@ def test_rates_are_measured_and_oversized_probes_refused(pair):
     with pytest.raises(ValueError, match="bytes must be"):
         loop.run(probe_rate(client, coordinator, "run", "up", MAX_PROBE_BYTES + 1), 30)
     assert server.served == 2
+
+
+def test_each_caller_has_a_budget_of_dials_and_bytes():
+    """A 256-byte request must not buy the coordinator's uplink over and over: per caller address and window."""
+    from hivetrain.peers.link_probe import BUDGET_BYTES, BUDGET_DIALS
+
+    server = LinkProbeServer()
+    assert all(server._allow("10.0.0.1", 0) == "" for _ in range(BUDGET_DIALS))
+    assert "dial checks" in server._allow("10.0.0.1", 0)
+    assert all(server._allow("10.0.0.1", MAX_PROBE_BYTES) == "" for _ in range(BUDGET_BYTES // MAX_PROBE_BYTES))
+    assert "MiB of rate checks" in server._allow("10.0.0.1", 1)
+    assert server._allow("10.0.0.2", MAX_PROBE_BYTES) == ""  # another caller has its own
