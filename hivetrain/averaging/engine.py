@@ -372,7 +372,7 @@ class GroupAverager:
         entries = {m.peer_id: m for m in decl.members}
         members = [Member(p, entries[p].host, entries[p].port, entries[p].kx_public) for p in ids]
         config = kw.pop("config", self.config)  # the two-stage round's confirm runs plain fp32
-        kw.setdefault("drop_failed", config.drop_failed)  # columns and confirms pass False
+        kw.setdefault("drop_failed", config.drop_failed)  # columns pass False (confirms too with drop_failed off)
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
                            config=config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
                            fallback=self.fallback, **kw)  # fmt: skip

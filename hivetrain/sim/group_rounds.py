@@ -50,7 +50,8 @@ class GroupRounds:
 
     def goes_on_without(self, left: int, declared: int) -> bool:
         """Whether ``left`` of ``declared`` members of one butterfly group go on without the others
-        (``ButterflyRound._quorate`` with ``averaging.drop_failed``): the grid and moshpit stay all-or-nothing."""
+        (``ButterflyRound._quorate`` with ``averaging.drop_failed``); the grid's tolerance is ``grid`` (``sim.grid``),
+        and moshpit stays all-or-nothing."""
         tolerant = self.avg.drop_failed and self.avg.strategy == "butterfly" and declared <= self.avg.target_group_size
         return tolerant and left >= max(2, self.avg.min_group_size) and 2 * left > declared
 
