@@ -1,7 +1,7 @@
 """What the chaos runner does when a triggered fault comes due: one function per fault model, in ``FIRE``.
 
 Each ``fire_*(runner, index, fault, target, reason)`` applies fault ``index`` of the scenario (``fault``, its frozen
-model from ``chaos/scenario.py``) to ``target`` (the peer it names; None for faults that name none), records what it
+model from ``chaos/fault_models.py``) to ``target`` (the peer it names; None for faults that name none), records what it
 did with ``runner.fired`` and schedules what comes later (a resume, a heal, a restart, reading a tool's answer) with
 ``runner.later``. ``reason`` says what triggered it, for the log. The runner has already checked that a named peer is
 running. Launch-time faults (``LAUNCH_TIME_KINDS``: hooks, byzantine modes, latency, an unreachable data port) are
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hivetrain.chaos import adversary, process
-from hivetrain.chaos.scenario import (
+from hivetrain.chaos.fault_models import (
     AdversaryFault,
     BandwidthFault,
     ChurnFault,
@@ -272,4 +272,4 @@ FIRE: dict[type, Callable[[Any, int, Any, Any, str], None]] = {
     FloodFault: fire_flood,
     ChurnFault: fire_churn,
 }
-"""Fault model type -> what firing it does: one entry per triggered kind (``scenario.TRIGGERED_KINDS``)."""
+"""Fault model type -> what firing it does: one entry per triggered kind (``fault_models.TRIGGERED_KINDS``)."""

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, ChurnFault, Scenario
+from hivetrain.chaos.fault_models import LAUNCH_TIME_KINDS, ChurnFault
+from hivetrain.chaos.scenario import Scenario
 
 
 @dataclass(frozen=True)

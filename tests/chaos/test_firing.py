@@ -2,8 +2,8 @@
 
 import typing
 
+from hivetrain.chaos.fault_models import LAUNCH_TIME_KINDS, TRIGGERED_KINDS
 from hivetrain.chaos.firing import FIRE
-from hivetrain.chaos.scenario import LAUNCH_TIME_KINDS, TRIGGERED_KINDS
 
 
 def test_every_triggered_kind_has_one_firing_and_no_launch_time_kind_has_any():
