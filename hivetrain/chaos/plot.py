@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hivetrain.chaos.report import PeerRun, eval_series
+from hivetrain.chaos.facts import PeerRun, eval_series
 
 _SPAN_KINDS = {"pause", "cpu_starve", "kill_coordinator", "partition", "churn"}
 

@@ -38,307 +38,23 @@ Invariants of an invite-only run with an ``uninvited`` byzantine peer (present o
 from __future__ import annotations
 
 import statistics
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from hivetrain.chaos.facts import (
+    PeerRun,
+    commit_times,
+    dht_leftovers,
+    hash_agreement,
+    join_sync_times,
+    lost_samples,
+    missed_commits,
+    peers_left,
+    rss_growth_mib,
+    transient_forks,
+    uninvited_problems,
+    unverified_states,
+)
 from hivetrain.chaos.scenario import Scenario
-
-MIB = 2**20
-RECORD_EXPIRY_CAP_S = 660.0
-"""How far ahead of the probe's clock an honest node may hold a peer record's expiration: ``RecordBounds``'
-max_record_ttl_s (600 s) plus max_clock_skew_s (60 s)."""
-
-
-@dataclass
-class PeerRun:
-    """One peer process as the runner saw it. Times are seconds since the swarm started.
-
-    Attributes:
-        name: "peer3" or "churn2".
-        index: its scenario index (None for churn peers).
-        byzantine: its --byzantine mode ("" = honest).
-        events: its metrics events (dicts, with "t_s" added).
-        summary: its summary file (None if it was killed before writing one).
-        exit_code: None while alive at the end (then it was stopped by the runner).
-        killed: the harness killed it on purpose (kill or churn fault).
-        rss: (t_s, bytes) samples of the peer and its p2pd together.
-        reason: why it exited, as the runner read it (``testing.summary.exit_reason``: its summary's
-            ``exit_reason``, else its log's last ERROR line, else "exit code N"); "" while alive.
-        peer_id: its base58 peer ID when the runner made its identity (invite-only runs), else "".
-        state_requests_from: for an ``uninvited`` peer, who opened a state stream to it (names, or peer IDs).
-    """
-
-    name: str
-    index: int | None
-    byzantine: str = ""
-    started_at_s: float = 0.0
-    exited_at_s: float | None = None
-    exit_code: int | None = None
-    killed: bool = False
-    events: list[dict] = field(default_factory=list)
-    summary: dict | None = None
-    rss: list[tuple[float, int]] = field(default_factory=list)
-    reason: str = ""
-    peer_id: str = ""
-    state_requests_from: list[str] = field(default_factory=list)
-
-    @property
-    def honest(self) -> bool:
-        return not self.byzantine
-
-    @property
-    def survived(self) -> bool:
-        return self.exit_code == 0 and not self.killed
-
-
-def commit_times(peers: list[PeerRun]) -> list[tuple[float, int]]:
-    """(t_s, epoch) of the first commit of each epoch by an honest peer, in time order."""
-    first: dict[int, float] = {}
-    for peer in peers:
-        if not peer.honest:
-            continue
-        for e in peer.events:
-            if e["event"] == "outer_step" and (e["epoch"] not in first or e["t_s"] < first[e["epoch"]]):
-                first[e["epoch"]] = e["t_s"]
-    return sorted((t, epoch) for epoch, t in first.items())
-
-
-def lost_samples(peers: list[PeerRun]) -> list[tuple[float, int, str]]:
-    """(t_s, num_samples, peer) of inner phases whose pseudo-gradient was never committed.
-
-    An inner phase is lost when the peer discarded it, downloaded state instead, or died before committing it.
-    """
-    lost = []
-    for peer in peers:
-        pending: tuple[float, int] | None = None
-        for e in peer.events:
-            kind = e["event"]
-            if kind == "inner_phase":
-                if pending is not None:
-                    lost.append((*pending, peer.name))
-                pending = (e["t_s"], int(e.get("samples", 0)))
-            elif kind == "outer_step":
-                pending = None
-            elif kind in ("pseudo_gradient_discarded", "state_downloaded") and pending is not None:
-                lost.append((e["t_s"], pending[1], peer.name))
-                pending = None
-        if pending is not None:
-            lost.append((peer.exited_at_s if peer.exited_at_s is not None else pending[0], pending[1], peer.name))
-    return sorted(lost)
-
-
-def hash_agreement(peers: list[PeerRun]) -> tuple[bool, list[str], dict[str, list[str]]]:
-    """Compare the survivors' state hashes per epoch.
-
-    Returns:
-        (all epochs agree, names of diverged survivors, epoch -> distinct hashes where they disagree).
-    """
-    survivors = [p for p in peers if p.survived and p.honest and p.summary]
-    by_epoch: dict[str, dict[str, str]] = {}
-    for peer in survivors:
-        for epoch, digest in peer.summary.get("state_hashes", {}).items():
-            by_epoch.setdefault(str(epoch), {})[peer.name] = digest
-    disagreements = {
-        epoch: sorted(set(hashes.values())) for epoch, hashes in by_epoch.items() if len(set(hashes.values())) > 1
-    }
-    diverged: set[str] = set()
-    for epoch in disagreements:
-        majority = Counter(by_epoch[epoch].values()).most_common(1)[0][0]
-        diverged |= {name for name, digest in by_epoch[epoch].items() if digest != majority}
-    return not disagreements, sorted(diverged), disagreements
-
-
-def transient_forks(peers: list[PeerRun]) -> int:
-    """Epochs at which honest peers committed different states (later repaired by a state download, or not)."""
-    by_epoch: dict[int, set[str]] = {}
-    for peer in peers:
-        if peer.honest:
-            for e in peer.events:
-                if e["event"] == "outer_step":
-                    by_epoch.setdefault(e["epoch"], set()).add(e["state_hash"])
-    return sum(1 for hashes in by_epoch.values() if len(hashes) > 1)
-
-
-def rss_growth_mib(peer: PeerRun) -> float:
-    """RSS growth of a peer from its first committed step to its largest sample, MiB (0 without samples)."""
-    first_commit = next((e["t_s"] for e in peer.events if e["event"] == "outer_step"), None)
-    if first_commit is None:
-        return 0.0
-    warm = [rss for t, rss in peer.rss if t >= first_commit]
-    return (max(warm) - warm[0]) / MIB if warm else 0.0
-
-
-def eval_series(peer: PeerRun) -> list[tuple[float, float]]:
-    """(t_s, eval loss) of a peer: at start, after evaluated outer steps and at finish."""
-    return [(e["t_s"], e["eval_loss"]) for e in peer.events if e.get("eval_loss") is not None]
-
-
-def last_epoch(peer: PeerRun) -> int | None:
-    """The last epoch a peer reached (its summary's, else its events'); None if it reached none."""
-    epochs = [int(e["epoch"]) for e in peer.events if e["event"] in ("start", "outer_step", "state_downloaded")]
-    if peer.summary:
-        epochs.append(int(peer.summary.get("epoch", 0)))
-    return max(epochs, default=None)
-
-
-def peers_left(peers: list[PeerRun]) -> list[dict]:
-    """The peers that left before the end, in the order they left: killed on purpose, or exited non-zero.
-
-    Returns:
-        Dicts with name, peer_id ("" if unknown), exit_code, epoch (last reached), at_s (seconds after the swarm
-        started) and reason (marked "hit by a fault on purpose" for peers the harness killed or cut off).
-    """
-    left = []
-    for p in peers:
-        if p.exit_code is None or (p.exit_code == 0 and not p.killed):
-            continue
-        peer_id = (p.summary or {}).get("peer_id") or next((e["peer"] for e in p.events if e.get("peer")), "")
-        reason = p.reason or f"exit code {p.exit_code}"
-        left.append(
-            {
-                "name": p.name,
-                "peer_id": peer_id,
-                "exit_code": p.exit_code,
-                "epoch": last_epoch(p),
-                "at_s": None if p.exited_at_s is None else round(p.exited_at_s, 1),
-                "reason": f"{reason} (hit by a fault on purpose)" if p.killed else reason,
-            }
-        )
-    return sorted(left, key=lambda d: (d["at_s"] is None, d["at_s"] or 0.0))
-
-
-def unverified_states(peers: list[PeerRun], target: int, coordinator_epochs: list[int] = ()) -> list[str]:
-    """What breaks ``no_unverified_state``, one line each (empty: none).
-
-    A download is verified when an honest peer committed that (epoch, state hash) in a round (its ``outer_step``
-    event). Epochs past ``target`` (the run's outer steps) are a lie taken as true, whoever reached them.
-    """
-    committed = {
-        (int(e["epoch"]), e.get("state_hash"))
-        for p in peers
-        if p.honest
-        for e in p.events
-        if e["event"] == "outer_step"
-    }
-    problems = []
-    for p in peers:
-        if not p.honest:
-            continue
-        for e in p.events:
-            if e["event"] == "state_downloaded" and (int(e["epoch"]), e.get("state_hash")) not in committed:
-                problems.append(
-                    f"{p.name} downloaded epoch {e['epoch']} ({str(e.get('state_hash'))[:12]}), which no honest "
-                    "peer committed"
-                )
-        epoch = last_epoch(p)
-        if epoch is not None and epoch > target:
-            problems.append(f"{p.name} reached epoch {epoch}, past the run's {target} outer steps")
-    problems += [
-        f"the coordinator downloaded epoch {e}, past the run's {target}" for e in coordinator_epochs if e > target
-    ]
-    return problems
-
-
-def missed_commits(peers: list[PeerRun], target: int) -> dict[str, str]:
-    """Honest survivors that did not commit every epoch from their first commit to ``target``: name -> what they
-    missed (epochs without a commit, state downloads after the first commit)."""
-    missed = {}
-    for p in peers:
-        if not (p.honest and p.survived):
-            continue
-        commits = [int(e["epoch"]) for e in p.events if e["event"] == "outer_step"]
-        if not commits:
-            missed[p.name] = "committed no epoch"
-            continue
-        first_t = next(e["t_s"] for e in p.events if e["event"] == "outer_step")
-        gaps = sorted(set(range(min(commits), target + 1)) - set(commits))
-        late = [e for e in p.events if e["event"] == "state_downloaded" and e["t_s"] > first_t]
-        if gaps or late:
-            why = "; ".join(f"{int(e['epoch'])} at {e['t_s']:.1f}s ({e.get('reason', '?')})" for e in late)
-            missed[p.name] = f"epochs without a commit {gaps}" + (f", downloaded state at epoch {why}" if late else "")
-    return missed
-
-
-def join_sync_times(peers: list[PeerRun], num_initial: int) -> dict[str, float | None]:
-    """Seconds from an honest joiner's start event to its first state download (0 if it committed without one);
-    None if it did neither. Joiners are the peers of ``join`` faults (index >= ``num_initial``)."""
-    times: dict[str, float | None] = {}
-    for p in peers:
-        if not p.honest or p.index is None or p.index < num_initial:
-            continue
-        start = next((e["t_s"] for e in p.events if e["event"] == "start"), None)
-        synced = next((e for e in p.events if e["event"] in ("state_downloaded", "outer_step")), None)
-        if start is None or synced is None:
-            times[p.name] = None
-        else:
-            times[p.name] = round(synced["t_s"] - start, 2) if synced["event"] == "state_downloaded" else 0.0
-    return times
-
-
-def dht_leftovers(probe: dict, target: int) -> list[dict]:
-    """The records a DHT probe found that no honest node may hold: a peer record past the run's ``target`` epoch or
-    expiring more than ``RECORD_EXPIRY_CAP_S`` after the probe read it. ``probe["records"]``: dicts with peer_id,
-    epoch and expires_in_s (seconds from the probe's read)."""
-    return [
-        r
-        for r in probe.get("records", [])
-        if r.get("epoch", 0) > target or r.get("expires_in_s", 0) > RECORD_EXPIRY_CAP_S
-    ]
-
-
-def uninvited_problems(peers: list[PeerRun]) -> dict[str, list[str]]:
-    """What breaks each ``uninvited_*`` invariant, one line per finding (empty lists: it holds).
-
-    The uninvited peers' IDs come from the runner (``PeerRun.peer_id``), else from their events. A member's view
-    counts every trainer record it holds, its own included, so it may see at most the members (peers that are not
-    ``uninvited``) launched before the event.
-    """
-    uninvited = [p for p in peers if p.byzantine == "uninvited"]
-    ids = {p.peer_id or next((e["peer"] for e in p.events if e.get("peer")), ""): p.name for p in uninvited}
-    ids.pop("", None)
-    found: dict[str, list[str]] = {
-        "uninvited_peer_tried": [],
-        "uninvited_never_grouped": [],
-        "uninvited_record_unseen": [],
-        "uninvited_served_no_state": [],
-        "uninvited_got_no_state": [],
-    }
-    if not uninvited:
-        found["uninvited_peer_tried"].append("no uninvited peer was launched")
-    for p in uninvited:
-        kinds = {e["event"] for e in p.events}
-        if "inner_phase" not in kinds or not kinds & {"outer_step", "round_failed", "contribution_carried"}:
-            found["uninvited_peer_tried"].append(f"{p.name} ran no inner phase or tried no round ({p.reason})")
-        for e in p.events:
-            if e["event"] == "outer_step" and int(e.get("group_size") or 0) >= 2:
-                found["uninvited_never_grouped"].append(
-                    f"{p.name} committed epoch {e['epoch']} in a group of {e['group_size']}"
-                )
-        for e in p.events:  # no member (the coordinator included) served it the run's state
-            if e["event"] == "state_downloaded":
-                found["uninvited_got_no_state"].append(f"{p.name} downloaded epoch {e['epoch']}")
-        if p.state_requests_from:
-            found["uninvited_served_no_state"].append(
-                f"{p.name} got state streams from {', '.join(sorted(set(p.state_requests_from)))}"
-            )
-    members = sorted(p.started_at_s for p in peers if p.byzantine != "uninvited")
-    for p in peers:
-        if not p.honest:
-            continue
-        worst = None
-        for e in p.events:
-            if e["event"] == "outer_step":
-                for peer_id in set(e.get("excluded") or ()) & set(ids):
-                    found["uninvited_never_grouped"].append(
-                        f"{p.name}'s round of epoch {e['epoch']} had the uninvited {ids[peer_id]} in its group "
-                        "(excluded it)"
-                    )
-            launched = sum(1 for t in members if t <= e["t_s"])
-            if int(e.get("peers_seen") or 0) > launched and worst is None:
-                worst = f"{p.name} saw {e['peers_seen']} trainers at {e['t_s']:.1f} s, with {launched} members launched"
-        if worst:
-            found["uninvited_record_unseen"].append(worst)
-    return found
 
 
 def build_report(
@@ -353,7 +69,8 @@ def build_report(
     coordinator_epochs: list[int] = (),
     dht_probes: list[dict] = (),
 ) -> dict:
-    """The content of ``report.json``.
+    """The content of ``report.json``: each fault's recovery, the invariants (module docstring), the figures, and what
+    each peer did.
 
     Args:
         faults: the runner's fault log: dicts with at least kind, label, fired_at_s (None = never fired),
@@ -365,12 +82,38 @@ def build_report(
             answered), error, and records (peer_id, epoch, expires_in_s).
     """
     target = scenario.run_config().diloco.outer_steps
-    commits = commit_times(peers)
-    start_s = min((e["t_s"] for p in peers for e in p.events if e["event"] == "start"), default=0.0)
-    marks = [start_s] + [t for t, _ in commits]
-    gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    lost = lost_samples(peers)
+    commits, lost = commit_times(peers), lost_samples(peers)
+    _fault_outcomes(faults, commits, lost)
+    health = _Health.of(scenario, peers)
+    invariants = _core_invariants(scenario, peers, faults, target, health, timed_out, leftover_pids, checkpoints)
+    asked = _asked_invariants(scenario, peers, target, health, list(coordinator_epochs), list(dht_probes))
+    invariants.update(asked.invariants)
+    return {
+        "scenario": scenario.name,
+        "description": scenario.description,
+        "passed": all(invariants.values()),
+        "invariants": invariants,
+        "faults": faults,
+        "diverged_peers": health.diverged,
+        "figures": _figures(peers, faults, commits, lost, target, health, wall_s),
+        "hash_disagreements": health.disagreements,
+        "unverified_states": asked.unverified,
+        "missed_commits": asked.missed,
+        "join_sync_s": asked.sync_times,
+        "dht_probes": asked.probes,
+        "uninvited": asked.uninvited,
+        "peers": [_peer_row(p) for p in peers],
+        "peers_left": peers_left(peers),
+        "commits": [{"t_s": round(t, 2), "epoch": epoch} for t, epoch in commits],
+        "leftover_pids": leftover_pids,
+        "checkpoints": checkpoints,
+        "timed_out": timed_out,
+    }
 
+
+def _fault_outcomes(faults: list[dict], commits: list[tuple[float, int]], lost: list[tuple[float, int, str]]) -> None:
+    """Each fault's recovery (seconds from firing to the next commit) and the samples lost until then or the next
+    fault, added to its dict in place."""
     fired_times = sorted(f["fired_at_s"] for f in faults if f.get("fired_at_s") is not None)
     for fault in faults:
         fired = fault.get("fired_at_s")
@@ -383,35 +126,73 @@ def build_report(
         window_end = min([after[0] if after else float("inf")] + ([later[0]] if later else []))
         fault["samples_lost"] = sum(n for t, n, _ in lost if fired <= t <= window_end)
 
-    exact = scenario.run_config().averaging.exact_average
-    agree, diverged, disagreements = hash_agreement(peers) if exact else (True, [], {})  # moshpit: states differ
-    honest = [p for p in peers if p.honest]
-    survivors = [p for p in honest if p.survived]
-    initial = [e["eval_loss"] for p in honest for e in p.events if e["event"] == "start" and e.get("eval_loss")]
-    final = [p.summary["final_eval_loss"] for p in survivors if p.summary and p.summary.get("final_eval_loss")]
-    initial_loss = statistics.median(initial) if initial else None
-    final_loss = statistics.fmean(final) if final else None
-    rss = {p.name: round(rss_growth_mib(p), 1) for p in peers}
+
+@dataclass(frozen=True)
+class _Health:
+    """How the honest peers ended: state agreement (exact-average runs only), eval losses, RSS growth."""
+
+    exact: bool
+    agree: bool
+    diverged: list[str]
+    disagreements: dict[str, list[str]]
+    honest: list[PeerRun]
+    survivors: list[PeerRun]
+    initial_loss: float | None
+    final_loss: float | None
+    rss: dict[str, float]
+
+    @classmethod
+    def of(cls, scenario: Scenario, peers: list[PeerRun]) -> _Health:
+        exact = scenario.run_config().averaging.exact_average
+        agree, diverged, disagreements = hash_agreement(peers) if exact else (True, [], {})  # moshpit: states differ
+        honest = [p for p in peers if p.honest]
+        survivors = [p for p in honest if p.survived]
+        initial = [e["eval_loss"] for p in honest for e in p.events if e["event"] == "start" and e.get("eval_loss")]
+        final = [p.summary["final_eval_loss"] for p in survivors if p.summary and p.summary.get("final_eval_loss")]
+        return cls(exact, agree, diverged, disagreements, honest, survivors,
+                   statistics.median(initial) if initial else None, statistics.fmean(final) if final else None,
+                   {p.name: round(rss_growth_mib(p), 1) for p in peers})  # fmt: skip
+
+
+def _core_invariants(scenario, peers, faults, target, health: _Health, timed_out, leftover_pids, checkpoints) -> dict:
+    """The invariants every run must keep (module docstring)."""
     finished = (
         not timed_out
-        and bool(survivors)
-        and all(p.summary and p.summary.get("epoch", 0) >= target for p in survivors)
+        and bool(health.survivors)
+        and all(p.summary and p.summary.get("epoch", 0) >= target for p in health.survivors)
         and all(p.exit_code in (0, None) or p.killed or p.byzantine for p in peers)
     )
-    invariants = {
-        **({"state_hashes_agree": agree, "no_diverged_peers": not diverged} if exact else {}),
-        "eval_loss_decreased": initial_loss is not None and final_loss is not None and final_loss < initial_loss,
+    initial, final = health.initial_loss, health.final_loss
+    return {
+        **({"state_hashes_agree": health.agree, "no_diverged_peers": not health.diverged} if health.exact else {}),
+        "eval_loss_decreased": initial is not None and final is not None and final < initial,
         "finished": finished,
         "no_leftover_processes": not leftover_pids,
         "no_torn_checkpoint": all(c["status"] != "torn" for c in checkpoints),
-        "rss_growth_bounded": all(v <= scenario.max_rss_growth_mb for v in rss.values()),
+        "rss_growth_bounded": all(v <= scenario.max_rss_growth_mb for v in health.rss.values()),
         "faults_fired": all(f.get("fired_at_s") is not None for f in faults),
     }
-    unverified = unverified_states(peers, target, list(coordinator_epochs))
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """The invariants that depend on the scenario (and always ``no_unverified_state``), with their evidence."""
+
+    invariants: dict[str, bool]
+    unverified: list[str]
+    missed: dict[str, str]
+    sync_times: dict[str, float | None]
+    probes: list[dict]
+    uninvited: dict[str, list[str]]
+
+
+def _asked_invariants(scenario, peers, target, health: _Health, coordinator_epochs, dht_probes) -> _Asked:
+    invariants: dict[str, bool] = {}
+    unverified = unverified_states(peers, target, coordinator_epochs)
     invariants["no_unverified_state"] = not unverified
     missed = missed_commits(peers, target)
     if scenario.every_peer_commits:
-        invariants["every_peer_kept_committing"] = bool(survivors) and not missed
+        invariants["every_peer_kept_committing"] = bool(health.survivors) and not missed
     sync_times = join_sync_times(peers, scenario.peers)
     if scenario.max_join_download_s is not None:
         bound = scenario.max_join_download_s
@@ -428,59 +209,49 @@ def build_report(
     asked = any(getattr(f, "mode", "") == "uninvited" for f in scenario.faults)
     uninvited = uninvited_problems(peers) if asked else {}
     invariants.update({name: not problems for name, problems in uninvited.items()})
+    return _Asked(invariants, unverified, missed, sync_times, probes, uninvited)
+
+
+def _figures(peers, faults, commits, lost, target, health: _Health, wall_s: float) -> dict:
+    start_s = min((e["t_s"] for p in peers for e in p.events if e["event"] == "start"), default=0.0)
+    marks = [start_s] + [t for t, _ in commits]
+    gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     recoveries = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
+    honest_names = {p.name for p in health.honest}
+    count = lambda event: sum(1 for p in peers for e in p.events if e["event"] == event)  # noqa: E731
     return {
-        "scenario": scenario.name,
-        "description": scenario.description,
-        "passed": all(invariants.values()),
-        "invariants": invariants,
-        "faults": faults,
-        "diverged_peers": diverged,
-        "figures": {
-            "outer_steps_committed": len(commits),
-            "target_outer_steps": target,
-            "longest_gap_s": round(max(gaps), 2) if gaps else None,
-            "max_recovery_s": max(recoveries) if recoveries else None,
-            "samples_lost": sum(n for _, n, _ in lost),
-            "samples_committed": sum(
-                int(e.get("samples", 0)) for p in honest for e in p.events if e["event"] == "inner_phase"
-            )
-            - sum(n for _, n, name in lost if name in {p.name for p in honest}),
-            "peers_diverged": len(diverged),
-            "transient_forks": transient_forks(peers),
-            "initial_eval_loss": initial_loss,
-            "final_eval_loss": final_loss,
-            "wall_s": round(wall_s, 1),
-            "rss_growth_mib": rss,
-            "rounds_failed": sum(1 for p in peers for e in p.events if e["event"] == "round_failed"),
-            "state_downloads": sum(1 for p in peers for e in p.events if e["event"] == "state_downloaded"),
-            "rounds_recovered": sum(1 for p in peers for e in p.events if e["event"] == "round_recovered"),
-        },
-        "hash_disagreements": disagreements,
-        "unverified_states": unverified,
-        "missed_commits": missed,
-        "join_sync_s": sync_times,
-        "dht_probes": probes,
-        "uninvited": uninvited,
-        "peers": [
-            {
-                "name": p.name,
-                "index": p.index,
-                "byzantine": p.byzantine,
-                "started_at_s": round(p.started_at_s, 2),
-                "exited_at_s": None if p.exited_at_s is None else round(p.exited_at_s, 2),
-                "exit_code": p.exit_code,
-                "killed": p.killed,
-                "final_epoch": p.summary.get("epoch") if p.summary else None,
-                "reason": p.reason,
-            }
-            for p in peers
-        ],
-        "peers_left": peers_left(peers),
-        "commits": [{"t_s": round(t, 2), "epoch": epoch} for t, epoch in commits],
-        "leftover_pids": leftover_pids,
-        "checkpoints": checkpoints,
-        "timed_out": timed_out,
+        "outer_steps_committed": len(commits),
+        "target_outer_steps": target,
+        "longest_gap_s": round(max(gaps), 2) if gaps else None,
+        "max_recovery_s": max(recoveries) if recoveries else None,
+        "samples_lost": sum(n for _, n, _ in lost),
+        "samples_committed": sum(
+            int(e.get("samples", 0)) for p in health.honest for e in p.events if e["event"] == "inner_phase"
+        )
+        - sum(n for _, n, name in lost if name in honest_names),
+        "peers_diverged": len(health.diverged),
+        "transient_forks": transient_forks(peers),
+        "initial_eval_loss": health.initial_loss,
+        "final_eval_loss": health.final_loss,
+        "wall_s": round(wall_s, 1),
+        "rss_growth_mib": health.rss,
+        "rounds_failed": count("round_failed"),
+        "state_downloads": count("state_downloaded"),
+        "rounds_recovered": count("round_recovered"),
+    }
+
+
+def _peer_row(p: PeerRun) -> dict:
+    return {
+        "name": p.name,
+        "index": p.index,
+        "byzantine": p.byzantine,
+        "started_at_s": round(p.started_at_s, 2),
+        "exited_at_s": None if p.exited_at_s is None else round(p.exited_at_s, 2),
+        "exit_code": p.exit_code,
+        "killed": p.killed,
+        "final_epoch": p.summary.get("epoch") if p.summary else None,
+        "reason": p.reason,
     }
 
 

@@ -23,10 +23,11 @@ from pathlib import Path
 import tomli_w
 
 from hivetrain.chaos import firing, process
+from hivetrain.chaos.facts import PeerRun
 from hivetrain.chaos.fault_models import LAUNCH_TIME_KINDS, UNREACHABLE_HOST
 from hivetrain.chaos.network import Member, NetnsTopology, TcpProxy
 from hivetrain.chaos.plot import plot_run
-from hivetrain.chaos.report import PeerRun, build_report, format_summary
+from hivetrain.chaos.report import build_report, format_summary
 from hivetrain.chaos.scenario import Scenario
 from hivetrain.chaos.schedule import Observed, due_faults
 from hivetrain.chaos.starve import DutyCycler

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hivetrain.chaos import process
-from hivetrain.chaos.report import PeerRun
+from hivetrain.chaos.facts import PeerRun
 from hivetrain.chaos.runner import ChaosRunner, _Peer
 from hivetrain.chaos.scenario import parse_scenario
 from hivetrain.faults import FaultInjected, FaultInjector, parse_fault_spec

@@ -1,7 +1,8 @@
 """Report figures and invariants computed from synthetic peer records; the plot is written and readable."""
 
+from hivetrain.chaos.facts import PeerRun, lost_samples
 from hivetrain.chaos.plot import plot_run
-from hivetrain.chaos.report import PeerRun, build_report, format_summary, lost_samples
+from hivetrain.chaos.report import build_report, format_summary
 from hivetrain.chaos.scenario import parse_scenario
 
 SCENARIO = parse_scenario(
