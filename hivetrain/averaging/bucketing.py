@@ -296,57 +296,32 @@ def robust_aggregate(
         NoValidContribution: every contribution is non-finite, or the finite ones weigh zero.
     """
     w = check_parts(parts, weights)
-    if not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ValueError(f"bucket_size must be an int >= 1, got {bucket_size!r}")
-    if tau is not None and not (math.isfinite(tau) and tau > 0):
-        raise ValueError(f"tau must be finite and > 0 (or None for the data-driven radius), got {tau}")
-    if not (math.isfinite(tau_factor) and tau_factor > 0):
-        raise ValueError(f"tau_factor must be finite and > 0, got {tau_factor}")
-    if not 0 <= duplicate_ratio < 1:
-        raise ValueError(f"duplicate_ratio must be in [0, 1), got {duplicate_ratio}")
-    if not 0 <= seed < 1 << 64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    if not 0 <= shift_threshold <= 1:
-        raise ValueError(f"shift_threshold must be in [0, 1], got {shift_threshold}")
-    if size_exponent is not None and not 0 <= size_exponent <= 1:
-        raise ValueError(f"size_exponent must be in [0, 1] or None (estimated), got {size_exponent}")
-    if not (reject_factor == 0 or (math.isfinite(reject_factor) and reject_factor >= 1)):
-        raise ValueError(f"reject_factor must be 0 (off) or finite and >= 1, got {reject_factor}")
+    _check_options(bucket_size, tau, tau_factor, duplicate_ratio, seed, shift_threshold, size_exponent, reject_factor)
     dropped = tuple(i for i, p in enumerate(parts) if not is_finite(p))
     kept = [i for i in range(len(parts)) if i not in dropped]
     if not kept or not math.fsum(w[i] for i in kept) > 0:
         raise NoValidContribution(f"{len(dropped)} of {len(parts)} contributions non-finite, the rest weigh 0")
-    positive = [w[i] for i in kept if w[i] > 0]
-    w_ref = math.fsum(positive) / len(positive)
-    p = size_exponent
-    if p is None:
-        p = estimate_size_exponent([float(torch.linalg.vector_norm(parts[i])) for i in kept], [w[i] for i in kept])
-    scale = {i: (w_ref / w[i]) ** p if w[i] > 0 else 1.0 for i in kept}  # step 0
-    us = {i: parts[i] if scale[i] == 1.0 else parts[i] * scale[i] for i in kept}
-    shifted = tuple(kept[j] for j in shifted_contributions([us[i] for i in kept], shift_threshold))
+    p, scale, us = _scaled(parts, w, kept, size_exponent)  # step 0
+    shifted = tuple(kept[j] for j in shifted_contributions([us[i] for i in kept], shift_threshold))  # step 1b
     kept = [i for i in kept if i not in shifted]
     if not math.fsum(w[i] for i in kept) > 0:
         raise NoValidContribution(f"the {len(kept)} contribution(s) left after the shift test weigh 0")
     xs = [us[i] for i in kept]
-    groups = [[kept[j] for j in g] for g in colluding_groups(xs, coordinate_median(xs), duplicate_ratio)]
+    groups = [[kept[j] for j in g] for g in colluding_groups(xs, coordinate_median(xs), duplicate_ratio)]  # step 2
     for g in groups:
         for i in g:
             w[i] /= len(g)
     a = {i: w[i] / scale[i] for i in kept}  # the weights of the scaled contributions (step 0)
-    order = [kept[j] for j in bucket_permutation(len(kept), seed)]
-    buckets = [order[b : b + bucket_size] for b in range(0, len(order), bucket_size)]
-    buckets = [b for b in buckets if math.fsum(w[i] for i in b) > 0]  # weightless buckets have no mean
-    means = [us[b[0]] if len(b) == 1 else weighted_mean([us[i] for i in b], [a[i] for i in b]) for b in buckets]
-    bucket_weights = [math.fsum(a[i] for i in b) for b in buckets]
+    buckets, means, bucket_weights = _bucket_means(kept, us, w, a, seed, bucket_size)  # step 3
     center = coordinate_median(means)
     dists = [float(torch.linalg.vector_norm(m - center)) for m in means]
-    t = tau if tau is not None else tau_factor * _median(dists)
+    t = tau if tau is not None else tau_factor * _median(dists)  # step 4
     inside = [j for j, d in enumerate(dists) if reject_factor == 0 or d <= reject_factor * t]
     inside = inside or list(range(len(means)))  # a fixed tau below every distance: clip only
     rejected = tuple(sorted(i for j, b in enumerate(buckets) if j not in inside for i in b))
     if t == 0:  # every bucket mean equals the median, so the mean is the median too
         value, clipped = center.clone(), ()
-    else:
+    else:  # step 5
         res = centered_clip([means[j] for j in inside], [bucket_weights[j] for j in inside], t, num_iters, init=center)
         value, clipped = res.value, tuple(sorted(i for c in res.clipped for i in buckets[inside[c]]))
     members = [i for j in inside for i in buckets[j]]
@@ -364,3 +339,43 @@ def robust_aggregate(
         shifted=shifted,
         size_exponent=p,
     )
+
+
+def _check_options(bucket_size, tau, tau_factor, duplicate_ratio, seed, shift_threshold, size_exponent, reject_factor):
+    """``robust_aggregate``'s parameters, each in its range. Raises ValueError naming the one that is not."""
+    if not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"bucket_size must be an int >= 1, got {bucket_size!r}")
+    if tau is not None and not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"tau must be finite and > 0 (or None for the data-driven radius), got {tau}")
+    if not (math.isfinite(tau_factor) and tau_factor > 0):
+        raise ValueError(f"tau_factor must be finite and > 0, got {tau_factor}")
+    if not 0 <= duplicate_ratio < 1:
+        raise ValueError(f"duplicate_ratio must be in [0, 1), got {duplicate_ratio}")
+    if not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    if not 0 <= shift_threshold <= 1:
+        raise ValueError(f"shift_threshold must be in [0, 1], got {shift_threshold}")
+    if size_exponent is not None and not 0 <= size_exponent <= 1:
+        raise ValueError(f"size_exponent must be in [0, 1] or None (estimated), got {size_exponent}")
+    if not (reject_factor == 0 or (math.isfinite(reject_factor) and reject_factor >= 1)):
+        raise ValueError(f"reject_factor must be 0 (off) or finite and >= 1, got {reject_factor}")
+
+
+def _scaled(parts, w: list[float], kept: list[int], size_exponent: float | None):
+    """Step 0: (p, scale, u): each kept contribution compared as u_i = x_i (w_mean / w_i)^p, p given or estimated."""
+    positive = [w[i] for i in kept if w[i] > 0]
+    w_ref = math.fsum(positive) / len(positive)
+    p = size_exponent
+    if p is None:
+        p = estimate_size_exponent([float(torch.linalg.vector_norm(parts[i])) for i in kept], [w[i] for i in kept])
+    scale = {i: (w_ref / w[i]) ** p if w[i] > 0 else 1.0 for i in kept}
+    return p, scale, {i: parts[i] if scale[i] == 1.0 else parts[i] * scale[i] for i in kept}
+
+
+def _bucket_means(kept: list[int], us: dict, w: list[float], a: dict, seed: int, bucket_size: int):
+    """Step 3: the seeded buckets of the kept contributions (weightless ones dropped), their means and weights."""
+    order = [kept[j] for j in bucket_permutation(len(kept), seed)]
+    buckets = [order[b : b + bucket_size] for b in range(0, len(order), bucket_size)]
+    buckets = [b for b in buckets if math.fsum(w[i] for i in b) > 0]  # weightless buckets have no mean
+    means = [us[b[0]] if len(b) == 1 else weighted_mean([us[i] for i in b], [a[i] for i in b]) for b in buckets]
+    return buckets, means, [math.fsum(a[i] for i in b) for b in buckets]
