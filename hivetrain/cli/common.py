@@ -99,3 +99,13 @@ def run_overrides(args: argparse.Namespace) -> dict:
 def fail(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def data_plane_hosts(args) -> tuple[str, str | None]:
+    """(listen host, announce host or None) of a peer's data plane, from ``--host-maddrs``, ``--data-announce-host``
+    and ``--announce-maddrs``."""
+    from hivetrain.peers.node import ip_of
+
+    listen = next(filter(None, map(ip_of, args.host_maddrs)), "0.0.0.0")
+    announce = args.data_announce_host or next(filter(None, map(ip_of, args.announce_maddrs)), None)
+    return listen, announce

@@ -133,11 +133,11 @@ def _measure_speed(config, model, device: torch.device, vocab: int) -> tuple[flo
 
 
 def _link_checks(args, node, coordinator_id: str, run_id: str) -> list[Check]:
-    from hivetrain.cli.join_swarm import _data_plane_hosts
+    from hivetrain.cli.common import data_plane_hosts
     from hivetrain.peers.link_probe import probe_dial, probe_rate
     from hivetrain.peers.loop import LoopThread
 
-    listen_host, _ = _data_plane_hosts(args)
+    listen_host, _ = data_plane_hosts(args)
     loop = LoopThread(name="hivetrain-check")
     checks: list[Check] = []
     try:

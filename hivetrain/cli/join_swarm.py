@@ -37,6 +37,7 @@ from hivetrain.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     Interrupted,
+    data_plane_hosts,
     fail,
     install_pause_handler,
     install_signal_handlers,
@@ -51,7 +52,7 @@ from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.faults import FaultInjector, parse_fault_spec
 from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, decide_membership, run_policy
-from hivetrain.peers.node import BootstrapFailed, PeerNode, ip_of, start_node, trusted_ids
+from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
 from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
 from hivetrain.preflight import resolve_device
@@ -211,7 +212,7 @@ def _train(
 
         model_config, fingerprint = describe_model(config)  # meta device: no memory
         check_against_swarm(node, config, fingerprint)
-        code = run_swarm_role(args, node, config, model_config, fingerprint, faults, ending, _data_plane_hosts(args))
+        code = run_swarm_role(args, node, config, model_config, fingerprint, faults, ending, data_plane_hosts(args))
         return ending.leave(code, "finished" if code == EXIT_OK else "the pipeline trainer did not complete its steps")
     corpus = load_corpus(config.data, cursor_path=data_cursor_path(args.identity_path, config.run_id))
     model_config, num_parameters = describe_run_model(config, corpus.vocab_size, args.model_path)  # meta: no memory
@@ -233,7 +234,7 @@ def _train(
 
     reporter = ProgressReporter(args.metrics_file, interactive=sys.stderr.isatty(), config=config)
     loop = LoopThread()
-    listen_host, announce_host = _data_plane_hosts(args)
+    listen_host, announce_host = data_plane_hosts(args)
     averager = GroupAverager(
         node,
         prefix=f"{config.run_id}.{fingerprint[:8]}.avg",
@@ -340,12 +341,6 @@ def join_admission(args, node: PeerNode, config: RunConfig, coordinator: str) ->
     if admission.expires_at is not None:
         logger.info("run %r is invite-only; our join token admits us %s", config.run_id, admission.reason)
     return token, MemberRoster(policy)
-
-
-def _data_plane_hosts(args: argparse.Namespace) -> tuple[str, str | None]:
-    listen = next(filter(None, map(ip_of, args.host_maddrs)), "0.0.0.0")
-    announce = args.data_announce_host or next(filter(None, map(ip_of, args.announce_maddrs)), None)
-    return listen, announce
 
 
 def _announce_leaving(trainer, reason: str, timeout_s: float = 3.0) -> None:

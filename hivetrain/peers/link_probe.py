@@ -67,7 +67,8 @@ def stream_ip(addr: object) -> str | None:
         return None
 
 
-async def _read_request(reader: asyncio.StreamReader) -> dict[str, Any]:
+async def _read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """One length-prefixed msgpack map (a request or a reply). Raises ValueError if it is not one."""
     size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), READ_TIMEOUT_S), "big")
     if not 0 < size <= MAX_REQUEST_BYTES:
         raise ValueError(f"a {size}-byte probe request")
@@ -146,7 +147,7 @@ class LinkProbeServer:
             writer.close()
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = await _read_request(reader)
+        request = await _read_message(reader)
         op = request.get("op")
         caller = stream_ip(info.addr) or info.peer_id.to_base58()
         why = self._allow(caller, _probe_bytes(request) if op in ("up", "down") else 0)
@@ -191,7 +192,7 @@ async def probe_dial(p2p: P2P, peer_id: str, run_id: str, port: int) -> tuple[bo
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), handler_name(run_id))
     try:
         await _write_message(writer, {"op": "dial", "port": port})
-        reply = await _read_reply(reader)
+        reply = await _read_message(reader)
         return bool(reply.get("ok")), str(reply.get("detail", ""))[:300]
     finally:
         writer.close()
@@ -209,7 +210,7 @@ async def probe_rate(p2p: P2P, peer_id: str, run_id: str, direction: str, num_by
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), handler_name(run_id))
     try:
         await _write_message(writer, {"op": direction, "bytes": num_bytes})
-        go = await _read_reply(reader)  # the coordinator refuses (saying why) before any byte moves
+        go = await _read_message(reader)  # the coordinator refuses (saying why) before any byte moves
         if not go.get("ok"):
             raise ValueError(str(go.get("detail", "refused"))[:300])
         started = time.monotonic()
@@ -221,13 +222,9 @@ async def probe_rate(p2p: P2P, peer_id: str, run_id: str, direction: str, num_by
             writer.write(chunk[: min(left, CHUNK_BYTES)])
             await writer.drain()
             left -= CHUNK_BYTES
-        reply = await _read_reply(reader)
+        reply = await _read_message(reader)
         if not reply.get("ok"):
             raise ValueError(str(reply.get("detail", "refused"))[:300])
         return num_bytes / max(time.monotonic() - started, 1e-6)  # our clock: the reply's latency counts against us
     finally:
         writer.close()
-
-
-async def _read_reply(reader: asyncio.StreamReader) -> dict[str, Any]:
-    return await _read_request(reader)

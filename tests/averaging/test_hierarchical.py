@@ -86,7 +86,7 @@ def test_with_drop_failed_off_a_member_failing_in_one_stage_leaves_nothing_appli
     round): that row or column fails, every column (or every row's confirm) shows it, and no participant returns a
     result (the caller retries without it)."""
     breaker = FaultInjector()
-    breaker.arm(Fault("averaging.before_commit", "raise", skip=0 if stage == "row" else 1))
+    breaker.arm(Fault("averaging.before_commit", "raise", when={"stage": stage}))
     config = AveragingConfig(target_group_size=3, drop_failed=False, **SLOW_OK)
     avgs = make_averagers(7, config, faults=[None] * 6 + [breaker])
     results = _average_all(avgs, _inputs(7), [1.0] * 7)
@@ -94,42 +94,42 @@ def test_with_drop_failed_off_a_member_failing_in_one_stage_leaves_nothing_appli
     assert all(isinstance(r, RoundFailed) for r in results), results
 
 
-def test_a_member_lost_in_its_row_costs_its_own_contribution_only(make_averagers):
-    """8 peers in 2 rows of 4 (4 columns of 2). One member fails before sending in its row round: its row commits
-    without it, its column fails (it refuses it), the column-mate in the other row fetches the result from a
-    row-mate, and the 7 others commit one bit-identical mean of their own contributions in this attempt."""
+def _grid_of_8_with_a_breaker(make_averagers, point: str, stage: str):
+    """8 peers in 2 rows of 4 (4 columns of 2); the last raises at ``point`` in its ``stage`` round. Returns (results,
+    inputs, weights) after checking that the fault fired once."""
     breaker = FaultInjector()
-    breaker.arm(Fault("averaging.before_send", "raise", skip=0))
+    breaker.arm(Fault(point, "raise", when={"stage": stage}))
     avgs = make_averagers(8, AveragingConfig(target_group_size=4, **SLOW_OK), faults=[None] * 7 + [breaker])
     inputs, weights = _inputs(8), [float(i + 1) for i in range(8)]
     results = _average_all(avgs, inputs, weights)
-    assert breaker.fired_count("averaging.before_send") == 1
-    assert isinstance(results[7], RoundFailed), results[7]
-    committed = results[:7]
-    assert all(isinstance(r, RoundResult) for r in committed), committed
-    assert len({_digest(r) for r in committed}) == 1
-    for r in committed:
-        assert r.total_weight == pytest.approx(sum(weights[:7]))
-        for got, want in zip(r.tensors, _weighted_mean(inputs[:7], weights[:7]), strict=True):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert breaker.fired_count(point) == 1
+    return results, inputs, weights
 
 
-def test_a_column_that_fails_is_made_good_by_row_mates(make_averagers):
-    """8 peers in 2 rows of 4. One member fails before voting in its column round: that column (2 members) fails,
-    both its members fetch the result from a row-mate whose column committed, and all 8 hold one bit-identical mean
-    of all 8 contributions: nobody's samples are lost."""
-    breaker = FaultInjector()
-    breaker.arm(Fault("averaging.before_commit", "raise", skip=1))
-    avgs = make_averagers(8, AveragingConfig(target_group_size=4, **SLOW_OK), faults=[None] * 7 + [breaker])
-    inputs, weights = _inputs(8), [float(i + 1) for i in range(8)]
-    results = _average_all(avgs, inputs, weights)
-    assert breaker.fired_count("averaging.before_commit") == 1
+def _hold_one_mean_of(results, inputs, weights) -> None:
     assert all(isinstance(r, RoundResult) for r in results), results
     assert len({_digest(r) for r in results}) == 1
     for r in results:
         assert r.total_weight == pytest.approx(sum(weights))
         for got, want in zip(r.tensors, _weighted_mean(inputs, weights), strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_member_lost_in_its_row_costs_its_own_contribution_only(make_averagers):
+    """One member fails before sending in its row round: its row commits without it, its column fails (it refuses
+    it), the column-mate in the other row fetches the result from a row-mate, and the 7 others commit one
+    bit-identical mean of their own contributions in this attempt."""
+    results, inputs, weights = _grid_of_8_with_a_breaker(make_averagers, "averaging.before_send", "row")
+    assert isinstance(results[7], RoundFailed), results[7]
+    _hold_one_mean_of(results[:7], inputs[:7], weights[:7])
+
+
+def test_a_column_that_fails_is_made_good_by_row_mates(make_averagers):
+    """One member fails before voting in its column round: that column (2 members) fails, both its members fetch the
+    result from a row-mate whose column committed, and all 8 hold one bit-identical mean of all 8 contributions:
+    nobody's samples are lost."""
+    results, inputs, weights = _grid_of_8_with_a_breaker(make_averagers, "averaging.before_commit", "column")
+    _hold_one_mean_of(results, inputs, weights)
 
 
 D1, D2 = tuple(range(16)), tuple(range(1, 17))
