@@ -35,11 +35,13 @@ class PhaseInterrupted(Exception):
 
 @dataclass(frozen=True)
 class PhaseResult:
-    """A finished inner phase: the optimizer's result, with the seconds spent computing and in all."""
+    """A finished inner phase: the optimizer's result, with the seconds spent computing and in all, and why it ended
+    (the schedule's last reason, for people: logs and events)."""
 
     inner: InnerPhaseResult
     compute_s: float
     wall_s: float
+    ended: str = ""
 
 
 class PhaseRunner:
@@ -144,6 +146,7 @@ class PhaseRunner:
         phase_epoch, _, started = self._progress
         last = started
         slept = 0.0
+        ended = ""
 
         def step_done(i: int, loss: float) -> None:
             nonlocal last, slept
@@ -172,6 +175,8 @@ class PhaseRunner:
                 coverage() if coverage is not None else 1.0,
             )
             self.eta_s = decision.eta_s if decision.action == "continue" else float("inf")
+            nonlocal ended
+            ended = decision.reason
             return decision.action == "end"
 
         first_step = phase_epoch * self.plan.inner_steps  # the cosine schedule follows the swarm's epochs
@@ -187,4 +192,4 @@ class PhaseRunner:
             self.last_rate = result.num_samples / max(wall_s, 1e-9)
         self._done = (phase_epoch, result.num_samples)
         self.eta_s = float("inf")
-        return PhaseResult(result, max(0.0, result.duration_s - slept), wall_s)
+        return PhaseResult(result, max(0.0, result.duration_s - slept), wall_s, ended)

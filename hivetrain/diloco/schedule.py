@@ -142,6 +142,27 @@ def decide_phase_end(
     total = swarm_samples(0.0, my_samples)
     rate = my_samples_per_s + scale * sum(r.throughput for r in running)
     eta_s = max(0.0, target - total) / rate if rate > 0 else float("inf")
+    # The round our phase is for is over: most of the live trainers that took part in it (or could have) committed it
+    # and hold a later state. Our pseudo-gradient can no longer join it, and each further step only delays our
+    # download (chaos cpu-starve beside 2 hogs: the 20%-CPU peer downloaded epoch 1 while its round was being
+    # committed, then ran all 20 steps for it alone, 9 s, since nobody else computed for epoch 1 any more; it reached
+    # matchmaking a whole epoch late, downloaded, and never committed once). At least 2 must have moved on, as for
+    # ``round_under_way``: one record claiming an epoch ahead cannot cut our phases short.
+    moved_on = sum(1 for r in live if r.epoch > phase_epoch and not r.paused)
+    still_here = sum(
+        1
+        for r in live
+        if r.epoch <= phase_epoch and not r.paused and phase_epoch in (r.epoch, r.phase_epoch, r.done_epoch)
+    )
+    if moved_on >= 2 and moved_on > still_here:
+        return PhaseDecision(
+            "end",
+            f"the round of epoch {phase_epoch} is over: {moved_on} live peer(s) committed it, {still_here} did not",
+            total,
+            target,
+            num_peers,
+            eta_s,
+        )
     if my_samples >= plan.max_samples_per_peer:
         return PhaseDecision("end", f"our {my_samples} samples reach the per-peer bound", total, target, num_peers)
     if my_samples < 1 and num_peers == 1:
@@ -152,8 +173,11 @@ def decide_phase_end(
     # instead: it contributes nothing this epoch but stays in it, where its step would have cost the others a wait or
     # itself a download.
     if total >= target:
+        how = f"ours {my_samples}, {len(done)} done with {finished:.0f}, {len(running)} running"
+        if coverage < 1.0:
+            how += f", coverage {coverage:.2f}"
         return PhaseDecision(
-            "end", f"swarm reached {total:.0f}/{target} samples ({num_peers} peers)", total, target, num_peers, 0.0
+            "end", f"swarm reached {total:.0f}/{target} samples ({num_peers} peers: {how})", total, target, num_peers
         )
     # Every other live peer ended its phase for this epoch: they wait for us in matchmaking (a group waits a window and
     # a grace for an expected peer, then closes without it). They ended on their estimate of our progress, which our

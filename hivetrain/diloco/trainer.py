@@ -422,6 +422,7 @@ class DilocoTrainer:
             round_key=phase_epoch,
             tokens_per_s=result.num_tokens / max(phase.compute_s, 1e-9),
             skipped_steps=result.num_skipped_steps,  # fp16: steps the gradient scaler skipped
+            ended=phase.ended,  # the schedule's reason
         )
         if result.num_samples == 0 and self._pending is not None and self._pending.epoch >= phase_epoch:
             return self._pending  # a phase of no step adds nothing to what we still carry for this round

@@ -97,6 +97,15 @@ def aggregate_phase_ends(
         n_done, n_running = int(done.sum()), len(r_idx)
 
         me = slots[sel]
+        # the round of ``epoch`` is over: at least 2 live peers committed it, more than still take part in it
+        moved = live & (c["epoch"] > epoch)
+        still = (
+            live
+            & (c["epoch"] <= epoch)
+            & ((c["epoch"] == epoch) | (c["phase_epoch"] == epoch) | (c["done_epoch"] == epoch))
+        )
+        n_moved = int(moved.sum()) - moved[me]
+        over = (n_moved >= 2) & (n_moved > int(still.sum()) - still[me])
         own_done, own_running = done[me], running[me]
         mine = my_samples[sel]
         rate = my_rates[sel]
@@ -118,7 +127,9 @@ def aggregate_phase_ends(
         growth = cum_tk[pos] + h * (total_thr - cum_t[pos])
         own_growth = np.where(own_running, thr[me] * np.clip(h, 0.0, knee[me]), 0.0)
         total_ahead = mine + finished + others_base + growth - own_growth
-        end = (mine >= cap) | ((mine >= 1) & (total0 >= target)) | ((mine >= 1) & finite & (total_ahead >= target))
+        end = (
+            over | (mine >= cap) | ((mine >= 1) & (total0 >= target)) | ((mine >= 1) & finite & (total_ahead >= target))
+        )
         out[sel] = end
     return out
 

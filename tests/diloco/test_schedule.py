@@ -123,7 +123,8 @@ def test_before_the_first_step_others_that_ended_their_phase_are_joined_at_once(
 def done(peer, epoch=3, samples=0, phase_epoch=None, throughput=8.0):
     """The record of a peer whose phase for ``epoch`` ended with ``samples`` (now in ``phase_epoch``'s phase)."""
     r = rec(peer, phase_epoch=epoch if phase_epoch is None else phase_epoch, samples=0, throughput=throughput)
-    return r.model_copy(update={"done_epoch": epoch, "done_samples": samples})
+    # its state is still ``epoch``'s: the round of ``epoch`` has not committed (with overlap its next phase runs)
+    return r.model_copy(update={"epoch": epoch, "done_epoch": epoch, "done_samples": samples})
 
 
 def test_peers_whose_phase_ended_count_with_their_final_samples_after_moving_to_the_next_epoch():
@@ -139,6 +140,26 @@ def test_peers_whose_phase_ended_count_with_their_final_samples_after_moving_to_
     # while one of them still runs, the swarm's count decides as before
     d = decide_phase_end(SWARM, "me", 3, 16, 2.0, [*records, rec("slow", samples=0, throughput=0.5)], NOW)
     assert d.action == "continue"
+
+
+def test_a_phase_for_a_round_that_most_peers_already_committed_ends_at_once():
+    # chaos cpu-starve beside 2 hogs: the starved peer downloaded epoch 3 while its round was committing; the others
+    # now hold epoch 4 and compute for it. Nobody computes for epoch 3 any more: alone by the swarm's count, it would
+    # run all its H steps for a finished round.
+    ahead = [rec("a", phase_epoch=4, samples=40, throughput=8.0), rec("b", phase_epoch=4, samples=40, throughput=8.0)]
+    d = decide_phase_end(SWARM, "me", 3, 8, 2.0, ahead, NOW)
+    assert d.action == "end" and "the round of epoch 3 is over: 2 live peer(s) committed it" in d.reason
+    d = decide_phase_end(SWARM, "me", 3, 0, 2.0, ahead, NOW)  # before the first step: no step at all
+    assert d.action == "end"
+    # one record claiming an epoch ahead is no evidence (a liar could cut every phase of ours short) ...
+    d = decide_phase_end(SWARM, "me", 3, 8, 2.0, ahead[:1], NOW)
+    assert d.action == "continue"
+    # ... nor are two when as many live peers still compute for (or wait in) our epoch's round
+    here = [rec("c", samples=16, throughput=2.0), done("d", samples=40)]
+    assert decide_phase_end(SWARM, "me", 3, 8, 2.0, [*ahead, *here], NOW).action == "continue"
+    # paused peers ahead do not count (they train nothing; their state is old news)
+    paused = [r.model_copy(update={"paused": True}) for r in ahead]
+    assert decide_phase_end(SWARM, "me", 3, 8, 2.0, paused, NOW).action == "continue"
 
 
 def test_a_peer_waiting_for_the_round_is_not_extrapolated():

@@ -192,7 +192,9 @@ def test_joiners_arriving_during_a_round_wait_for_it_instead_of_training_for_it(
     """Rounds of a 20 MB model take ~45 s, so joiners under 10 min sessions often finish their download while their
     epoch's round is under way. They wait for it (``round_under_way``, as the trainer does) and train for the next
     epoch: no matchmaking answer is "late" and no sample is dropped by a resync. With the rule switched off, the same
-    swarm's joiners train for a round they cannot join and drop those samples."""
+    swarm's joiners train for a round they cannot join and drop those samples (fewer since a phase ends once most
+    peers committed its round, ``schedule.decide_phase_end``: 0.6% of the samples instead of 2%, dev/LOG.md
+    2026-11-30 session 22)."""
     scenario = tiny(
         churn={"session": "exponential", "mean_session_s": 600.0},
         sim={"model_bytes": 20_000_000, "outer_steps": 4},
@@ -206,5 +208,5 @@ def test_joiners_arriving_during_a_round_wait_for_it_instead_of_training_for_it(
     monkeypatch.setattr("hivetrain.sim.state_sync.round_under_way", lambda *args: False)
     trained = DataParallelSim(scenario).run()
     assert trained.decisions["round_failed.late"] > 0
-    assert trained.summary["lost_sample_shares"]["dropped by a resync"] > 0.02
+    assert trained.summary["lost_sample_shares"]["dropped by a resync"] > 0.0
     assert waited.summary["committed_sample_share"] > trained.summary["committed_sample_share"]
