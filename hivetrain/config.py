@@ -259,11 +259,11 @@ class RunConfig:
                 "average θ after each peer's own outer step, so there is no shared state for a round in flight to land "
                 "on; set diloco.overlap='off' or use the butterfly strategy"
             )
-        if self.averaging.strategy != "butterfly" and self.averaging.compression in ("int8", "int4"):
+        if self.averaging.strategy != "butterfly" and self.averaging.compression in ("int8", "int4", "topk"):
             raise ValueError(
                 f"averaging.compression={self.averaging.compression!r} with averaging.strategy="
                 f"{self.averaging.strategy!r}: moshpit and gossip average the parameters θ, not the pseudo-gradient, "
-                "and 8/4-bit quantization of θ would destroy the model; use compression 'none' or 'fp16', or the "
+                "and quantizing or sparsifying θ would destroy the model; use compression 'none' or 'fp16', or the "
                 "butterfly strategy"
             )
         self.swarm.check_unset()

@@ -98,6 +98,8 @@ from hivetrain.averaging.reduce import (
     Plan,
     RoundOutcome,
     all_finite,
+    part_codec,
+    result_codec,
     tensor_view,
     weighted_mean_into,
 )
@@ -123,7 +125,8 @@ class ButterflyRound:
     of the two-stage all-reduce, where a column without a member's row would compute another mean than the others
     (and a column without a whole late row the same mean as the others, committing without that row). ``stage``: the
     round's place in the averaging call ("group", or "row", "column", "confirm", "fetch" in ``hierarchical``), for
-    fault hooks and logs.
+    fault hooks and logs. ``fan_in``: how many members' pseudo-gradients each contribution already averages (the
+    column stage: a row's size), which sizes a "topk" part (``reduce.part_codec``).
     """
 
     def __init__(
@@ -147,6 +150,7 @@ class ButterflyRound:
         seed_tag: bytes | None = None,
         drop_failed: bool = True,
         stage: str = "group",
+        fan_in: int = 1,
     ):
         self.round_id, self.me, self.stage = round_id, me, stage
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
@@ -160,13 +164,14 @@ class ButterflyRound:
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
         self.accept = accept  # ``base.Averager.average``: checks the full result before we vote
         max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
-        self.codec_config = codecs.CodecConfig(
-            config.compression, config.codec_block_size if config.compression in ("int8", "int4") else 64
-        )
+        self.codec_config = part_codec(config, fan_in)
         self.codec = codecs.make_codec(self.codec_config) if config.compression != "none" else None
+        # a reducer's averaged slice: the same codec, except a denser "topk" (every element any contributor sent)
+        self.result_config = result_codec(self.codec_config, len(self.members))
+        self.result_codec = codecs.make_codec(self.result_config) if self.codec is not None else None
         self.receiver = RoundReceiver(me=me, round_id=round_id, codec_config=self.codec_config, codec=self.codec,
-                                      max_weight=max_weight, pool=pool or BufferPool(),
-                                      plan_wait_s=config.part_timeout_s)  # fmt: skip
+                                      result_config=self.result_config, max_weight=max_weight,
+                                      pool=pool or BufferPool(), plan_wait_s=config.part_timeout_s)  # fmt: skip
         self.transport = RoundTransport(round_id=round_id, me=me, members=self.members, secret=secret, server=server,
                                         config=config, on_frame=self.receiver.on_frame, fallback=fallback)  # fmt: skip
         self.receiver.transport = self.transport
@@ -265,14 +270,15 @@ class ButterflyRound:
         self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, stage=self.stage,
                           **extra)  # fmt: skip
 
-    def _encode(self, x: torch.Tensor, residual_at: int | None = None) -> list:
-        """Wire buffers of ``x``; with error feedback and ``residual_at`` (the offset of ``x`` in our contribution),
-        also write what the codec dropped into the residual."""
+    def _encode(self, x: torch.Tensor, residual_at: int | None = None, codec=None) -> list:
+        """Wire buffers of ``x`` (in ``codec``, default the parts' codec); with error feedback and ``residual_at``
+        (the offset of ``x`` in our contribution), also write what the codec dropped into the residual."""
         if self.codec is None:
             return [tensor_view(x)]
-        part = self.codec.encode(x)
+        codec = codec or self.codec
+        part = codec.encode(x)
         if self._residual_out is not None and residual_at is not None:
-            torch.sub(x, self.codec.decode(part), out=self._residual_out[residual_at : residual_at + x.numel()])
+            torch.sub(x, codec.decode(part), out=self._residual_out[residual_at : residual_at + x.numel()])
         return codecs.to_buffers(part)
 
     def _decoded(self, payload: list, num_elements: int) -> torch.Tensor:
@@ -458,7 +464,7 @@ class ButterflyRound:
             seed = aggregation_seed(plan.tag if self.seed_tag is None else self.seed_tag, i)  # the same everywhere
             self._aggregate(parts, [weights[p] for p in members], reduced, seed)
             self._hook(HookPoint.AVERAGING_AFTER_REDUCE, sub, reduced=reduced)
-            payload = self._encode(reduced)
+            payload = self._encode(reduced, codec=self.result_codec)
             if self.codec is not None:  # everyone, us included, uses the decoded bytes
                 dest.copy_(codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start)))
             for p in members:

@@ -16,6 +16,18 @@ of ``block_size`` consecutive elements that holds ``x``):
     "fp16"          16                          |x| * 2**-11 if |x| >= 2**-14, else 2**-25 (|x| <= 65504)
     "int8"          8 + scale_bits/block_size   scale / 2 = a / 254   (levels -127..127, scale = a / 127)
     "int4"          4 + scale_bits/block_size   scale / 2 = a / 14    (levels -7..7, scale = a / 7)
+    "topk"          k/C * (16 + b) + scale_bits/C   see below (chunked top-k sparsification)
+
+"topk" (chunked top-k with quantized values, as in SparseLoCo, Sarfi et al. 2025, and DeMo's per-chunk selection,
+Peng et al. 2024): the part is cut into chunks of ``block_size`` = C elements (C <= 65536; the last may be shorter);
+each chunk keeps its ``k`` largest-magnitude elements (``min(k, chunk length)``; ties by torch.topk), sent as their
+uint16 offsets in the chunk, ascending, and their values quantized to ``b`` = 2, 4 or 8 bits on a symmetric grid of
+levels -L..L (L = 2**(b-1) - 1: ternary for 2 bits, then 7, 127) with one scale per chunk (its kept absmax / L). The
+dropped elements decode to 0, so the bound on |x - x'| is |x| for them and scale / 2 for the kept ones: a sparsifying
+codec is only sound with error feedback (the config refuses it without). Payload: an 8-byte sub-header (k u32,
+b u8, 3 zero bytes), the offsets, then the codes packed ``8 / b`` per byte (element i in bits ``b*(i % (8/b))`` up),
+stored as level + 2**(b-1) (so 0 is never a valid code). Decoding refuses offsets out of the chunk, offsets not
+strictly ascending (a repeated index), invalid codes, and a ``k`` or ``b`` other than the receiver's.
 
 The int bounds hold up to one fp32 rounding of ``q * scale`` (|x| * 2**-24). With fp16 scales the scale is rounded
 *up* to the next fp16 value, so no level clips and the bound is ``fp16(scale) / 2``. Blockwise absmax quantization
@@ -37,12 +49,13 @@ import struct
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import numpy as np
 import torch
 
-CodecName = Literal["none", "fp16", "int8", "int4"]
+CodecName = Literal["none", "fp16", "int8", "int4", "topk"]
 ScaleDtype = Literal["fp32", "fp16"]
 
-CODEC_IDS: dict[str, int] = {"none": 0, "fp16": 1, "int8": 2, "int4": 3}
+CODEC_IDS: dict[str, int] = {"none": 0, "fp16": 1, "int8": 2, "int4": 3, "topk": 4}
 _SCALE_IDS: dict[str | None, int] = {None: 0, "fp32": 1, "fp16": 2}
 _CODEC_NAMES, _SCALE_NAMES = {v: k for k, v in CODEC_IDS.items()}, {v: k for k, v in _SCALE_IDS.items()}
 _SCALE_TORCH, _SCALE_ITEMSIZE = {"fp32": torch.float32, "fp16": torch.float16}, {None: 0, "fp32": 4, "fp16": 2}
@@ -51,6 +64,10 @@ HEADER_NUM_BYTES = _HEADER.size
 MAX_BLOCK_SIZE = 1 << 20
 _FP16_MAX = 65504.0
 _LEVELS = {"int8": 127, "int4": 7}
+_BLOCKED = ("int8", "int4", "topk")  # codecs with one scale per block (chunk)
+MAX_TOPK_CHUNK = 1 << 16  # offsets in a chunk are uint16
+TOPK_VALUE_BITS = (2, 4, 8)
+_TOPK_SUB = struct.Struct("<IB3x")  # k, value bits
 
 
 class MalformedPart(ValueError):
@@ -73,7 +90,7 @@ class EncodedPart:
 
     codec: str
     num_elements: int
-    payload: bytes | bytearray | memoryview
+    payload: bytes | bytearray | memoryview  # "topk": sub-header, offsets, packed codes (module docstring)
     block_size: int = 0
     scale_dtype: str | None = None
     scales: bytes | bytearray | memoryview = b""
@@ -84,14 +101,24 @@ class EncodedPart:
         return HEADER_NUM_BYTES + memoryview(self.payload).nbytes + memoryview(self.scales).nbytes
 
 
-def payload_num_bytes(codec: str, num_elements: int) -> int:
-    """Exact payload size in bytes of a part of ``num_elements`` elements."""
+def topk_kept(num_elements: int, chunk: int, k: int) -> int:
+    """Elements a "topk" part of ``num_elements`` keeps: ``k`` per full chunk of ``chunk``, ``min(k, rest)`` after."""
+    full, rest = divmod(num_elements, chunk)
+    return full * min(k, chunk) + min(k, rest)
+
+
+def payload_num_bytes(codec: str, num_elements: int, block_size: int = 0, k: int = 0, value_bits: int = 0) -> int:
+    """Exact payload size in bytes of a part of ``num_elements`` elements (``block_size``, ``k`` and ``value_bits``:
+    "topk" only)."""
+    if codec == "topk":
+        kept = topk_kept(num_elements, block_size, k)
+        return _TOPK_SUB.size + 2 * kept + -(-kept * value_bits // 8)
     return (num_elements + 1) // 2 if codec == "int4" else num_elements * {"none": 4, "fp16": 2, "int8": 1}[codec]
 
 
 def scales_num_bytes(codec: str, num_elements: int, block_size: int, scale_dtype: str | None) -> int:
-    """Exact size in bytes of the block scales (0 for "none" and "fp16")."""
-    if codec not in _LEVELS:
+    """Exact size in bytes of the block (chunk) scales (0 for "none" and "fp16")."""
+    if codec not in _BLOCKED:
         return 0
     return -(-num_elements // block_size) * _SCALE_ITEMSIZE[scale_dtype]
 
@@ -125,15 +152,20 @@ class CodecConfig:
     """Which codec compresses parts on the wire.
 
     Args:
-        name: "none" (fp32), "fp16", "int8" or "int4".
-        block_size: elements per quantization block for int8/int4 (1..2**20); ignored by "none"/"fp16".
+        name: "none" (fp32), "fp16", "int8", "int4" or "topk".
+        block_size: elements per quantization block for int8/int4 (1..2**20), per chunk for topk (1..2**16); ignored
+            by "none"/"fp16".
         scale_dtype: dtype of the per-block scales, "fp32" (exact) or "fp16" (half the overhead; the encoder raises
             ValueError for blocks whose absmax exceeds fp16 range * levels).
+        k: "topk": elements kept per chunk (1..block_size); 0 otherwise.
+        value_bits: "topk": bits per kept value (2, 4 or 8); 0 otherwise.
     """
 
     name: CodecName = "int8"
     block_size: int = 64
     scale_dtype: ScaleDtype = "fp32"
+    k: int = 0
+    value_bits: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_IDS:
@@ -142,6 +174,28 @@ class CodecConfig:
             raise ValueError(f"codec.block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
         if self.scale_dtype not in _SCALE_TORCH:
             raise ValueError(f"codec.scale_dtype must be 'fp32' or 'fp16', got {self.scale_dtype!r}")
+        if self.name == "topk":
+            if self.block_size > MAX_TOPK_CHUNK:
+                raise ValueError(f"topk chunks hold at most {MAX_TOPK_CHUNK} elements, got {self.block_size}")
+            if not isinstance(self.k, int) or not 1 <= self.k <= self.block_size:
+                raise ValueError(f"topk keeps 1..{self.block_size} elements per chunk, got k={self.k!r}")
+            if self.value_bits not in TOPK_VALUE_BITS:
+                raise ValueError(f"topk values take {TOPK_VALUE_BITS} bits, got {self.value_bits!r}")
+        elif self.k or self.value_bits:
+            raise ValueError(f"k and value_bits are for topk only, not {self.name!r}")
+
+    def frame_num_bytes(self, num_elements: int) -> int:
+        """Exact size on the wire of one part of ``num_elements`` elements in this codec, bytes ("none": the raw
+        fp32 bytes, which travel without a frame)."""
+        if self.name == "none":
+            return 4 * num_elements
+        block = self.block_size if self.name in _BLOCKED else 0
+        scale = self.scale_dtype if self.name in _BLOCKED else None
+        return (
+            HEADER_NUM_BYTES
+            + payload_num_bytes(self.name, num_elements, block, self.k, self.value_bits)
+            + scales_num_bytes(self.name, num_elements, block, scale)
+        )
 
 
 class Codec(Protocol):
@@ -205,14 +259,7 @@ class BlockQuantCodec:
             absmax[num_full] = x[num_full * bs :].abs().amax()
         if not _all_finite(absmax):
             raise ValueError("cannot encode non-finite values")
-        scale = absmax / self.levels
-        if self.scale_dtype == "fp16":
-            if scale.numel() and float(scale.amax()) > _FP16_MAX:
-                raise ValueError(f"{self.name} with fp16 scales: absmax exceeds {_FP16_MAX * self.levels}")
-            s16 = scale.half()
-            s16 = torch.where(s16.float() < scale, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
-            scale = s16.float()
-        return scale
+        return _stored_scale(absmax / self.levels, self.scale_dtype, self.name, self.levels)
 
     @staticmethod
     def _blockwise_(vals: torch.Tensor, scale: torch.Tensor, bs: int, op: str) -> torch.Tensor:
@@ -255,8 +302,127 @@ class BlockQuantCodec:
         return self._blockwise_(vals, scale, part.block_size, "mul_")
 
 
+def _stored_scale(scale: torch.Tensor, scale_dtype: str, name: str, levels: int) -> torch.Tensor:
+    """``scale`` (fp32) as it will be stored: fp16 scales are rounded *up*, so that no level clips."""
+    if scale_dtype != "fp16":
+        return scale
+    if scale.numel() and float(scale.amax()) > _FP16_MAX:
+        raise ValueError(f"{name} with fp16 scales: absmax exceeds {_FP16_MAX * levels}")
+    s16 = scale.half()
+    s16 = torch.where(s16.float() < scale, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
+    return s16.float()
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes (each < 2**bits) packed ``8 // bits`` per byte, element i in bits ``bits * (i % per)`` up."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    pad = (-codes.numel()) % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    grouped = codes.view(-1, per)
+    packed = grouped[:, 0].clone()
+    for j in range(1, per):
+        packed |= grouped[:, j] << (bits * j)
+    return packed
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` codes of ``_pack_codes``'s bytes (uint8)."""
+    per = 8 // bits
+    if per == 1:
+        return packed[:count]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
+
+
+class TopKCodec:
+    """Chunked top-k sparsification with quantized values ("topk", see the module docstring).
+
+    ``encode`` keeps, per chunk of ``block_size`` elements, the ``k`` elements of largest magnitude (their offsets
+    ascending) and quantizes them on ``value_bits`` bits with one scale per chunk; ``decode`` scatters them back into
+    zeros. Deterministic on one machine (torch.topk's ties); the bytes decode identically everywhere.
+    """
+
+    def __init__(self, block_size: int = 4096, k: int = 64, value_bits: int = 4, scale_dtype: ScaleDtype = "fp32"):
+        CodecConfig("topk", block_size, scale_dtype, k, value_bits)  # validates
+        self.name = "topk"
+        self.block_size, self.k, self.value_bits, self.scale_dtype = block_size, k, value_bits, scale_dtype
+        self.levels = 2 ** (value_bits - 1) - 1
+        self._zero = 2 ** (value_bits - 1)  # the code of level 0
+
+    def _groups(self, n: int, k: int) -> list[tuple[int, int, int, int]]:
+        """(start, rows, width, kept per row): the full chunks as one group, then the shorter last chunk."""
+        full, rest = divmod(n, self.block_size)
+        groups = [(0, full, self.block_size, min(k, self.block_size))] if full else []
+        return groups + ([(full * self.block_size, 1, rest, min(k, rest))] if rest else [])
+
+    def encode(self, x: torch.Tensor) -> EncodedPart:
+        """Sparsify and quantize ``x`` (fp32, shape (n,)); raises ValueError for non-finite values (or fp16-scale
+        overflow)."""
+        x = _check_input(x)
+        if not _all_finite(x):
+            raise ValueError("cannot encode non-finite values")
+        offsets, kept = [], []
+        for start, rows, width, k in self._groups(x.numel(), self.k):
+            chunk = x[start : start + rows * width].view(rows, width)
+            idx = torch.topk(chunk.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+            offsets.append(idx.reshape(-1))
+            kept.append(torch.gather(chunk, 1, idx))
+        scales = [_stored_scale(v.abs().amax(dim=1) / self.levels, self.scale_dtype, self.name, self.levels)
+                  for v in kept]  # fmt: skip
+        codes = [
+            v.div(torch.where(sc > 0, sc, torch.ones_like(sc))[:, None]).round_().clamp_(-self.levels, self.levels)
+            for v, sc in zip(kept, scales, strict=True)
+        ]
+        flat_codes = torch.cat([c.reshape(-1) for c in codes]) if codes else torch.empty(0)
+        packed = _pack_codes(flat_codes.add_(self._zero).to(torch.uint8), self.value_bits)
+        index = torch.cat(offsets).numpy().astype(np.uint16) if offsets else np.empty(0, np.uint16)
+        payload = b"".join([_TOPK_SUB.pack(self.k, self.value_bits), index.tobytes(), _tensor_bytes(packed)])
+        scale_all = torch.cat(scales) if scales else torch.empty(0)
+        return EncodedPart("topk", x.numel(), payload, self.block_size, self.scale_dtype,
+                           _tensor_bytes(scale_all.to(_SCALE_TORCH[self.scale_dtype])))  # fmt: skip
+
+    def decode(self, part: EncodedPart) -> torch.Tensor:
+        """A new fp32 tensor of shape (part.num_elements,): the kept values at their offsets, zeros elsewhere.
+
+        Raises:
+            MalformedPart: inconsistent sizes, a ``k`` or value width other than this codec's, an offset outside its
+                chunk or not strictly above the one before it (a repeated index), or a code outside the grid.
+        """
+        _check_part(part, self.name)
+        k, bits = _TOPK_SUB.unpack_from(memoryview(part.payload).cast("B"))
+        if (k, bits, part.block_size) != (self.k, self.value_bits, self.block_size):
+            raise MalformedPart(
+                f"topk part keeps {k} of {part.block_size} at {bits} bits; this round sends {self.k} of "
+                f"{self.block_size} at {self.value_bits} bits"
+            )
+        n = part.num_elements
+        count = topk_kept(n, self.block_size, k)
+        raw = memoryview(part.payload).cast("B")
+        index = torch.from_numpy(np.frombuffer(raw, np.uint16, count, _TOPK_SUB.size).astype(np.int64))
+        codes = _unpack_codes(_as_tensor(raw[_TOPK_SUB.size + 2 * count :], torch.uint8)[0], bits, count)
+        if count and (int(codes.min()) < 1 or int(codes.max()) > 2 * self._zero - 1):
+            raise MalformedPart(f"topk codes must lie in 1..{2 * self._zero - 1}")
+        scale = _as_tensor(part.scales, _SCALE_TORCH[part.scale_dtype])[0].float()
+        out = torch.zeros(n, dtype=torch.float32)
+        pos = chunk = 0
+        for start, rows, width, kk in self._groups(n, k):
+            idx = index[pos : pos + rows * kk].view(rows, kk)
+            if kk and (int(idx.max()) >= width or (kk > 1 and bool((idx[:, 1:] <= idx[:, :-1]).any()))):
+                raise MalformedPart(f"topk offsets must be strictly ascending and below {width} in each chunk")
+            levels = codes[pos : pos + rows * kk].view(rows, kk).float().sub_(self._zero)
+            values = levels.mul_(scale[chunk : chunk + rows, None])
+            out[start : start + rows * width].view(rows, width).scatter_(1, idx, values)
+            pos, chunk = pos + rows * kk, chunk + rows
+        return out
+
+
 def make_codec(config: CodecConfig) -> Codec:
     """The codec that ``config`` describes."""
+    if config.name == "topk":
+        return TopKCodec(config.block_size, config.k, config.value_bits, config.scale_dtype)
     if config.name in _LEVELS:
         return BlockQuantCodec(config.name, config.block_size, config.scale_dtype)  # type: ignore[arg-type]
     return RawCodec(config.name)  # type: ignore[arg-type]
@@ -265,6 +431,9 @@ def make_codec(config: CodecConfig) -> Codec:
 def decode(part: EncodedPart) -> torch.Tensor:
     """Decode any ``EncodedPart`` (codec, block size and scale dtype come from the part); raises MalformedPart."""
     _check_part(part)
+    if part.codec == "topk":
+        k, bits = _TOPK_SUB.unpack_from(memoryview(part.payload).cast("B"))
+        return TopKCodec(part.block_size, k, bits, part.scale_dtype).decode(part)  # type: ignore[arg-type]
     if part.codec in _LEVELS:
         return BlockQuantCodec(part.codec, part.block_size, part.scale_dtype).decode(part)  # type: ignore[arg-type]
     return RawCodec(part.codec).decode(part)  # type: ignore[arg-type]
@@ -279,13 +448,23 @@ def _check_part(part: EncodedPart, codec: str | None = None) -> None:
     n = part.num_elements
     if not isinstance(n, int) or n < 0:
         raise MalformedPart(f"bad num_elements {n!r}")
-    if part.codec in _LEVELS:
+    k = bits = 0
+    if part.codec in _BLOCKED:
         if part.scale_dtype not in _SCALE_TORCH or not 1 <= part.block_size <= MAX_BLOCK_SIZE:
             raise MalformedPart(f"bad block_size {part.block_size} or scale dtype {part.scale_dtype!r}")
     elif part.block_size != 0 or part.scale_dtype is not None:
         raise MalformedPart(f"{part.codec!r} parts have no blocks")
+    if part.codec == "topk":
+        head = memoryview(part.payload).cast("B")
+        if head.nbytes < _TOPK_SUB.size:
+            raise MalformedPart(f"topk payload of {head.nbytes} bytes has no {_TOPK_SUB.size}-byte sub-header")
+        k, bits = _TOPK_SUB.unpack_from(head)
+        if bytes(head[5:8]) != b"\0\0\0" or bits not in TOPK_VALUE_BITS or not 1 <= k <= part.block_size:
+            raise MalformedPart(f"bad topk sub-header (k {k}, {bits} bits, chunk {part.block_size})")
+        if part.block_size > MAX_TOPK_CHUNK:
+            raise MalformedPart(f"topk chunk of {part.block_size} elements exceeds {MAX_TOPK_CHUNK}")
     for what, buf, want in (
-        ("payload", part.payload, payload_num_bytes(part.codec, n)),
+        ("payload", part.payload, payload_num_bytes(part.codec, n, part.block_size, k, bits)),
         ("scales", part.scales, scales_num_bytes(part.codec, n, part.block_size, part.scale_dtype)),
     ):
         if memoryview(buf).nbytes != want:
@@ -307,7 +486,10 @@ def to_bytes(part: EncodedPart) -> bytes:
 
 
 def from_bytes(
-    frame: bytes | bytearray | memoryview, max_num_elements: int, allowed_codecs: frozenset[str] | None = None
+    frame: bytes | bytearray | memoryview,
+    max_num_elements: int,
+    allowed_codecs: frozenset[str] | None = None,
+    expected: CodecConfig | None = None,
 ) -> EncodedPart:
     """Parse one frame strictly; the returned part's buffers are zero-copy views into ``frame``.
 
@@ -315,6 +497,9 @@ def from_bytes(
         frame: exactly one frame, as received (no trailing bytes).
         max_num_elements: the largest part the caller accepts, elements (the expected part size).
         allowed_codecs: if given, codec names the caller accepts (e.g. only the round's codec).
+        expected: if given, the one encoding the caller accepts: codec, block size, scale dtype and, for "topk", the
+            elements kept per chunk and the value width must all be these (a peer sending a denser top-k than the
+            round's is refused here).
 
     Returns:
         The EncodedPart; decode it with ``decode``. Values are not checked for finiteness here
@@ -322,7 +507,8 @@ def from_bytes(
 
     Raises:
         MalformedPart: bad magic/version/reserved byte, unknown codec or scale dtype, a declared size that does not
-            match the buffer exactly, num_elements above ``max_num_elements``, or non-finite/negative scales.
+            match the buffer exactly, num_elements above ``max_num_elements``, an encoding other than
+            ``expected``, or non-finite/negative scales.
     """
     mv = memoryview(frame).cast("B")
     if mv.nbytes < HEADER_NUM_BYTES:
@@ -344,6 +530,15 @@ def from_bytes(
     end = HEADER_NUM_BYTES + num_payload
     part = EncodedPart(codec, n, mv[HEADER_NUM_BYTES:end], block_size, _SCALE_NAMES[scale_id], mv[end:])
     _check_part(part)
+    if expected is not None:
+        got = (part.codec, part.block_size, part.scale_dtype)
+        blocked = expected.name in _BLOCKED
+        want = (expected.name,) + ((expected.block_size, expected.scale_dtype) if blocked else (0, None))
+        if part.codec == "topk":
+            got += _TOPK_SUB.unpack_from(memoryview(part.payload).cast("B"))
+            want += (expected.k, expected.value_bits)
+        if got != want:
+            raise MalformedPart(f"encoding {got} is not this round's {want}")
     if part.scale_dtype is not None:
         scales = _as_tensor(part.scales, _SCALE_TORCH[part.scale_dtype])[0]
         if scales.numel() and not (_all_finite(scales) and float(scales.amin()) >= 0.0):

@@ -32,8 +32,15 @@ class AveragingConfig:
         declare_grace_s: followers wait this long past the group deadline for the leader's declaration, seconds.
         poll_interval_s: DHT polling period during matchmaking, seconds.
         compression: wire codec of parts and results ("none" = fp32 bit-exact inputs; "fp16", "int8", "int4"
-            quantize what is sent; every member still ends bit-identical).
+            quantize what is sent; "topk" sparsifies it, ``codecs`` module docstring; every member still ends
+            bit-identical).
         codec_block_size: elements per quantization block for int8/int4.
+        topk_density: "topk": the fraction of each chunk a member sends (k = ceil(density x chunk) elements per
+            chunk, largest magnitude first; the rest stays in its error-feedback residual). A reducer's result keeps
+            every element any contributor sent (k x contributors per chunk, capped at the chunk), with 8-bit values:
+            its re-quantization is not fed back.
+        topk_value_bits: "topk": bits per sent value, 2 (ternary: -a, 0, +a per chunk), 4 or 8.
+        topk_chunk: "topk": elements per chunk (64..65536; offsets travel as uint16).
         error_feedback: keep what the codec dropped from our contribution (fp32, one value per averaged element) and
             add it to the next round's contribution (EF-SGD, Karimireddy et al. 2019, "Error Feedback Fixes SignSGD",
             Alg. 2), for quantized pseudo-gradients as in Streaming DiLoCo (Douillard et al. 2025, 4-bit outer
@@ -107,8 +114,11 @@ class AveragingConfig:
     commit_timeout_s: float = Field(default=5.0, gt=0.0, le=600.0)
     declare_grace_s: float = Field(default=1.5, gt=0.0, le=60.0)
     poll_interval_s: float = Field(default=0.1, gt=0.0, le=10.0)
-    compression: Literal["none", "fp16", "int8", "int4"] = "none"
+    compression: Literal["none", "fp16", "int8", "int4", "topk"] = "none"
     codec_block_size: int = Field(default=64, ge=1, le=1 << 20)
+    topk_density: float = Field(default=0.02, gt=0.0, le=0.5)
+    topk_value_bits: Literal[2, 4, 8] = 4
+    topk_chunk: int = Field(default=4096, ge=64, le=1 << 16)
     error_feedback: bool = False
     aggregation: Literal["mean", "centered_clip"] = "mean"
     clip_tau: float = Field(default=0.0, ge=0.0)
@@ -157,7 +167,20 @@ class AveragingConfig:
                 f"averaging.matchmaking_time_s ({self.matchmaking_time_s})"
             )
         if self.error_feedback and self.compression == "none":
-            raise ValueError("averaging.error_feedback needs averaging.compression (fp16, int8 or int4): none is exact")
+            raise ValueError(
+                "averaging.error_feedback needs averaging.compression (fp16, int8, int4 or topk): none is exact"
+            )
+        if self.compression == "topk" and not self.error_feedback:
+            raise ValueError(
+                f"averaging.compression='topk' sends {self.topk_density:g} of each pseudo-gradient; without "
+                "error feedback the rest would never be sent: set averaging.error_feedback = true"
+            )
+        if self.compression == "topk" and self.aggregation != "mean":
+            raise ValueError(
+                "averaging.compression='topk' with averaging.aggregation='centered_clip': sparse contributions share "
+                "few coordinates, so their coordinate median is mostly 0 and every honest contribution looks like an "
+                "outlier; use aggregation='mean' with topk, or a dense codec (int8, int4) for robust aggregation"
+            )
         if self.update_norm_min_history > self.update_norm_window:
             raise ValueError(
                 f"averaging.update_norm_min_history ({self.update_norm_min_history}) must not exceed "

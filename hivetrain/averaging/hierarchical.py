@@ -48,7 +48,9 @@ Bytes per participant: the row round's plus the column round's, 2(k−1)/k + 2(R
 rows of k, i.e. at most about twice a single group's (a member standing in two columns sends its column share twice),
 plus 64 B for the confirm; in a row where a column failed, the fetch moves about one fp32 vector more between the
 source and each of its fetchers. Compression and robust aggregation apply at the row and column stages; error
-feedback at the row stage only (our own contribution); the column stage's codec error is not fed back.
+feedback at the row stage only (our own contribution); the column stage's codec error is not fed back. With "topk"
+a column part is a row mean, so it keeps k x (the largest row's size) elements per chunk at 8 bits (the row's whole
+support): the column stage then moves about a row's worth of sparse vectors per member, not one.
 """
 
 from __future__ import annotations
@@ -245,6 +247,8 @@ class _Grid:
     def __init__(self, me, round_id, ids, config: AveragingConfig, run: RunRound, rows, columns, r: int, accept, n):
         self.me, self.round_id, self.config, self.run, self.n = me, round_id, config, run, n
         self.rows, self.columns, self.r = rows, columns, r
+        # a column's contributions are row means: a "topk" column part carries a whole row's support
+        self.fan_in = max(len(row) for row in rows)
         self.ours = [c for c, column in enumerate(columns) if column[r] == me]  # one column, two in a short row
         self.seed_tag = hashlib.sha256(f"{round_id}|columns".encode()).digest()[:16]
         self.participants = tuple(sorted(ids))
@@ -263,7 +267,7 @@ class _Grid:
         try:
             self.run(stage_id(self.round_id, "column", c), self.columns[c], torch.zeros(self.n), 0.0, None, None,
                      order=self.columns[c], seed_tag=self.seed_tag, max_weight=self.max_weight,
-                     accept=lambda *_: why, drop_failed=False, stage="column")  # fmt: skip
+                     accept=lambda *_: why, drop_failed=False, stage="column", fan_in=self.fan_in)  # fmt: skip
         except RoundFailed:
             pass
 
@@ -299,7 +303,7 @@ class _Grid:
                 got = self.run(stage_id(self.round_id, "column", c), self.columns[c], row.flat, row.total_weight,
                                out if result is None else None, None, order=self.columns[c], seed_tag=self.seed_tag,
                                max_weight=self.max_weight, accept=self.everyone, drop_failed=False,
-                               stage="column")  # fmt: skip
+                               stage="column", fan_in=self.fan_in)  # fmt: skip
             except RoundFailed as exc:
                 logger.info("two-stage round %s: column %d failed: %s", self.round_id[:8], c, exc)
                 failure = exc

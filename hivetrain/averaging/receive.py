@@ -31,7 +31,8 @@ class RoundReceiver:
 
     Args:
         me: our peer id; round_id: the round's id.
-        codec_config: the round's codec (``codecs.CodecConfig``); codec: its instance, None for "none".
+        codec_config: the round's codec of parts (``codecs.CodecConfig``); codec: its instance, None for "none".
+        result_config: the codec of reducers' results (``reduce.result_codec``: a denser "topk", else the same).
         max_weight: the largest weight a member may claim, samples.
         pool: receive buffers kept between rounds.
         plan_wait_s: how long a frame that needs the round's contributors (a reassigned part, a result) waits for
@@ -40,9 +41,10 @@ class RoundReceiver:
 
     def __init__(
         self, *, me: str, round_id: str, codec_config: codecs.CodecConfig, codec, max_weight: float,
-        pool: BufferPool, plan_wait_s: float,
+        pool: BufferPool, plan_wait_s: float, result_config: codecs.CodecConfig | None = None,
     ):  # fmt: skip
         self.me, self.round_id, self.codec_config, self.codec = me, round_id, codec_config, codec
+        self.result_config = result_config or codec_config
         self.max_weight, self.pool, self.plan_wait_s = max_weight, pool, plan_wait_s
         self.transport: RoundTransport | None = None  # set by the round before any link opens
         self._cond = threading.Condition()
@@ -186,7 +188,7 @@ class RoundReceiver:
             raw = bytearray(num_bytes)  # the size the round expects (checked above), not a claim
             link.recv_into(memoryview(raw))
             try:
-                part = codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name}))
+                part = codecs.from_bytes(raw, end - start, expected=self.codec_config)
             except codecs.MalformedPart as exc:
                 self._deliver_part(i, j, None, 0.0, f"malformed: {exc}")
                 raise StopReading from None
@@ -208,7 +210,7 @@ class RoundReceiver:
         if j not in left or plan.owner(i, left) != j:
             raise LinkClosed(f"{j} is not the reducer of slice {i} once {sorted(removed)} are removed")
         start, end = plan.bounds[i]
-        if num_bytes != wire_num_bytes(self.codec_config, end - start):
+        if num_bytes != wire_num_bytes(self.result_config, end - start):
             why = f"result of {num_bytes} bytes for {end - start} elements"
             self._deliver_result(removed, i, j, False, why, b"", meta)
             raise StopReading
@@ -234,7 +236,7 @@ class RoundReceiver:
             link.recv_into(memoryview(raw))
             hasher.update(raw)
             try:
-                values = codecs.decode(codecs.from_bytes(raw, end - start, frozenset({self.codec_config.name})))
+                values = codecs.decode(codecs.from_bytes(raw, end - start, expected=self.result_config))
             except codecs.MalformedPart as exc:
                 self._deliver_result(removed, i, j, False, f"malformed result: {exc}", b"", meta)
                 raise StopReading from None

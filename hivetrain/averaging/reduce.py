@@ -7,6 +7,7 @@ Used by ``allreduce.ButterflyRound`` (the round), ``transport.RoundTransport`` (
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hivetrain.averaging import codecs
+from hivetrain.averaging.config import AveragingConfig
 
 
 @dataclass(frozen=True)
@@ -103,15 +105,31 @@ class Inbox:
 
 
 def wire_num_bytes(codec: codecs.CodecConfig, num_elements: int) -> int:
-    if codec.name == "none":
-        return 4 * num_elements
-    scale = codec.scale_dtype if codec.name in ("int8", "int4") else None
-    block = codec.block_size if scale is not None else 0
-    return (
-        codecs.HEADER_NUM_BYTES
-        + codecs.payload_num_bytes(codec.name, num_elements)
-        + codecs.scales_num_bytes(codec.name, num_elements, block, scale)
-    )
+    """Exact bytes of one part or result of ``num_elements`` elements in ``codec`` on the wire."""
+    return codec.frame_num_bytes(num_elements)
+
+
+def part_codec(config: AveragingConfig, fan_in: int = 1) -> codecs.CodecConfig:
+    """The codec of the parts a member sends in a round of ``config`` (``averaging.compression`` and its settings).
+
+    ``fan_in``: how many members' sparse pseudo-gradients each contribution already averages (the two-stage round's
+    column stage sends row means: ``hierarchical``); a "topk" part then keeps ``k x fan_in`` elements per chunk at 8
+    bits, so the row mean's support travels whole. Other codecs ignore it."""
+    if config.compression == "topk":
+        k = math.ceil(config.topk_density * config.topk_chunk)
+        bits = config.topk_value_bits if fan_in == 1 else 8
+        return codecs.CodecConfig("topk", config.topk_chunk, "fp32", min(config.topk_chunk, k * fan_in), bits)
+    block = config.codec_block_size if config.compression in ("int8", "int4") else 64
+    return codecs.CodecConfig(config.compression, block)
+
+
+def result_codec(part: codecs.CodecConfig, num_members: int) -> codecs.CodecConfig:
+    """The codec of a reducer's averaged slice in a round of ``num_members`` whose parts use ``part``: the same, except
+    for "topk", whose result keeps every element any contributor sent (at most ``k x num_members`` per chunk) with
+    8-bit values (its re-quantization error is not fed back, so it gets the finest grid)."""
+    if part.name != "topk":
+        return part
+    return dataclasses.replace(part, k=min(part.block_size, part.k * num_members), value_bits=8)
 
 
 def tensor_view(t: torch.Tensor) -> memoryview:

@@ -167,16 +167,14 @@ def _link_checks(args, node, coordinator_id: str, run_id: str) -> list[Check]:
 
 
 def _forecast(config, speed: float, swarm_speed: float, num_trainers: int, up: float, down: float):
-    from hivetrain.averaging import codecs
-    from hivetrain.averaging.reduce import wire_num_bytes
+    from hivetrain.averaging.reduce import part_codec
     from hivetrain.data import vocab_size_of
     from hivetrain.diloco.forecast import forecast
     from hivetrain.model import describe_run_model
 
     _, num_parameters = describe_run_model(config, vocab_size_of(config.data))
     avg = config.averaging
-    block = avg.codec_block_size if avg.compression in ("int8", "int4") else 64
-    wire = wire_num_bytes(codecs.CodecConfig(avg.compression, block), num_parameters)
+    wire = part_codec(avg).frame_num_bytes(num_parameters)  # what we upload; results are as big or bigger (topk)
     d = config.diloco
     return forecast(
         samples_per_s=speed, swarm_samples_per_s=swarm_speed, num_trainers=num_trainers, schedule=d.schedule,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hivetrain.averaging.codecs import payload_num_bytes, scales_num_bytes
+from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.matchmaking import (
     MAX_MEMBERS,
     Decision,
@@ -42,6 +42,7 @@ from hivetrain.averaging.matchmaking import (
     decide,
     make_round_id,
 )
+from hivetrain.averaging.reduce import part_codec
 from hivetrain.diloco.round_policy import RoundView, decide_after_round
 from hivetrain.diloco.rounds import expected_peers, patience_for
 from hivetrain.sim import dht as simdht
@@ -83,7 +84,7 @@ class RoundEngine:
         self.sessions = 0
         self._retries: dict[float, list[int]] = {}  # tick -> slots that announce again then (``_retry``)
         self.shared = SharedCalls(sim)  # which peers share one decision call (``sim.sharing``)
-        self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg.compression, self.avg.codec_block_size)
+        self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg)
         self.groups = GroupRounds(self)
 
     def check_round_fits(self) -> None:
@@ -415,11 +416,9 @@ class RoundEngine:
                              concurrent)  # fmt: skip
 
 
-def wire_bytes(model_bytes: int, compression: str, codec_block_size: int) -> int:
+def wire_bytes(model_bytes: int, avg: AveragingConfig) -> int:
     """Bytes of a ``model_bytes`` fp32 pseudo-gradient once ``averaging.compression`` encodes it (parts and averaged
-    results alike, as ``averaging.allreduce`` sends both), with the production codec sizes (``averaging.codecs``:
-    fp16 halves it, int8/int4 add one fp32 scale per ``codec_block_size`` elements). Frame headers are ignored."""
-    num_elements = model_bytes // 4
-    return payload_num_bytes(compression, num_elements) + scales_num_bytes(
-        compression, num_elements, codec_block_size, "fp32"
-    )
+    results alike, as ``averaging.allreduce`` sends both; a scenario cannot pick "topk", which needs error feedback),
+    with the production codec sizes (``reduce.part_codec``: fp16 halves it, int8/int4 add one fp32 scale per
+    ``codec_block_size`` elements) as one frame (the header counts once, not once per slice)."""
+    return part_codec(avg).frame_num_bytes(model_bytes // 4)

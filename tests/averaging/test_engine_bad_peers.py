@@ -5,12 +5,15 @@ and ban the offender."""
 from __future__ import annotations
 
 import hashlib
+import math
+import struct
 import time
 
 import pytest
 import torch
 
 from hivetrain.averaging import AveragingConfig, RoundFailed, RoundResult
+from hivetrain.averaging.codecs import HEADER_NUM_BYTES, TopKCodec, to_bytes
 from hivetrain.faults import Fault, FaultInjector
 
 from .conftest import run_threads
@@ -71,11 +74,51 @@ CORRUPTIONS = {
 }
 
 
-@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def _topk_frames(mutate):
+    """Rewrite every encoded part we send: ``mutate(frame bytearray, offsets view at its payload)``."""
+
+    def one(frame) -> None:
+        raw = bytearray(b"".join(bytes(b) for b in frame[1]))
+        mutate(raw, HEADER_NUM_BYTES + 8)  # the payload's offsets start after the 8-byte topk sub-header
+        frame[1] = [bytes(raw)]
+
+    return _all_frames(one)
+
+
+def _offset(value_of):
+    def mutate(raw: bytearray, at: int) -> None:
+        first, second = struct.unpack_from("<HH", raw, at)
+        struct.pack_into("<H", raw, at + 2, value_of(first, second))
+
+    return mutate
+
+
+def _nan_scale(raw: bytearray, _at: int) -> None:
+    struct.pack_into("<f", raw, len(raw) - 4, float("nan"))
+
+
+def _denser(frame) -> None:  # the same slice at twice the round's density: more of our update than anyone's
+    header = bytes(frame[1][0])
+    n = struct.unpack_from("<4sBBBBIQQQ", header)[6]
+    values = torch.randn(n)
+    frame[1] = [to_bytes(TopKCodec(64, 2 * math.ceil(0.1 * 64), 4).encode(values))]
+
+
+TOPK = dict(compression="topk", error_feedback=True, topk_density=0.1, topk_value_bits=4, topk_chunk=64)
+TOPK_CORRUPTIONS = {
+    "topk_offset_out_of_range": _topk_frames(_offset(lambda first, second: 65535)),
+    "topk_repeated_offset": _topk_frames(_offset(lambda first, second: first)),
+    "topk_nan_scale": _topk_frames(_nan_scale),
+    "topk_denser_than_the_round": _all_frames(_denser),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS) + sorted(TOPK_CORRUPTIONS))
 def test_bad_member_is_excluded_and_honest_members_commit(make_averagers, corruption: str) -> None:
     bad = FaultInjector()
-    bad.arm(Fault("averaging.before_send", "call", callback=CORRUPTIONS[corruption]))
-    avgs = make_averagers(4, AveragingConfig(**CONFIG), faults=[None, None, None, bad])
+    topk = corruption in TOPK_CORRUPTIONS
+    bad.arm(Fault("averaging.before_send", "call", callback={**CORRUPTIONS, **TOPK_CORRUPTIONS}[corruption]))
+    avgs = make_averagers(4, AveragingConfig(**CONFIG, **(TOPK if topk else {})), faults=[None, None, None, bad])
     g = torch.Generator().manual_seed(7)
     inputs = [[torch.randn(NUM_ELEMENTS, generator=g)] for _ in range(4)]
     weights = [1.0, 2.0, 3.0, 4.0]
@@ -98,7 +141,10 @@ def test_bad_member_is_excluded_and_honest_members_commit(make_averagers, corrup
         assert r.excluded == (bad_id,)
         assert r.group == tuple(sorted(a.node.peer_id for a in avgs[:3]))
         assert r.total_weight == pytest.approx(sum(weights[:3]))
-        torch.testing.assert_close(r.tensors[0], expected, atol=1e-6, rtol=0)
+        if topk:  # 10% of each honest contribution: nearer the honest mean than zero is, and nothing of the attacker's
+            assert float((r.tensors[0] - expected).norm()) < float(expected.norm())
+        else:
+            torch.testing.assert_close(r.tensors[0], expected, atol=1e-6, rtol=0)
     observers = [a for a in avgs[:3] if a.bans.is_banned(bad_id, time.time())]
     if corruption == "equivocated_weight":  # no reducer saw anything wrong by itself: excluded, but not banned
         assert not observers
