@@ -20,7 +20,7 @@ BENCH = ROOT / "scripts" / "bench"
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 sys.path.insert(0, str(BENCH))
 
-from lpb_arms import Arm, Setup, run_arm  # noqa: E402
+from lpb_arms import Arm, Setup, codec_config, run_arm  # noqa: E402
 
 KEYS = {"arm", "eval_loss", "eval_loss_std", "seeds", "bytes", "vs_ddp", "outer_lr", "outer_momentum"}
 
@@ -71,3 +71,18 @@ def test_eager_overlap_with_one_worker_is_plain_diloco():
     assert eager.eval_loss == pytest.approx(off.eval_loss, rel=1e-4)
     assert delayed.eval_loss != pytest.approx(off.eval_loss, rel=1e-4)  # the delay changes the trajectory
     assert eager.bytes == off.bytes == delayed.bytes
+
+
+def test_a_topk_arm_counts_its_sparse_parts_and_denser_results():
+    setup = Setup(str(DATA), "tiny", workers=2, steps=8, seq_len=32, batch_size=2, warmup_steps=2, eval_windows=4)
+    dense = run_arm(setup, Arm("diloco", 2e-3, 4, 1.0, 0.0), seed=0)
+    sparse = run_arm(setup, Arm("diloco", 2e-3, 4, 1.0, 0.0, codec="topk2-2b-ef"), seed=0)
+    part, result, feedback = codec_config("topk2-2b-ef", members=2)
+    assert feedback and (part.k, part.value_bits) == (82, 2) and (result.k, result.value_bits) == (164, 8)
+    bits = [c.frame_num_bytes(1 << 16) * 8 / (1 << 16) for c in (part, result)]
+    # 2 outer steps, W = 2: per step each worker sends the other its part of one slice and its result of the other
+    assert sparse.bytes == 2 * int(dense.num_parameters * sum(bits) / 8)
+    assert dense.bytes == 2 * int(dense.num_parameters * 64 / 8)
+    assert sparse.bytes < dense.bytes / 10 and math.isfinite(sparse.eval_loss)
+    with pytest.raises(ValueError, match="error feedback is required"):
+        codec_config("topk2-2b")

@@ -20,6 +20,8 @@ Plans (``--plan``):
            0.7/0.9. Three seeds per row. Small preset, 200 steps, one seed: DDP at lr 2e-3; DiLoCo H = 20 over the
            3 settings, the defaults and 0.7/0.9.
   full     every grid everywhere, 3 seeds (hours).
+  codecs   the tiny/400 DDP and DiLoCo H = 40 rows of "default" (H = 40 over its 3 settings), then each ``--codecs``
+           arm at H = 40's best setting, 3 seeds: the learning-per-byte table of the wire formats (issue 25).
 
 ``--json`` prints, as its last line, a JSON list with one object per row: arm, preset, steps, inner_steps,
 eval_loss (mean over seeds), eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties),
@@ -45,7 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lpb_arms import Arm, Setup, run_arm  # noqa: E402
+from lpb_arms import Arm, Setup, codec_config, run_arm  # noqa: E402
 
 from hivetrain.config import DilocoConfig  # noqa: E402
 
@@ -98,6 +100,15 @@ def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
             Family("diloco-H5-eager", s, diloco_grid(lr, 5, one, "eager"), (0,)),
             Family("async", s, (Arm("async", 1e-3),), (0,)),
         ] + [Family(f"diloco-H10-{c}", s, (), (0,), "diloco-H10", _codec(c)) for c in codecs]
+    if name == "codecs":  # DDP and DiLoCo H = 40 tuned as in "default", then each codec at H = 40's best, 3 seeds
+        short = Setup(data, "tiny", workers=4, steps=400, seq_len=64, batch_size=8, warmup_steps=20)
+        fams = [
+            Family("tiny/400/ddp", short, tuple(Arm("ddp", x) for x in (1e-3, 2e-3, 4e-3))),
+            Family("tiny/400/diloco-H40", short, diloco_grid(lr, 40, three)),
+        ]
+        return fams + [
+            Family(f"tiny/400/diloco-H40-{c}", short, after="tiny/400/diloco-H40", derive=_codec(c)) for c in codecs
+        ]
     if name not in ("default", "full"):
         raise ValueError(f"unknown plan {name!r}")
     full = name == "full"
@@ -292,21 +303,25 @@ def _ratio(ratio: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="text file (default: shared tinyshakespeare.txt)")
-    parser.add_argument("--plan", default="default", choices=("quick", "default", "full"), help="which sweep")
+    parser.add_argument("--plan", default="default", choices=("quick", "default", "full", "codecs"), help="which sweep")
     parser.add_argument("--quick", action="store_true", help="same as --plan quick (smoke run, < 1 min)")
     parser.add_argument(
         "--jobs", type=int, default=2, help="worker processes (one torch thread each); 0 = in this process"
     )
     parser.add_argument("--results", default="", help="JSON-lines file of finished runs, reused and appended to")
-    parser.add_argument("--codecs", default="", help="also DiLoCo H=40 with these codecs, e.g. int4,int4-ef")
+    parser.add_argument(
+        "--codecs", default="", help="also DiLoCo H=40 with these codecs, e.g. int4,int4-ef,topk2-2b-ef"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list on the last line")
     args = parser.parse_args()
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
     codecs = [c for c in args.codecs.split(",") if c]
     for c in codecs:
-        if c.removesuffix("-ef") not in ("fp16", "int8", "int4"):
-            parser.error(f"--codecs: unknown codec {c!r} (fp16, int8, int4, optionally with -ef)")
+        try:
+            codec_config(c)
+        except ValueError as exc:
+            parser.error(f"--codecs: {exc}")
     sweep = Sweep(plan("quick" if args.quick else args.plan, args.data, codecs), args.jobs, args.results)
     started = time.monotonic()
     sweep.run(lambda line: print(line, file=sys.stderr, flush=True))

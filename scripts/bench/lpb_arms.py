@@ -77,7 +77,9 @@ class Arm:
         inner_steps: DiLoCo's H (0 for the other kinds).
         outer_lr, outer_momentum: DiLoCo's outer Nesterov SGD (None for the other kinds).
         overlap: DiLoCo's "off", "delayed" or "eager".
-        codec: "" (fp32) or a pseudo-gradient codec name (fp16, int8, int4, with "-ef" for error feedback).
+        codec: "" (fp32) or a pseudo-gradient codec name: fp16, int8, int4 (with "-ef" for error feedback), or
+            "topk<percent>-<bits>b-ef" (``averaging.compression = "topk"`` at that density and value width, chunks of
+            4,096, with error feedback, which topk requires), e.g. "topk2-2b-ef".
     """
 
     kind: ArmKind
@@ -112,9 +114,32 @@ class Result:
     num_parameters: int
 
 
-def ring_bytes(num_floats: int, workers: int, bits_per_float: float = 32.0) -> int:
-    """Bytes all W workers of a ring all-reduce put on the wire for one call: W · 2·(W−1)/W · n · bits/8."""
-    return int(2 * (workers - 1) * num_floats * bits_per_float / 8)
+def ring_bytes(num_floats: int, workers: int, bits_per_float: float = 32.0, result_bits: float | None = None) -> int:
+    """Bytes all W workers of a ring (or butterfly) all-reduce put on the wire for one call: W · (W−1)/W · n · bits/8
+    for the reduce-scatter and as much for the all-gather, at ``result_bits`` per float if the results travel in
+    another encoding than the parts (topk: every element any member sent, at 8 bits)."""
+    gather = bits_per_float if result_bits is None else result_bits
+    return int((workers - 1) * num_floats * (bits_per_float + gather) / 8)
+
+
+def codec_config(name: str, members: int = 1):
+    """(``averaging.codecs.CodecConfig`` of the parts, of the results for ``members`` workers, error feedback?) for
+    an arm's codec name (``Arm.codec``)."""
+    from hivetrain.averaging.codecs import CodecConfig
+    from hivetrain.averaging.reduce import result_codec
+
+    base, feedback = name.removesuffix("-ef"), name.endswith("-ef")
+    if base.startswith("topk"):
+        percent, _, bits = base.removeprefix("topk").partition("-")
+        if not feedback or not bits.endswith("b"):
+            raise ValueError(f"codec {name!r}: topk arms are topk<percent>-<bits>b-ef (error feedback is required)")
+        k = math.ceil(float(percent) / 100 * 4096)
+        part = CodecConfig("topk", 4096, "fp32", k, int(bits.removesuffix("b")))
+        return part, result_codec(part, members), True
+    if base not in ("fp16", "int8", "int4"):
+        raise ValueError(f"unknown codec {name!r} (fp16, int8, int4, optionally with -ef; or topk<pct>-<bits>b-ef)")
+    part = CodecConfig(name=base, block_size=64)
+    return part, part, feedback
 
 
 @cache
@@ -217,17 +242,17 @@ def _run_async(setup, arm, model_cfg, seed, streams):
 
 
 class _Quantizer:
-    """A worker's codec path: contribution (+ error-feedback residual) → encode → decode, as the butterfly round."""
+    """A worker's codec path: contribution (+ error-feedback residual) → encode → decode, as the butterfly round;
+    with ``result`` the reducers' path for the mean of ``members`` contributions (no error feedback)."""
 
-    def __init__(self, name: str):
-        from hivetrain.averaging.codecs import CodecConfig, ErrorFeedback, make_codec
+    def __init__(self, name: str, members: int = 1, result: bool = False):
+        from hivetrain.averaging.codecs import ErrorFeedback, make_codec
 
-        base = name.removesuffix("-ef")
-        if base not in ("fp16", "int8", "int4"):
-            raise ValueError(f"unknown codec {name!r} (fp16, int8, int4, optionally with -ef)")
-        self.codec = make_codec(CodecConfig(name=base, block_size=64))
-        self.feedback = ErrorFeedback() if name.endswith("-ef") else None
-        self.bits_per_float = self.codec.encode(torch.zeros(1 << 16)).num_bytes * 8 / (1 << 16)
+        part, mean, feedback = codec_config(name, members)
+        config = mean if result else part
+        self.codec = make_codec(config)
+        self.feedback = ErrorFeedback() if feedback and not result else None
+        self.bits_per_float = config.frame_num_bytes(1 << 16) * 8 / (1 << 16)
 
     def roundtrip(self, flat: torch.Tensor) -> torch.Tensor:
         residual = self.feedback.apply(flat) if self.feedback is not None else None
@@ -256,7 +281,7 @@ def _run_diloco(setup, arm, model_cfg, seed, streams):
     models = [build_model(model_cfg, seed=seed) for _ in range(setup.workers)]
     inners = [InnerOptimizer(m, cfg) for m in models]
     quantizers = [_Quantizer(arm.codec) for _ in models] if arm.codec else None
-    mean_codec = _Quantizer(arm.codec.removesuffix("-ef")) if arm.codec else None
+    mean_codec = _Quantizer(arm.codec, setup.workers, result=True) if arm.codec else None
     state = TrainingState.from_model(models[0])
     num_floats = sum(t.numel() for t in state.params.values())
     starts = [state.params] * setup.workers
@@ -271,7 +296,10 @@ def _run_diloco(setup, arm, model_cfg, seed, streams):
             inner.run(streams[w], first_step=epoch * h, num_steps=h)
             deltas.append(pseudo_gradient(start, model))  # Δ from this phase's own start point
         avg = _average(deltas, quantizers, mean_codec)
-        sent += ring_bytes(num_floats, setup.workers, mean_codec.bits_per_float if mean_codec else 32.0)
+        if quantizers is None:
+            sent += ring_bytes(num_floats, setup.workers)
+        else:
+            sent += ring_bytes(num_floats, setup.workers, quantizers[0].bits_per_float, mean_codec.bits_per_float)
         if arm.overlap == "off":
             state = outer_step(state, avg, lr, mu)
             starts = [state.params] * setup.workers
