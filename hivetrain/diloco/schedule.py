@@ -185,9 +185,13 @@ def decide_phase_end(
     # over 5.8 s, arrived ~1 s after each group closed, and missed 5 of 6 epochs). Each further step of ours only
     # delays them or loses our samples and costs a download: average now, once they did their share of the target
     # (a claim counted at most ``max_samples_per_peer``, like progress: a liar that claims to be done must claim its
-    # share, and then ends the phase of a peer it is alone with, as a bounded progress claim could already shorten it).
+    # share, and then ends the phase of a peer it is alone with, as a bounded progress claim could already shorten it),
+    # or once two or more of them wait, whatever they did: their group waits one step of ours for us, not the rest of
+    # the target (cpu-starve beside 2 hogs: the others ended with 280 of 480 samples by our count, having counted on
+    # progress our starved steps never made; the starved peer computed on for 10 s and missed the epoch). Two records
+    # claiming to be done are the evidence the other rules ask for (``round_under_way``).
     share = target * (num_peers - 1) / num_peers
-    if done and not running and finished >= share:
+    if done and not running and (finished >= share or len(done) >= 2):
         return PhaseDecision(
             "end",
             f"every other live peer ({len(done)}) ended its phase: they wait for us ({total:.0f}/{target} samples)",

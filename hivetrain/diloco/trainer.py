@@ -103,6 +103,7 @@ class DilocoTrainer:
         self._stop = threading.Event()
         self._left_reason = ""
         self._waited_epoch = -1  # our epoch when we last waited out a round (``_wait_out_round``: once per epoch)
+        self._committed_epoch = -1  # the epoch our last own commit brought us to (its round's members expect us next)
         self._exact_average = config.averaging.exact_average
         self._overlap = config.diloco.overlap if self._exact_average else "off"
         # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks. To the swarm's
@@ -472,6 +473,7 @@ class DilocoTrainer:
         self.background.remember(outcome, contribution)
         self.evidence.note_round(result.group)  # the peers we train with: their votes weigh more than strangers'
         self._committed_at = time.monotonic()
+        self._committed_epoch = self.state.epoch
         self.stats.rounds_committed += 1
         self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
         self.stats.samples_total += contribution.samples
@@ -527,10 +529,15 @@ class DilocoTrainer:
         mine = self.state.epoch
         if self._waited_epoch == mine:
             return False
+        # We reached this epoch by committing its previous round with the others: they expect us at this one and
+        # their group waits for us (``diloco.rounds.patience_for``). Our phase then ends at once if they ended theirs
+        # (``schedule.decide_phase_end``) and we join their round; waiting it out lost the epoch (chaos cpu-starve
+        # beside 2 hogs: the 20%-CPU peer spent 5 s after its commit before looking, saw the others' round under way,
+        # waited, and downloaded the next state).
         min_size = self.config.averaging.min_group_size
         ttl = self.options.record_ttl_s
         epoch = round_to_wait_for(self.node.peer_id, mine, self.view.records, get_dht_time(), ttl, min_size)
-        if epoch is None:
+        if epoch is None or (epoch == mine and self._committed_epoch == mine):
             return False
         self._waited_epoch = mine
         logger.info("epoch %d's round is under way without us: waiting for it, then training for the next", epoch)

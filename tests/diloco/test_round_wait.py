@@ -26,6 +26,7 @@ def _trainer(records: list, later: list, *, overlap: str = "off", pending=None) 
         _overlap=overlap,
         _pending=pending,
         _waited_epoch=-1,
+        _committed_epoch=-1,  # epoch 3 was reached by a download (or a join), not by committing epoch 2's round
         _stop=threading.Event(),
         background=SimpleNamespace(in_flight=False),
         events=[],
@@ -86,6 +87,17 @@ def test_the_wait_ends_when_a_member_of_the_round_publishes_a_failed_attempt():
     t.config.averaging.round_timeout_s = 1.2
     DilocoTrainer._wait_out_round(t)
     assert len(t.checks) >= 1
+
+
+def test_a_peer_that_committed_into_the_epoch_joins_its_round_rather_than_wait_it_out():
+    """Its round's members expect it (they committed the last round together, and their group waits one step of its
+    for it); waiting it out cost a starved peer the epoch (chaos cpu-starve beside 2 hogs)."""
+    under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
+    t = _trainer(under_way, under_way)
+    t._committed_epoch = 3
+    assert DilocoTrainer._wait_out_round(t) is False and t.events == []
+    t.state.epoch, t._committed_epoch = 2, 2  # behind the swarm's epoch 3: that round is not ours to join
+    assert DilocoTrainer._wait_out_round(t) is True and t.waiting_for == [4]
 
 
 def test_no_wait_while_others_compute_for_our_epoch_with_overlap_or_with_a_contribution_pending():

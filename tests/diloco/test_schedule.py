@@ -115,8 +115,12 @@ def test_before_the_first_step_others_that_ended_their_phase_are_joined_at_once(
     records = [done("a", samples=120), done("b", samples=120)]
     d = decide_phase_end(SWARM, "me", 3, 0, 1.0, records, NOW)
     assert d.action == "end" and d.num_peers == 3
-    # ... but not others that ended short of their share: the epoch still needs samples, ours among them
+    # ... and when two ended short of their share too: they wait one step of ours, not for the rest of the target
+    # (they counted on progress of ours that our starved steps never made)
     d = decide_phase_end(SWARM, "me", 3, 0, 1.0, [done("a", samples=40), done("b", samples=40)], NOW)
+    assert d.action == "end" and "they wait for us" in d.reason
+    # ... but not one peer alone that ended short of its share: a lone claim of being done must claim its share
+    d = decide_phase_end(SWARM, "me", 3, 0, 1.0, [done("a", samples=40)], NOW)
     assert d.action == "continue"
 
 
