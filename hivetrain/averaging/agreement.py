@@ -176,6 +176,7 @@ class CommitVote:
             total_weight=math.fsum(weights.values()),
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
+            send_busy_s=self.transport.send_busy_s(),
         )
 
     def flush_votes(self, deadline: float) -> None:

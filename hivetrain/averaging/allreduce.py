@@ -6,8 +6,13 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` members in the agreed
 ``order`` says otherwise):
 
 1. Scatter: the flat fp32 vector (n,) is cut into k contiguous slices, one per member (``groups.butterfly_partition``;
-   the cut never changes during the round). Member i sends slice j, encoded by the round's codec, with its weight
-   to member j (frame PART), and keeps the encoded bytes.
+   the cut never changes during the round). With ``averaging.bandwidth_slices`` each slice follows its member's
+   claimed upload rate (``groups.slice_bandwidths``: bounded to 4x the median claim), so a slow link reduces less
+   and no longer sets the round's time (hivemind's load balancing); no member reduces more than ``MAX_SLICE_SHARES``
+   equal shares (a claim is not proven, and a slice's reducer decides what everyone reads of it); equal slices while
+   nobody claims a rate.
+   Member i sends slice j, encoded by the round's codec, with its weight to member j (frame PART), and keeps the
+   encoded bytes.
 2. HAVE: member j validates every contribution to its slice (exact size and codec, finite values, weight finite in
    [0, max_samples_per_round]) and tells every member whose valid parts it holds, with their weights (frame HAVE,
    no payload). Every member computes the contributors C0 alike from the same HAVE frames
@@ -90,7 +95,7 @@ from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.bucketing import aggregation_seed, robust_aggregate, robust_options
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer
-from hivetrain.averaging.groups import butterfly_partition
+from hivetrain.averaging.groups import butterfly_partition, slice_bandwidths
 from hivetrain.averaging.receive import RoundReceiver
 from hivetrain.averaging.reduce import (
     BufferPool,
@@ -112,6 +117,8 @@ from hivetrain.peers.bans import BanList
 __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
 
 logger = logging.getLogger(__name__)
+# the most equal shares of the vector one member reduces when slices follow claimed upload rates
+MAX_SLICE_SHARES = 2.0
 
 
 class ButterflyRound:
@@ -270,6 +277,12 @@ class ButterflyRound:
         self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, stage=self.stage,
                           **extra)  # fmt: skip
 
+    def _result_ratio(self) -> float:
+        """Wire bytes of a result element over a part element (1 but for "topk", whose results are denser)."""
+        if self.result_config is self.codec_config:
+            return 1.0
+        return self.result_config.frame_num_bytes(1 << 16) / self.codec_config.frame_num_bytes(1 << 16)
+
     def _encode(self, x: torch.Tensor, residual_at: int | None = None, codec=None) -> list:
         """Wire buffers of ``x`` (in ``codec``, default the parts' codec); with error feedback and ``residual_at``
         (the offset of ``x`` in our contribution), also write what the codec dropped into the residual."""
@@ -287,8 +300,13 @@ class ButterflyRound:
 
     def _run_round(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
         order = tuple(self.members)
-        tag = blake3.blake3(msgpack.packb([self.round_id, list(order)])).digest()[:16]
-        plan = Plan(order, butterfly_partition(flat.numel(), order), tag)
+        # the cut follows the members' claimed upload rates (from their signed entries: every member reads the same)
+        rates = slice_bandwidths([self.members[p].upload_mbps for p in order]) if self.config.bandwidth_slices else None
+        tag = blake3.blake3(msgpack.packb([self.round_id, list(order), rates])).digest()[:16]
+        cut = butterfly_partition(
+            flat.numel(), order, rates, self._result_ratio(), max_share=MAX_SLICE_SHARES / len(order)
+        )
+        plan = Plan(order, cut, tag)
         self.receiver.start(plan, self._out)  # type: ignore[arg-type]
         inbox, me = self.transport.inbox, self.me
         others = [p for p in order if p != me]

@@ -47,6 +47,13 @@ class AveragingConfig:
             gradients). Only what we send is corrected; the reducers' re-encoding of the averaged slice is not. A
             failed round keeps the residual unchanged. Costs 4 bytes of memory per averaged element. Needs
             ``compression`` other than "none".
+        bandwidth_slices: cut each butterfly round into slices proportional to the members' upload rates (the
+            closed-form optimum of hivemind's load-balancing LP, ``groups.butterfly_partition``; each claim bounded to
+            4x the group's median, ``groups.slice_bandwidths``), so a slow link reduces less and no longer sets the
+            round's time. Equal slices while no member's rate is known. False = always equal slices.
+        upload_mbps: our upload rate, Mbit/s, as published to our groups; 0 (default) = measured from our committed
+            rounds once one sends at least 4 socket buffers per link (bytes sent over the time our links were
+            sending). Set it on a link whose rate you know (e.g. a metered uplink).
         aggregation: "mean" = sample-weighted mean; "centered_clip" = contributions compared at one size, the
             shift test, collusion discount, rejection of far contributions and weighted CenteredClip with a
             data-driven radius (``bucketing.robust_aggregate``;
@@ -130,6 +137,8 @@ class AveragingConfig:
     size_exponent: Literal["auto"] | Annotated[float, Field(ge=0.0, le=1.0)] = "auto"
     ban_time_s: float = Field(default=300.0, ge=0.0)
     drop_failed: bool = True
+    bandwidth_slices: bool = True
+    upload_mbps: float = Field(default=0.0, ge=0.0, le=1e6)
     moshpit_rounds: int = Field(default=2, ge=1, le=32)
     socket_buffer_bytes: int = Field(default=4 * 2**20, ge=0, le=1 << 30)
     libp2p_fallback: bool = True

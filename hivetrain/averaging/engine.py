@@ -50,6 +50,8 @@ from hivetrain.peers.bans import BanConfig, BanList
 from hivetrain.peers.node import ip_of
 
 logger = logging.getLogger(__name__)
+# a round must send this many socket buffers per link before its send time measures our upload rate
+UPLOAD_SAMPLE_BUFFERS = 4
 
 _FAILURES = {"late": "not_in_group", "not_in_group": "not_in_group", "no_group": "no_group", "too_small": "no_group"}
 
@@ -127,6 +129,9 @@ class GroupAverager:
             raise ValueError("prefix must be a non-empty string")
         self.node, self.prefix, self.config, self.faults = node, prefix, config, faults
         self.listen_host, self.announce_host = listen_host, announce_host
+        # our upload rate, Mbit/s, published in our entries (it sizes the slice we reduce): declared, or measured
+        # from our committed rounds (``_note_upload``); None until known
+        self.upload_mbps: float | None = config.upload_mbps or None
         self.server = DataPlaneServer(
             listen_host,
             connect_timeout_s=config.connect_timeout_s,
@@ -338,7 +343,7 @@ class GroupAverager:
         window_s = self.matchmaker.window_s(cfg.matchmaking_time_s)
         assert self.announce_host is not None
         me = self.matchmaker.make_entry(
-            round_key, os.urandom(16), self.announce_host, self.port, kx_public, wait_s, window_s
+            round_key, os.urandom(16), self.announce_host, self.port, kx_public, wait_s, window_s, self.upload_mbps
         )
         banned = self._banned_now()
         decision, reason = self.matchmaker.match(
@@ -370,13 +375,29 @@ class GroupAverager:
         **kw,
     ) -> RoundOutcome:
         entries = {m.peer_id: m for m in decl.members}
-        members = [Member(p, entries[p].host, entries[p].port, entries[p].kx_public) for p in ids]
+        members = [
+            Member(p, entries[p].host, entries[p].port, entries[p].kx_public, entries[p].upload_mbps) for p in ids
+        ]
         config = kw.pop("config", self.config)  # the two-stage round's confirm runs plain fp32
         kw.setdefault("drop_failed", config.drop_failed)  # columns pass False (confirms too with drop_failed off)
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
                            config=config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
                            fallback=self.fallback, **kw)  # fmt: skip
-        return r.run(flat, weight, deadline, out=out, residual_out=residual_out)
+        outcome = r.run(flat, weight, deadline, out=out, residual_out=residual_out)
+        self._note_upload(outcome, len(ids) - 1)
+        return outcome
+
+    def _note_upload(self, outcome: RoundOutcome, num_links: int) -> None:
+        """Update our measured upload rate (``upload_mbps``, published in our next entries) from a committed round:
+        the bytes we sent over the time our links were sending, when the round sent at least ``UPLOAD_SAMPLE_BUFFERS``
+        socket buffers per link (below that, the sends return once the kernel holds the bytes, and the rate says
+        nothing of the link). A declared rate (``averaging.upload_mbps``) is never replaced."""
+        if self.config.upload_mbps > 0 or outcome.send_busy_s <= 0 or num_links < 1:
+            return
+        if outcome.bytes_sent < UPLOAD_SAMPLE_BUFFERS * max(self.config.socket_buffer_bytes, 1 << 20) * num_links:
+            return
+        sample = outcome.bytes_sent * 8 / outcome.send_busy_s / 1e6
+        self.upload_mbps = sample if self.upload_mbps is None else 0.5 * (self.upload_mbps + sample)
 
     def _butterfly(
         self, flat: torch.Tensor, weight: float, epoch: int, deadline: float, residual, expected, patience_s, accept

@@ -41,6 +41,9 @@ class ReadyEntry(BaseModel):
         default=0.0, ge=0.0, description="its group's matchmaking window closes at this time; 0 = at ``deadline``"
     )
     public_key: bytes = Field(min_length=16, max_length=2048, description="RSA public key (hivemind ssh format)")
+    upload_mbps: float | None = Field(
+        default=None, ge=0.0, le=1e6, description="the peer's upload rate, Mbit/s (declared or measured); None unknown"
+    )
     signature: bytes = Field(default=b"", max_length=1024)
 
     @property

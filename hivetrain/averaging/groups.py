@@ -190,35 +190,86 @@ def gossip_pairs(peer_ids: Sequence[str], round_index: int, seed: int | str) -> 
     return groups, f"round {round_index}: {len(order) // 2} pairs{alone}"
 
 
-def _optimal_fractions(bandwidths: list[float]) -> list[float]:
-    """Closed-form optimum of hivemind's load-balancing LP (``averaging/load_balancing.py: optimize_parts_lp``).
+def _optimal_fractions(bandwidths: list[float], result_ratio: float = 1.0) -> list[float]:
+    """Closed-form optimum of hivemind's load-balancing LP (``averaging/load_balancing.py: optimize_parts_lp``),
+    generalised to results that travel in another encoding than the parts.
 
-    Peer i (bandwidth b_i > 0) reducing a fraction f_i of a vector of N elements in a group of g moves
-    N * (1 + (g - 2) f_i) elements; minimise T = max_i (1 + (g - 2) f_i) / b_i subject to sum f_i = 1, f_i >= 0
-    (b_i = 0: f_i = 0). At the optimum every active peer finishes at T, so f_i = (T b_i - 1) / (g - 2) for the
-    m fastest peers, with T = (g - 2 + m) / (b_1 + ... + b_m) and m the largest count for which T b_m >= 1
-    (water-filling). For g <= 2 the time does not depend on f; split equally over peers with b_i > 0.
+    Peer i (upload bandwidth b_i > 0) reducing a fraction f_i of a vector of N elements in a group of g uploads its
+    parts of the others' slices, N (1 - f_i) part-sized elements, and its result to the g - 1 others, (g - 1) N f_i
+    elements of ``result_ratio`` times the size: N (1 + c f_i) with c = (g - 1) * result_ratio - 1 (g - 2 when parts
+    and results are alike). Minimise T = max_i (1 + c f_i) / b_i subject to sum f_i = 1, f_i >= 0 (b_i = 0: f_i = 0).
+    At the optimum every active peer finishes at T, so f_i = (T b_i - 1) / c for the m fastest peers, with
+    T = (c + m) / (b_1 + ... + b_m) and m the largest count for which T b_m >= 1 (water-filling). With c <= 0 (two
+    peers with like encodings) the time does not depend on f: split equally over peers with b_i > 0.
     """
     g = len(bandwidths)
     active = [i for i, b in enumerate(bandwidths) if b > 0]
-    if g <= 2:
+    c = (g - 1) * result_ratio - 1
+    if c <= 1e-12:
         return [1.0 / len(active) if b > 0 else 0.0 for b in bandwidths]
     by_speed = sorted(active, key=lambda i: (-bandwidths[i], i))
     m, total = 0, 0.0
     for count, i in enumerate(by_speed, start=1):
-        t = (g - 2 + count) / (total + bandwidths[i])
+        t = (c + count) / (total + bandwidths[i])
         if t * bandwidths[i] < 1:
             break
         m, total = count, total + bandwidths[i]
-    t = (g - 2 + m) / total
+    t = (c + m) / total
     fractions = [0.0] * g
     for i in by_speed[:m]:
-        fractions[i] = (t * bandwidths[i] - 1) / (g - 2)
+        fractions[i] = (t * bandwidths[i] - 1) / c
     return fractions
 
 
+def _capped_fractions(bandwidths: list[float], result_ratio: float, max_share: float) -> list[float]:
+    """``_optimal_fractions`` with every f_i <= ``max_share`` (at least 1 / the active peers): the same LP with upper
+    bounds, whose optimum is f_i = clip((T b_i - 1) / c, 0, max_share) for the T at which they sum to 1, found by
+    bisection (the sum grows with T)."""
+    g = len(bandwidths)
+    active = [i for i, b in enumerate(bandwidths) if b > 0]
+    cap = max(max_share, 1.0 / len(active))
+    c = (g - 1) * result_ratio - 1
+    if c <= 1e-12:
+        return [1.0 / len(active) if b > 0 else 0.0 for b in bandwidths]
+
+    def shares(t: float) -> list[float]:
+        return [min(max((t * b - 1) / c, 0.0), cap) if b > 0 else 0.0 for b in bandwidths]
+
+    lo, hi = 0.0, (c + len(active)) / min(bandwidths[i] for i in active)  # at hi every active share is at its cap
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sum(shares(mid)) < 1.0 else (lo, mid)
+    fractions = shares(hi)
+    total = math.fsum(fractions)
+    return [f / total for f in fractions]
+
+
+MAX_BANDWIDTH_RATIO = 4.0  # a claimed upload rate counts for at most this many times the group's median claim
+
+
+def slice_bandwidths(
+    claims: Sequence[float | None], max_ratio: float = MAX_BANDWIDTH_RATIO
+) -> list[float | None] | None:
+    """The bandwidths a round's cut uses (``butterfly_partition``) from its members' claimed upload rates (any one
+    unit; None = unknown), or None for an equal cut (nobody claimed a positive rate).
+
+    A rate is a claim (``ReadyEntry.upload_mbps``, signed but not proven): each counts for at most ``max_ratio`` x the
+    median of the positive claims, so a member that lies about its link gets a bounded share of the vector to reduce
+    (a slice it could stall or, unprotected by robust aggregation, corrupt), about ``max_ratio`` equal shares at most.
+    A claim of 0 is kept (a member that reduces nothing, e.g. behind NAT)."""
+    known = sorted(c for c in claims if c is not None and c > 0 and math.isfinite(c))
+    if not known:
+        return None
+    median = known[len(known) // 2] if len(known) % 2 else 0.5 * (known[len(known) // 2 - 1] + known[len(known) // 2])
+    return [None if c is None else min(max(float(c), 0.0), max_ratio * median) for c in claims]
+
+
 def butterfly_partition(
-    num_elements: int, peer_ids: Sequence[str], weights_or_bandwidths: Sequence[float | None] | None = None
+    num_elements: int,
+    peer_ids: Sequence[str],
+    weights_or_bandwidths: Sequence[float | None] | None = None,
+    result_ratio: float = 1.0,
+    max_share: float = 1.0,
 ) -> list[tuple[int, int]]:
     """Split [0, num_elements) into one contiguous slice per member, in the order of ``peer_ids``.
 
@@ -230,6 +281,10 @@ def butterfly_partition(
             member reduces nothing (e.g. a client behind NAT), None = unknown (the mean of the known positive ones).
             Slices then follow the optimum of hivemind's load-balancing LP (see ``_optimal_fractions``), rounded to
             integers by largest remainder (Hagenbach-Bischoff).
+        result_ratio: bytes of a result element over a part element on the wire (1 for dense codecs; "topk"'s
+            results keep every member's elements at 8 bits, so they weigh several times a part).
+        max_share: the largest fraction of the vector one member reduces (with bandwidths; at least 1 / the members
+            that reduce): a claimed rate is not proven, and the reducer of a slice decides what the others read.
 
     Returns:
         [(start, end)] per member: contiguous, in order, covering [0, num_elements); empty slices have start == end.
@@ -257,7 +312,10 @@ def butterfly_partition(
         resolved = [default if v is None else float(v) for v in values]
         if not any(v > 0 for v in resolved):
             raise ValueError("every bandwidth is 0: no member can reduce")
-        fractions = _optimal_fractions(resolved)
+        if max_share < 1.0:
+            fractions = _capped_fractions(resolved, result_ratio, max_share)
+        else:
+            fractions = _optimal_fractions(resolved, result_ratio)
     exact = [num_elements * f for f in fractions]
     sizes = [math.floor(x) for x in exact]
     by_remainder = sorted(range(len(ids)), key=lambda i: (-(exact[i] - sizes[i]), i))

@@ -124,9 +124,11 @@ class Matchmaker:
         kx_public: bytes,
         wait_s: float,
         window_s: float | None = None,
+        upload_mbps: float | None = None,
     ) -> ReadyEntry:
         """Our signed entry: ready now, waiting at most ``wait_s`` seconds for a group; the window it opens closes
-        after ``window_s`` seconds (at most ``wait_s``; None = ``wait_s``)."""
+        after ``window_s`` seconds (at most ``wait_s``; None = ``wait_s``); ``upload_mbps``: our upload rate, Mbit/s
+        (None = unknown), which sizes the slice we reduce."""
         now = self.dht_clock()
         window_s = wait_s if window_s is None else min(window_s, wait_s)
         entry = ReadyEntry(
@@ -140,6 +142,7 @@ class Matchmaker:
             deadline=now + wait_s,
             window_closes_at=now + window_s,
             public_key=self.node.identity.private_key.get_public_key().to_bytes(),
+            upload_mbps=upload_mbps,
         )
         return sign_entry(self.prefix, entry, self.node.identity.private_key)
 

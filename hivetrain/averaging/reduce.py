@@ -27,6 +27,7 @@ class Member:
     host: str
     port: int
     kx_public: bytes
+    upload_mbps: float | None = None  # its claimed upload rate (``ReadyEntry.upload_mbps``): sizes its slice
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class RoundOutcome:
             the parts of ``members`` (in the round's order); empty when every slice averages ``contributors``. A
             slice reduced before a member was dropped keeps that member's part (``allreduce``: slices are kept across
             attempts), so after a drop some slices hold more contributions than ``contributors`` lists.
+        send_busy_s: seconds during which at least one of our links was sending (``RoundTransport.send_busy_s``):
+            ``bytes_sent`` over it estimates our upload rate when the round moved enough bytes.
     """
 
     flat: torch.Tensor
@@ -52,6 +55,7 @@ class RoundOutcome:
     bytes_sent: int
     bytes_received: int
     slice_members: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
+    send_busy_s: float = 0.0
 
 
 @dataclass(frozen=True)

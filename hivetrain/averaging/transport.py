@@ -103,6 +103,7 @@ class RoundTransport:
         self._waiting = False
         self._registered = False
         self._dropped: set[str] = set()  # members the round goes on without (``drop``)
+        self._senders_active, self._busy_since, self._busy_s = 0, 0.0, 0.0  # ``send_busy_s``
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def open(self, deadline: float) -> set[str]:
@@ -185,6 +186,24 @@ class RoundTransport:
     def key(self, peer_id: str) -> bytes:
         """The pair key of our link to ``peer_id`` (linked members only)."""
         return self._links[peer_id].key
+
+    def _sending(self, delta: int) -> None:
+        """A sender thread starts (+1) or ends (-1) a frame: the union of those intervals is ``send_busy_s``."""
+        now = time.monotonic()
+        with self._cond:
+            if self._senders_active == 0 and delta > 0:
+                self._busy_since = now
+            self._senders_active += delta
+            if self._senders_active == 0:
+                self._busy_s += now - self._busy_since
+
+    def send_busy_s(self) -> float:
+        """Seconds during which at least one link was sending a frame (handing bytes to the kernel). Our upload rate
+        is about ``byte_counts()[0]`` over it once the round sent far more than the sockets buffer (the last
+        ``socket_buffer_bytes`` per link leave after the send returns)."""
+        with self._cond:
+            open_s = time.monotonic() - self._busy_since if self._senders_active else 0.0
+            return self._busy_s + open_s
 
     def byte_counts(self) -> tuple[int, int]:
         """(bytes sent, bytes received) over all links since their handshakes."""
@@ -392,7 +411,11 @@ class RoundTransport:
                 if item is None:
                     return
                 ftype, sub, meta, payload, on_progress = item
-                link.send_frame(ftype, sub, meta, payload, on_progress=on_progress)
+                self._sending(+1)
+                try:
+                    link.send_frame(ftype, sub, meta, payload, on_progress=on_progress)
+                finally:
+                    self._sending(-1)
                 self._sent.add((link.peer_id, ftype))
         except LinkClosed as exc:
             if not self._done:

@@ -94,12 +94,13 @@ def test_an_oversized_frame_header_is_refused_before_reading_it(servers) -> None
     assert _wait_until(lambda: server.rejected == 1, 3.0)
 
 
-def _round(servers, num: int, numel: int, faults=None, deadline_s: float = 20.0, drop_failed=True, outs=None, **cfg):
+def _round(servers, num: int, numel: int, faults=None, deadline_s: float = 20.0, drop_failed=True, outs=None,
+           rates=None, **cfg):  # fmt: skip
     config = AveragingConfig(**{"part_timeout_s": 1.0, "connect_timeout_s": 1.0, "commit_timeout_s": 1.0, **cfg})
     srv = [servers(part_timeout_s=config.part_timeout_s) for _ in range(num)]  # it times out inbound links
     secrets = [X25519PrivateKey.generate() for _ in range(num)]
     ids = [f"peer{i}" for i in range(num)]
-    members = [Member(ids[i], "127.0.0.1", srv[i].port, _public(secrets[i])) for i in range(num)]
+    members = [Member(ids[i], "127.0.0.1", srv[i].port, _public(secrets[i]), (rates or {}).get(i)) for i in range(num)]
     rounds = [
         ButterflyRound(round_id="r", members=members, me=ids[i], secret=secrets[i], server=srv[i], config=config,
                        faults=(faults or {}).get(i, NO_FAULTS), epoch=0, bans=BanList(), pool=BufferPool(),
@@ -317,3 +318,25 @@ def test_a_result_committed_after_a_repair_is_in_the_callers_buffer(servers) -> 
         assert isinstance(results[i], RoundOutcome), results[i]
         assert results[i].flat is outs[i] and torch.equal(outs[i], results[0].flat)
     torch.testing.assert_close(outs[0], _expected(flats, results[0], {1}), atol=1e-6, rtol=0)
+
+
+def test_slices_follow_the_members_claimed_upload_rates(servers) -> None:
+    """One 10 Mbit/s member among 100 Mbit/s ones reduces a smaller slice, so it uploads less (its parts, and results
+    of its small slice), and every member still commits the same exact mean; without rates the cut is equal."""
+    rates = {0: 100.0, 1: 100.0, 2: 100.0, 3: 10.0}
+    results, flats = _round(servers, 4, 40_000, rates=rates)
+    assert all(isinstance(r, RoundOutcome) for r in results), results
+    expected = sum(flats) / 4
+    assert len({r.flat.numpy().tobytes() for r in results}) == 1
+    torch.testing.assert_close(results[0].flat, expected, atol=1e-6, rtol=0)
+    sent = [r.bytes_sent for r in results]
+    # equal cut: each uploads 3 parts of 10,000 and 3 results of 10,000; the slow one now reduces (almost) nothing
+    assert sent[3] < 0.7 * min(sent[:3]), sent
+    equal, _ = _round(servers, 4, 40_000)
+    assert max(r.bytes_sent for r in equal) - min(r.bytes_sent for r in equal) < 0.05 * equal[0].bytes_sent
+    # a claim is bounded: a member claiming 1,000x the others reduces at most 2 equal shares (half of 4)
+    liar, _ = _round(servers, 4, 40_000, rates={0: 10.0, 1: 10.0, 2: 10.0, 3: 10_000.0})
+    assert all(isinstance(r, RoundOutcome) for r in liar), liar
+    # its slice is 20,000 of 40,000: it uploads 20,000 part elements and 3 x 20,000 result ones, 80,000 fp32 more than
+    # the equal cut's 30,000 + 3 x 10,000 (the frames around them are the same)
+    assert liar[3].bytes_sent == equal[3].bytes_sent + 4 * 20_000

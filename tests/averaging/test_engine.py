@@ -4,6 +4,7 @@ bad local input, stalls, compression, robust aggregation, moshpit and gossip."""
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import uuid
 
@@ -341,7 +342,7 @@ def test_error_feedback_sends_what_int4_dropped_in_later_rounds(make_averagers) 
 
 @pytest.mark.parametrize("num_peers", [2, 3])
 def test_topk_rounds_stay_bit_identical_and_error_feedback_sends_the_rest(make_averagers, num_peers: int) -> None:
-    """"topk" at 10% density, 2-bit values: each round's result is bit-identical on every member and holds at most
+    """ "topk" at 10% density, 2-bit values: each round's result is bit-identical on every member and holds at most
     k x members elements per chunk; with the same inputs every round, error feedback sends what one round dropped in
     the next ones, so the mean of the results over rounds closes in on the exact weighted mean."""
     inputs, weights, num_rounds = _inputs(num_peers, seed=6), [float(i + 1) for i in range(num_peers)], 10
@@ -363,3 +364,32 @@ def test_topk_rounds_stay_bit_identical_and_error_feedback_sends_the_rest(make_a
     # (about as 1 / rounds once the residual settles: 0.48 -> 0.18 over 10 rounds with 2 peers)
     assert all(b < a for a, b in zip(errors, errors[1:], strict=False)), errors
     assert errors[-1] < 0.45 * errors[0], errors
+
+
+def test_the_upload_rate_is_measured_from_a_big_round_and_published(make_averagers) -> None:
+    """A round that sends far more than the sockets buffer measures our upload rate (bytes over the time our links
+    were sending); a small one does not. The rate goes into our next entries, where it sizes our slice."""
+    cfg = AveragingConfig(target_group_size=2, socket_buffer_bytes=1 << 20, **SLOW_OK)
+    avgs = make_averagers(2, cfg)
+    assert [a.upload_mbps for a in avgs] == [None, None]
+    results = _average_all(avgs, [[torch.ones(10_000)]] * 2, [1.0, 1.0])
+    assert all(isinstance(r, RoundResult) for r in results), results
+    assert [a.upload_mbps for a in avgs] == [None, None]  # 40 KB each way: the kernel took it all at once
+    g = torch.Generator().manual_seed(0)
+    big = [[torch.randn(2_500_000, generator=g)] for _ in range(2)]  # 5 MB sent each way: 5 socket buffers
+    results = _average_all(avgs, big, [1.0, 1.0], epoch=1)
+    assert all(isinstance(r, RoundResult) for r in results), results
+    rates = [a.upload_mbps for a in avgs]
+    assert all(r is not None and r > 1.0 for r in rates), rates  # loopback: far above 1 Mbit/s
+    entry = avgs[0].matchmaker.make_entry("e2", os.urandom(16), "127.0.0.1", 1, os.urandom(32), 5.0, None,
+                                          avgs[0].upload_mbps)  # fmt: skip
+    assert entry.upload_mbps == rates[0]
+
+
+def test_a_declared_upload_rate_is_published_and_never_replaced(make_averagers) -> None:
+    cfg = AveragingConfig(target_group_size=2, socket_buffer_bytes=1 << 20, upload_mbps=20.0, **SLOW_OK)
+    avgs = make_averagers(2, cfg, prefix_=f"declared-{uuid.uuid4().hex[:8]}.avg")
+    g = torch.Generator().manual_seed(0)
+    results = _average_all(avgs, [[torch.randn(2_500_000, generator=g)] for _ in range(2)], [1.0, 1.0])
+    assert all(isinstance(r, RoundResult) for r in results), results
+    assert [a.upload_mbps for a in avgs] == [20.0, 20.0]

@@ -16,6 +16,7 @@ from hivetrain.averaging.groups import (
     grid_for,
     max_relative_deviation,
     moshpit_groups,
+    slice_bandwidths,
 )
 from hivetrain.averaging.robust import weighted_mean
 
@@ -165,6 +166,52 @@ def test_butterfly_partition_bandwidth_semantics() -> None:
         butterfly_partition(-1, _ids(2))
     with pytest.raises(ValueError):
         butterfly_partition(10, [])
+
+
+def _upload_time(fractions, rates, ratio) -> float:
+    """The slowest member's upload, in vectors over its rate: its parts of the others' slices plus its results."""
+    g = len(rates)
+    return max((1 - f + (g - 1) * f * ratio) / b for f, b in zip(fractions, rates, strict=True) if b > 0)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 4.0, 10.0])
+@pytest.mark.parametrize("cap", [1.0, 0.5])
+def test_the_cut_minimises_the_slowest_upload_for_any_result_size(ratio: float, cap: float) -> None:
+    """Against a brute-force search over every cut of 3 members on a 1/100 grid, for parts and results of unequal
+    sizes (topk's results weigh ``ratio`` parts) and with a share cap."""
+    rng = random.Random(int(ratio * 10 + cap * 100))
+    grid = [i / 100 for i in range(101)]
+    for _ in range(8):
+        rates = [rng.uniform(1, 100) for _ in range(3)]
+        sizes = [e - s for s, e in butterfly_partition(10**6, _ids(3), rates, ratio, max_share=cap)]
+        ours = _upload_time([s / 10**6 for s in sizes], rates, ratio)
+        best = min(
+            _upload_time((a, b, 1 - a - b), rates, ratio)
+            for a in grid
+            for b in grid
+            if a + b <= 1 + 1e-9 and max(a, b, 1 - a - b) <= cap + 1e-9
+        )
+        assert ours <= best * (1 + 1e-3) and max(sizes) <= cap * 10**6 + 1
+
+
+def test_a_slow_uplink_reduces_less_and_no_member_more_than_its_cap() -> None:
+    rates = [100.0] * 7 + [10.0]  # one 10 Mbit/s member among 100 Mbit/s ones
+    for ratio in (1.0, 10.0):
+        sizes = [e - s for s, e in butterfly_partition(80_000, _ids(8), rates, ratio, max_share=0.25)]
+        assert sizes[7] < 10_000 and sum(sizes) == 80_000 and max(sizes) <= 20_000
+        equal = _upload_time([1 / 8] * 8, rates, ratio)
+        assert _upload_time([s / 80_000 for s in sizes], rates, ratio) < 0.8 * equal
+    # a liar claiming a fast link beside honest ones reduces at most its cap (here 2 equal shares of 4)
+    sizes = [e - s for s, e in butterfly_partition(100_000, _ids(4), [10.0, 10.0, 10.0, 1e6], max_share=0.5)]
+    assert sizes[3] == 50_000
+    assert butterfly_partition(100_000, _ids(4), [10.0, 10.0, 10.0, 1e6])[3] == (0, 100_000)  # uncapped: everything
+
+
+def test_claimed_rates_count_for_at_most_four_times_the_median() -> None:
+    assert slice_bandwidths([None, None]) is None  # nobody knows: the equal cut
+    assert slice_bandwidths([0.0, None]) is None
+    assert slice_bandwidths([10.0, 20.0, None, 0.0]) == [10.0, 20.0, None, 0.0]
+    assert slice_bandwidths([10.0, 10.0, 10.0, 1e6]) == [10.0, 10.0, 10.0, 40.0]
 
 
 def test_max_relative_deviation() -> None:
