@@ -95,7 +95,7 @@ from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.bucketing import aggregation_seed, robust_aggregate, robust_options
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer
-from hivetrain.averaging.groups import butterfly_partition, slice_bandwidths
+from hivetrain.averaging.groups import MAX_SLICE_SHARES, butterfly_partition, slice_bandwidths
 from hivetrain.averaging.receive import RoundReceiver
 from hivetrain.averaging.reduce import (
     BufferPool,
@@ -117,8 +117,6 @@ from hivetrain.peers.bans import BanList
 __all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
 
 logger = logging.getLogger(__name__)
-# the most equal shares of the vector one member reduces when slices follow claimed upload rates
-MAX_SLICE_SHARES = 2.0
 
 
 class ButterflyRound:

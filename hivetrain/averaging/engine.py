@@ -40,7 +40,7 @@ from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
-from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
+from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.hierarchical import two_stage
 from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
@@ -50,8 +50,6 @@ from hivetrain.peers.bans import BanConfig, BanList
 from hivetrain.peers.node import ip_of
 
 logger = logging.getLogger(__name__)
-# a round must send this many socket buffers per link before its send time measures our upload rate
-UPLOAD_SAMPLE_BUFFERS = 4
 
 _FAILURES = {"late": "not_in_group", "not_in_group": "not_in_group", "no_group": "no_group", "too_small": "no_group"}
 

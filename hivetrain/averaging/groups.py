@@ -245,6 +245,10 @@ def _capped_fractions(bandwidths: list[float], result_ratio: float, max_share: f
 
 
 MAX_BANDWIDTH_RATIO = 4.0  # a claimed upload rate counts for at most this many times the group's median claim
+MAX_SLICE_SHARES = 2.0  # the most equal shares of the vector one member reduces when slices follow upload rates
+# a round must send this many socket buffers per link before its send time measures a member's upload rate
+# (``GroupAverager._note_upload``): below that the sends return once the kernel holds the bytes
+UPLOAD_SAMPLE_BUFFERS = 4
 
 
 def slice_bandwidths(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hivetrain.averaging.groups import gossip_pairs, grid_for, moshpit_groups
+from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import GroupDeclaration
 from hivetrain.diloco.round_policy import RoundView
 from hivetrain.sim.consensus import group_means
@@ -37,6 +37,11 @@ class GroupRounds:
 
     def __init__(self, engine: RoundEngine):
         self.engine, self.sim, self.avg, self.wire_bytes = engine, engine.sim, engine.avg, engine.wire_bytes
+        # production cuts a round by its members' measured upload rates once rounds send enough to measure them
+        # (``averaging.bandwidth_slices``; a declared ``upload_mbps`` is one value for every simulated peer: equal cuts)
+        measured = self.avg.bandwidth_slices and self.avg.upload_mbps == 0
+        buffer = max(self.avg.socket_buffer_bytes, 1 << 20)
+        self.rate_sample_bytes = UPLOAD_SAMPLE_BUFFERS * buffer if measured else 0
 
     def cost(self, slots: np.ndarray, round_id: str | None = None) -> Transfer:
         """One butterfly round among ``slots``; with ``round_id``, the two-stage round of that declaration (one
@@ -45,8 +50,9 @@ class GroupRounds:
         ids = [st.peer_ids[int(s)] for s in slots]
         links = (st.f["up_bps"][slots], st.f["down_bps"][slots], st.f["latency_s"][slots])
         if round_id is None:
-            return allreduce_cost(ids, self.wire_bytes, *links)
-        return two_stage_cost(ids, self.wire_bytes, *links, self.avg.target_group_size, round_id)
+            return allreduce_cost(ids, self.wire_bytes, *links, self.rate_sample_bytes)
+        cut = (self.avg.target_group_size, round_id, self.rate_sample_bytes)
+        return two_stage_cost(ids, self.wire_bytes, *links, *cut)
 
     def goes_on_without(self, left: int, declared: int) -> bool:
         """Whether ``left`` of ``declared`` members of one butterfly group go on without the others
@@ -67,7 +73,8 @@ class GroupRounds:
         st = self.sim.state
         ids = [st.peer_ids[int(s)] for s in slots]
         links = (st.f["up_bps"][slots], st.f["down_bps"][slots], st.f["latency_s"][slots])
-        stages = two_stage_stages(ids, self.wire_bytes, *links, self.avg.target_group_size, decl.round_id)
+        stages = two_stage_stages(ids, self.wire_bytes, *links, self.avg.target_group_size, decl.round_id,
+                                  self.rate_sample_bytes)  # fmt: skip
         assert stages is not None
         deadlines = st.f["ready_since"][slots] + self.avg.round_timeout_s
         leaves = np.where(present, np.minimum(st.f["leaves_at"][slots], deadlines), now)

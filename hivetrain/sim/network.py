@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hivetrain.averaging.groups import butterfly_partition, hierarchy
+from hivetrain.averaging.groups import MAX_SLICE_SHARES, butterfly_partition, hierarchy, slice_bandwidths
 
 CONFIRM_BYTES = 64  # the confirm round's k x 16 fp32 words, per member: 16 words x 4 bytes of its own
 
@@ -45,18 +45,27 @@ def allreduce_cost(
     upload_bytes_per_s: np.ndarray,
     download_bytes_per_s: np.ndarray,
     latency_s: np.ndarray,
+    rate_sample_bytes: int = 0,
 ) -> Transfer:
     """Cost of one butterfly all-reduce among ``peer_ids`` (sorted, as the declaration lists them).
 
     Args:
         vector_bytes: bytes of the averaged vector (fp32: 4 per element; the partition is computed in elements).
         upload_bytes_per_s / download_bytes_per_s / latency_s: (g,) per member, in the order of ``peer_ids``.
+        rate_sample_bytes: with ``averaging.bandwidth_slices``, the bytes per link a round must send before a member
+            knows its upload rate (``UPLOAD_SAMPLE_BUFFERS`` socket buffers): rounds that send that much (about 2 x
+            ``vector_bytes`` / (g - 1) per link) are cut by the members' upload rates as production cuts them
+            (``slice_bandwidths``, at most 2 equal shares each), taking the measured rate for the true one; 0 =
+            never (the equal cut).
     """
     g = len(peer_ids)
     if g < 2:
         return Transfer(0.0, np.zeros(g, np.int64), np.zeros(g, np.int64))
     num_elements = max(vector_bytes // 4, g)
-    bounds = butterfly_partition(num_elements, peer_ids)  # production: equal split (allreduce.py passes no bandwidths)
+    rates = None
+    if rate_sample_bytes and 2 * vector_bytes >= rate_sample_bytes * (g - 1):
+        rates = slice_bandwidths([float(b) for b in upload_bytes_per_s])
+    bounds = butterfly_partition(num_elements, peer_ids, rates, max_share=MAX_SLICE_SHARES / g)
     fractions = np.array([(end - start) / num_elements for start, end in bounds])
     moved = ((1 - fractions) + (g - 1) * fractions) * vector_bytes
     busiest_s = float(np.max(np.maximum(moved / upload_bytes_per_s, moved / download_bytes_per_s)))
@@ -126,6 +135,7 @@ def two_stage_stages(
     latency_s: np.ndarray,
     max_group_size: int,
     seed: str,
+    rate_sample_bytes: int = 0,
 ) -> StageCosts | None:
     """Per-stage costs of the two-stage all-reduce among ``peer_ids`` (``two_stage_cost``'s arguments); None when
     they fit one group (no columns)."""
@@ -136,13 +146,15 @@ def two_stage_stages(
     sent = np.zeros(len(peer_ids), np.int64)
     received = np.zeros(len(peer_ids), np.int64)
     durations = []
-    for groups, num_bytes in ((rows, vector_bytes), (columns, vector_bytes), (rows, CONFIRM_BYTES * max_group_size)):
+    confirm = CONFIRM_BYTES * max_group_size
+    for groups, num_bytes, sample in ((rows, vector_bytes, rate_sample_bytes), (columns, vector_bytes,
+                                      rate_sample_bytes), (rows, confirm, 0)):  # fmt: skip
         stage = np.zeros(len(groups))
         for j, group in enumerate(groups):
             # a column lists members in row order (its sum's order); the slice cut of its round sorts them
             idx = np.array([index[p] for p in sorted(group)])
             cost = allreduce_cost(sorted(group), num_bytes, upload_bytes_per_s[idx], download_bytes_per_s[idx],
-                                  latency_s[idx])  # fmt: skip
+                                  latency_s[idx], sample)  # fmt: skip
             np.add.at(sent, idx, cost.sent_bytes)
             np.add.at(received, idx, cost.received_bytes)
             stage[j] = cost.duration_s
@@ -159,6 +171,7 @@ def two_stage_cost(
     latency_s: np.ndarray,
     max_group_size: int,
     seed: str,
+    rate_sample_bytes: int = 0,
 ) -> Transfer:
     """Cost of the two-stage all-reduce among ``peer_ids`` (the declaration's members), cut by the production
     ``groups.hierarchy(peer_ids, max_group_size, seed)`` (``seed``: the declaration's round id), when nobody leaves:
@@ -170,8 +183,8 @@ def two_stage_cost(
         upload_bytes_per_s / download_bytes_per_s / latency_s: (g,) per member, in the order of ``peer_ids``.
     """
     links = (upload_bytes_per_s, download_bytes_per_s, latency_s)
-    stages = two_stage_stages(peer_ids, vector_bytes, *links, max_group_size, seed)
+    stages = two_stage_stages(peer_ids, vector_bytes, *links, max_group_size, seed, rate_sample_bytes)
     if stages is None:
-        return allreduce_cost(peer_ids, vector_bytes, *links)
+        return allreduce_cost(peer_ids, vector_bytes, *links, rate_sample_bytes)
     duration_s = float(stages.row_s.max() + stages.column_s.max() + stages.confirm_s.max())
     return Transfer(duration_s, stages.sent_bytes, stages.received_bytes)

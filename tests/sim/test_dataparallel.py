@@ -179,13 +179,31 @@ def test_a_member_leaving_mid_round_costs_only_its_own_samples_in_one_group() ->
     committed 0.45."""
     churn = {"session": "exponential", "mean_session_s": 900.0}
     sim = {"model_bytes": 100_000_000, "outer_steps": 4, "max_sim_s": 4000.0}
-    fits = {"round_timeout_s": 600.0}  # a 100 MB round on home links takes ~2 min
+    # a 100 MB round on home links takes ~2 min; equal slices, so that only the drop semantics differ (cut by upload
+    # rate, the strict swarm's smaller retry groups run faster rounds and lose fewer: 0.67, session 22)
+    fits = {"round_timeout_s": 600.0, "bandwidth_slices": False}
     one = _summary(tiny(sim=sim, churn=churn, averaging={**fits, "drop_failed": True}))
     strict = _summary(tiny(sim=sim, churn=churn, averaging={**fits, "drop_failed": False}))
     assert one["decisions"]["round.members_dropped"] > 10 and "round_failed.member died" not in one["decisions"]
     assert one["outer_steps_done"] == 4 and one["time_per_outer_step_s"] < 400
     assert strict["decisions"]["round_failed.member died"] > 10
     assert one["committed_sample_share"] > 0.4 > strict["committed_sample_share"]
+
+
+def test_rounds_cut_by_measured_upload_rates_are_faster_on_uneven_home_links() -> None:
+    """8 peers on home links of 10-100 Mbit/s up, a 100 MB pseudo-gradient: each round sends enough per link to measure
+    upload rates, so production cuts its slices by them (``averaging.bandwidth_slices``) and the slowest uplink stops
+    setting the round's time: 74 s per outer step against 120 s with equal slices (2026-11-30 session 22). 20 peers
+    send too little per link to measure a rate (4 socket buffers per link): equal slices either way."""
+
+    def step_s(num_peers: int, by_rate: bool) -> float:
+        sim = {"num_peers": num_peers, "model_bytes": 100_000_000, "outer_steps": 3}
+        s = _summary(tiny(sim=sim, averaging={"round_timeout_s": 600.0, "bandwidth_slices": by_rate}))
+        assert s["outer_steps_done"] == 3 and s["committed_sample_share"] == 1.0
+        return s["time_per_outer_step_s"]
+
+    assert step_s(8, True) < 0.75 * step_s(8, False)
+    assert step_s(20, True) == step_s(20, False)
 
 
 def test_joiners_arriving_during_a_round_wait_for_it_instead_of_training_for_it(monkeypatch) -> None:
