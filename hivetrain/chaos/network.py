@@ -152,13 +152,14 @@ class NetnsTopology:
         _sh("ip", "-n", netns, "link", "set", dev, "up")
         return port
 
-    def set_bandwidth(self, member: Member, mbps: float) -> None:
-        """Limit the member's upload and download to ``mbps`` megabit/s (tc tbf, burst >= one 4 ms tick)."""
-        burst_bytes = max(16 * 1024, int(mbps * 1e6 / 8 / 250))
-        for netns, dev in ((member.netns, "eth0"), (self.hub, member.hub_port)):
+    def set_bandwidth(self, member: Member, mbps: float, download_mbps: float | None = None) -> None:
+        """Limit the member's upload to ``mbps`` and its download to ``download_mbps`` (default the same) megabit/s
+        (tc tbf on its side of the veth and on the hub's, burst >= one 4 ms tick)."""
+        for netns, dev, rate in ((member.netns, "eth0", mbps), (self.hub, member.hub_port, download_mbps or mbps)):
+            burst_bytes = max(16 * 1024, int(rate * 1e6 / 8 / 250))
             _sh(
                 "ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                "rate", f"{mbps}mbit", "burst", str(burst_bytes), "latency", "200ms",
+                "rate", f"{rate}mbit", "burst", str(burst_bytes), "latency", "200ms",
             )  # fmt: skip
 
     def isolate(self, members: list[Member]) -> None:

@@ -2,7 +2,9 @@
 """Round time with slices sized by upload rate vs equal slices, on real rate-limited links (issue 25 item 3).
 
 Four members, each in its own network namespace on one bridge (``chaos.network.NetnsTopology``), each link shaped
-with ``tc tbf`` to its rate (``--rates``, Mbit/s, upload and download), run real butterfly rounds
+with ``tc tbf`` to its rate (``--rates``: upload, Mbit/s; download ``--download-ratio`` x that, 4 by default: home
+links are asymmetric, and with symmetric ones a member that reduces nothing waits for the whole all-gather on its slow
+download after its whole scatter on its slow upload), run real butterfly rounds
 (``averaging.allreduce.ButterflyRound``: authenticated TCP, validation, two-phase commit) on a ``--floats`` fp32
 vector. Per arm, every member runs ``--repeats`` rounds; a round's time is the slowest member's wall time, and the
 arm's figure the median over rounds. Arms: dense fp32 and ``topk`` (2%, 2-bit, error feedback), each with equal slices
@@ -80,13 +82,13 @@ def worker(args: argparse.Namespace) -> None:
     (folder / f"out.{me}.json").write_text(json.dumps(times))
 
 
-def run_arm(arm: str, rates: list[float], floats: int, repeats: int) -> dict:
+def run_arm(arm: str, rates: list[float], floats: int, repeats: int, download_ratio: float) -> dict:
     from hivetrain.chaos.network import NetnsTopology
 
     with NetnsTopology() as net, tempfile.TemporaryDirectory() as folder:
         members = [net.add_member() for _ in rates]
         for m, mbps in zip(members, rates, strict=True):
-            net.set_bandwidth(m, mbps)
+            net.set_bandwidth(m, mbps, mbps * download_ratio)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         procs = [
             subprocess.Popen(
@@ -130,7 +132,10 @@ def run_arm(arm: str, rates: list[float], floats: int, repeats: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="100,100,100,10", help="each member's link, Mbit/s")
+    parser.add_argument("--rates", default="100,100,100,10", help="each member's upload, Mbit/s")
+    parser.add_argument(
+        "--download-ratio", type=float, default=4.0, help="download = this x upload (home links are asymmetric)"
+    )
     parser.add_argument("--floats", type=int, default=4_000_000, help="fp32 elements averaged per round")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arms", default=",".join(ARMS))
@@ -147,7 +152,7 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
     rows = []
     for arm in args.arms.split(","):
-        row = run_arm(arm, rates, args.floats, args.repeats)
+        row = run_arm(arm, rates, args.floats, args.repeats, args.download_ratio)
         rows.append(row)
         print(f"{arm:14s} round {row['round_s']:7.2f} s (rounds {', '.join(f'{s:.2f}' for s in row['rounds_s'])}); "
               f"MB sent per member {row['mb_sent']}", flush=True)  # fmt: skip
