@@ -97,6 +97,7 @@ def test_a_peer_that_committed_into_the_epoch_joins_its_round_rather_than_wait_i
     t._committed_epoch = 3
     assert DilocoTrainer._wait_out_round(t) is False and t.events == []
     t.state.epoch, t._committed_epoch = 2, 2  # behind the swarm's epoch 3: that round is not ours to join
+    t.config.averaging.round_timeout_s = 0.6  # (the round stays under way in this view: the wait ends at its bound)
     assert DilocoTrainer._wait_out_round(t) is True and t.waiting_for == [4]
 
 
