@@ -239,10 +239,13 @@ def test_from_bytes_rejects_bad_scales_and_disallowed_codec() -> None:
     assert from_bytes(_frame(64), 64, allowed_codecs=frozenset({"int8"})).num_elements == 64
 
 
-def test_random_corruption_raises_only_malformed_part() -> None:
+@pytest.mark.parametrize(
+    "config", [CodecConfig("int4", 64), CodecConfig("topk", 64, "fp32", 4, 4)], ids=lambda c: c.name
+)
+def test_random_corruption_raises_only_malformed_part(config: CodecConfig) -> None:
     """Flipping bytes anywhere yields MalformedPart or a structurally valid part, never another exception."""
     gen = torch.Generator().manual_seed(0)
-    frame = _frame(130, CodecConfig("int4", 64))
+    frame = _frame(130, config)
     outcomes = {"rejected": 0, "accepted": 0}
     for _ in range(300):
         corrupt = bytearray(frame)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hivetrain.averaging import AveragingConfig, RoundFailed, RoundResult
-from hivetrain.averaging.codecs import HEADER_NUM_BYTES, TopKCodec, to_bytes
+from hivetrain.averaging.codecs import HEADER_NUM_BYTES, to_bytes
+from hivetrain.averaging.topk import TopKCodec
 from hivetrain.faults import Fault, FaultInjector
 
 from .conftest import run_threads

@@ -14,7 +14,6 @@ from hivetrain.averaging.codecs import (
     EncodedPart,
     ErrorFeedback,
     MalformedPart,
-    TopKCodec,
     decode,
     from_bytes,
     to_bytes,
@@ -22,6 +21,7 @@ from hivetrain.averaging.codecs import (
 )
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.reduce import part_codec, result_codec
+from hivetrain.averaging.topk import TopKCodec
 
 SUB = struct.Struct("<IB3x")
 
@@ -122,22 +122,6 @@ def test_a_bad_sub_header_is_refused() -> None:
             decode(from_bytes(bad, 64))
     with pytest.raises(MalformedPart, match="sub-header"):
         decode(EncodedPart("topk", 64, b"\x00" * 4, 64, "fp32", b"\x00" * 4))
-
-
-def test_random_corruption_raises_only_malformed_part() -> None:
-    gen = torch.Generator().manual_seed(0)
-    frame = _frame(torch.randn(200))
-    outcomes = {"rejected": 0, "accepted": 0}
-    for _ in range(300):
-        corrupt = bytearray(frame)
-        for pos in torch.randint(0, len(frame), (2,), generator=gen).tolist():
-            corrupt[pos] = int(torch.randint(0, 256, (1,), generator=gen))
-        try:
-            decode(from_bytes(corrupt, max_num_elements=200))
-            outcomes["accepted"] += 1
-        except MalformedPart:
-            outcomes["rejected"] += 1
-    assert outcomes["rejected"] > 0 and outcomes["accepted"] > 0
 
 
 def test_error_feedback_residual_stays_bounded_over_100_outer_steps() -> None:
