@@ -5,9 +5,10 @@ train loop is doing, so an inner phase of minutes, a long round, a slow evaluati
 looks like a lost DHT (the train loop used to refresh the view only between phases and left healthy swarms after the
 first outer step of any real-length run). Readers get the last good view at once, without I/O.
 
-A read counts as real only if our p2pd daemon answers and the answer holds our own record: the DHT also answers from
-local storage, and an empty or stale answer from a node that lost its daemon must not look like an empty swarm (a
-peer that believed it was alone would commit solo steps and fork the run).
+A read counts as real only if our p2pd daemon answers, the answer holds our own record, and our DHT node has a
+neighbour: the DHT also answers from local storage, and an empty or stale answer from a node that lost its daemon, or
+whose neighbours all forgot it (a SIGSTOP, a laptop lid: ``peers/dht_rejoin.py``), must not look like an empty swarm
+(a peer that believed it was alone would commit solo steps and fork the run).
 
 In a swarm larger than a few dozen trainers, records live in shards (``peers/record_shards.py``): we publish to our
 shard and read the level-0 key, our shard and ``extra_shards`` others in rotation; the view is every shard read
@@ -190,7 +191,7 @@ class SwarmView:
                 self.members.observe(records)
             read = {bs: [r for r in rs if self.members.admits(r.peer_id)] for bs, rs in read.items()}
         ours = read.get(own, [])
-        ok = any(r.peer_id == self.node.peer_id for r in ours) and self._p2pd_alive()
+        ok = any(r.peer_id == self.node.peer_id for r in ours) and self._p2pd_alive() and not self._cut_off()
         level = self._level_from(read.get((0, 0)))
         with self._lock:
             self._view_ok = ok
@@ -238,6 +239,14 @@ class SwarmView:
         found = fetch_records_at(self.node.dht, list(keys), self.run_id, READ_TIMEOUT_S)
         now = self._dht_time() if self._dht_time is not None else get_dht_time()
         return max(floor, probe_level({keys[k]: v or [] for k, v in found.items()}, me, now, self.record_ttl_s))
+
+    def _cut_off(self) -> bool:
+        """Our DHT node has no neighbour left (``PeerNode.cut_off``): the read answered from our own storage only,
+        which holds our fresh record and others' stale ones, and would look like a swarm where we are alone."""
+        if self.node.cut_off():
+            logger.warning("our DHT node has no neighbour: this read of the swarm is not real (rejoining)")
+            return True
+        return False
 
     def _p2pd_alive(self) -> bool:
         if self._p2p is None:

@@ -23,6 +23,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivetrain.peers.dht_rejoin import REJOIN_INTERVAL_S, routing_table_peers, start_rejoin_watch
 from hivetrain.peers.identity import Identity, load_or_create_identity
 from hivetrain.peers.membership import AdmissionPolicy
 from hivetrain.peers.validators import RecordBounds, RecordGuard
@@ -57,6 +58,8 @@ class NodeConfig:
         run_ids: runs whose peer and stage records this node checks from the start (more can be added once the
             run is known: ``PeerNode.guard_run``).
         record_bounds: the caps every hivetrain record must respect (``RecordGuard``).
+        rejoin_interval_s: how often the node pings back initial peers and known neighbours missing from its routing
+            table, seconds (``peers/dht_rejoin.py``).
     """
 
     initial_peers: tuple[str, ...] = ()
@@ -69,10 +72,13 @@ class NodeConfig:
     extra_validators: tuple = field(default_factory=tuple)
     run_ids: tuple[str, ...] = ()
     record_bounds: RecordBounds = RecordBounds()
+    rejoin_interval_s: float = REJOIN_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.rejoin_interval_s <= 0:
+            raise ValueError(f"rejoin_interval_s must be > 0, got {self.rejoin_interval_s}")
         for kind, addrs in (
             ("initial peer", self.initial_peers),
             ("listen address", self.host_maddrs),
@@ -141,6 +147,22 @@ class PeerNode:
             return None
         return statistics.median(offsets) if offsets else None
 
+    def dht_neighbours(self, timeout_s: float = 5.0) -> list[str] | None:
+        """The peer IDs in our DHT routing table now (the nodes our lookups start from); None if the DHT process did
+        not answer within ``timeout_s`` seconds. Empty while we have initial peers: we are cut off from the swarm
+        (``peers/dht_rejoin.py`` pings them back), and what our reads return is only our own storage."""
+        try:
+            return self.dht.run_coroutine(routing_table_peers, return_future=True).result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - unknown, not empty
+            logger.debug("routing table read failed: %r", exc)
+            return None
+
+    def cut_off(self) -> bool:
+        """True if we joined through initial peers and our routing table is empty now: nothing we read comes from
+        the swarm (``dht_neighbours``). False when the table has nodes, when we are the swarm's first node, or when
+        the DHT process did not answer (unknown)."""
+        return bool(self.config.initial_peers) and self.dht_neighbours() == []
+
     def shutdown(self) -> None:
         """Stop the DHT process and its p2pd daemon; idempotent."""
         if self.dht.is_alive():
@@ -203,7 +225,15 @@ def start_node(config: NodeConfig) -> PeerNode:
         cause, message = explain_bootstrap_failure(config, identity, str(exc), time.monotonic() - started)
         raise BootstrapFailed(message, cause) from None
     logger.info("DHT node %s up in %.1fs", identity.peer_id, time.monotonic() - started)
-    return PeerNode(dht=dht, identity=identity, config=config)
+    node = PeerNode(dht=dht, identity=identity, config=config)
+    try:  # neighbours that forgot us (a laptop lid, a SIGSTOP) are pinged back (``peers/dht_rejoin.py``)
+        watch = partial(start_rejoin_watch, initial_peers=tuple(sorted(trusted_ids(config.initial_peers))),
+                        interval_s=config.rejoin_interval_s)  # fmt: skip
+        dht.run_coroutine(watch, return_future=True).result(timeout=config.startup_timeout_s)
+    except BaseException:
+        node.shutdown()
+        raise
+    return node
 
 
 _IDENTITY_TAKEN_RE = re.compile(r"Identity from `(.*?)` is already taken")
