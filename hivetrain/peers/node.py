@@ -11,6 +11,7 @@ clock too far from the initial peer's, or an initial peer that cannot dial us ba
 from __future__ import annotations
 
 import logging
+import os
 import re
 import statistics
 import time
@@ -275,7 +276,7 @@ def explain_bootstrap_failure(
             "e.g. `sudo timedatectl set-ntp true` on Linux or 'Set time automatically' on Windows/macOS, then retry."
         )
     if not config.initial_peers:
-        return "start_failed", f"could not start the DHT node after {elapsed_s:.1f}s: {error}"
+        return "start_failed", f"could not start the DHT node after {elapsed_s:.1f}s: {error}{machine_load_note()}"
     tried = "\n  ".join(config.initial_peers)
     if _NOT_DIALABLE_RE.search(error):
         return "not_dialable", (
@@ -288,11 +289,26 @@ def explain_bootstrap_failure(
     return "unreachable", (
         f"could not reach any initial peer within {elapsed_s:.1f}s (limit {config.startup_timeout_s:.0f}s).\n"
         f"Tried:\n  {tried}\n"
-        f"Cause: {cause}\n"
+        f"Cause: {cause}{machine_load_note()}\n"
         "Check that: the address is copied exactly from the coordinator's output (host, port and /p2p/ peer ID); "
         "the coordinator is running; its TCP port is open to you (firewall, NAT port forwarding); "
         "and that you can reach the host (e.g. `nc -vz HOST PORT`)."
     )
+
+
+def machine_load_note() -> str:
+    """A sentence on how busy this machine is, for start-up failures that may be slowness rather than the network:
+    the 1-minute load average against the CPU count, and how many p2pd daemons run (each node starts one; a pile of
+    them is a leak). Empty if neither can be read."""
+    try:
+        import psutil
+
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        daemons = sum(1 for p in psutil.process_iter(["name"]) if (p.info.get("name") or "").startswith("p2pd"))
+    except Exception:  # noqa: BLE001 - a note, never a second failure
+        return ""
+    busy = " (busier than its CPUs: start-up is slow, give it a larger --bootstrap-timeout)" if load > cores else ""
+    return f" [machine: 1-min load {load:.1f} on {cores} CPU(s){busy}; {daemons} p2pd daemon(s) running]"
 
 
 def clock_skew_problem(offset_s: float | None, bounds: RecordBounds) -> str | None:
