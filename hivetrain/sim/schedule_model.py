@@ -127,10 +127,15 @@ def aggregate_phase_ends(
         growth = cum_tk[pos] + h * (total_thr - cum_t[pos])
         own_growth = np.where(own_running, thr[me] * np.clip(h, 0.0, knee[me]), 0.0)
         total_ahead = mine + finished + others_base + growth - own_growth
-        end = (
-            over | (mine >= cap) | ((mine >= 1) & (total0 >= target)) | ((mine >= 1) & finite & (total_ahead >= target))
-        )
-        out[sel] = end
+        # the real function's order: the round is over; our per-peer bound; alone before our first step: run it;
+        # the target reached; every other peer done and waiting for us (their share done, or 2+ of them); the target
+        # reached within half a step of ours
+        others_done, others_running = n_done - own_done, n_running - own_running
+        share = target * (num_peers - 1) / num_peers
+        they_wait = (others_done > 0) & (others_running == 0) & ((finished >= share) | (others_done >= 2))
+        first_step_alone = (mine < 1) & (num_peers == 1)
+        reached = (total0 >= target) | they_wait | (finite & (total_ahead >= target))
+        out[sel] = over | (mine >= cap) | (~first_step_alone & reached)
     return out
 
 

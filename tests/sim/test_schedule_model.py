@@ -59,6 +59,33 @@ def test_aggregate_model_matches_decide_phase_end(seed: int, target: bool) -> No
     np.testing.assert_array_equal(model, real)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_small_swarms_match_too_where_the_others_wait_for_us(seed: int) -> None:
+    """Swarms of 2-6 peers, where "every other live peer ended its phase: they wait for us" and decisions before the
+    first step (0 samples) are common; in the large random swarms above they almost never occur."""
+    rng = np.random.default_rng(100 + seed)
+    now, reasons = 1000.0, set()
+    for _ in range(150):
+        n = int(rng.integers(2, 7))
+        board = RecordBoard(n)
+        for s in range(1, n):  # slot 0 decides, without a record of its own
+            done = rng.random() < 0.6
+            board.publish(
+                s, f"p{s}", "h", epoch=4, phase_epoch=4, phase_samples=int(rng.integers(0, 200)),
+                throughput=float(rng.uniform(1, 20)), done_epoch=4 if done else 0,
+                done_samples=int(rng.integers(1, 400)) if done else 0, updated_at=now - float(rng.uniform(0, 3)),
+            )  # fmt: skip
+        plan = PhasePlan("swarm", inner_steps=int(rng.integers(5, 40)), batch_size=8, max_extrapolation_s=5.0)
+        slots, epochs = np.zeros(1, np.int64), np.full(1, 4)
+        mine, rate = np.array([int(rng.choice([0, 8, 64, 200]))]), np.array([float(rng.uniform(1, 20))])
+        real = real_phase_ends(plan, board, slots, epochs, mine, rate, now)
+        model = aggregate_phase_ends(plan, board, slots, epochs, mine, rate, now)
+        np.testing.assert_array_equal(model, real)
+        records = board.records()
+        reasons.add(decide_phase_end(plan, "me", 4, int(mine[0]), float(rate[0]), records, now).reason.split(" ")[0])
+    assert {"every", "swarm"} <= reasons, reasons  # the wait-for-us rule and the target rules both decided cases
+
+
 def test_steps_schedule_matches() -> None:
     board = RecordBoard(4)
     plan = PhasePlan("steps", inner_steps=10, batch_size=4)
