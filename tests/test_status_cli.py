@@ -11,6 +11,8 @@ from hivetrain import __version__
 from hivetrain.config import RunConfig
 from hivetrain.coordinator.observer import SwarmObserver
 from hivetrain.coordinator.web.snapshot import RunInfo
+from hivetrain.peers.link_probe import LinkProbeServer
+from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.records import RunConfigRecord, publish_record, publish_run_config
 from hivetrain.testing.forkserver import run as run_cli
 from tests.records import peer_record
@@ -21,7 +23,10 @@ STATUS = [sys.executable, "-m", *STATUS_ARGV]  # a fresh interpreter: what --hel
 
 def _records(coordinator, trainers, now):
     own = peer_record(coordinator.peer_id, 3, now, role="coordinator", run_id="status-run", throughput=0.0)
-    fast = peer_record(trainers[0].peer_id, 3, now, run_id="status-run", throughput=40.0, public_name="fast one")
+    fast = peer_record(
+        trainers[0].peer_id, 3, now, run_id="status-run", throughput=40.0, public_name="fast one",
+        samples_total=2000, witnessed=((trainers[1].peer_id, 320),), witnessed_epoch=3,
+    )  # fmt: skip
     slow = peer_record(
         trainers[1].peer_id,
         2,
@@ -30,6 +35,9 @@ def _records(coordinator, trainers, now):
         throughput=10.0,
         rounds_failed=1,
         last_failure="epoch 2: member died",
+        samples_total=900,
+        witnessed=((trainers[0].peer_id, 640),),
+        witnessed_epoch=2,
     )
     return own, fast, slow
 
@@ -47,14 +55,18 @@ def test_status_shows_the_runs_epoch_trainers_and_speeds_as_the_dashboard_counts
     records = _records(coordinator, trainers, now)
     for node, record in zip([coordinator, *trainers], records, strict=True):
         assert publish_record(node.dht, node.owner_marker, record, 60)
+    # what the coordinator's dashboard computes from the same records (its /api/status fields), and the credit table
+    # it serves over libp2p (a real coordinator folds it over the whole run)
+    dashboard = SwarmObserver(RunInfo("status-run", "tiny", 0), config.data.seq_len)
+    dashboard.observe(list(records), now)
+    loop = LoopThread(name="status-test")
+    server = LinkProbeServer(credit_table=dashboard.credit_table)
+    loop.run(server.register(loop.run(coordinator.dht.replicate_p2p(), 30), "status-run"), 30)
 
     address = str(coordinator.visible_maddrs()[0])
     proc = run_cli([*STATUS_ARGV, address, "--json"], 120)
     assert proc.returncode == 0, proc.stderr
     body = json.loads(proc.stdout)
-    # what the coordinator's dashboard computes from the same records (its /api/status fields)
-    dashboard = SwarmObserver(RunInfo("status-run", "tiny", 0), config.data.seq_len)
-    dashboard.observe(list(records), now)
     snap = dashboard.snapshot(now)
     assert body["epoch"] == snap.epoch == 3
     assert body["tokens_per_s"] == pytest.approx(snap.tokens_per_s) == 50.0 * config.data.seq_len
@@ -67,12 +79,21 @@ def test_status_shows_the_runs_epoch_trainers_and_speeds_as_the_dashboard_counts
     ]
     assert body["run"]["run_id"] == "status-run" and body["run"]["model_preset"] == "tiny"
     assert body["admission"] == "token" and body["coordinator"] == coordinator.peer_id
+    # credit: each trainer's samples as the other witnessed them, beside its own claim, most witnessed first
+    fast, slow = trainers[0].peer_id, trainers[1].peer_id
+    assert [(c["peer_id"], c["samples_witnessed"], c["samples_claimed"]) for c in body["credit"]] == [
+        (fast, 640, 2000),
+        (slow, 320, 900),
+    ]
+    assert [(c.peer_id, c.samples_credited) for c in snap.contributors] == [(fast, 640), (slow, 320)]
 
     text = run_cli([*STATUS_ARGV, address], 120)
     assert text.returncode == 0, text.stderr
     assert "run status-run: model tiny, epoch 3, admission token" in text.stdout
     assert "2 trainer(s), 50.0 samples/s" in text.stdout and "fast one" in text.stdout
     assert "member died" in text.stdout
+    assert "credit (samples witnessed" in text.stdout and "fast one" in text.stdout.split("credit (")[1]
+    loop.stop(timeout_s=2)
 
 
 @pytest.mark.slow

@@ -177,6 +177,7 @@ class CommitVote:
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
             send_busy_s=self.transport.send_busy_s(),
+            weights=tuple(sorted(weights.items())),
         )
 
     def flush_votes(self, deadline: float) -> None:

@@ -49,6 +49,9 @@ class RoundResult:
             or sent bad data), sorted.
         slice_members: (start, end, members) per slice of the flattened tensors that averages other members than
             ``group``: a slice reduced before a member was dropped keeps its part (``allreduce``); empty = none.
+        weights: (peer id, samples) of the contributors of the group we averaged in ourselves, as its members agreed
+            them (the two-stage round: our row); empty for moshpit/gossip. What a member witnesses for the credit of
+            the others (``diloco.credit``).
     """
 
     tensors: list[torch.Tensor]
@@ -60,6 +63,7 @@ class RoundResult:
     duration_s: float = 0.0
     excluded: tuple[str, ...] = field(default_factory=tuple)
     slice_members: tuple[tuple[int, int, tuple[str, ...]], ...] = field(default_factory=tuple)
+    weights: tuple[tuple[str, float], ...] = field(default_factory=tuple)
 
 
 class Averager(Protocol):

@@ -303,6 +303,7 @@ class GroupAverager:
             duration_s=time.monotonic() - started,
             excluded=outcome.excluded,
             slice_members=outcome.slice_members,
+            weights=outcome.weights,
         )
 
     def _check_input(self, tensors: Sequence[torch.Tensor], weight: float, epoch: int, timeout_s: float):
@@ -410,7 +411,7 @@ class GroupAverager:
             refusal = accept(flat, tuple(ids)) if accept is not None else ""
             if refusal:
                 raise RoundFailed("refused", refusal)
-            solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0)
+            solo = RoundOutcome(out.get().copy_(flat), ids, (), weight, 0, 0, weights=((ids[0], weight),))
             self._feedback_done(residual, exact=True)
             return solo, decl.round_id, ids
         if len(ids) > self.config.target_group_size:

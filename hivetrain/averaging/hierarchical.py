@@ -232,13 +232,15 @@ def two_stage(
         logger.info("two-stage round %s: %s", round_id[:8], plan.reason)
         total, fetched = grid.fetch(plan, out)
         contributors = tuple(sorted(p for p in ids if p not in row.excluded))
-        return RoundOutcome(out, contributors, tuple(row.excluded), total, sent + fetched[0], received + fetched[1])
+        return RoundOutcome(
+            out, contributors, tuple(row.excluded), total, sent + fetched[0], received + fetched[1], weights=row.weights
+        )
     if plan.fetchers and plan.source == me:
         served = grid.serve(plan, out, result.total_weight)
         sent, received = sent + served[0], received + served[1]
     excluded = tuple(sorted(set(row.excluded) | set(result.excluded)))
     contributors = tuple(sorted(p for p in ids if p not in excluded))
-    return RoundOutcome(out, contributors, excluded, result.total_weight, sent, received)
+    return RoundOutcome(out, contributors, excluded, result.total_weight, sent, received, weights=row.weights)
 
 
 class _Grid:
@@ -278,7 +280,7 @@ class _Grid:
             if len(self.rows[r]) == 1:  # a row of one (3 peers in rows of 2): our contribution is its mean
                 if residual_out is not None:
                     residual_out.zero_()
-                return RoundOutcome(flat.clone(), (me,), (), float(weight), 0, 0)
+                return RoundOutcome(flat.clone(), (me,), (), float(weight), 0, 0, weights=((me, float(weight)),))
             return self.run(stage_id(self.round_id, "row", r), self.rows[r], flat, weight, None, residual_out,
                             stage="row")  # fmt: skip
         except RoundFailed as exc:

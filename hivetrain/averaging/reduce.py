@@ -46,6 +46,9 @@ class RoundOutcome:
             attempts), so after a drop some slices hold more contributions than ``contributors`` lists.
         send_busy_s: seconds during which at least one of our links was sending (``RoundTransport.send_busy_s``):
             ``bytes_sent`` over it estimates our upload rate when the round moved enough bytes.
+        weights: (peer id, weight in samples) of each contributor of the group we averaged in ourselves (the two-stage
+            round: our row), as every member of it agreed them (``agreement.agree_contributors``); sorted by peer id.
+            Empty where no member-level weights are agreed (moshpit/gossip).
     """
 
     flat: torch.Tensor
@@ -56,6 +59,7 @@ class RoundOutcome:
     bytes_received: int
     slice_members: tuple[tuple[int, int, tuple[str, ...]], ...] = ()
     send_busy_s: float = 0.0
+    weights: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

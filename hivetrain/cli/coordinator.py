@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         from hivetrain.peers.loop import LoopThread
 
         loop = LoopThread()
-        _serve_link_checks(node, loop, config.run_id)
         # a pipeline's state lives in its stages' servers; moshpit/gossip peers hold no common state to follow
         if not args.no_state and not config.pipelined and config.averaging.exact_average:
             follower = _make_follower(args, config, node, loop, fingerprint)
@@ -100,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.time(),
             ),
             config.data.seq_len,
+            max_samples_per_round=config.averaging.max_samples_per_round,
         )
+        _serve_link_checks(node, loop, config.run_id, observer.credit_table)
         if config.pipelined:  # the dashboard's pipeline card and metrics
             from hivetrain.coordinator.pipeline import PipelineObserver
 
@@ -156,13 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             node.shutdown()
 
 
-def _serve_link_checks(node, loop, run_id: str) -> None:
-    """Answer volunteers' ``join-swarm --check`` link probes (``peers.link_probe``); a failure only costs the checks."""
+def _serve_link_checks(node, loop, run_id: str, credit_table) -> None:
+    """Answer volunteers' ``join-swarm --check`` link probes and ``hivetrain status``'s credit requests
+    (``peers.link_probe``); a failure only costs those."""
     from hivetrain.peers.link_probe import LinkProbeServer
 
     try:
         p2p = loop.run(node.dht.replicate_p2p(), timeout_s=30)
-        loop.run(LinkProbeServer().register(p2p, run_id), timeout_s=30)
+        loop.run(LinkProbeServer(credit_table).register(p2p, run_id), timeout_s=30)
     except Exception as exc:  # noqa: BLE001 - the run goes on without them
         logger.warning("join-swarm --check link probes are not served: %r", exc)
 

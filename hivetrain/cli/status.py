@@ -9,7 +9,9 @@ that poll, plus ``admission`` and ``coordinator`` fields.
 
 What one poll cannot show: the loss curve and round history the coordinator folds over time, and its checkpoints (the
 dashboard has them; the coordinator's record shows the epoch it holds, which it checkpoints when it has a
-``--checkpoint-dir``).
+``--checkpoint-dir``). The credit each volunteer earned over the run (samples the members of its groups witnessed,
+``diloco/credit.py``) is folded the same way: it is asked of the coordinator over libp2p (``peers.link_probe``) and
+printed as ``credit`` (``credit_error`` says why not, if it could not be had).
 
 Exit codes: 0; 2 with one ``error:`` line (an address that is not a multiaddr, no peer reachable, no run config
 signed by one of the addresses' peers within ``--timeout`` seconds, a run config this version cannot read); 4 with one
@@ -138,7 +140,26 @@ def read_status(node, addresses: list[str], timeout_s: float, found=None) -> dic
         coordinator_version=record.version,
         compatible=ok,
     )
+    body["credit"], body["credit_error"] = _coordinator_credit(node, record.coordinator_id, config.run_id, timeout_s)
     return body
+
+
+def _coordinator_credit(node, coordinator_id: str, run_id: str, timeout_s: float) -> tuple[list[dict] | None, str]:
+    """The coordinator's credit table (``peers.link_probe.fetch_credit``) as JSON rows, or (None, why not): credit is
+    folded over the whole run, which one poll of the records cannot show."""
+    from hivetrain.peers.link_probe import fetch_credit
+    from hivetrain.peers.loop import LoopThread
+
+    loop = LoopThread(name="hivetrain-status")
+    try:
+        p2p = loop.run(node.dht.replicate_p2p(), timeout_s)
+        rows = loop.run(fetch_credit(p2p, coordinator_id, run_id), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the rest of the status stands without it
+        return None, f"the coordinator did not give its credit table: {exc!r}"
+    finally:
+        loop.stop()
+    keys = ("peer_id", "public_name", "samples_witnessed", "samples_claimed")
+    return [dict(zip(keys, row, strict=True)) for row in rows], ""
 
 
 def render(body: dict) -> str:
@@ -163,6 +184,13 @@ def render(body: dict) -> str:
         lines += [f"  epoch {r['epoch']}: {r['reason']}" for r in failed[:5]]
     if body["latest_eval_loss"] is not None:
         lines.append(f"eval loss {body['latest_eval_loss']:.3f}")
+    if body.get("credit"):
+        lines.append("credit (samples witnessed by the members of its groups / claimed by its own record):")
+        for row in body["credit"][:10]:
+            name = row["public_name"] or row["peer_id"][:12]
+            lines.append(f"  {name:<20} {row['samples_witnessed']:>10} / {row['samples_claimed']}")
+    elif body.get("credit_error"):
+        lines.append(f"credit: {body['credit_error']}")
     if not body["compatible"]:
         lines.append(f"this hivetrain cannot join it: install hivetrain {body['coordinator_version']}")
     return "\n".join(lines)

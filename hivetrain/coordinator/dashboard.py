@@ -168,9 +168,12 @@ class PageView:
     max_rounds: int
 
     def share(self, contributor: ContributorRow) -> float:
-        """The contributor's samples as a percentage of the top contributor's (for the bar)."""
-        top = max((c.samples_contributed for c in self.snap.contributors), default=0)
-        return round(100.0 * contributor.samples_contributed / top, 1) if top else 0.0
+        """The contributor's samples as a percentage of the top contributor's (for the bar): witnessed samples, or
+        claimed ones in a run without witnesses (moshpit/gossip)."""
+        witnessed = self.snap.samples_credited_total > 0
+        value = (lambda c: c.samples_credited) if witnessed else (lambda c: c.samples_contributed)  # noqa: E731
+        top = max((value(c) for c in self.snap.contributors), default=0)
+        return round(100.0 * value(contributor) / top, 1) if top else 0.0
 
 
 def _page_view(snap: DashboardSnapshot, config: DashboardConfig) -> PageView:
@@ -281,6 +284,7 @@ def create_app(snapshot_fn: Callable[[], DashboardSnapshot], config: DashboardCo
         body.update(
             num_peers_alive=snap.num_peers_alive(config.peer_alive_within_s),
             samples_contributed_total=snap.samples_contributed_total,
+            samples_credited_total=snap.samples_credited_total,
             compute_s_total=snap.compute_s_total,
             latest_eval_loss=None if latest is None else latest.eval_loss,
         )

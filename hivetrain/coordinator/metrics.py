@@ -8,7 +8,7 @@ registry is never touched, so several coordinators (or tests) in one process do 
 Exposed (all prefixed ``hivetrain_``): ``up`` (1 if the snapshot could be read), ``run_info{run_id,model}``,
 ``model_parameters``, ``epoch``, ``eval_loss`` (nats/token, latest finite evaluation), ``tokens_per_second``,
 ``peers_alive`` / ``peers_known``, ``averaging_rounds_committed_total``, ``averaging_rounds_failed_total``,
-``checkpoints_written_total``, ``samples_contributed_total``, ``compute_seconds_total``.
+``checkpoints_written_total``, ``samples_contributed_total``, ``samples_credited_total``, ``compute_seconds_total``.
 
 A pipelined run adds ``pipeline_stages``, ``pipeline_trainers``, per stage (label ``stage``)
 ``pipeline_stage_servers``, ``pipeline_stage_throughput_microbatches_per_second`` (announced) and
@@ -96,6 +96,11 @@ class SnapshotCollector(Collector):
             PREFIX + "samples_contributed",
             "Training samples contributed by volunteers",
             value=snap.samples_contributed_total,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "samples_credited",
+            "Training samples of volunteers witnessed by the members of their groups",
+            value=snap.samples_credited_total,
         )
         yield CounterMetricFamily(
             PREFIX + "compute_seconds", "Compute seconds contributed by volunteers", value=snap.compute_s_total

@@ -2,8 +2,9 @@
 
 Peer records expire when peers leave, so the coordinator folds every poll into a bounded history: the eval loss of
 each epoch (all members of a committed step hold the same θ, so their held-out losses agree), the committed rounds
-and failures peers reported, the samples and compute seconds each peer contributed, and the peers that left (with
-the reason their last record gave, or "record expired"). ``observe(records, now)``
+and failures peers reported, the samples and compute seconds each peer contributed (as it claims them, and as the
+members of its groups witnessed them: ``diloco/credit.py``), and the peers that left (with the reason their last
+record gave, or "record expired"). ``observe(records, now)``
 and ``snapshot(...)`` are plain functions of their inputs (time injected), so tests need no swarm. A pipelined run's
 stages, trainers and rebalances are folded by ``pipeline`` (``coordinator/pipeline.py``), fed by the coordinator.
 """
@@ -27,6 +28,7 @@ from hivetrain.coordinator.dashboard import (
     RunInfo,
 )
 from hivetrain.coordinator.pipeline import PipelineObserver
+from hivetrain.diloco.credit import CreditLedger
 from hivetrain.diloco.drift import drift_by_epoch, sketch_from_text
 from hivetrain.peers.records import PeerRecord
 
@@ -62,6 +64,8 @@ class SwarmObserver:
     sketches: OrderedDict[int, dict[str, bytes]] = field(default_factory=OrderedDict)
     left: OrderedDict[str, LeftPeerRow] = field(default_factory=OrderedDict)
     pipeline: PipelineObserver | None = None
+    max_samples_per_round: int = 1_000_000  # the run's averaging.max_samples_per_round (caps each witnessed count)
+    credit: CreditLedger | None = None  # samples witnessed by group members (diloco/credit.py); made at first use
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def observe(self, records: list[PeerRecord], now: float) -> None:
@@ -93,6 +97,9 @@ class SwarmObserver:
                 entry.samples = max(entry.samples, r.samples_total)
                 entry.compute_s = max(entry.compute_s, r.compute_s)
             self._fold_sketches(trainers)
+            if self.credit is None:
+                self.credit = CreditLedger(self.max_samples_per_round)
+            self.credit.observe(trainers)
             _trim(self.loss_by_epoch, MAX_POINTS)
             _trim(self.rounds, MAX_ROUNDS)
             _trim(self.contributors, MAX_CONTRIBUTORS)
@@ -138,6 +145,14 @@ class SwarmObserver:
         self.drift = OrderedDict(sorted(self.drift.items()))
         _trim(self.drift, MAX_POINTS)
 
+    def credit_table(self, limit: int) -> list[tuple[str, str, int, int]]:
+        """The top ``limit`` contributors as (peer id, public name, witnessed samples, claimed samples), most
+        witnessed first (``hivetrain status`` asks for it through ``peers.link_probe``)."""
+        with self._lock:
+            credited = self.credit.credited() if self.credit is not None else {}
+            rows = [(pid, c.public_name, credited.get(pid, 0), c.samples) for pid, c in self.contributors.items()]
+        return sorted(rows, key=lambda row: (-row[2], -row[3], row[0]))[:limit]
+
     def set_checkpoints(self, rows: list[CheckpointRow], written_total: int) -> None:
         with self._lock:
             self.checkpoints, self.checkpoints_written = rows, written_total
@@ -165,9 +180,10 @@ class SwarmObserver:
                 for r in sorted(present, key=lambda r: (r.role != "coordinator", -r.epoch, r.peer_id))
             )
             rounds = tuple(sorted(self.rounds.values(), key=lambda row: (row.epoch, row.finished_at), reverse=True))
+            credited = self.credit.credited() if self.credit is not None else {}
+            ranked = sorted(self.contributors.items(), key=lambda kv: (-credited.get(kv[0], 0), -kv[1].samples))
             contributors = tuple(
-                ContributorRow(pid, c.public_name, c.samples, c.compute_s)
-                for pid, c in sorted(self.contributors.items(), key=lambda kv: -kv[1].samples)
+                ContributorRow(pid, c.public_name, c.samples, c.compute_s, credited.get(pid, 0)) for pid, c in ranked
             )
             return DashboardSnapshot(
                 run=self.run,

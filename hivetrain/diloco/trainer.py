@@ -26,6 +26,7 @@ from hivetrain.config import RunConfig
 from hivetrain.data import Corpus, stream_seed
 from hivetrain.diloco.adoption import StateAdopter
 from hivetrain.diloco.background import BackgroundRound
+from hivetrain.diloco.credit import witnesses_for
 from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.evidence import Evidence
@@ -104,6 +105,8 @@ class DilocoTrainer:
         self._left_reason = ""
         self._waited_epoch = -1  # our epoch when we last waited out a round (``_wait_out_round``: once per epoch)
         self._committed_epoch = -1  # the epoch our last own commit brought us to (its round's members expect us next)
+        # (epoch, what we witness) of our last committed round: the others' credit (diloco.credit)
+        self._witnessed: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
         self._exact_average = config.averaging.exact_average
         self._overlap = config.diloco.overlap if self._exact_average else "off"
         # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks. To the swarm's
@@ -476,6 +479,7 @@ class DilocoTrainer:
         self._committed_epoch = self.state.epoch
         self.stats.rounds_committed += 1
         self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
+        self._witnessed = (self.state.epoch, witnesses_for(result.round_id, result.weights, self.node.peer_id))
         self.stats.samples_total += contribution.samples
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
@@ -491,6 +495,7 @@ class DilocoTrainer:
             samples=contribution.samples,
             attempts=outcome.attempts,
             update_norm=outcome.update_norm,  # ‖Δ̄‖₂ applied (moshpit/gossip: ‖θ_new − θ_old‖₂; update_bound)
+            witnessed=[list(entry) for entry in self._witnessed[1]],  # others' samples we vouch for (diloco.credit)
         )
         return policy.action
 
@@ -632,6 +637,8 @@ class DilocoTrainer:
             left_reason=self._left_reason,
             paused=self.duty.paused,
             join_token=self.options.join_token,
+            witnessed=self._witnessed[1],
+            witnessed_epoch=self._witnessed[0] if self._witnessed[1] else 0,
             updated_at=get_dht_time(),
         )
         return self.faults.check(HookPoint.DILOCO_RECORD, record=record)["record"]

@@ -5,8 +5,10 @@ that goes unanswered within ``wait_timeout`` (3 s), and only learns neighbours f
 SIGSTOP of 15 s breaks both sides at once: the others drop the sleeper at their first request to it, and when it
 wakes, every request it had in flight has outlived its timeout, so it drops them all. Nobody is left who would ever
 ask anyone: the sleeper's reads return only what its own storage holds (its own fresh record and the others' stale
-ones), and it believes it is alone. Seen in CI, 2026-11-30 (chaos ``pause-twice``): peer2 woke, its reads showed no
-live trainer for 40 s while two trained on at epochs 10-19, and it committed 17 solo outer steps (a fork).
+ones), and it believes it is alone. Seen in CI, 2026-11-30 (chaos ``pause-twice``): 40 s after peer2 woke from a
+15 s SIGSTOP, a fresh read showed it no live trainer while two trained on at epochs 10-19, and it committed 17 solo
+outer steps (a fork). ``tests/peers/test_dht_rejoin.py`` shows the mechanism: a node cut off this way is still cut
+off 5 s later without the watchdog, and back within a few intervals with it.
 
 hivemind's own bucket refresh (``refresh_timeout``) starts its lookups from the routing table, so an empty table
 stays empty. ``RejoinWatch`` runs in the DHT process, as libp2p's Kademlia does its bootstrap refresh: every

@@ -13,6 +13,9 @@ so requests are length-prefixed and replies are read to a known length):
 - ``{"op": "up", "bytes": N}``: the coordinator answers ``{"ok": true}`` (or why not), the caller sends N bytes, and the
   coordinator answers ``{"ok": true, "elapsed_s": t}`` after the last one; the caller times the whole exchange on its
   own clock (upload rate).
+- ``{"op": "credit"}``: the coordinator answers ``{"ok": true, "credit": [[peer id, name, witnessed, claimed], ...]}``,
+  its top contributors by samples witnessed by their groups' members (``diloco/credit.py``), as many as fit one reply
+  (``hivetrain status`` shows them).
 
 Bounds: N <= ``MAX_PROBE_BYTES``; at most ``MAX_CONCURRENT`` probes at once (others are answered ``ok`` False at
 once); per caller address (its IP, or its peer id when relayed) at most ``BUDGET_BYTES`` of rate checks and
@@ -33,6 +36,7 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -49,6 +53,9 @@ BUDGET_DIALS = 16
 READ_TIMEOUT_S = 30.0
 DIAL_TIMEOUT_S = 3.0
 CHUNK_BYTES = 64 * 1024
+MAX_REPLY_BYTES = 65_535  # a reply's 2-byte length
+MAX_CREDIT_ROWS = 500  # contributors in one "credit" reply (fewer if they do not fit MAX_REPLY_BYTES)
+CREDIT_COST_BYTES = 64 * 1024  # a credit request counts this much against the caller's byte budget
 
 
 def handler_name(run_id: str) -> str:
@@ -67,10 +74,11 @@ def stream_ip(addr: object) -> str | None:
         return None
 
 
-async def _read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
-    """One length-prefixed msgpack map (a request or a reply). Raises ValueError if it is not one."""
+async def _read_message(reader: asyncio.StreamReader, max_bytes: int = MAX_REQUEST_BYTES) -> dict[str, Any]:
+    """One length-prefixed msgpack map (a request or a reply) of at most ``max_bytes``. Raises ValueError if it is
+    not one."""
     size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), READ_TIMEOUT_S), "big")
-    if not 0 < size <= MAX_REQUEST_BYTES:
+    if not 0 < size <= max_bytes:
         raise ValueError(f"a {size}-byte probe request")
     request = msgpack.unpackb(await asyncio.wait_for(reader.readexactly(size), READ_TIMEOUT_S), raw=False)
     if not isinstance(request, dict):
@@ -100,9 +108,15 @@ def _dial(ip: str, port: int) -> tuple[bool, str]:
 
 
 class LinkProbeServer:
-    """The coordinator's side of the link checks (module docstring). Counters for tests and logs."""
+    """The coordinator's side of the link checks (module docstring). Counters for tests and logs.
 
-    def __init__(self) -> None:
+    Args:
+        credit_table: ``SwarmObserver.credit_table`` (top N contributors as (peer id, name, witnessed, claimed)), for
+            the "credit" op; None = refused.
+    """
+
+    def __init__(self, credit_table: Callable[[int], list[tuple[str, str, int, int]]] | None = None) -> None:
+        self.credit_table = credit_table
         self.served = self.refused = 0
         self._active = 0
         self._spent: dict[str, list[tuple[float, int]]] = {}  # caller -> (monotonic time, bytes; 0 = a dial)
@@ -150,7 +164,8 @@ class LinkProbeServer:
         request = await _read_message(reader)
         op = request.get("op")
         caller = stream_ip(info.addr) or info.peer_id.to_base58()
-        why = self._allow(caller, _probe_bytes(request) if op in ("up", "down") else 0)
+        cost = _probe_bytes(request) if op in ("up", "down") else CREDIT_COST_BYTES if op == "credit" else 0
+        why = self._allow(caller, cost)
         if why:
             self.refused += 1
             await _write_message(writer, {"ok": False, "detail": why})
@@ -179,6 +194,11 @@ class LinkProbeServer:
             started = time.monotonic()
             await asyncio.wait_for(reader.readexactly(n), READ_TIMEOUT_S)
             await _write_message(writer, {"ok": True, "elapsed_s": time.monotonic() - started})
+        elif op == "credit":
+            if self.credit_table is None:
+                await _write_message(writer, {"ok": False, "detail": "this coordinator keeps no credit"})
+                return
+            await _write_message(writer, credit_reply(self.credit_table(MAX_CREDIT_ROWS)))
         else:
             raise ValueError(f"unknown probe op {op!r}")
 
@@ -194,6 +214,45 @@ async def probe_dial(p2p: P2P, peer_id: str, run_id: str, port: int) -> tuple[bo
         await _write_message(writer, {"op": "dial", "port": port})
         reply = await _read_message(reader)
         return bool(reply.get("ok")), str(reply.get("detail", ""))[:300]
+    finally:
+        writer.close()
+
+
+def credit_reply(rows: list[tuple[str, str, int, int]]) -> dict[str, Any]:
+    """The "credit" op's reply: as many of ``rows`` (most credited first) as fit one message (2-byte length)."""
+    rows = [[str(p)[:128], str(n)[:64], int(w), int(c)] for p, n, w, c in rows]
+    while True:
+        reply = {"ok": True, "credit": rows}
+        if len(msgpack.packb(reply)) <= MAX_REPLY_BYTES:
+            return reply
+        rows = rows[: len(rows) * 3 // 4]
+
+
+async def fetch_credit(p2p: P2P, peer_id: str, run_id: str) -> list[tuple[str, str, int, int]]:
+    """The run's top contributors from its coordinator ``peer_id``: (peer id, public name, samples witnessed by the
+    members of its groups, samples it claims), most witnessed first (``diloco/credit.py``).
+
+    Raises:
+        ValueError: the coordinator refused (saying why) or answered something else than a credit table.
+        asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError: the stream failed.
+    """
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), handler_name(run_id))
+    try:
+        await _write_message(writer, {"op": "credit"})
+        reply = await _read_message(reader, MAX_REPLY_BYTES)
+        if not reply.get("ok"):
+            raise ValueError(str(reply.get("detail", "refused"))[:300])
+        rows = reply.get("credit")
+        if not isinstance(rows, list) or len(rows) > MAX_CREDIT_ROWS:
+            raise ValueError("the coordinator's credit table is not a list of rows")
+        out = []
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 4 and all(isinstance(x, str) for x in row[:2])):
+                raise ValueError("a credit row is not [peer id, name, witnessed, claimed]")
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[2:]):
+                raise ValueError("a credit row's samples are not non-negative integers")
+            out.append((row[0][:128], row[1][:64], row[2], row[3]))
+        return out
     finally:
         writer.close()
 

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 RUN_CONFIG_KEY = "hivetrain.run_config"
 MAX_SHARD_BITS = 10  # peers/record_shards.py: at most 2^10 shard keys per level
+MAX_WITNESSED = 8  # entries of ``PeerRecord.witnessed`` (diloco/credit.py publishes WITNESSES = 3)
 Role = Literal["trainer", "coordinator", "stage_server", "pipeline_trainer"]
 
 
@@ -55,6 +56,14 @@ class PeerRecord(BaseModel):
         default="", max_length=2732, description="base64 count sketch of θ at `epoch` (2 KiB fp32, diloco/drift.py)"
     )
     samples_total: int = Field(default=0, ge=0, description="samples this peer has contributed to committed steps")
+    witnessed: tuple[tuple[Annotated[str, Field(min_length=1, max_length=128)], Annotated[int, Field(ge=0)]], ...] = (
+        Field(
+            default=(),
+            max_length=MAX_WITNESSED,
+            description="(peer id, samples) of the members of our last committed round we witness (diloco/credit.py)",
+        )
+    )
+    witnessed_epoch: int = Field(default=0, ge=0, description="the epoch that round committed into (0: none yet)")
     compute_s: float = Field(default=0.0, ge=0.0, description="seconds spent in inner steps")
     public_name: str = Field(default="", max_length=64)
     maddrs: tuple[str, ...] = Field(default=(), max_length=16)

@@ -86,6 +86,8 @@ def test_butterfly_results_are_bit_identical_weighted_means(make_averagers, num_
         assert r.group == tuple(sorted(a.node.peer_id for a in avgs))
         assert r.total_weight == pytest.approx(sum(weights))
         assert r.excluded == ()
+        # every member saw every member's agreed weight (what it witnesses for their credit: diloco/credit.py)
+        assert r.weights == tuple(sorted(zip((a.node.peer_id for a in avgs), weights, strict=True)))
         for got, want, x in zip(r.tensors, expected, inputs[0], strict=True):
             assert got.shape == x.shape and got.dtype == torch.float32
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
@@ -102,6 +104,7 @@ def test_lone_peer_gets_a_solo_result_after_matchmaking_time(make_averagers) -> 
     elapsed = time.monotonic() - started
     assert SLOW_OK["matchmaking_time_s"] <= elapsed < SLOW_OK["matchmaking_time_s"] + 3.0
     assert result.group == (avg.node.peer_id,) and result.total_weight == 5.0
+    assert result.weights == ((avg.node.peer_id, 5.0),)
     assert all(torch.equal(a, b) for a, b in zip(result.tensors, x, strict=True))
 
 

@@ -74,8 +74,10 @@ def test_more_peers_than_one_group_hold_one_bit_identical_mean(make_averagers, n
     expected = _weighted_mean(inputs, weights)
     scale = max(float(t.abs().max()) for x in inputs for t in x)
     atol = 1e-5 if compression == "none" else 0.1 * scale
+    own = dict(zip((a.node.peer_id for a in avgs), weights, strict=True))
     for r in results:
         assert r.group == everyone and r.total_weight == pytest.approx(sum(weights))
+        assert 1 <= len(r.weights) <= target and all(own[p] == w for p, w in r.weights)  # its row's agreed weights
         for got, want in zip(r.tensors, expected, strict=True):
             torch.testing.assert_close(got, want, atol=atol, rtol=0)
 

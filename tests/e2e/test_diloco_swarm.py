@@ -44,9 +44,16 @@ def test_local_swarm_cli_three_peers_agree_bit_for_bit_and_loss_falls(tmp_path, 
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     assert 0 < summary["bytes_sent_total"] < summary["bytes_ddp_equivalent"]
     # every committed step averaged over the whole group of three
-    for name in ("peer0", "peer1", "peer2"):
-        steps = [e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"]
-        assert [e["group_size"] for e in steps] == [3, 3, 3]
+    names = ("peer0", "peer1", "peer2")
+    steps = {name: [e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"] for name in names}
+    for name in names:
+        assert [e["group_size"] for e in steps[name]] == [3, 3, 3]
+    # credit (diloco/credit.py): in a group of 3 each member vouches for the other two with the samples they averaged
+    for epoch in (1, 2, 3):
+        sent = {e["peer"]: e["samples"] for s in steps.values() for e in s if e["epoch"] == epoch}
+        for s in steps.values():
+            (event,) = [e for e in s if e["epoch"] == epoch]
+            assert dict(map(tuple, event["witnessed"])) == {p: n for p, n in sent.items() if p != event["peer"]}
     # the run ends saved: the coordinator's newest complete checkpoint is the final state (issue 26: runs of 3 and 8
     # outer steps exported epochs 2 and 7, the trainers gone before the coordinator could download the last one)
     complete = [c for c in CheckpointStore(out / "checkpoints", keep_last=1).list(verify=True) if c.status == "ok"]

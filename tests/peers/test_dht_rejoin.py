@@ -65,34 +65,33 @@ def _forget_call(peers):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rejoin_interval_s", [0.5, 3600.0], ids=["watchdog", "no-watchdog"])
-def test_a_node_cut_off_from_every_neighbour_rejoins_within_a_few_intervals(rejoin_interval_s):
+@pytest.mark.parametrize(
+    ("sleeper_interval_s", "others_interval_s", "rejoins"),
+    [(0.5, 3600.0, True), (3600.0, 0.5, True), (3600.0, 3600.0, False)],
+    ids=["its-own-watchdog", "the-others-watchdogs", "no-watchdog"],
+)
+def test_a_node_cut_off_from_every_neighbour_rejoins_within_a_few_intervals(
+    sleeper_interval_s, others_interval_s, rejoins
+):
+    """The sleeper pings its initial peer back; the awake nodes ping back the neighbour they remember (each side
+    alone is enough); with neither (an interval of an hour), it stays cut off."""
     nodes = []
     try:
-        nodes.append(start_node(NodeConfig(host_maddrs=LOOPBACK, startup_timeout_s=30, rejoin_interval_s=0.5)))
+        others = dict(host_maddrs=LOOPBACK, startup_timeout_s=30, rejoin_interval_s=others_interval_s)
+        nodes.append(start_node(NodeConfig(**others)))
         initial = tuple(a for a in nodes[0].visible_maddrs() if "127.0.0.1" in a)
-        nodes.append(start_node(NodeConfig(host_maddrs=LOOPBACK, initial_peers=initial, startup_timeout_s=30)))
-        nodes.append(
-            start_node(
-                NodeConfig(
-                    host_maddrs=LOOPBACK,
-                    initial_peers=initial,
-                    startup_timeout_s=30,
-                    rejoin_interval_s=rejoin_interval_s,
-                )
-            )
-        )
+        nodes.append(start_node(NodeConfig(**others, initial_peers=initial)))
+        sleeper = dict(host_maddrs=LOOPBACK, startup_timeout_s=30, rejoin_interval_s=sleeper_interval_s)
+        nodes.append(start_node(NodeConfig(**sleeper, initial_peers=initial)))
         assert not nodes[2].cut_off()
+        time.sleep(1.5)  # the awake nodes' watchdogs look every 0.5 s: one look must find the sleeper, to remember it
         stamp = _cut_off_and_store(nodes)
-        deadline = time.monotonic() + (15.0 if rejoin_interval_s < 1 else 5.0)
+        deadline = time.monotonic() + (15.0 if rejoins else 5.0)
         seen = False
         while time.monotonic() < deadline and not seen:
             seen = _fresh_value_seen(nodes[2], "rejoin", "writer", stamp)
             time.sleep(0.25)
-        if rejoin_interval_s < 1:
-            assert seen and not nodes[2].cut_off()  # pinged the initial peer back, and found the writer through it
-        else:
-            assert not seen and nodes[2].cut_off()  # the control: without the watchdog it never finds anyone
+        assert seen == rejoins and nodes[2].cut_off() != rejoins
     finally:
         for node in nodes:
             node.shutdown()

@@ -5,7 +5,16 @@ import socket
 
 import pytest
 
-from hivetrain.peers.link_probe import MAX_PROBE_BYTES, LinkProbeServer, probe_dial, probe_rate, stream_ip
+from hivetrain.peers.link_probe import (
+    MAX_PROBE_BYTES,
+    MAX_REPLY_BYTES,
+    LinkProbeServer,
+    credit_reply,
+    fetch_credit,
+    probe_dial,
+    probe_rate,
+    stream_ip,
+)
 from hivetrain.peers.loop import LoopThread
 
 
@@ -22,7 +31,8 @@ def pair(make_node):
     coordinator = make_node(name="coordinator")
     volunteer = make_node(coordinator.visible_maddrs(), name="volunteer")
     loop = LoopThread(name="probe-test")
-    server = LinkProbeServer()
+    table = [("QmWitnessed", "alice", 960, 1000), ("QmClaims", "", 0, 5000)]
+    server = LinkProbeServer(credit_table=lambda limit: table[:limit])
     try:
         loop.run(server.register(loop.run(coordinator.dht.replicate_p2p(), 30), "run"), 30)
         client = loop.run(volunteer.dht.replicate_p2p(), 30)
@@ -64,3 +74,24 @@ def test_each_caller_has_a_budget_of_dials_and_bytes():
     assert all(server._allow("10.0.0.1", MAX_PROBE_BYTES) == "" for _ in range(BUDGET_BYTES // MAX_PROBE_BYTES))
     assert "MiB of rate checks" in server._allow("10.0.0.1", 1)
     assert server._allow("10.0.0.2", MAX_PROBE_BYTES) == ""  # another caller has its own
+
+
+@pytest.mark.slow
+def test_status_gets_the_coordinators_credit_table_over_libp2p(pair):
+    loop, server, client, coordinator = pair
+    assert loop.run(fetch_credit(client, coordinator, "run"), 30) == [
+        ("QmWitnessed", "alice", 960, 1000),
+        ("QmClaims", "", 0, 5000),
+    ]
+    server.credit_table = None  # a coordinator without an observer says so
+    with pytest.raises(ValueError, match="keeps no credit"):
+        loop.run(fetch_credit(client, coordinator, "run"), 30)
+
+
+def test_a_credit_reply_is_cut_to_fit_one_message():
+    import msgpack
+
+    rows = [(f"Qm{i:044d}", "n" * 64, i, i) for i in range(2000)]
+    reply = credit_reply(rows)
+    assert len(msgpack.packb(reply)) <= MAX_REPLY_BYTES
+    assert 0 < len(reply["credit"]) < 2000 and reply["credit"][0][0] == rows[0][0]  # the top rows are the ones kept

@@ -232,15 +232,17 @@ class CheckpointRow:
 
 @dataclass(frozen=True)
 class ContributorRow:
-    """Work credited to one volunteer: samples trained on and compute seconds spent."""
+    """Work credited to one volunteer: samples trained on (as it claims them in its record, and as the members of its
+    groups witnessed them in committed rounds: ``diloco/credit.py``) and compute seconds spent (claimed)."""
 
     peer_id: str
     public_name: str
     samples_contributed: int
     compute_s: float
+    samples_credited: int = 0
 
     def __post_init__(self) -> None:
-        _non_negative(self, "samples_contributed", "compute_s")
+        _non_negative(self, "samples_contributed", "compute_s", "samples_credited")
         object.__setattr__(self, "public_name", clean_text(self.public_name, MAX_NAME_CHARS))
         object.__setattr__(self, "peer_id", clean_text(self.peer_id, 80))
 
@@ -308,6 +310,10 @@ class DashboardSnapshot:
     @property
     def samples_contributed_total(self) -> int:
         return sum(c.samples_contributed for c in self.contributors)
+
+    @property
+    def samples_credited_total(self) -> int:
+        return sum(c.samples_credited for c in self.contributors)
 
     @property
     def compute_s_total(self) -> float:
