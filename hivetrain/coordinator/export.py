@@ -308,8 +308,15 @@ def run_export(args_list: list[str]) -> int:
     if args.preset and args.model:
         print("hivetrain export: give --preset or --model, not both", file=sys.stderr)
         return 2
+    # the export's own lines (which epoch went out, and a warning if the run was set for more) reach the user, not
+    # only a log: "exported to DIR" alone did not say which epoch it was (issue 26)
+    said = logging.StreamHandler(sys.stdout)
+    said.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     try:
-        out = export_transformers(
+        export_transformers(
             args.checkpoint,
             args.preset or args.model,
             args.out,
@@ -320,5 +327,7 @@ def run_export(args_list: list[str]) -> int:
     except (OSError, ValueError, CheckpointInvalid) as exc:
         print(f"hivetrain export: {exc}", file=sys.stderr)
         return 1
-    print(f"exported to {out}")
-    return 0
+    finally:
+        logger.removeHandler(said)
+        logger.propagate = True
+    return 0  # the export said "exported epoch N (hash) to OUT"

@@ -45,13 +45,16 @@ def reference_logits(state: TrainingState, input_ids: torch.Tensor) -> torch.Ten
 INPUT_IDS = torch.tensor([list(b"def main():\n    return 0\n")])
 
 
-def test_cli_export_from_store_loads_with_same_logits(tmp_path: Path, trained: tuple[TrainingState, str]) -> None:
+def test_cli_export_from_store_loads_with_same_logits(
+    tmp_path: Path, trained: tuple[TrainingState, str], capsys
+) -> None:
     state, fingerprint = trained
     store = CheckpointStore(tmp_path / "ckpt", keep_last=2)
     store.save(state, RUN_CONFIG, {"model_fingerprint": fingerprint})
     out = tmp_path / "export"
 
     assert run_export([str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    assert f"exported epoch {state.epoch} ({state.state_hash()[:16]})" in capsys.readouterr().out  # it says which
 
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
