@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -21,7 +22,10 @@ class Interrupted(BaseException):
 
 
 def install_signal_handlers() -> None:
-    """SIGINT and SIGTERM raise Interrupted in the main thread (once; a second signal exits at once)."""
+    """SIGINT and SIGTERM raise Interrupted in the main thread (once; a second signal exits at once). SIGUSR1 writes
+    every thread's Python stack to stderr (the log) and goes on: ``kill -USR1 PID`` shows where a peer that seems
+    stuck is waiting (the chaos harness sends it to every process still running at a scenario's time limit)."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     state = {"count": 0}
     main_pid = os.getpid()
 

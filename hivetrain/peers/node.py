@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -216,6 +217,7 @@ def start_node(config: NodeConfig) -> PeerNode:
         await_ready=False,
     )
     dht.start()
+    dht._outer_pipe = LockedPipe(dht._outer_pipe)  # several of our threads send commands to the DHT process
     try:
         dht.wait_until_ready(timeout=config.startup_timeout_s)
     except BaseException as exc:
@@ -226,15 +228,37 @@ def start_node(config: NodeConfig) -> PeerNode:
         cause, message = explain_bootstrap_failure(config, identity, str(exc), time.monotonic() - started)
         raise BootstrapFailed(message, cause) from None
     logger.info("DHT node %s up in %.1fs", identity.peer_id, time.monotonic() - started)
-    node = PeerNode(dht=dht, identity=identity, config=config)
-    try:  # neighbours that forgot us (a laptop lid, a SIGSTOP) are pinged back (``peers/dht_rejoin.py``)
-        watch = partial(start_rejoin_watch, initial_peers=tuple(sorted(trusted_ids(config.initial_peers))),
-                        interval_s=config.rejoin_interval_s)  # fmt: skip
+    # neighbours that forgot us (a laptop lid, a SIGSTOP) are pinged back (``peers/dht_rejoin.py``); the DHT process
+    # starts the watchdog when it takes the call, whether or not we wait for its answer here
+    watch = partial(start_rejoin_watch, initial_peers=tuple(sorted(trusted_ids(config.initial_peers))),
+                    interval_s=config.rejoin_interval_s)  # fmt: skip
+    try:
         dht.run_coroutine(watch, return_future=True).result(timeout=config.startup_timeout_s)
-    except BaseException:
-        node.shutdown()
-        raise
-    return node
+    except Exception as exc:  # noqa: BLE001 - the node works without it; a sleeper may then stay cut off
+        logger.warning("the DHT rejoin watchdog did not confirm its start: %r", exc)
+    return PeerNode(dht=dht, identity=identity, config=config)
+
+
+class LockedPipe:
+    """The sending end of ``hivemind.DHT``'s command pipe (``DHT._outer_pipe``: every ``get``, ``store`` and
+    ``run_coroutine`` is one ``send`` on it), with its sends serialised by a lock.
+
+    A trainer sends from several threads at once (the record heartbeat, the train loop's matchmaking, state downloads'
+    quorum reads, the routing-table check), and ``multiprocessing.Connection`` is not thread-safe: a message larger
+    than the pipe's atomic write (4 KiB; a signed peer record with its θ sketch is ~4 KiB) goes out in several writes
+    once the pipe is full (the DHT process busy, a loaded machine), and another thread's message can land between
+    them. The DHT process then reads a corrupt stream and every later call waits forever. Everything else is the
+    wrapped connection's."""
+
+    def __init__(self, conn):
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, obj) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
 
 
 _IDENTITY_TAKEN_RE = re.compile(r"Identity from `(.*?)` is already taken")

@@ -122,9 +122,15 @@ def _decisions(out, last: int = 25) -> str:
             what = f"{what} -> {e['next']}" if "next" in e else what
             lines.append(f"  +{e['time'] - t0:7.1f}s {e['event']:<22} epoch {e.get('epoch')}: {str(what)[:220]}")
     for path in sorted(out.glob("*.log")):
-        warned = [ln for ln in path.read_text(errors="replace").splitlines() if "WARNING" in ln or "ERROR" in ln]
+        text = path.read_text(errors="replace")
+        # hivetrain logs "WARN"/"ERROR" (cli.common.setup_logging), hivemind "[WARN]"/"[ERROR]"
+        warned = [ln for ln in text.splitlines() if " WARN" in ln or "ERROR" in ln or "Traceback" in ln]
         lines.append(f"--- {path.name}: last {min(12, len(warned))} of {len(warned)} warnings")
         lines += [f"  {ln[:260]}" for ln in warned[-12:]]
+        stacks = text[text.find("Thread 0x") :] if "Thread 0x" in text else ""
+        if stacks:  # the harness's SIGUSR1 at the time limit: where every thread of a process that hung waits
+            lines.append(f"--- {path.name}: thread stacks at the time limit")
+            lines += [f"  {ln[:200]}" for ln in stacks.splitlines()[:80]]
     return "\n".join(lines)
 
 
