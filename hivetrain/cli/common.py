@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
 import signal
@@ -25,7 +24,9 @@ def install_signal_handlers() -> None:
     """SIGINT and SIGTERM raise Interrupted in the main thread (once; a second signal exits at once). SIGUSR1 writes
     every thread's Python stack to stderr (the log) and goes on: ``kill -USR1 PID`` shows where a peer that seems
     stuck is waiting (the chaos harness sends it to every process still running at a scenario's time limit)."""
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    from hivetrain.peers import stacks
+
+    stacks.enable()
     state = {"count": 0}
     main_pid = os.getpid()
 

@@ -10,9 +10,11 @@ clock too far from the initial peer's, or an initial peer that cannot dial us ba
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import statistics
 import threading
 import time
@@ -25,6 +27,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivetrain.peers import stacks
 from hivetrain.peers.dht_rejoin import REJOIN_INTERVAL_S, routing_table_peers, start_rejoin_watch
 from hivetrain.peers.identity import Identity, load_or_create_identity
 from hivetrain.peers.membership import AdmissionPolicy
@@ -222,6 +225,7 @@ def start_node(config: NodeConfig) -> PeerNode:
         dht.wait_until_ready(timeout=config.startup_timeout_s)
     except BaseException as exc:
         if dht.is_alive():
+            _dump_stacks(dht.pid)
             dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -237,6 +241,19 @@ def start_node(config: NodeConfig) -> PeerNode:
     except Exception as exc:  # noqa: BLE001 - the node works without it; a sleeper may then stay cut off
         logger.warning("the DHT rejoin watchdog did not confirm its start: %r", exc)
     return PeerNode(dht=dht, identity=identity, config=config)
+
+
+def _dump_stacks(pid: int | None) -> None:
+    """Have the DHT process that did not start in time write its threads' stacks to our log, if our SIGUSR1 handler
+    dumps stacks (``peers.stacks``; the forked process inherits it): where a start-up that
+    timed out with no error text was waiting (loaded suites of sessions 22 and 23: "could not start the DHT node after
+    33.3s" at a load of 2 on 2 cores). Without that handler SIGUSR1 would end the process, which is being stopped."""
+    if pid is None or not stacks.enabled():
+        return
+    logger.warning("the DHT process (pid %d) did not start in time; its threads' stacks follow", pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)
 
 
 class LockedPipe:

@@ -127,7 +127,8 @@ def _decisions(out, last: int = 25) -> str:
         warned = [ln for ln in text.splitlines() if " WARN" in ln or "ERROR" in ln or "Traceback" in ln]
         lines.append(f"--- {path.name}: last {min(12, len(warned))} of {len(warned)} warnings")
         lines += [f"  {ln[:260]}" for ln in warned[-12:]]
-        stacks = text[text.find("Thread 0x") :] if "Thread 0x" in text else ""
+        starts = [i for i in (text.find("Thread 0x"), text.find("Current thread 0x")) if i >= 0]
+        stacks = text[min(starts) :] if starts else ""
         if stacks:  # the harness's SIGUSR1 at the time limit: where every thread of a process that hung waits
             lines.append(f"--- {path.name}: thread stacks at the time limit")
             lines += [f"  {ln[:200]}" for ln in stacks.splitlines()[:80]]
