@@ -170,11 +170,33 @@ def _process_group(pid: int) -> int | None:
         return None
 
 
+def _own_hivemind_locks() -> None:
+    """Give this child hivemind's process-wide locks of its own.
+
+    hivemind creates ``multiprocessing`` locks when it is imported (``SharedBytes._lock``, taken whenever an
+    ``MPFuture`` is made, i.e. at every DHT call; ``MPFuture._initialization_lock`` and ``_update_lock``;
+    ``_AsyncContextWrapper.EXECUTOR_LOCK``). Imported once here in the server, they were one set of semaphores shared by
+    every process forked from it: a peer SIGKILLed while holding one (chaos ``joiner-restart-2peer``: the restart's
+    SIGKILL at epoch 5) left it held forever, and every other process of the session then waited on its next DHT call.
+    Running peers froze without a word, and each new coordinator or peer failed to start its DHT node within 30 s
+    ("could not start the DHT node after 33.3s", no error text), for every later test of the loaded suites of
+    sessions 22 and 23. A process started with ``python -m`` imports hivemind itself and has its own; so does this one
+    now (hivemind's ``MPFuture.reset_backend``, for exactly this, plus the executor lock)."""
+    if "hivemind" not in sys.modules:
+        return
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
 def _child_main(argv: list[str], env: dict[str, str], paths: tuple[str, str | None], cwd: str) -> None:
     """In the forked child: become what ``Popen([python, -m, *argv], stdout=log, stderr=STDOUT or its own file,
     stdin=DEVNULL, start_new_session=True, env=env)`` would have started, run the module, exit with its code."""
     os.setsid()
     multiprocessing.current_process().daemon = False  # the CLI may start processes of its own (hivemind's DHT does)
+    _own_hivemind_locks()
     out_path, err_path = paths
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
