@@ -35,7 +35,9 @@ WITNESSES = 3
 """Members each member witnesses (and, in a group larger than this, each member's number of witnesses)."""
 
 
-def witnesses_for(round_id: str, weights: Sequence[tuple[str, float]], me: str, k: int = WITNESSES):
+def witnesses_for(
+    round_id: str, weights: Sequence[tuple[str, float]], me: str, k: int = WITNESSES
+) -> tuple[tuple[str, int], ...]:
     """The members we witness in the round ``round_id`` and their samples: ((peer id, samples), ...), at most ``k``,
     none of them us. ``weights``: the round's agreed (peer id, samples) (``RoundResult.weights``); empty if we are not
     among them (we witnessed nothing)."""
