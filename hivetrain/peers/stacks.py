@@ -14,9 +14,13 @@ _enabled = False
 
 
 def enable() -> None:
-    """Register the SIGUSR1 handler (``faulthandler``, all threads, to stderr). Idempotent."""
+    """Register the SIGUSR1 handler (``faulthandler``, all threads, to stderr). Idempotent. Does nothing when stderr
+    is not a file (a CLI entry point called in-process, its output captured): faulthandler writes to a descriptor."""
     global _enabled
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: no fileno()
+        return
     _enabled = True
 
 

@@ -34,3 +34,15 @@ def test_sigusr1_dumps_every_threads_stack_and_the_process_goes_on():
             proc.kill()
     assert proc.returncode == 0 and "still running" in out  # not ended by the signal
     assert "in waiting_for_the_dht" in err and err.count("hread 0x") == 2, err  # both threads, with their frames
+
+
+def test_without_a_file_for_stderr_it_stays_off(monkeypatch):
+    """A CLI entry point called in-process with its output captured (tests, notebooks): no stack dumps, no error."""
+    import io
+
+    from hivetrain.peers import stacks
+
+    monkeypatch.setattr(stacks, "_enabled", False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    stacks.enable()
+    assert not stacks.enabled()
