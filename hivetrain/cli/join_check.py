@@ -56,7 +56,7 @@ def run_check(args: argparse.Namespace, node, device: torch.device) -> int:
 
     try:
         record, config, compatible = find_run(node, args.addresses, args.config_timeout)
-        body = read_status(node, args.addresses, args.config_timeout, found=(record, config, compatible))
+        body = read_status(node, args.addresses, args.config_timeout, found=(record, config, compatible), credit=False)
     except ValueError as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     trainers = [p for p in body["peers"] if p["role"] == "trainer"]

@@ -101,11 +101,13 @@ def find_run(node, addresses: list[str], timeout_s: float):
     return record, config, compatible
 
 
-def read_status(node, addresses: list[str], timeout_s: float, found=None) -> dict:
+def read_status(node, addresses: list[str], timeout_s: float, found=None, credit: bool = True) -> dict:
     """The run's status from one poll of its records, as a JSON-able dict (the dashboard's ``/api/status`` body).
 
     Args:
         found: ``find_run``'s answer, if the caller has it already.
+        credit: also ask the coordinator for its credit table (``credit``, ``credit_error``); ``join-swarm --check``
+            does not need it.
 
     Raises:
         ValueError: as ``find_run``.
@@ -140,7 +142,9 @@ def read_status(node, addresses: list[str], timeout_s: float, found=None) -> dic
         coordinator_version=record.version,
         compatible=ok,
     )
-    body["credit"], body["credit_error"] = _coordinator_credit(node, record.coordinator_id, config.run_id, timeout_s)
+    if credit:
+        table = _coordinator_credit(node, record.coordinator_id, config.run_id, timeout_s)
+        body["credit"], body["credit_error"] = table
     return body
 
 
