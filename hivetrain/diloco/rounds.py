@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 # The most of the round timeout a group spends waiting for a slow expected peer (``patience_for``): the rest is left to
 # the round itself.
 PATIENCE_SHARE = 0.25
+VIEW_REFRESH_AFTER_S = 10.0  # a view older than this (two record heartbeats) is read afresh before matchmaking, s
 VOTED_POLL_S = 0.5  # how often the records are read while waiting for evidence that a voted round committed, seconds
 
 
@@ -284,9 +285,14 @@ class RoundRunner:
             result, failure = None, ""
             expected, patience = frozenset(), 0.0
             if self.view.coverage >= 1.0:  # a sample of a sharded swarm names too few: groups close by their window
-                expected = expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
+                # after a stall (a SIGSTOP, a laptop lid) the view is from before it: peers it shows at our epoch may
+                # have moved on long ago, and waiting for them held a woken peer in matchmaking for a whole round
+                # timeout while the others committed 10 epochs (chaos pause-twice, idle)
+                stale = self.view.view_age_s > VIEW_REFRESH_AFTER_S
+                records = self.view.refresh() if stale else self.view.records
+                expected = expected_peers(records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
                 per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
-                patience = patience_for(self.view.records, expected, epoch, per_step, cfg.round_timeout_s)
+                patience = patience_for(records, expected, epoch, per_step, cfg.round_timeout_s)
             self._checked_norm, self._epoch = None, epoch
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:

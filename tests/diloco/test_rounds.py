@@ -121,6 +121,26 @@ def test_a_round_input_fault_changes_what_is_averaged_never_our_contribution():
     torch.testing.assert_close(mine.delta[0], torch.full((3, 2), 0.5))
 
 
+def test_after_a_stall_matchmaking_expects_whom_a_fresh_read_shows_not_the_view_from_before_it():
+    """A peer woken from a SIGSTOP held a view from before it, showing the others at its epoch: it waited a whole round
+    timeout for them while they committed 10 epochs (chaos pause-twice). A view older than two heartbeats is reread."""
+
+    class StalledView(FakeView):
+        def refresh(self):
+            self._records = [rec("a", 6), rec("b", 6)]  # they moved on while we slept
+            return list(self._records)
+
+    done = RoundResult([torch.zeros(3, 2)], ("me",), 80.0, "x")
+    for age, expected in ((0.0, frozenset({"a", "b"})), (16.0, frozenset())):
+        avg = ScriptedAverager(done)
+        run = runner(avg, [rec("a", 4), rec("b", 4)])
+        run.view = StalledView([rec("a", 4), rec("b", 4)])
+        run.view.view_age_s = age
+        s = state()
+        run.run(s, s.state_hash(), contribution())
+        assert avg.calls[0][2] == expected
+
+
 def test_expected_peers_are_the_live_trainers_of_our_epoch():
     avg = ScriptedAverager(RoundResult([torch.zeros(3, 2)], ("a", "me"), 160.0, "x"))
     s = state()
