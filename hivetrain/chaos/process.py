@@ -6,8 +6,10 @@ group holds the peer and its p2pd) or by a PID found inside such a group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -21,6 +23,18 @@ def _comm(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def dump_stacks(procs: list[PeerProcess]) -> None:
+    """Every process still running writes its threads' stacks to its log (SIGUSR1, ``peers/stacks.py``), for a
+    scenario that ran out of time. To the main PIDs only: the helpers of a process group (p2pd, the reaper) do not
+    take SIGUSR1. A stopped process is resumed first (it would dump nothing)."""
+    for proc in procs:
+        if proc.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)  # faulthandler writes from the signal handler: a second is plenty, and nothing reports it done
 
 
 def kill(proc: PeerProcess) -> bool:

@@ -9,7 +9,6 @@ created is deleted before it returns or raises.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -116,8 +115,8 @@ class ChaosRunner:
         try:
             self._setup(config_path)
             timed_out = not self._loop()
-            if timed_out:
-                self._dump_stacks()
+            if timed_out and self.swarm is not None:  # where a hang waits: every live process's stacks, in its log
+                process.dump_stacks(self.swarm.history)
             if any(f["kind"] == "forge_record" and f["fired_at_s"] is not None for f in self.faults):
                 self.probe_dht(final=True)  # while the coordinator's DHT node is still up
         finally:
@@ -203,19 +202,6 @@ class ChaosRunner:
             if not alive and not self.timers and not waiting_on_time:
                 return True
             time.sleep(self.poll_interval_s)
-
-    def _dump_stacks(self) -> None:
-        """The scenario ran out of time: every process still running writes its threads' stacks to its log (SIGUSR1,
-        ``cli.common.install_signal_handlers``), so that a hang shows where it waits. To the main PIDs only: the
-        helpers of a process group (p2pd, the reaper) do not take SIGUSR1."""
-        if self.swarm is None:
-            return
-        for proc in self.swarm.history:
-            if proc.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process dumps nothing
-                    os.kill(proc.pid, signal.SIGUSR1)
-        time.sleep(1.0)
 
     def _teardown(self) -> list[int]:
         """Stop everything started; returns PIDs still alive afterwards."""
