@@ -145,7 +145,7 @@ def test_directories_walk_records_but_not_json_configs_and_the_cap_cuts_text_onl
 
 
 def test_join_swarm_keeps_the_cursor_next_to_a_persistent_identity_only(tmp_path):
-    from hivetrain.cli.join_swarm import data_cursor_path
+    from hivetrain.diloco.builder import data_cursor_path
 
     key = tmp_path / "peer.key"
     assert data_cursor_path(str(key), "run-a") == tmp_path / "peer.key.run-a.data-cursor.json"

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, PreTrainedTokenizerFast, pipeline
 
+from hivetrain.cli.export import main as run_export
 from hivetrain.cli.generate import main as generate_main
 from hivetrain.config import DataConfig, RunConfig
 from hivetrain.coordinator.checkpoint import CheckpointStore
-from hivetrain.coordinator.export import byte_tokenizer, export_transformers, run_export
+from hivetrain.coordinator.export import byte_tokenizer, export_transformers
 from hivetrain.data import load_corpus
 from hivetrain.diloco.state import TrainingState
 from hivetrain.model import build_run_model

@@ -1,4 +1,4 @@
-"""Processes forked from the fork server (``hivetrain.testing.forkserver``) have hivemind's process-wide locks to
+"""Processes forked from the fork server (``hivetrain.localswarm.forkserver``) have hivemind's process-wide locks to
 themselves: a sibling SIGKILLed while holding one does not freeze the others (loaded suites of sessions 22 and 23:
 after chaos ``joiner-restart-2peer``'s SIGKILL, every later coordinator failed to start its DHT node)."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hivetrain.testing import forkserver
+from hivetrain.localswarm import forkserver
 
 
 @pytest.mark.slow

@@ -9,10 +9,10 @@ import pytest
 from hivetrain import __version__
 from hivetrain.config import RunConfig
 from hivetrain.diloco.forecast import forecast
+from hivetrain.localswarm.forkserver import run as run_cli
 from hivetrain.peers.link_probe import LinkProbeServer
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.records import RunConfigRecord, publish_record, publish_run_config
-from hivetrain.testing.forkserver import run as run_cli
 from tests.records import peer_record
 
 JOIN = ["hivetrain.cli.join_swarm"]

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import hivetrain.averaging
-import hivetrain.data
 import hivetrain.model
 import hivetrain.peers.loop
 from hivetrain.cli import join_swarm
 from hivetrain.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, Interrupted
 from hivetrain.config import load_run_config
+from hivetrain.diloco import builder
 from hivetrain.diloco import trainer as trainer_module
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.trainer import DhtLost
@@ -75,11 +75,13 @@ class Stub:
 
 @pytest.fixture
 def train(monkeypatch, tmp_path):
-    """Runs join_swarm._train with everything but the exit paths stubbed; returns (code, summary, trainer)."""
+    """Runs join_swarm._train with everything but the exit paths stubbed (the builder runs, building stand-ins);
+    returns (code, summary, trainer)."""
     config = load_run_config(None, {})
     monkeypatch.setattr(join_swarm, "resolve_config", lambda args, node: config)
-    monkeypatch.setattr(join_swarm, "check_against_swarm", lambda *a: None)
-    monkeypatch.setattr(hivetrain.data, "load_corpus", lambda data, **kw: SimpleNamespace(vocab_size=16))
+    monkeypatch.setattr(builder, "refuse_other_models", lambda *a: None)
+    monkeypatch.setattr(builder, "load_corpus", lambda data, **kw: SimpleNamespace(vocab_size=16))
+    monkeypatch.setattr(builder, "build_phases", lambda *a, **k: None)
     shape = SimpleNamespace(hidden_size=4, num_hidden_layers=1, vocab_size=16)  # the memory preflight reads these
     monkeypatch.setattr(hivetrain.model, "describe_run_model", lambda *a, **k: (shape, 10))
     monkeypatch.setattr(hivetrain.model, "build_run_model", lambda *a, **k: (None, torch.nn.Linear(4, 2), "f" * 64))

@@ -11,10 +11,10 @@ from hivetrain import __version__
 from hivetrain.config import RunConfig
 from hivetrain.coordinator.observer import SwarmObserver
 from hivetrain.coordinator.web.snapshot import RunInfo
+from hivetrain.localswarm.forkserver import run as run_cli
 from hivetrain.peers.link_probe import LinkProbeServer
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.records import RunConfigRecord, publish_record, publish_run_config
-from hivetrain.testing.forkserver import run as run_cli
 from tests.records import peer_record
 
 STATUS_ARGV = ["hivetrain.cli.main", "status"]  # run_cli forks it from the pre-imported fork server

@@ -11,8 +11,8 @@ from rich.console import Console
 
 from hivetrain.cli.common import EXIT_FAILED
 from hivetrain.cli.local_swarm import _print_summary, run_exit_code
-from hivetrain.testing.agreement import EpochAgreement, PeerSpan, describe_agreement, epoch_agreement
-from hivetrain.testing.summary import PeerFiles, build_summary, ddp_equivalent_bytes, last_error_line
+from hivetrain.localswarm.agreement import EpochAgreement, PeerSpan, describe_agreement, epoch_agreement
+from hivetrain.localswarm.summary import PeerFiles, build_summary, ddp_equivalent_bytes, last_error_line
 
 T0 = 1_000_000.0  # the swarm starts
 P = 1000  # parameters

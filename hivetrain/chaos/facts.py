@@ -28,7 +28,7 @@ class PeerRun:
         exit_code: None while alive at the end (then it was stopped by the runner).
         killed: the harness killed it on purpose (kill or churn fault).
         rss: (t_s, bytes) samples of the peer and its p2pd together.
-        reason: why it exited, as the runner read it (``testing.summary.exit_reason``: its summary's
+        reason: why it exited, as the runner read it (``localswarm.summary.exit_reason``: its summary's
             ``exit_reason``, else its log's last ERROR line, else "exit code N"); "" while alive.
         peer_id: its base58 peer ID when the runner made its identity (invite-only runs), else "".
         state_requests_from: for an ``uninvited`` peer, who opened a state stream to it (names, or peer IDs).

@@ -165,7 +165,8 @@ class ChurnFault(_Fault):
 
 
 class HookFault(_Fault):
-    """Arm ``join-swarm --fault POINT:ACTION[:SECONDS][@KEY=VALUE,...]`` on a peer at launch (hivetrain.faults)."""
+    """Arm ``--fault POINT:ACTION[:SECONDS][@KEY=VALUE,...]`` on a peer at launch (``testing.hostile_peer``;
+    ``hivetrain.faults``)."""
 
     kind: Literal["hook"]
     peer: int = Field(ge=0)
@@ -188,14 +189,14 @@ class HookFault(_Fault):
         return when
 
     def spec(self) -> str:
-        """The ``--fault`` argument of join-swarm (parsed by ``hivetrain.faults.parse_fault_spec``)."""
+        """The ``--fault`` argument of ``testing.hostile_peer`` (parsed by ``hivetrain.faults.parse_fault_spec``)."""
         head = f"{self.point.value}:{self.action}" + (f":{self.seconds:g}" if self.seconds else "")
         cond = ",".join(f"{k}={v}" for k, v in self.when.items())
         return head + (f"@{cond}" if cond else "")
 
 
 class ByzantineFault(_Fault):
-    """Launch a peer with ``join-swarm --byzantine MODE`` (hivetrain.testing.byzantine)."""
+    """Launch a peer with ``--byzantine MODE`` (``testing.hostile_peer``, ``testing.byzantine``)."""
 
     kind: Literal["byzantine"]
     peer: int = Field(ge=0)

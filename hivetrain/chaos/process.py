@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from hivetrain.testing.launcher import PeerProcess, group_pids
+from hivetrain.localswarm.launcher import PeerProcess, group_pids
 
 
 def _comm(pid: int) -> str:

@@ -31,11 +31,12 @@ from hivetrain.chaos.report import build_report, format_summary
 from hivetrain.chaos.scenario import Scenario
 from hivetrain.chaos.schedule import Observed, due_faults
 from hivetrain.chaos.starve import DutyCycler
+from hivetrain.localswarm.launcher import LocalSwarm, PeerProcess
+from hivetrain.localswarm.summary import exit_reason, read_peer_summary
 from hivetrain.peers.identity import Identity, load_or_create_identity
 from hivetrain.peers.membership import make_token
 from hivetrain.testing.byzantine import CHUNK_BYTES_ENV, SERVED_MARKER
-from hivetrain.testing.launcher import LocalSwarm, PeerProcess
-from hivetrain.testing.summary import exit_reason, read_peer_summary
+from hivetrain.testing.hostile_peer import ENTRY as HOSTILE_ENTRY
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,7 @@ class ChaosRunner:
             prefix=member.exec_prefix if member else (),
             host=member.ip if member else "127.0.0.1",
             address=self.peer_address,
+            entry=HOSTILE_ENTRY,  # join-swarm with the harness flags above (and the scenario's state chunk size)
         )
         run = PeerRun(name=name, index=index, byzantine=byzantine, started_at_s=self.now(), peer_id=peer_id)
         peer = _Peer(proc=proc, run=run)

@@ -1,19 +1,18 @@
-"""Run several chaos scenarios in a row and tabulate their figures (``scripts/chaos_full``).
+"""Several chaos scenarios in a row, their figures in one table (``hivetrain chaos suite``, ``scripts/chaos_full``).
 
-``python -m hivetrain.chaos.suite OUT_DIR [SCENARIO ...]``: every bundled scenario by default, each into
-``OUT_DIR/<name>/``; prints a table, writes ``OUT_DIR/results.json`` and ``OUT_DIR/results.md``. Exit status 0 when
-every scenario passed.
+``run_suite(out, names)`` runs each scenario into ``out/<name>/`` and writes ``out/results.json`` (every report) and
+``out/results.md`` (the table).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hivetrain.chaos.runner import run_scenario
-from hivetrain.chaos.scenario import bundled_scenarios, load_scenario, resolve_scenario
+from hivetrain.chaos.scenario import load_scenario, resolve_scenario
 
 COLUMNS = (
     ("scenario", "scenario"),
@@ -58,37 +57,26 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m hivetrain.chaos.suite OUT_DIR [SCENARIO ...]", file=sys.stderr)
-        return 2
-    from hivetrain.cli.common import install_signal_handlers
-
-    install_signal_handlers()  # SIGTERM/SIGINT unwind through the runner's cleanup (even when run in background)
-    out = Path(argv[0])
-    names = argv[1:] or list(bundled_scenarios())
+def run_suite(out: Path, names: list[str], say: Callable[[str], None] = print) -> list[dict]:
+    """Run the scenarios ``names`` (bundled names or TOML paths) one after the other; returns their table rows (a
+    row's "passed" is "yes" or "NO"). Raises ValueError / FileNotFoundError for a bad scenario before running any."""
+    scenarios = [load_scenario(resolve_scenario(name)) for name in names]
     reports, rows = {}, []
     started = time.time()
-    for name in names:
-        scenario = load_scenario(resolve_scenario(name))
-        print(f"=== {scenario.name}: {scenario.description}", flush=True)
-        report = run_scenario(scenario, out / scenario.name, log=lambda line: print("   ", line, flush=True))
+    for scenario in scenarios:
+        say(f"=== {scenario.name}: {scenario.description}")
+        report = run_scenario(scenario, out / scenario.name, log=lambda line: say(f"    {line}"))
         reports[scenario.name] = report
         rows.append(row(report))
-        print(f"=== {scenario.name}: {'passed' if report['passed'] else 'FAILED'} in {report['figures']['wall_s']}s")
+        say(f"=== {scenario.name}: {'passed' if report['passed'] else 'FAILED'} in {report['figures']['wall_s']}s")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(reports, indent=2))
     table = markdown(rows)
     (out / "results.md").write_text(table + "\n")
-    print()
-    print(table)
-    print(
+    say("")
+    say(table)
+    say(
         f"\n{sum(r['passed'] == 'yes' for r in rows)} passed, {sum(r['passed'] != 'yes' for r in rows)} failed "
         f"in {time.time() - started:.0f}s; reports in {out}"
     )
-    return 0 if all(r["passed"] == "yes" for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return rows

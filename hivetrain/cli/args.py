@@ -174,9 +174,6 @@ def join_swarm_parser() -> argparse.ArgumentParser:
         help="pause inner steps while this file exists (checked every 0.5 s; the peer stays in the swarm). "
         "SIGUSR1 also pauses and resumes",
     )
-    parser.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # chaos harness only
-    parser.add_argument("--byzantine", default="", help=argparse.SUPPRESS)  # chaos harness only
-    parser.add_argument("--data-announce-host", default="", help=argparse.SUPPRESS)  # chaos harness: a NAT'd peer
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_role_arguments(parser)
     add_node_arguments(parser)
@@ -308,7 +305,7 @@ def local_swarm_parser() -> argparse.ArgumentParser:
 
 
 def export_parser() -> argparse.ArgumentParser:
-    """``hivetrain export CKPT --out DIR`` (``hivetrain.coordinator.export.run_export``)."""
+    """``hivetrain export CKPT --out DIR`` (``hivetrain.cli.export.main``)."""
     from hivetrain.config import MODEL_PRESETS  # pydantic, not torch
 
     parser = argparse.ArgumentParser(

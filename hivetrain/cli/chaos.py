@@ -1,8 +1,11 @@
-"""``hivetrain chaos run SCENARIO --out DIR`` and ``hivetrain chaos list``: fault-injection scenarios on this machine.
+"""``hivetrain chaos run SCENARIO --out DIR``, ``chaos suite OUT_DIR [SCENARIO ...]`` and ``chaos list``:
+fault-injection scenarios on this machine.
 
 ``run`` launches a coordinator and peers as real processes, applies the scenario's faults, and writes
-``DIR/report.json``, ``DIR/summary.txt`` and ``DIR/plot.png``. Exit codes: 0 every invariant held, 1 an invariant
-broke, 2 bad scenario or arguments, 130 interrupted (everything started is stopped first).
+``DIR/report.json``, ``DIR/summary.txt`` and ``DIR/plot.png``. ``suite`` runs several (every bundled scenario by
+default) one after the other, each into ``OUT_DIR/<name>/``, and prints their figures as one table (also
+``OUT_DIR/results.md``, every report in ``OUT_DIR/results.json``). Exit codes: 0 every invariant held (in every
+scenario), 1 an invariant broke, 2 bad scenario or arguments, 130 interrupted (everything started is stopped first).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run config TOML to test instead of the scenario's [run] table (e.g. the config you will launch with)",
     )
     run.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    suite = sub.add_parser("suite", help="run several scenarios in a row and tabulate their figures")
+    suite.add_argument("out", help="directory: one subdirectory per scenario, results.json and results.md")
+    suite.add_argument("scenarios", nargs="*", help="scenario names or TOML files (default: every bundled scenario)")
     sub.add_parser("list", help="list the bundled scenarios, one line each")
     return parser
 
@@ -52,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "list":
         return _list()
-    install_signal_handlers()
+    install_signal_handlers()  # SIGTERM/SIGINT unwind through the runner's cleanup (even when run in background)
+    if args.command == "suite":
+        return _suite(args)
     try:
         scenario = _load(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -69,6 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(report))
     print(f"\nreport: {out / 'report.json'}  plot: {out / 'plot.png'}  logs: {out}")
     return 0 if report["passed"] else EXIT_BROKEN
+
+
+def _suite(args: argparse.Namespace) -> int:
+    from hivetrain.chaos.scenario import bundled_scenarios
+    from hivetrain.chaos.suite import run_suite
+
+    try:
+        names = args.scenarios or list(bundled_scenarios())
+        rows = run_suite(Path(args.out), names, lambda line: print(line, flush=True))
+    except (ValueError, FileNotFoundError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    except Interrupted:
+        print("interrupted: every process started was stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0 if all(r["passed"] == "yes" for r in rows) else EXIT_BROKEN
 
 
 def _list() -> int:

@@ -107,10 +107,9 @@ def fail(message: str, code: int) -> int:
 
 
 def data_plane_hosts(args) -> tuple[str, str | None]:
-    """(listen host, announce host or None) of a peer's data plane, from ``--host-maddrs``, ``--data-announce-host``
-    and ``--announce-maddrs``."""
+    """(listen host, announce host or None) of a peer's data plane, from ``--host-maddrs`` and ``--announce-maddrs``."""
     from hivetrain.peers.node import ip_of
 
     listen = next(filter(None, map(ip_of, args.host_maddrs)), "0.0.0.0")
-    announce = args.data_announce_host or next(filter(None, map(ip_of, args.announce_maddrs)), None)
+    announce = next(filter(None, map(ip_of, args.announce_maddrs)), None)
     return listen, announce

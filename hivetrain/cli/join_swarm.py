@@ -50,13 +50,14 @@ from hivetrain.cli.swarm_roles import check_role_arguments, run_swarm_role
 from hivetrain.config import RunConfig, load_run_config
 from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
-from hivetrain.faults import FaultInjector, parse_fault_spec
-from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, decide_membership, run_policy
+from hivetrain.diloco.node_ranks import NodeRanks
+from hivetrain.diloco.options import TrainerOptions
+from hivetrain.faults import FaultInjector
+from hivetrain.peers.membership import MemberRoster, NotAdmitted, admit_self, run_policy
 from hivetrain.peers.node import BootstrapFailed, PeerNode, start_node, trusted_ids
 from hivetrain.peers.reaper import start_reaper
-from hivetrain.peers.records import check_compatible, fetch_records, fetch_run_config, versions_compatible
+from hivetrain.peers.records import IncompatibleRun, fetch_run_config, refuse_other_models, versions_compatible
 from hivetrain.preflight import resolve_device
-from hivetrain.testing.byzantine import arm_byzantine
 
 logger = logging.getLogger("hivetrain.join_swarm")
 
@@ -88,10 +89,6 @@ def resolve_config(args: argparse.Namespace, node: PeerNode) -> RunConfig:
         time.sleep(1.0)
 
 
-class IncompatibleRun(RuntimeError):
-    pass
-
-
 def run_authority(node: PeerNode, addresses: list[str]) -> tuple[str, float | None]:
     """The run's coordinator and start: the signer of a run config record signed by one of our bootstrap peers (its
     records then count as evidence of the state at its epoch) and the run start it publishes (the run-age bound),
@@ -110,36 +107,29 @@ def run_authority(node: PeerNode, addresses: list[str]) -> tuple[str, float | No
     return record.coordinator_id, started
 
 
-def check_against_swarm(node: PeerNode, config: RunConfig, fingerprint: str) -> None:
-    """Refuse to train a model other than the run's. Raises IncompatibleRun naming the difference."""
-    records = [r for r in fetch_records(node.dht, config.run_id) if r.peer_id != node.peer_id]
-    authority = [r for r in records if r.role == "coordinator"] or records
-    for record in authority:
-        ok, reason = check_compatible(record, config.run_id, fingerprint)
-        if not ok:
-            raise IncompatibleRun(
-                f"refusing to join run {config.run_id!r}: {reason}. "
-                f"This peer's model: {config.model!r}, fingerprint {fingerprint[:12]} (a pretrained start needs "
-                "the same weights: sha256 of the tensors)."
-            )
+def main(
+    argv: list[str] | None = None, *, node_ranks: NodeRanks | None = None, faults: FaultInjector | None = None
+) -> int:
+    """Run ``join-swarm`` with ``argv`` (default ``sys.argv[1:]``) and return its exit code (module docstring).
 
+    Args:
+        node_ranks: this process is rank 0 of a multi-rank node (``cli.node_launch`` passes it): the peer trains for
+            all of the node's ranks. Without it, a process started by torchrun with WORLD_SIZE > 1 becomes one of the
+            node's ranks first (``cli.node_launch.run_node``).
+        faults: a fault injector with faults already armed (the chaos harness's ``testing.hostile_peer``); default
+            none armed.
+    """
+    if node_ranks is None:  # torchrun --nproc-per-node N: N local ranks make one peer (hivetrain.diloco.node_ranks)
+        from hivetrain.cli.node_launch import launched_by_torchrun, run_node
 
-def main(argv: list[str] | None = None) -> int:
-    # ---- torchrun --nproc-per-node N: N local ranks make one peer (hivetrain.diloco.node_ranks runs them) ----
-    from hivetrain.diloco import node_ranks
-
-    if node_ranks.dispatch_needed():
-        return node_ranks.main(argv)
-    # ---------------------------------------------------------------------------------------------------------
+        if launched_by_torchrun():
+            return run_node(argv)
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     install_signal_handlers()
     ending = _Ending(args.summary_file)
     try:
-        faults = FaultInjector()
-        for spec in args.fault:
-            faults.arm(parse_fault_spec(spec))
-        arm_byzantine(args.byzantine, faults)  # chaos harness only: misbehave through armed faults
+        faults = faults if faults is not None else FaultInjector()
         device = resolve_device(args.device or "auto")
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -165,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_check(args, node, device)
         ending.node = node
-        return _train(args, node, device, faults, duty, ending)
+        return _train(args, node, device, faults, duty, ending, node_ranks)
     except BootstrapFailed as exc:
         return ending.leave(fail(str(exc), EXIT_BAD_INPUT), str(exc))
     except (ValueError, FileNotFoundError) as exc:
@@ -190,13 +180,10 @@ def _train(
     faults: FaultInjector,
     duty: DutyCycle,
     ending: _Ending,
+    node_ranks: NodeRanks | None = None,
 ) -> int:
-    from hivetrain.averaging import GroupAverager
-    from hivetrain.data import load_corpus
-    from hivetrain.diloco.trainer import DhtLost, DilocoTrainer, TrainerOptions
-    from hivetrain.model import build_run_model, describe_run_model
-    from hivetrain.peers.loop import LoopThread
-    from hivetrain.preflight import run_preflight
+    from hivetrain.diloco import builder
+    from hivetrain.diloco.trainer import DhtLost
 
     config = resolve_config(args, node)
     check_role_arguments(args, config)
@@ -211,68 +198,45 @@ def _train(
         from hivetrain.swarm.process import describe_model
 
         model_config, fingerprint = describe_model(config)  # meta device: no memory
-        check_against_swarm(node, config, fingerprint)
+        refuse_other_models(node.dht, config.run_id, node.peer_id, fingerprint, config.model)
         code = run_swarm_role(args, node, config, model_config, fingerprint, faults, ending, data_plane_hosts(args))
         return ending.leave(code, "finished" if code == EXIT_OK else "the pipeline trainer did not complete its steps")
-    corpus = load_corpus(config.data, cursor_path=data_cursor_path(args.identity_path, config.run_id))
-    model_config, num_parameters = describe_run_model(config, corpus.vocab_size, args.model_path)  # meta: no memory
-    if args.skip_memory_check:
-        logger.info("memory preflight skipped (--skip-memory-check)")
-    else:
-        logger.info("%s", run_preflight(config, model_config, num_parameters, device).reason)
-    _, model, fingerprint = build_run_model(config, corpus.vocab_size, model_path=args.model_path)
-    check_against_swarm(node, config, fingerprint)
-    model.to(device)
-    logger.info(
-        "peer %s joined run %r (model %s, %s) at %s",
-        node.peer_id,
-        config.run_id,
-        config.model,
-        fingerprint[:12],
-        ", ".join(node.visible_maddrs()[:2]),
-    )
-
     reporter = ProgressReporter(args.metrics_file, interactive=sys.stderr.isatty(), config=config)
-    loop = LoopThread()
     listen_host, announce_host = data_plane_hosts(args)
-    averager = GroupAverager(
-        node,
-        prefix=f"{config.run_id}.{fingerprint[:8]}.avg",
-        config=config.averaging,
-        faults=faults,
-        listen_host=listen_host,
-        announce_host=announce_host,
-        admits=roster.admits if roster is not None else None,
+    options = TrainerOptions(
+        public_name=args.public_name,
+        dht_lost_after_s=args.dht_lost_timeout,
+        duty_cycle=args.duty_cycle,
+        pause_file=args.pause_file,
+        coordinator_id=authority[0],
+        run_started_at=authority[1],
+        join_token=token,
     )
-    trainer = None
-    code, reason = EXIT_FAILED, "training did not start"
     try:
-        averager.start()
-        averager.wait_ready(timeout_s=30)
-        trainer = DilocoTrainer(
-            node,
-            loop,
+        peer = builder.build_peer(
             config,
-            model,
-            corpus,
-            averager,
-            fingerprint,
-            TrainerOptions(
-                public_name=args.public_name,
-                dht_lost_after_s=args.dht_lost_timeout,
-                duty_cycle=args.duty_cycle,
-                pause_file=args.pause_file,
-                coordinator_id=authority[0],
-                run_started_at=authority[1],
-                join_token=token,
-            ),
+            node,
+            device=device,
+            options=options,
+            cursor_path=builder.data_cursor_path(args.identity_path, config.run_id),
+            model_path=args.model_path,
+            check_memory=not args.skip_memory_check,
             faults=faults,
             on_event=reporter.event,
             duty=duty,  # the SIGUSR1 handler toggles this same object
             membership=roster,
+            node_ranks=node_ranks,
+            listen_host=listen_host,
+            announce_host=announce_host,
         )
-        ending.trainer = trainer
-        trainer.run()
+    except BaseException:
+        reporter.close()
+        raise
+    trainer = peer.trainer
+    ending.trainer = trainer
+    code, reason = EXIT_FAILED, "training did not start"
+    try:
+        peer.run()
         reporter.close()
         code, reason = EXIT_OK, "finished"
     except Interrupted:
@@ -287,23 +251,12 @@ def _train(
     except Exception as exc:  # noqa: BLE001 - any failure of training ends this peer, saying why
         logger.exception("training failed")
         code, reason = EXIT_FAILED, f"training failed: {type(exc).__name__}: {exc}"
-    finally:
-        if trainer is not None:  # the summary first: announcing may wait on a DHT that no longer answers
-            ending.leave(code, reason)
-            _announce_leaving(trainer, reason)
-        averager.shutdown(timeout_s=3)
-        loop.stop(timeout_s=2)
+    finally:  # the summary first: announcing may wait on a DHT that no longer answers
+        ending.leave(code, reason)
+        _announce_leaving(trainer, reason)
+        peer.close()
         reporter.close()
     return ending.leave(code, reason)
-
-
-def data_cursor_path(identity_path: str | None, run_id: str) -> Path | None:
-    """Where our training stream keeps its position across restarts: next to our identity key (a peer without a
-    persistent identity has a new peer ID, so a new stream, on every start: no cursor)."""
-    if not identity_path:
-        return None
-    key = Path(identity_path).expanduser()
-    return key.with_name(f"{key.name}.{run_id}.data-cursor.json")
 
 
 def read_join_token(text: str) -> str:
@@ -333,10 +286,6 @@ def join_admission(args, node: PeerNode, config: RunConfig, coordinator: str) ->
         return token, None
     policy = run_policy(config.run_id, adm.mode, adm.allowlist, adm.issuer, coordinator)
     hint = f"--identity-path {args.identity_path}" if args.identity_path else ""
-    if args.byzantine == "uninvited":  # chaos harness only: a hostile peer that trains despite its refusal
-        refusal = decide_membership(node.peer_id, token, policy, time.time())
-        logger.warning("byzantine uninvited: ignoring our admission (%s) and joining anyway", refusal.reason)
-        return token, None  # no roster: we group with, connect to and serve anyone, as a modified client would
     admission = admit_self(policy, node.peer_id, token, time.time(), identity_hint=hint)
     if admission.expires_at is not None:
         logger.info("run %r is invite-only; our join token admits us %s", config.run_id, admission.reason)

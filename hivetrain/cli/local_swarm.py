@@ -34,8 +34,8 @@ from hivetrain.cli.common import (
     setup_logging,
 )
 from hivetrain.config import RunConfig, apply_overrides, load_run_config
-from hivetrain.testing.launcher import LocalSwarm
-from hivetrain.testing.summary import PeerFiles, build_summary, read_events
+from hivetrain.localswarm.launcher import LocalSwarm
+from hivetrain.localswarm.summary import PeerFiles, build_summary, read_events
 
 logger = logging.getLogger("hivetrain.local_swarm")
 

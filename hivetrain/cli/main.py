@@ -9,11 +9,11 @@ SUBCOMMANDS = {
     "coordinator": ("hivetrain.cli.coordinator:main", "host the run's bootstrap peer and publish its signed config"),
     "local-swarm": ("hivetrain.cli.local_swarm:main", "run a coordinator and N peers on this machine"),
     "join-swarm": ("hivetrain.cli.join_swarm:main", "join a run and train (same as the join-swarm command)"),
-    "chaos": ("hivetrain.cli.chaos:main", "run fault-injection scenarios against a local swarm (chaos run/list)"),
+    "chaos": ("hivetrain.cli.chaos:main", "run fault-injection scenarios against a local swarm (chaos run/suite/list)"),
     "sim": ("hivetrain.cli.sim:main", "simulate a swarm of N volunteers on this machine (discrete events)"),
     "status": ("hivetrain.cli.status:main", "a run's live view without joining it: epoch, trainers, speeds, failures"),
     "identity": ("hivetrain.cli.identity:main", "print this peer's ID (to be invited to an invite-only run)"),
-    "export": ("hivetrain.coordinator.export:run_export", "write a checkpoint as a transformers model directory"),
+    "export": ("hivetrain.cli.export:main", "write a checkpoint as a transformers model directory"),
     "generate": ("hivetrain.cli.generate:main", "continue a prompt with an exported model directory"),
 }
 

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from hivetrain.cli.args import export_parser
 from hivetrain.coordinator.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -293,41 +291,3 @@ def _readme(
         f"- model fingerprint: `{manifest.get('model_fingerprint') or 'n/a'}`\n"
         f"- max sequence length: {getattr(config, 'max_position_embeddings', 'n/a')} tokens\n"
     )
-
-
-def run_export(args_list: list[str]) -> int:
-    """``hivetrain export CKPT --out DIR``: returns the exit code (0 ok, 1 export failed, 2 bad arguments)."""
-    parser = export_parser()
-    try:
-        args = parser.parse_args(args_list)
-    except SystemExit as exc:  # --help (0) or a usage error (2)
-        return int(exc.code or 0)
-    if args.max_seq_len is not None and args.max_seq_len <= 0:
-        print("hivetrain export: --max-seq-len must be a positive number of tokens", file=sys.stderr)
-        return 2
-    if args.preset and args.model:
-        print("hivetrain export: give --preset or --model, not both", file=sys.stderr)
-        return 2
-    # the export's own lines (which epoch went out, and a warning if the run was set for more) reach the user, not
-    # only a log: "exported to DIR" alone did not say which epoch it was (issue 26)
-    said = logging.StreamHandler(sys.stdout)
-    said.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(said)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        export_transformers(
-            args.checkpoint,
-            args.preset or args.model,
-            args.out,
-            max_seq_len=args.max_seq_len,
-            overwrite=args.force,
-            tokenizer=args.tokenizer,
-        )
-    except (OSError, ValueError, CheckpointInvalid) as exc:
-        print(f"hivetrain export: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        logger.removeHandler(said)
-        logger.propagate = True
-    return 0  # the export said "exported epoch N (hash) to OUT"

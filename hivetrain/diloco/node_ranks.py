@@ -67,7 +67,6 @@ CMD_HELLO, CMD_PHASE, CMD_STOP, CMD_KEEPALIVE = 1, 2, 3, 4  # commands (rank 0 -
 STEP_CONTINUE, STEP_END, STEP_ABORT, STEP_WAIT = 0, 1, 2, 3  # decisions (rank 0 -> followers, after every inner step)
 DEFAULT_TIMEOUT_S = 1800.0
 KEEPALIVE_INTERVAL_S = 10.0
-_CURRENT: NodeRanks | None = None  # this process is rank 0 of a node (``acting_as_rank0``; read by DilocoTrainer)
 
 
 class NodeRanksFailed(RuntimeError):
@@ -78,36 +77,13 @@ class PhaseAborted(Exception):
     """Follower side: rank 0 abandoned the phase (its steps are discarded)."""
 
 
-def current_node() -> NodeRanks | None:
-    """The node this process is rank 0 of (its trainer trains for the whole node), or None for a single process."""
-    return _CURRENT
-
-
-@contextlib.contextmanager
-def acting_as_rank0(ranks: NodeRanks) -> Iterator[None]:
-    """Within the block this process is rank 0 of ``ranks``' node: ``current_node()`` returns it (``DilocoTrainer``
-    then trains for the node) and ``dispatch_needed()`` is False (``join_swarm.main`` runs as the swarm peer)."""
-    global _CURRENT
-    _CURRENT = ranks
-    try:
-        yield
-    finally:
-        _CURRENT = None
-
-
-def dispatch_needed() -> bool:
-    """Whether ``join-swarm`` was started by torchrun with several ranks and the node is not set up yet (a
-    ``WORLD_SIZE`` that is not an integer also dispatches: ``main`` then exits saying what is wrong with it)."""
-    return _CURRENT is None and os.environ.get("WORLD_SIZE", "").strip() not in ("", "0", "1")
-
-
 @dataclass
 class NodeRanks:
     """One rank's end of the node protocol (module docstring). Call it from the training thread; rank 0's keepalive
     thread (``start_keepalive``) is the only other sender, serialized with it by a lock.
 
     Args:
-        rank, world_size: this process's rank and the number of ranks (``node_launch.NodeEnv``).
+        rank, world_size: this process's rank and the number of ranks (``cli.node_launch.NodeEnv``).
         control: the gloo process group the control messages travel on (``dist.new_group(backend="gloo")``).
         device: where this rank's model lives (``cuda:LOCAL_RANK`` or cpu).
     """
@@ -449,10 +425,3 @@ def follow(
             stats.diverged += 1
             continue
         stats.phases.append((first_step, result.num_steps))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``join-swarm`` under torchrun with WORLD_SIZE > 1 (``hivetrain.diloco.node_launch.run_node``)."""
-    from hivetrain.diloco.node_launch import run_node
-
-    return run_node(argv)

@@ -23,23 +23,20 @@ from hivemind.utils import get_dht_time
 from hivetrain import __version__
 from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
-from hivetrain.data import Corpus, stream_seed
+from hivetrain.data import Corpus
 from hivetrain.diloco.adoption import StateAdopter
 from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.credit import witnesses_for
 from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.evidence import Evidence
-from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.join_check import JoinCheck
-from hivetrain.diloco.node_ranks import NodeInner, NodeRanks, current_node
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.resync import Resync
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
 from hivetrain.diloco.schedule import (
-    PhasePlan,
     failed_rounds,
     round_failed_since,
     round_to_wait_for,
@@ -68,6 +65,9 @@ class DilocoTrainer:
     epoch's round runs in the background (``BackgroundRound``) while the next inner phase runs: when it commits it
     replaces ``self.state`` at once (the phase in progress runs from its own start point and never reads it) and the
     train loop settles it (statistics, evaluation, or carrying its contribution) when that phase ends.
+
+    Built by ``diloco.builder.build_peer`` (which makes the model, the averager and the inner ``phases``); the
+    trainer wires the swarm's view, the evidence rules, state sync and the averaging rounds to them.
     """
 
     def __init__(
@@ -79,12 +79,12 @@ class DilocoTrainer:
         corpus: Corpus,
         averager: Averager,
         fingerprint: str,
+        phases: PhaseRunner,
         options: TrainerOptions = TrainerOptions(),
         faults: FaultInjector = NO_FAULTS,
         on_event: Callable[[dict], None] | None = None,
         duty: DutyCycle | None = None,
         membership: MemberRoster | None = None,
-        node_ranks: NodeRanks | None = None,
     ):
         self.node, self.loop, self.config, self.model = node, loop, config, model
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
@@ -109,25 +109,7 @@ class DilocoTrainer:
         self._witnessed: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
         self._exact_average = config.averaging.exact_average
         self._overlap = config.diloco.overlap if self._exact_average else "off"
-        # a multi-rank node (torchrun, node_ranks): we are its rank 0 and train for all of its ranks. To the swarm's
-        # schedule it is one peer N times as fast (the epoch target counts the run's batch per peer, the same on every
-        # peer); with fixed H ("steps") it runs H inner steps of N batches.
-        self.node_ranks = node_ranks if node_ranks is not None else current_node()
-        per_peer = config.diloco.samples_per_inner_step(config.data.batch_size)
-        per_step = per_peer * (self.node_ranks.world_size if self.node_ranks is not None else 1)
-        plan = PhasePlan(
-            schedule=config.diloco.schedule,
-            inner_steps=config.diloco.inner_steps,
-            batch_size=per_peer if config.diloco.schedule == "swarm" else per_step,
-            target_samples_per_epoch=config.diloco.target_samples_per_epoch,
-            max_samples_per_peer=config.averaging.max_samples_per_round,
-            stale_after_s=options.record_ttl_s,
-            max_extrapolation_s=3 * options.record_interval_s,
-        )
-        stream = node.peer_id if self.node_ranks is None else self.node_ranks.stream_name(node.peer_id)
-        batches = corpus.train_batches(config.data.seq_len, config.data.batch_size, stream_seed(config.seed, stream))
-        inner = InnerOptimizer(model, config.diloco) if self.node_ranks is None else self._node_inner(model)
-        self.phases = PhaseRunner(inner, batches, plan, self.duty, node.peer_id, samples_per_step=per_step)
+        self.phases = phases  # inner steps on our data stream (a multi-rank node's: ``builder.build_phases``)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         self._committed_at = float("-inf")  # time.monotonic() of our last committed outer step
         # per-epoch ‖θ_{t+1} − θ_t‖₂ of our last committed or adopted steps: what a downloaded state is bounded by
@@ -240,21 +222,6 @@ class DilocoTrainer:
         (``may_commit_alone``); a NaN peer beside one honest peer would otherwise hold it at its epoch."""
         trust, left_out = self.evidence.trust, self.averager.banned()
         return trust if left_out <= trust.banned else dataclasses.replace(trust, banned=trust.banned | left_out)
-
-    def _node_inner(self, model: torch.nn.Module) -> NodeInner:
-        """Rank 0 of a multi-rank node: hand the run to the other ranks, wrap the model in DDP (all ranks at once)."""
-        ranks, diloco = self.node_ranks, self.config.diloco
-        assert ranks is not None
-        per_step = diloco.samples_per_inner_step(self.config.data.batch_size) * ranks.world_size
-        bound = self.config.averaging.max_samples_per_round
-        if diloco.schedule == "steps" and diloco.inner_steps * per_step > bound:
-            raise ValueError(
-                f"a {ranks.world_size}-rank node runs {diloco.inner_steps} inner steps of {per_step} samples, more "
-                f"than averaging.max_samples_per_round ({bound}) allows one peer: use fewer ranks, or a run with "
-                'diloco.schedule = "swarm" or a larger bound'
-            )
-        ranks.hello({"config": self.config.to_dict(), "peer_id": self.node.peer_id, "fingerprint": self.fingerprint})
-        return NodeInner(ranks.inner_optimizer(ranks.wrap(model), self.config.diloco), ranks, model)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @property

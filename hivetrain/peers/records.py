@@ -141,6 +141,30 @@ def check_compatible(record: PeerRecord, run_id: str, model_fingerprint: str) ->
     return True, "compatible"
 
 
+class IncompatibleRun(RuntimeError):
+    """This peer cannot take part in the run: another model, another run id or an incompatible hivetrain version
+    (the message names the difference and the fix)."""
+
+
+def refuse_other_models(dht: hivemind.DHT, run_id: str, own_peer_id: str, fingerprint: str, model_name: str) -> None:
+    """Refuse to train a model other than the run's: our ``fingerprint`` (sha256 of θ₀'s tensors) against the
+    coordinator's record, or every live peer's when no coordinator publishes one.
+
+    Raises:
+        IncompatibleRun: a record of the run disagrees (its message names the peer, both fingerprints and the fix).
+    """
+    records = [r for r in fetch_records(dht, run_id) if r.peer_id != own_peer_id]
+    authority = [r for r in records if r.role == "coordinator"] or records
+    for record in authority:
+        ok, reason = check_compatible(record, run_id, fingerprint)
+        if not ok:
+            raise IncompatibleRun(
+                f"refusing to join run {run_id!r}: {reason}. "
+                f"This peer's model: {model_name!r}, fingerprint {fingerprint[:12]} (a pretrained start needs "
+                "the same weights: sha256 of the tensors)."
+            )
+
+
 def publish_record(
     dht: hivemind.DHT, owner_marker: bytes, record: PeerRecord, ttl_s: float, key: str | None = None
 ) -> bool:

@@ -2,7 +2,7 @@
 and T pipeline trainers, each a ``join-swarm`` process on 127.0.0.1 (``--role server --stage s`` / ``--role
 trainer``): the same commands volunteers run. ``hivetrain local-swarm --pipeline S`` calls ``run_local_pipeline``.
 
-Processes are started and stopped by ``hivetrain.testing.launcher.LocalSwarm`` (each in its own session; only
+Processes are started and stopped by ``hivetrain.localswarm.launcher.LocalSwarm`` (each in its own session; only
 processes started here are ever signalled, by process-group ID). Logs, per-process summaries, ``run.toml`` and
 ``summary.json`` go to ``out_dir``.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 import tomli_w
 
 from hivetrain.config import DataConfig, DilocoConfig, RunConfig
+from hivetrain.localswarm.launcher import LOOPBACK, LocalSwarm, PeerProcess
 from hivetrain.model import count_parameters
 from hivetrain.peers.node import NodeConfig, PeerNode, start_node
 from hivetrain.swarm.announce import fetch_stage_records
 from hivetrain.swarm.config import SwarmConfig
-from hivetrain.testing.launcher import LOOPBACK, LocalSwarm, PeerProcess
 
 logger = logging.getLogger(__name__)
 

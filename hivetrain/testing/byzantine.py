@@ -1,4 +1,4 @@
-"""Misbehaving peers for the fault harness (``join-swarm --byzantine MODE``, hidden from normal help).
+"""Misbehaving peers for the fault harness (``python -m hivetrain.testing.hostile_peer --byzantine MODE``).
 
 Each mode changes what an otherwise normal peer sends: its pseudo-gradient and weight before an averaging round, the
 state it serves to joiners, or the record it publishes. Honest peers must never commit a result influenced by these
@@ -43,9 +43,9 @@ State and record modes (issue 12, findings 1 and 3):
 Admission mode (issue 12 item 6):
 
     uninvited    a valid identity without a join token in an invite-only run that ignores its own refusal
-                 (``join-swarm`` skips its exit): it trains, publishes its record without a token, tries to group
-                 with anyone and serves its state to anyone (``AnyoneServer``), logging every state stream it gets
-                 (``SERVED_MARKER``) so the harness can tell whether an honest node ever asked it for state
+                 (``testing.hostile_peer`` skips its exit): it trains, publishes its record without a token, tries to
+                 group with anyone and serves its state to anyone (``AnyoneServer``), logging every state stream it
+                 gets (``SERVED_MARKER``) so the harness can tell whether an honest node ever asked it for state
 """
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ SERVER_MODES = ("bad_donor", "nan_donor", "drip_donor", "epoch_liar", "hash_liar
 
 
 def arm_byzantine(mode: str, faults: FaultInjector, environ: Mapping[str, str] = os.environ) -> list[Fault]:
-    """Arm on ``faults`` the ``call`` faults that make a peer misbehave as ``mode`` ("" = honest); ``join-swarm
-    --byzantine MODE`` calls it before building the peer. With ``$HIVETRAIN_TEST_STATE_CHUNK_BYTES`` set in
-    ``environ`` (chaos scenarios) every peer, honest ones too, also gets a ``diloco.state_server`` fault that builds
-    its state server with that chunk size.
+    """Arm on ``faults`` the ``call`` faults that make a peer misbehave as ``mode`` ("" = honest); the harness's
+    peer (``testing.hostile_peer --byzantine MODE``) calls it before the peer starts. With
+    ``$HIVETRAIN_TEST_STATE_CHUNK_BYTES`` set in ``environ`` (chaos scenarios) every peer, honest ones too, also
+    gets a ``diloco.state_server`` fault that builds its state server with that chunk size.
 
     Returns:
         the armed faults (each fires every time its hook is hit; their ``fired`` counts show the mode acted).

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivetrain.chaos.network import Member, NetnsTopology
-from hivetrain.testing.launcher import LocalSwarm
-from hivetrain.testing.summary import read_events, read_peer_summary
+from hivetrain.localswarm.launcher import LocalSwarm
+from hivetrain.localswarm.summary import read_events, read_peer_summary
 
 STARTUP_TIMEOUT_S = 240.0  # imports, p2pd, bootstrap, config, first evaluation, all peers, on a loaded machine
 LEAVE_TIMEOUT_S = 30.0  # SIGINT until exit (join-swarm leaves within a few seconds)

@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from hivetrain.config import load_run_config
+from hivetrain.localswarm.summary import read_events
 from hivetrain.sim import calibrate as cal
 from hivetrain.sim.config import Scenario, parse_scenario
 from hivetrain.sim.dataparallel import DataParallelSim
-from hivetrain.testing.summary import read_events
 
 LOOPBACK_MBPS = 8000.0  # assumed: the tiny model's bytes take ~3 ms at this rate; the fixed cost is fitted
 

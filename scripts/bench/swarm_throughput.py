@@ -42,12 +42,12 @@ from pathlib import Path
 
 from hivetrain.config import DataConfig
 from hivetrain.data import load_corpus, stream_seed
+from hivetrain.localswarm.launcher import LOOPBACK
 from hivetrain.peers.node import NodeConfig, start_node
 from hivetrain.swarm.config import SwarmConfig
 from hivetrain.swarm.local import LocalPipeline, default_run
 from hivetrain.swarm.process import describe_model
 from hivetrain.swarm.trainer import PipelineStalled, PipelineTrainer
-from hivetrain.testing.launcher import LOOPBACK
 
 logger = logging.getLogger("swarm_throughput")
 

@@ -18,7 +18,7 @@ from hivetrain.chaos.facts import PeerRun
 from hivetrain.chaos.runner import ChaosRunner, _Peer
 from hivetrain.chaos.scenario import parse_scenario
 from hivetrain.faults import FaultInjected, FaultInjector, parse_fault_spec
-from hivetrain.testing.launcher import PeerProcess
+from hivetrain.localswarm.launcher import PeerProcess
 
 
 @pytest.fixture

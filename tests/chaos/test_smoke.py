@@ -11,7 +11,7 @@ import pytest
 
 from hivetrain.chaos.runner import run_scenario
 from hivetrain.chaos.scenario import bundled_scenarios, load_scenario
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.summary import read_events
 
 SMOKE = (
     "kill-one-of-four", "pause-twice", "nan-peer", "nat-peer", "record-and-flood", "lost-vote", "moshpit-hash-liar",

@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from hivetrain.cli.export import main as run_export
 from hivetrain.coordinator.checkpoint import STATE_FILE, CheckpointStore
-from hivetrain.coordinator.export import export_transformers, run_export
+from hivetrain.coordinator.export import export_transformers
 from hivetrain.diloco.state import TrainingState
 from hivetrain.model import build_config, build_model, model_fingerprint
 

@@ -1,6 +1,6 @@
 """Byzantine peers are faults armed at production hook points: ``hivetrain.diloco`` never imports the fault harness.
 
-``hivetrain.testing.byzantine.arm_byzantine`` turns a ``join-swarm --byzantine MODE`` into ``call`` faults on the
+``hivetrain.testing.byzantine.arm_byzantine`` turns a ``hostile_peer --byzantine MODE`` into ``call`` faults on the
 peer's FaultInjector; each test hits the hook the way production code does and checks what the mode did to it.
 """
 

@@ -23,22 +23,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hivetrain.cli.node_launch import NodeEnv, launched_by_torchrun
 from hivetrain.config import DilocoConfig
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
-from hivetrain.diloco.node_launch import NodeEnv
 from hivetrain.diloco.node_ranks import (
     CMD_HELLO,
     NodeInner,
     NodeRanks,
     NodeRanksFailed,
-    dispatch_needed,
     follow,
 )
 from hivetrain.diloco.phase import MAX_PHASE_STEPS, PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.schedule import PhasePlan
+from hivetrain.localswarm import forkserver
 from hivetrain.model import build_config, build_model
-from hivetrain.testing import forkserver
 
 T, B = 16, 2  # tokens per window, windows per microbatch and rank
 PHASES = [(0, 3), (10, 2)]  # (first inner step, inner steps rank 0's schedule allows)
@@ -218,13 +217,11 @@ def test_two_gloo_ranks_train_as_one_peer(tmp_path):
     torch.testing.assert_close(r0["params"], single_process_reference(), rtol=1e-4, atol=1e-5)
 
 
-def test_node_env_from_environ(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert not dispatch_needed()  # a plain join-swarm process
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert not dispatch_needed()
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert dispatch_needed()
+def test_node_env_from_environ():
+    assert not launched_by_torchrun({})  # a plain join-swarm process
+    assert not launched_by_torchrun({"WORLD_SIZE": "1"})
+    assert launched_by_torchrun({"WORLD_SIZE": "2"})
+    assert launched_by_torchrun({"WORLD_SIZE": "two"})  # run_node then says what is wrong with it
     assert NodeEnv.from_environ({}) is None
     assert NodeEnv.from_environ({"WORLD_SIZE": "1", "RANK": "0"}) is None
     assert NodeEnv.from_environ({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}) == NodeEnv(3, 4, 1)

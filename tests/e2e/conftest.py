@@ -9,9 +9,9 @@ import pytest
 import tomli_w
 
 from hivetrain.config import load_run_config
-from hivetrain.testing.forkserver import run as run_cli
-from hivetrain.testing.launcher import LocalSwarm
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.forkserver import run as run_cli
+from hivetrain.localswarm.launcher import LocalSwarm
+from hivetrain.localswarm.summary import read_events
 
 LOADED_HOGS = 4
 """CPU hogs beside the multi-peer tests that matter (issue 22): on a 2-core machine, four busy loops leave each of a
@@ -77,7 +77,7 @@ def wait_for_event(peer, predicate, timeout_s: float) -> dict:
 
 def run_local_swarm(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     """``hivetrain local-swarm ARGS`` as a user starts it: in a session of its own, as a terminal gives it (forked from
-    the pre-imported fork server, ``testing.forkserver.run``: the same process without ~6 s of CPU importing).
+    the pre-imported fork server, ``localswarm.forkserver.run``: the same process without ~6 s of CPU importing).
 
     Started in pytest's session instead, the CLI shared the kernel's per-session CPU share (autogroup) with
     whatever else runs from the shell that started the suite (the acceptance runs' busy loops): it got ~5% of a core

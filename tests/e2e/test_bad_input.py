@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from hivetrain.testing.forkserver import run as run_cli
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.forkserver import run as run_cli
+from hivetrain.localswarm.summary import read_events
 from tests.e2e.conftest import wait_for_event, write_config
 
 JOIN = ["hivetrain.cli.join_swarm"]  # forked from the pre-imported fork server: the same process, ~6 s of CPU less

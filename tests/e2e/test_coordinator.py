@@ -11,8 +11,8 @@ import pytest
 from playwright.sync_api import expect
 
 from hivetrain.coordinator.checkpoint import CheckpointStore
-from hivetrain.testing.launcher import LocalSwarm
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.launcher import LocalSwarm
+from hivetrain.localswarm.summary import read_events
 from tests.coordinator.test_dashboard_browser import browser_page  # noqa: F401 - fixture
 from tests.e2e.conftest import wait_for_event, write_config
 

@@ -6,7 +6,7 @@ import signal
 import psutil
 import pytest
 
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.summary import read_events
 from tests.e2e.conftest import wait_for_event
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.checkpoint_format import MANIFEST_FILE
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.summary import read_events
 from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, wait_for_event, write_config
 
 

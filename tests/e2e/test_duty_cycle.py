@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from hivetrain.testing.forkserver import run as run_cli
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.forkserver import run as run_cli
+from hivetrain.localswarm.summary import read_events
 from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, write_config
 
 JOIN = ["hivetrain.cli.join_swarm"]  # forked from the pre-imported fork server (``run_cli``)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.summary import read_events
 from tests.e2e.conftest import LOADED_HOGS, run_local_swarm, write_config
 
 

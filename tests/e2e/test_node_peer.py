@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hivetrain.testing.summary import read_events
+from hivetrain.localswarm.summary import read_events
 
 
 def _free_port() -> int:

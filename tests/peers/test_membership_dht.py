@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from hivetrain.localswarm.forkserver import run as run_cli
 from hivetrain.peers.identity import load_or_create_identity
 from hivetrain.peers.membership import AdmissionPolicy, make_token
 from hivetrain.peers.records import fetch_records, peers_key, publish_record
-from hivetrain.testing.forkserver import run as run_cli
 from tests.peers.guardless import guardless_node
 from tests.records import peer_record
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hivetrain.testing import forkserver
+from hivetrain.localswarm import forkserver
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -107,7 +107,7 @@ class LocalSwarm:
         extra_env: dict[str, str] | None = None,
     ):
         """Processes started without a command prefix are forked from one process that has imported torch,
-        transformers and hivemind (``testing.forkserver``: about 6 s of CPU saved per process) where the platform has
+        transformers and hivemind (``localswarm.forkserver``: about 6 s of CPU saved per process) where the platform has
         a fork server; a fresh interpreter each otherwise."""
         self.out_dir = Path(out_dir)
         self.preload = forkserver.available()
@@ -208,6 +208,7 @@ class LocalSwarm:
         prefix: Sequence[str] = (),
         host: str = "127.0.0.1",
         address: str | None = None,
+        entry: str = "hivetrain.cli.join_swarm",
     ) -> PeerProcess:
         """Start one join-swarm process bootstrapping from the coordinator.
 
@@ -215,13 +216,15 @@ class LocalSwarm:
             prefix: command prefix (e.g. ``["ip", "netns", "exec", NS]``).
             host: the address it listens on.
             address: bootstrap from this multiaddr instead of the coordinator's (e.g. a proxy in front of it).
+            entry: the module whose ``main(argv)`` runs the peer: ``join-swarm`` itself, or a harness wrapping it
+                (the chaos harness's ``hivetrain.testing.hostile_peer``), given the same arguments.
         """
         assert self.address is not None, "start the coordinator first"
         index = len(self.peers)
         name = name or f"peer{index}"
         metrics, summary = self.out_dir / f"{name}.jsonl", self.out_dir / f"{name}.json"
         argv = [
-            "hivetrain.cli.join_swarm",
+            entry,
             address or self.address,
             "--identity-path",
             str(self.out_dir / f"{name}.key"),

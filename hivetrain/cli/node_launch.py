@@ -1,7 +1,8 @@
 """Starting the processes of a multi-rank node (``torchrun --nproc-per-node N -m hivetrain.cli.join_swarm``).
 
-``run_node`` reads torchrun's environment, joins the process groups (``init_node``) and runs rank 0 as the swarm peer
-(``join_swarm.main``, its trainer training for the node) or a follower rank (``run_follower``). The protocol between
+``join_swarm.main`` calls ``run_node`` when ``launched_by_torchrun()``. It reads torchrun's environment, joins the
+process groups (``init_node``) and runs rank 0 as the swarm peer (``join_swarm.main(argv, node_ranks=ranks)``: the
+builder makes its trainer train for the node) or a follower rank (``run_follower``). The protocol between
 them, and what happens when a rank dies, is ``node_ranks``'s docstring.
 """
 
@@ -24,7 +25,6 @@ from hivetrain.diloco.node_ranks import (
     DEFAULT_TIMEOUT_S,
     NodeRanks,
     NodeRanksFailed,
-    acting_as_rank0,
     follow,
 )
 
@@ -55,6 +55,13 @@ class NodeEnv:
         if not 0 <= rank < world_size:
             raise ValueError(f"RANK={rank} is outside 0..WORLD_SIZE-1={world_size - 1}")
         return cls(rank, world_size, local_rank)
+
+
+def launched_by_torchrun(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process is a rank of a multi-rank node (``WORLD_SIZE`` set and not 0 or 1; a ``WORLD_SIZE`` that
+    is not an integer counts too: ``run_node`` then exits saying what is wrong with it)."""
+    env = os.environ if environ is None else environ
+    return env.get("WORLD_SIZE", "").strip() not in ("", "0", "1")
 
 
 def timeout_s_from_env() -> float:
@@ -119,8 +126,7 @@ def run_node(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             ranks.start_keepalive()
             try:
-                with acting_as_rank0(ranks):
-                    return join_swarm.main(argv)
+                return join_swarm.main(argv, node_ranks=ranks)
             finally:
                 ranks.stop_keepalive()
                 ranks.stop()
@@ -139,9 +145,9 @@ def run_follower(args: argparse.Namespace, ranks: NodeRanks) -> int:
 
     Returns 0 when rank 0 says STOP (also before HELLO: rank 0 failed to start). Raises on a failed collective.
     """
-    from hivetrain.cli.join_swarm import data_cursor_path
     from hivetrain.config import RunConfig
     from hivetrain.data import load_corpus, stream_seed
+    from hivetrain.diloco.builder import data_cursor_path
     from hivetrain.model import build_run_model
 
     code, _, _ = ranks.recv_command()

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hivetrain.diloco.drift import drift_by_epoch, sketch_from_text
-from hivetrain.testing.agreement import PeerSpan, describe_agreement, epoch_agreement, verdict
-from hivetrain.testing.launcher import PeerProcess
+from hivetrain.localswarm.agreement import PeerSpan, describe_agreement, epoch_agreement, verdict
+from hivetrain.localswarm.launcher import PeerProcess
 
 _ERROR_LINES = (  # the message of an error line, as our loggers, hivemind's and ``cli.common.fail`` write them
     re.compile(r"(?:^|\s)(?:ERROR|CRITICAL) \S+: (?P<msg>.*)$"),  # "12:00:01 ERROR hivetrain.join_swarm: ..."
