@@ -16,7 +16,7 @@ import numpy as np
 
 from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import GroupDeclaration
-from hivetrain.diloco.round_policy import RoundView
+from hivetrain.diloco.round_policy import RoundView, group_holds_the_epoch
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.grid import grid_round
 from hivetrain.sim.network import Transfer, allreduce_cost, two_stage_cost, two_stage_stages
@@ -111,6 +111,11 @@ class GroupRounds:
         for when in sorted({t for t, _, _ in events}):
             yield self.sim.env.timeout(max(0.0, when - self.sim.env.now))
             if not credited and any(t == when and a == "commit" for t, a, _ in events):
+                # the round's result is checked once, when its first row commits: every member's ``accept`` sees
+                # the same contributors (a refusal fails the round on every member)
+                live = [int(s) for s in slots if st.i["status"][int(s)] == AVERAGING]
+                if not self.holds_the_epoch(kept, epoch, waiting=np.array(live, np.int64)):
+                    return
                 # members that left after their row committed: their pseudo-gradient is in the mean the swarm keeps
                 gone = kept[st.i["status"][kept] == ABSENT]
                 st.f["samples_committed"][gone] += st.f["weight"][gone]
@@ -186,6 +191,8 @@ class GroupRounds:
             st.f["bytes_received"][kept] += resent * self.wire_bytes // len(slots)
         # every member applies the same averaged pseudo-gradient to the state it held: members that came from
         # different groups of the last epoch (several groups per epoch) still hold different states after it
+        if not self.holds_the_epoch(kept, epoch):
+            return
         held = [st.state_hash[int(s)] for s in kept]
         hashes = decl.round_id if len(set(held)) == 1 else [state_hash_of(decl.round_id, h) for h in held]
         self._commit(kept, avg, epoch, hashes, self.sim.env.now)
@@ -244,6 +251,29 @@ class GroupRounds:
         keep = self.sim.state.i["status"][slots] == AVERAGING
         hashes = [f"{round_id}:{g}" for g in final_group[keep]]
         self._commit(slots[keep], averaged[keep], epoch, hashes, self.sim.env.now)
+
+    def holds_the_epoch(self, contributors: np.ndarray, epoch: int, waiting: np.ndarray | None = None) -> bool:
+        """Production's ``accept`` (``diloco.rounds.RoundRunner._accept``): a result of several contributors is
+        applied only if they outweigh the live trainers of their epoch (or one past it) outside the round
+        (``round_policy.group_holds_the_epoch``, read from a member's records; the simulated trainers weigh records
+        as a joiner does, one per head: no seniority is modelled). Refused, the round fails on every member still in
+        it (``waiting``, default the contributors) and they decide what next (``decide_after_round``). Returns
+        whether the result may be applied."""
+        if len(contributors) < 2:
+            return True
+        st = self.sim.state
+        me = int(contributors[0])
+        ok, _ = group_holds_the_epoch(
+            st.peer_ids[me], epoch, [st.peer_ids[int(s)] for s in contributors], self.sim.records_for(me),
+            self.sim.env.now, self.sim.sc.schedule.stale_after_s, self.sim.trust,
+        )  # fmt: skip
+        if ok:
+            return True
+        self.sim.metrics.count("round.refused_outweighed")
+        waiting = contributors if waiting is None else waiting
+        failing = [int(s) for s in waiting if st.i["status"][int(s)] == AVERAGING]
+        self.engine.fail(failing, epoch, "outweighed", self.sim.env.now)
+        return False
 
     def solo(self, slot: int, epoch: int, now: float) -> None:
         st = self.sim.state

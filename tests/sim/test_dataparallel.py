@@ -66,27 +66,31 @@ def _declarations_of(group_size: int, **tables) -> dict:
     return s
 
 
-def test_two_declarations_per_epoch_fork_and_the_later_one_downloads() -> None:
-    """Past MAX_MEMBERS ready peers an epoch forms several declarations (here 20 peers, declarations of at most 12):
-    each commits its own state (drift), and the one that commits second finds itself forked (``decide_sync`` before
-    its next phase, as the trainer's ``sync_state``) and downloads the first one's state: the swarm ends on one state.
-    A real swarm of 6 with independent groups of 3 did the same (dev/LOG.md, 2026-11-26 session 7)."""
+def test_two_declarations_per_epoch_end_on_one_state_the_outweighed_one_downloads() -> None:
+    """Past MAX_MEMBERS ready peers an epoch forms several declarations (here 20 peers, declarations of at most 12).
+    Production refuses a round whose contributors do not outweigh the live trainers of their epoch, or one past it,
+    outside it (``round_policy.group_holds_the_epoch``, the averager's ``accept``): the declaration of 8 is refused
+    beside the 12, its members download the 12's state and drop their pseudo-gradients. So the swarm keeps one state
+    per epoch (before the simulator modelled the rule it showed two, and the smaller one downloading afterwards)."""
     s = _declarations_of(12)
-    assert s["group_size_max"] == 12 and s["committed_states_max"] == 2
-    assert s["drift_max"] > 1e-6
-    assert s["decisions"]["decide_sync.download"] > 0 and s["downloads"] > 0
-    assert s["drift_final"] < 1e-12
-    # the price: the smaller group's round, committed, is not in the model the swarm keeps (8 of 20 peers)
-    assert s["committed_sample_share"] == 1.0 and 0.3 < s["discarded_sample_share"] < 0.45
+    assert s["group_size_max"] == 12 and s["outer_steps_done"] == 3
+    assert s["committed_states_max"] == 1 and s["drift_max"] < 1e-12
+    assert s["decisions"]["round.refused_outweighed"] > 0 and s["downloads"] > 0
+    # the price: the refused declaration's samples (8 of 20 peers) are not in the model the swarm keeps
+    assert 0.3 < s["lost_sample_shares"]["dropped by a resync"] < 0.45
+    assert s["committed_sample_share"] + s["lost_sample_shares"]["dropped by a resync"] > 0.99
 
 
-def test_three_declarations_per_epoch_drift_apart_for_good() -> None:
-    """Declarations of 8 for 20 peers: no state is a majority, so nobody downloads, and averaging Δ never averages θ:
-    peers drawn from different declarations into one stay apart after its commit (their hashes differ), and the
-    drift grows epoch after epoch. The limit of the two-stage round: one declaration holds at most MAX_MEMBERS."""
-    short = _declarations_of(8, sim={"outer_steps": 3})
-    long = _declarations_of(8, sim={"outer_steps": 8})
-    assert short["drift_final"] > 1e-3 and long["drift_final"] > 2 * short["drift_final"]
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 23: with three declarations in one epoch (more than MAX_MEMBERS = 4,096 trainers ready at once) "
+    "none outweighs the other two, production refuses every round (group_holds_the_epoch) and nobody commits",
+)
+def test_three_declarations_per_epoch_still_commit_every_epoch() -> None:
+    """Declarations of 8 for 20 peers. Before the rule was modelled they each committed and drifted apart for good;
+    with it no declaration is a majority, every round is refused, and 600 simulated seconds pass with no outer step."""
+    s = _declarations_of(8, sim={"outer_steps": 3, "max_sim_s": 600.0})
+    assert s["outer_steps_done"] == 3 and s["committed_states_max"] == 1
 
 
 def test_churn_removes_and_adds_peers() -> None:
@@ -141,10 +145,12 @@ def test_a_donor_cap_spreads_a_flash_crowd_over_more_donors() -> None:
     fastest links serve most of the crowd at once; with ``download.max_downloaders = 1`` a donor at its cap is
     skipped ("busy"), joiners wait for a free one when none is left, and the busiest donor serves a fraction of the
     share of the crowd's bytes it did. Every joiner still gets the state (each downloads again whenever it falls an
-    epoch behind: waiting for a free donor makes that more frequent, so the share is compared, not the bytes)."""
+    epoch behind: waiting for a free donor makes that more frequent, so the share is compared, not the bytes). The
+    crowd comes after the swarm's first outer step (~100 s), so every joiner needs the state: one that arrives during
+    epoch 0 trains for it, its round held for it (``group_holds_the_epoch``), and downloads nothing."""
 
     def crowd(cap: int) -> tuple[dict, int, int]:
-        sc = tiny(sim={"outer_steps": 8, "model_bytes": 50_000_000}, flash_crowd={"num_joiners": 30, "at_s": 20.0},
+        sc = tiny(sim={"outer_steps": 8, "model_bytes": 50_000_000}, flash_crowd={"num_joiners": 30, "at_s": 120.0},
                   download={"max_downloaders": cap}, averaging={"round_timeout_s": 600.0})  # fmt: skip
         sim = DataParallelSim(sc)
         peak = [0]

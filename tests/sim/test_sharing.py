@@ -86,18 +86,24 @@ def test_fresh_peers_share_decide_only_where_each_call_gives_the_same_answer(gro
     assert sim.metrics.decisions["decide.shared"] >= 7  # the 9 storm callers at 5 s, all expected: 2 calls for 9
 
 
-@pytest.mark.parametrize("group_size", [4, 64])
-def test_failed_peers_share_decide_after_round_only_with_equal_answers(group_size: int) -> None:
+@pytest.mark.parametrize("scattered", [True, False])
+def test_failed_peers_share_decide_after_round_only_with_equal_answers(scattered: bool) -> None:
     """On the end state of a churned run, every member of a ``share_key`` group gets the policy its group's first
-    member got, for several failures and attempts: declarations of 4 among 40 peers (many states per epoch, none
-    backed) and of 64 (one declaration per epoch: the fork check)."""
-    sim = _declarations_of(group_size, sim={"num_peers": 40}, churn={"session": "exponential", "mean_session_s": 200.0})
+    member got, for several failures and attempts: with the peers of the most common epoch on 8 states, none backed
+    (``scattered``: what several committed declarations per epoch left before production refused the outweighed
+    ones, set by hand since), and as the run left them (one state per epoch: the fork check)."""
+    sim = _declarations_of(64, sim={"num_peers": 40}, churn={"session": "exponential", "mean_session_s": 200.0})
     sim.run()
     st, now, shared = sim.state, sim.env.now, sim.rounds.shared
     alive = [s for s in range(st.size) if st.i["status"][s] != ABSENT]
     compared, mixed_hashes = 0, 0
     top = int(np.bincount(sim.board.cols["epoch"][sim.board.published].astype(np.int64)).argmax())
     at_top = [s for s in np.flatnonzero(sim.board.published).tolist() if sim.board.cols["epoch"][s] == top]
+    if scattered:
+        for k, s in enumerate(at_top):
+            sim.board.state_hash[s] = st.state_hash[s] = f"scattered{k % 8}"
+        sim.board.objects[:] = [None] * len(sim.board.objects)
+        sim.board._records = None
     for attempt, forked in ((0, False), (4, False), (1, True)):
         if forked:  # 3 of 4 at the most common epoch now agree: a backed state, the others are forked
             for s in at_top[: 3 * len(at_top) // 4]:
@@ -124,7 +130,7 @@ def test_failed_peers_share_decide_after_round_only_with_equal_answers(group_siz
             compared += len(group) - 1
             mixed_hashes += len({st.state_hash[s] for s in group}) > 1
     assert compared >= 10  # the sharing was exercised, not vacuous
-    assert mixed_hashes >= (group_size == 4)  # peers of different groups' states shared a call (``free_hashes``)
+    assert mixed_hashes >= scattered  # peers of different groups' states shared a call (``free_hashes``)
     assert shared.free_hashes(top, now) is None  # and the forked case was compared with hashes apart
 
 
@@ -188,11 +194,14 @@ def test_retries_announce_at_the_next_tick_in_one_batch() -> None:
 
 def test_members_of_committed_groups_share_decide_sync_only_with_equal_answers() -> None:
     """Every ``decide_sync`` answer the simulation shares (``commit_key``, ``share_key``) or reuses (``top_key``) is
-    compared, at that moment, with the individual call of each peer it stands for; several groups per epoch, so
-    members hold their own hashes."""
-    sim = _declarations_of(4, sim={"num_peers": 40, "outer_steps": 4},
-                           churn={"session": "exponential", "mean_session_s": 300.0})  # fmt: skip
-    real, compared, mixed = sim.sync.sync_decision, [0], [0]
+    compared, at that moment, with the individual call of each peer it stands for, on a churned run with groups of
+    4 in a two-stage round. (Members holding different hashes in one call (``free_hashes``) and answers reused
+    under ``top_key`` came from several committed declarations per epoch; production refuses the outweighed ones
+    now, and the simulator with it, so this run reaches neither: the mixed case is compared on hand-set hashes in
+    ``test_failed_peers_share_decide_after_round_only_with_equal_answers``.)"""
+    sim = DataParallelSim(tiny(sim={"num_peers": 40, "outer_steps": 4}, averaging={"target_group_size": 4},
+                               churn={"session": "exponential", "mean_session_s": 300.0}))  # fmt: skip
+    real, compared = sim.sync.sync_decision, [0]
 
     def checked(slots, epoch, state_hash, now, key=None):
         d = real(slots, epoch, state_hash, now, key)
@@ -202,13 +211,11 @@ def test_members_of_committed_groups_share_decide_sync_only_with_equal_answers()
                                 trust=sim.trust)  # fmt: skip
             assert _answer(alone) == _answer(d), (key, s)
         compared[0] += len(slots) - 1
-        mixed[0] += len({st.state_hash[s] for s in slots}) > 1
         return d
 
     sim.sync.sync_decision = checked
     sim.run()
-    assert compared[0] >= 20 and mixed[0] >= 1  # shared, also across different states
-    assert sim.metrics.decisions["decide_sync.cached"] >= 10  # and reused across groups and times
+    assert compared[0] >= 20  # shared
 
 
 def _answer(d):
