@@ -161,8 +161,8 @@ def _check_nat_peer(out, outer_steps: int) -> None:
     """Nobody can dial peer1's or peer2's data port, yet both were in every group of 4. Of each pair the member with
     the smaller peer id dials (``RoundLinks``): a reachable peer that had to dial a NAT peer asked it to dial back
     (direct TCP); the NAT peer that had to dial the other NAT peer could not be dialed back either and used a libp2p
-    stream (as does a reachable peer whose dial-back misses its window); a NAT peer that dials out is never streamed
-    to."""
+    stream (as does a reachable peer whose dial-back misses its window, which may happen on a busy machine but not in
+    most rounds); a NAT peer that dials out is never streamed to."""
     events = {i: read_events(out / f"peer{i}.jsonl") for i in range(4)}
     steps = {i: [e for e in evs if e["event"] == "outer_step"] for i, evs in events.items()}
     starts = {i: next(e["time"] for e in evs if e["event"] == "start") for i, evs in events.items()}
@@ -187,5 +187,11 @@ def _check_nat_peer(out, outer_steps: int) -> None:
                 continue
             asked = re.search(rf"cannot connect to {ids[nat]} .*; asking it over libp2p to dial us back", logs[i])
             assert bool(asked) == (ids[i] < ids[nat]), (i, nat, ids)
-            streamed = f"{ids[nat]} could not dial us back either; trying a libp2p stream" in logs[i]
-            assert streamed == (i in (1, 2) and ids[i] < ids[nat]), (i, nat, ids)
+            streamed = logs[i].count(f"{ids[nat]} could not dial us back either; trying a libp2p stream")
+            if ids[i] > ids[nat]:  # the NAT peer dials out: never streamed to
+                assert streamed == 0, (i, nat, ids)
+            elif i in (1, 2):  # NAT to NAT: no dial-back can work, every round of theirs goes over a stream
+                assert streamed >= 1, (i, nat, ids)
+            else:  # a reachable peer was dialed back; a dial-back that misses its window on a busy machine falls
+                # back to a stream (beside 2 CPU hogs: 1 round of 6, 2026-11-30), but not in most rounds
+                assert streamed <= outer_steps // 2, (i, nat, ids, streamed)
