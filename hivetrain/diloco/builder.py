@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,11 @@ from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import refuse_other_models
+
+if TYPE_CHECKING:
+    from hivetrain.averaging import GroupAverager
+    from hivetrain.diloco.trainer import DilocoTrainer
+    from hivetrain.peers.loop import LoopThread
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +63,13 @@ class DilocoPeer:
         fingerprint: sha256 hex of θ₀'s tensors (every peer of the run has the same).
     """
 
-    trainer: object
-    averager: object
-    loop: object
+    trainer: DilocoTrainer
+    averager: GroupAverager
+    loop: LoopThread
     model: torch.nn.Module
     corpus: Corpus
     fingerprint: str
-    _closed: bool = False
+    _closed: bool = field(default=False, repr=False)
 
     def run(self) -> None:
         """Train. Raises what ``DilocoTrainer.run`` raises (``DhtLost``, ``Interrupted``, a failure of training)."""
@@ -235,12 +241,11 @@ def build_peer(
         announce_host=announce_host,
         admits=membership.admits if membership is not None else None,
     )
-    peer = DilocoPeer(None, averager, loop, model, corpus, fingerprint)
     try:
         averager.start()
         averager.wait_ready(timeout_s=AVERAGER_READY_TIMEOUT_S)
         phases = build_phases(config, model, corpus, node.peer_id, duty, options, node_ranks, fingerprint)
-        peer.trainer = DilocoTrainer(
+        trainer = DilocoTrainer(
             node,
             loop,
             config,
@@ -256,6 +261,7 @@ def build_peer(
             membership=membership,
         )
     except BaseException:
-        peer.close()
+        averager.shutdown(timeout_s=3.0)
+        loop.stop(timeout_s=2.0)
         raise
-    return peer
+    return DilocoPeer(trainer, averager, loop, model, corpus, fingerprint)

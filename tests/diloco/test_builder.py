@@ -32,22 +32,32 @@ RUN = {
 OPTIONS = TrainerOptions(record_interval_s=1.0, record_ttl_s=10.0)
 
 
+def _outer_steps_into(events: list[dict]):
+    """An ``on_event`` that keeps a peer's outer_step events."""
+
+    def record(event: dict) -> None:
+        if event["event"] == "outer_step":
+            events.append(event)
+
+    return record
+
+
 @pytest.mark.slow
 def test_two_peers_built_in_process_agree_bit_for_bit_after_two_outer_steps(make_node):
     """Acceptance of issue 27: two DiLoCo peers built with the builder on one DHT train 2 outer steps together and
-    hold the same state hash at every epoch, in well under 20 s."""
-    started = time.monotonic()
+    hold the same state hash at every epoch (about 5 s here; issue 27 asks under 20 s: a figure, not an assertion)."""
     config = load_run_config(None, RUN)
     corpus = load_corpus(config.data)  # read once: both peers' streams come from it (seeded by their peer ids)
     first = make_node()
     second = make_node(first.visible_maddrs())
-    peers = []
-    for node in (first, second):
-        node.guard_run(config.run_id)
-        peers.append(build_peer(config, node, options=OPTIONS, corpus=corpus, check_memory=False))
+    peers, steps = [], {first.peer_id: [], second.peer_id: []}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two trainers share this process's cores
     try:
+        for node in (first, second):
+            node.guard_run(config.run_id)
+            record = _outer_steps_into(steps[node.peer_id])
+            peers.append(build_peer(config, node, options=OPTIONS, corpus=corpus, check_memory=False, on_event=record))
         errors: list[BaseException] = []
 
         def run(peer) -> None:
@@ -71,8 +81,8 @@ def test_two_peers_built_in_process_agree_bit_for_bit_after_two_outer_steps(make
     hashes = [peer.trainer.stats.state_hashes for peer in peers]
     assert sorted(hashes[0]) == sorted(hashes[1]) == [0, 1, 2]
     assert hashes[0] == hashes[1]  # one model: the same θ and outer momentum at every epoch
-    assert all(peer.trainer.stats.last_group_size == 2 for peer in peers)  # both outer steps averaged the pair
-    assert time.monotonic() - started < 20.0
+    for events in steps.values():  # both outer steps averaged the pair
+        assert [(e["epoch"], e["group_size"]) for e in events] == [(1, 2), (2, 2)], events
 
 
 @pytest.mark.slow

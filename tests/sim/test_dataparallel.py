@@ -81,11 +81,13 @@ def test_two_declarations_per_epoch_end_on_one_state_the_outweighed_one_download
     assert s["committed_sample_share"] + s["lost_sample_shares"]["dropped by a resync"] > 0.99
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 23: with three declarations in one epoch (more than MAX_MEMBERS = 4,096 trainers ready at once) "
-    "none outweighs the other two, production refuses every round (group_holds_the_epoch) and nobody commits",
+THREE_DECLARATIONS_STALL = (
+    "issue 23: with three declarations in one epoch (more than MAX_MEMBERS = 4,096 trainers ready at once) none "
+    "outweighs the other two, production refuses every round (group_holds_the_epoch) and nobody commits"
 )
+
+
+@pytest.mark.xfail(strict=True, reason=THREE_DECLARATIONS_STALL)
 def test_three_declarations_per_epoch_still_commit_every_epoch() -> None:
     """Declarations of 8 for 20 peers. Before the rule was modelled they each committed and drifted apart for good;
     with it no declaration is a majority, every round is refused, and 600 simulated seconds pass with no outer step."""
