@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import hivemind.dht.protocol
-from hivemind.p2p import P2P
 import pytest
+from hivemind.p2p import P2P
 
 from hivetrain.peers.identity import load_or_create_identity
 from hivetrain.peers.node import (
@@ -38,7 +38,7 @@ def _identity_taken(path: str, initial_peers) -> bool:
 @pytest.mark.slow
 def test_a_reused_identity_is_named_with_the_fix(make_node, tmp_path):
     boot = make_node()
-    twin = make_node(boot.visible_maddrs(), name="twin")  # tmp_path/twin.key, live
+    make_node(boot.visible_maddrs(), name="twin")  # the twin: tmp_path/twin.key, live
     copy = tmp_path / "copied.key"  # the same key, copied to another machine (or path)
     shutil.copy(tmp_path / "twin.key", copy)
     # hivemind finds a taken identity by asking the bootstrap peer's daemon for the twin's addresses (a kad FIND_PEER
