@@ -253,13 +253,13 @@ class RunConfig:
                 "averaging.max_samples_per_round must be at least diloco.inner_steps * data.batch_size * "
                 f"diloco.grad_accum_steps ({honest_weight}), the weight an honest peer claims"
             )
-        if self.diloco.overlap != "off" and self.averaging.strategy != "butterfly":
+        if self.diloco.overlap != "off" and not self.averaging.exact_average:
             raise ValueError(
                 f"diloco.overlap={self.diloco.overlap!r} needs averaging.strategy='butterfly': moshpit and gossip "
                 "average θ after each peer's own outer step, so there is no shared state for a round in flight to land "
                 "on; set diloco.overlap='off' or use the butterfly strategy"
             )
-        if self.averaging.strategy != "butterfly" and self.averaging.compression in ("int8", "int4", "topk"):
+        if not self.averaging.exact_average and self.averaging.compression in ("int8", "int4", "topk"):
             raise ValueError(
                 f"averaging.compression={self.averaging.compression!r} with averaging.strategy="
                 f"{self.averaging.strategy!r}: moshpit and gossip average the parameters θ, not the pseudo-gradient, "

@@ -281,7 +281,7 @@ class GroupAverager:
                 # a zero-weight contribution counts for nothing: it neither carries nor consumes the residual
                 residual = self._feedback.apply(flat) if self._feedback is not None and weight > 0 else None
                 args = (flat, float(weight), epoch, deadline, residual, expected_peers, float(patience_s))
-                if self.config.strategy == "butterfly":
+                if self.config.exact_average:  # butterfly; moshpit and gossip mix
                     outcome, round_id, group = self._butterfly(*args, accept=accept)
                 else:
                     outcome, round_id, group = self._mixing(*args)

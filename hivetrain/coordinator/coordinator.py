@@ -33,6 +33,7 @@ from hivetrain.peers.records import (
     PeerRecord,
     RunConfigRecord,
     fetch_run_config,
+    live_records,
     publish_record,
     publish_run_config,
 )
@@ -216,8 +217,7 @@ class Coordinator:
         """Move the shard level when the live trainers no longer fit it (``decide_shard_bits``: up at once, down a
         level per poll); the next publish tells the trainers."""
         now = get_dht_time()
-        live = [r for r in self.records if r.role == "trainer" and not r.left_reason]
-        live = [r for r in live if now - r.updated_at <= self.options.record_ttl_s]
+        live = live_records(self.records, now, self.options.record_ttl_s)
         bits, reason = decide_shard_bits(len(live), self.shard_bits)
         if bits != self.shard_bits:
             logger.info("peer records: shard level %d -> %d (%s)", self.shard_bits, bits, reason)

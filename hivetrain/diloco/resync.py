@@ -28,7 +28,7 @@ from hivetrain.diloco.probe import ProbePolicy, Prober
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.diloco.sync_policy import decide_sync
-from hivetrain.peers.records import PeerRecord
+from hivetrain.peers.records import PeerRecord, live_records
 
 logger = logging.getLogger(__name__)
 
@@ -179,27 +179,13 @@ class Resync:
             records = self.view.refresh()
             # the run's coordinator keeps the checkpoints: until its record shows the last epoch, it may still need to
             # download it from us (issue 26: runs of 3 and 8 outer steps exported epochs 2 and 7, the trainers gone)
-            keeper = [
-                r
-                for r in records
-                if keeper_id
-                and r.peer_id == keeper_id
-                and r.role == "coordinator"
-                and not r.left_reason
-                and r.epoch < epoch
-                and now - r.updated_at <= self.stale_after_s
-            ]
-            behind = [
-                r
-                for r in records
-                if r.role == "trainer"
-                and r.peer_id != self.peer_id
-                and not r.left_reason
-                and r.peer_id not in skip
-                and not r.paused  # it will not take it until it resumes
-                and r.epoch < epoch
-                and now - r.updated_at <= 3 * self.record_interval_s  # still heartbeating: not killed
-            ]
+            coordinators = live_records(records, now, self.stale_after_s, role="coordinator")
+            keeper = [r for r in coordinators if keeper_id and r.peer_id == keeper_id and r.epoch < epoch]
+            # a paused peer will not take it until it resumes; a record older than 3 heartbeats: killed
+            heartbeating = live_records(
+                records, now, 3 * self.record_interval_s, banned=skip, exclude={self.peer_id}, paused=False
+            )
+            behind = [r for r in heartbeating if r.epoch < epoch]
             if not behind and not keeper:
                 return
             if behind and not said:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from hivetrain.diloco.sync_policy import CatchUp, SyncTrust, decide_sync
 from hivetrain.peers.quorum import seniority_weights
-from hivetrain.peers.records import PeerRecord
+from hivetrain.peers.records import PeerRecord, live_records
 
 
 def may_commit_alone(
@@ -39,15 +39,7 @@ def may_commit_alone(
     behind every time, and the two never average (issue 22: 35-60 solo steps while a joiner failed every round).
     Banned peers (``trust.banned``) do not count.
     """
-    live = [
-        r
-        for r in records
-        if r.peer_id != my_peer_id
-        and r.role == "trainer"
-        and not r.left_reason
-        and r.peer_id not in trust.banned
-        and now - r.updated_at <= stale_after_s
-    ]
+    live = live_records(records, now, stale_after_s, banned=trust.banned, exclude={my_peer_id})
     others = [r for r in live if r.epoch >= my_epoch or r.phase_epoch >= my_epoch]
     if others:
         return False, f"{len(others)} other live trainer(s) at epoch >= {my_epoch}; a solo step would fork the run"
@@ -96,14 +88,8 @@ def group_holds_the_epoch(
     weight = (lambda p: weights.get(p, 0.0)) if weights else (lambda p: 1.0)
     outside = [
         r.peer_id
-        for r in records
-        if r.peer_id not in members
-        and r.role == "trainer"
-        and not r.left_reason
-        and not r.paused
-        and r.peer_id not in trust.banned
-        and now - r.updated_at <= stale_after_s
-        and (r.epoch in (my_epoch, my_epoch + 1) or r.phase_epoch == my_epoch)
+        for r in live_records(records, now, stale_after_s, banned=trust.banned, exclude=members, paused=False)
+        if r.epoch in (my_epoch, my_epoch + 1) or r.phase_epoch == my_epoch
     ]
     inside_mass = sum(weight(p) for p in members)
     outside_mass = sum(weight(p) for p in set(outside)) / max(coverage, 1e-9)
@@ -143,13 +129,8 @@ def committed_without_us(
     members = set(group) - {my_peer_id}
     holders = sorted(
         r.peer_id
-        for r in records
-        if r.peer_id in members
-        and r.peer_id not in trust.banned
-        and r.role == "trainer"
-        and now - r.updated_at <= stale_after_s
-        and r.epoch == epoch + 1
-        and r.state_hash == candidate_hash
+        for r in live_records(records, now, stale_after_s, banned=trust.banned, departed=True)  # committed, then left
+        if r.peer_id in members and r.epoch == epoch + 1 and r.state_hash == candidate_hash
     )
     if holders:
         return True, f"{len(holders)} member(s) of the group committed epoch {epoch + 1} with the result we voted for"

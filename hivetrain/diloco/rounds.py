@@ -53,7 +53,7 @@ from hivetrain.diloco.swarm_view import SwarmView
 from hivetrain.diloco.sync_policy import CatchUp, SyncTrust, note_behind
 from hivetrain.diloco.update_bound import UpdateNorms, l2_norm, update_bound
 from hivetrain.faults import FaultInjector, HookPoint
-from hivetrain.peers.records import PeerRecord
+from hivetrain.peers.records import PeerRecord, live_records
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +169,11 @@ def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: 
     A record one epoch behind counts too: a peer that just committed ``epoch - 1`` may not have published it yet
     (records lag by up to a heartbeat), and leaving it out would close the group without it. A peer that really is
     one epoch behind only makes the group wait for its window, as before expected peers existed."""
+    # a paused peer will not come: do not wait for it (a peer whose throughput is not measured yet will)
     return frozenset(
         r.peer_id
-        for r in records
-        if r.role == "trainer"
-        and r.peer_id != my_peer_id
-        and (r.epoch in (epoch - 1, epoch) or r.phase_epoch == epoch)
-        and not r.paused  # it will not come: do not wait for it (a peer whose throughput is not measured yet will)
-        and not r.left_reason
-        and now - r.updated_at <= stale_after_s
+        for r in live_records(records, now, stale_after_s, exclude={my_peer_id}, paused=False)
+        if r.epoch in (epoch - 1, epoch) or r.phase_epoch == epoch
     )
 
 

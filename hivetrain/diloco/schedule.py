@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from hivetrain.peers.records import PeerRecord
+from hivetrain.peers.records import PeerRecord, live_records
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,7 @@ def decide_phase_end(
     if not 0.0 < coverage <= 1.0:
         raise ValueError(f"coverage must be in (0, 1], got {coverage}")
     scale = 1.0 / coverage  # each record we see stands for this many trainers
-    live = [
-        r
-        for r in records
-        if r.peer_id != my_peer_id
-        and r.role == "trainer"
-        and not r.left_reason
-        and now - r.updated_at <= plan.stale_after_s
-    ]
+    live = live_records(records, now, plan.stale_after_s, exclude={my_peer_id})
 
     # A peer whose phase for this epoch ended counts with its final samples, not extrapolated: with overlap it has
     # moved on to the next epoch's phase already, and without overlap it waits for the round.
@@ -246,15 +239,8 @@ def round_under_way(
     bounds the wait (one round timeout, once per epoch).
     """
     ended = computing = 0
-    for r in records:
-        if (
-            r.role != "trainer"
-            or r.peer_id == my_peer_id
-            or r.epoch != epoch
-            or r.paused
-            or r.left_reason
-            or now - r.updated_at > stale_after_s
-        ):
+    for r in live_records(records, now, stale_after_s, exclude={my_peer_id}, paused=False):
+        if r.epoch != epoch:
             continue
         if r.done_epoch == epoch and r.done_samples > 0:
             ended += 1
@@ -276,9 +262,7 @@ def round_to_wait_for(
     under way without us (``round_under_way``); else None. The trainer (``DilocoTrainer._wait_out_round``) and the
     simulator (``sim.state_sync``) both ask this."""
     records = list(records)
-    live = [
-        r.epoch for r in records if r.role == "trainer" and not r.left_reason and now - r.updated_at <= stale_after_s
-    ]
+    live = [r.epoch for r in live_records(records, now, stale_after_s)]
     epoch = max([my_epoch, *live])
     return epoch if round_under_way(my_peer_id, epoch, records, now, stale_after_s, min_group_size) else None
 

@@ -27,7 +27,7 @@ from hivetrain.peers.quorum import (
     max_plausible_epoch,
     seniority_weights,
 )
-from hivetrain.peers.records import PeerRecord
+from hivetrain.peers.records import PeerRecord, live_records
 
 Action = Literal["train", "download"]
 
@@ -153,12 +153,8 @@ def _weigh(
 ) -> _Evidence:
     live = [
         r
-        for r in records
-        if r.peer_id != my_peer_id
-        and r.state_hash
-        and not r.left_reason
-        and r.peer_id not in trust.banned
-        and (now is None or stale_after_s is None or now - r.updated_at <= stale_after_s)
+        for r in live_records(records, now, stale_after_s, role=None, banned=trust.banned, exclude={my_peer_id})
+        if r.state_hash
     ]
     coordinator = next((r for r in live if r.role == "coordinator" and r.peer_id == trust.coordinator_id), None)
     claims = [r for r in live if r.role != "coordinator"]

@@ -53,7 +53,7 @@ from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.record_shards import carries_sketch
-from hivetrain.peers.records import PeerRecord
+from hivetrain.peers.records import PeerRecord, live_records
 
 logger = logging.getLogger(__name__)
 
@@ -477,16 +477,8 @@ class DilocoTrainer:
         if self._overlap == "off":
             return epoch
         now = get_dht_time()
-        ahead = [
-            r.phase_epoch
-            for r in self.view.records
-            if r.role == "trainer"
-            and r.peer_id != self.node.peer_id
-            and not r.left_reason
-            and r.epoch == epoch
-            and r.phase_epoch == epoch + 1
-            and now - r.updated_at <= self.options.record_ttl_s
-        ]
+        live = live_records(self.view.records, now, self.options.record_ttl_s, exclude={self.node.peer_id})
+        ahead = [r.phase_epoch for r in live if r.epoch == epoch and r.phase_epoch == epoch + 1]
         return epoch + 1 if ahead else epoch
 
     def _wait_out_round(self) -> bool:

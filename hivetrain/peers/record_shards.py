@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import hivemind
 
-from hivetrain.peers.records import MAX_SHARD_BITS, PeerRecord, fetch_records_at, peers_key
+from hivetrain.peers.records import MAX_SHARD_BITS, PeerRecord, fetch_records_at, live_records, peers_key
 
 __all__ = ["MAX_SHARD_BITS"]  # 1,024 shards: ~65,000 trainers at RECORDS_PER_SHARD
 RECORDS_PER_SHARD = 64
@@ -106,11 +106,7 @@ def level_for(num_trainers: int, per_shard: int = RECORDS_PER_SHARD) -> int:
 def probe_level(found: dict[int, Iterable[PeerRecord]], me: str, now: float, stale_after_s: float) -> int:
     """The swarm's level as a peer without a coordinator finds it: ``found`` maps each level probed to the records
     of its own shard there; the deepest level with a live trainer other than ``me`` wins (0 if none)."""
-    live = [
-        b
-        for b, records in found.items()
-        if any(r.role == "trainer" and r.peer_id != me and now - r.updated_at <= stale_after_s for r in records)
-    ]
+    live = [b for b, records in found.items() if live_records(records, now, stale_after_s, exclude={me}, departed=True)]
     return max(live, default=0)
 
 

@@ -15,7 +15,7 @@ nothing is unpickled.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Annotated, Any, Literal
 
 import hivemind
@@ -99,6 +99,37 @@ class PeerRecord(BaseModel):
         "tokens issued at or before are void (peers/membership.py)",
     )
     updated_at: float = Field(ge=0.0)
+
+
+def live_records(
+    records: Iterable[PeerRecord],
+    now: float | None,
+    ttl_s: float | None,
+    *,
+    role: Role | None = "trainer",
+    banned: Collection[str] = frozenset(),
+    exclude: Collection[str] = (),
+    paused: bool = True,
+    departed: bool = False,
+) -> list[PeerRecord]:
+    """The records that count as live peers: the one home of "which records count" for every decision that reads them.
+
+    A record counts when it is no older than ``ttl_s`` seconds at ``now`` (DHT time; either None: no age limit), has
+    ``role`` (None: any role), its peer is not in ``banned`` nor ``exclude`` (e.g. our own ID), and, unless asked for,
+    is not a departed peer's last record (``departed=True`` keeps them: what a peer did before leaving still counts,
+    e.g. that it committed a round) and counts paused volunteers (``paused=False`` drops them: they will not average
+    until they resume). Each caller states its choice of the two; the defaults are what most rules want. Pure; the
+    order of ``records`` is kept."""
+    return [
+        r
+        for r in records
+        if (role is None or r.role == role)
+        and (departed or not r.left_reason)
+        and (paused or not r.paused)
+        and r.peer_id not in banned
+        and r.peer_id not in exclude
+        and (now is None or ttl_s is None or now - r.updated_at <= ttl_s)
+    ]
 
 
 class RunConfigRecord(BaseModel):

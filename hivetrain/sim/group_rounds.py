@@ -58,13 +58,13 @@ class GroupRounds:
         """Whether ``left`` of ``declared`` members of one butterfly group go on without the others
         (``ButterflyRound._quorate`` with ``averaging.drop_failed``); the grid's tolerance is ``grid`` (``sim.grid``),
         and moshpit stays all-or-nothing."""
-        tolerant = self.avg.drop_failed and self.avg.strategy == "butterfly" and declared <= self.avg.target_group_size
+        tolerant = self.avg.drop_failed and self.avg.exact_average and declared <= self.avg.target_group_size
         return tolerant and left >= max(2, self.avg.min_group_size) and 2 * left > declared
 
     def tolerant_grid(self, declared: int) -> bool:
         """Whether a declaration of ``declared`` members runs the tolerant two-stage round (``sim.grid``)."""
         avg = self.avg
-        return avg.strategy == "butterfly" and avg.drop_failed and declared > avg.target_group_size
+        return avg.exact_average and avg.drop_failed and declared > avg.target_group_size
 
     def grid(self, slots: np.ndarray, present: np.ndarray, decl: GroupDeclaration, epoch: int, now: float):
         """The tolerant two-stage round (``averaging.hierarchical`` with ``drop_failed``; ``sim.grid``): members

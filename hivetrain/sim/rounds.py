@@ -94,7 +94,7 @@ class RoundEngine:
         out and the simulation would never reach an outer step. Raises ValueError naming both figures."""
         st = self.sim.state
         slots = st.alive()
-        if len(slots) < 2 or self.avg.strategy != "butterfly":
+        if len(slots) < 2 or not self.avg.exact_average:
             return
         ids = sorted(st.peer_ids[int(s)] for s in slots)
         order = np.array([st.index_of[p] for p in ids])
@@ -313,12 +313,12 @@ class RoundEngine:
             return
         if len(slots) == 1:
             self.groups.solo(int(slots[0]), key.epoch, now)
-        elif self.avg.strategy == "butterfly" and len(live) < len(slots):
+        elif self.avg.exact_average and len(live) < len(slots):
             # ``allreduce``: a member with no link by the connect deadline is not among the contributors; the others
             # start their round once they gave up on it
             self.sim.metrics.count("round.members_dropped", len(slots) - len(live))
             self.sim.env.process(self.groups.butterfly(live, decl, key.epoch, now, len(slots)))
-        elif self.avg.strategy == "butterfly":
+        elif self.avg.exact_average:
             self.sim.env.process(self.groups.butterfly(slots, decl, key.epoch, now))
         else:
             self.sim.env.process(self.groups.mixing(slots, decl, key.epoch, now))
