@@ -118,6 +118,11 @@ class Averager(Protocol):
         """
         ...
 
+    @property
+    def data_address(self) -> str | None:
+        """``host:port`` others dial for our data plane once started (None: no data port, or not started yet)."""
+        ...
+
     def ban(self, peer_ids: Iterable[str], reason: str) -> None:
         """Never group with these peers again in this process's lifetime (an hour at least): the caller caught them
         lying outside a round (``reason`` is for logs)."""

@@ -178,6 +178,11 @@ class GroupAverager:
         self._started.set()
         logger.info("averager %s listening on %s:%d", self.prefix, self.announce_host, self.server.port)
 
+    @property
+    def data_address(self) -> str | None:
+        """``announce_host:port`` of our data port once ``start`` ran, else None (what the "start" event names)."""
+        return f"{self.announce_host}:{self.server.port}" if self._started.is_set() else None
+
     def wait_ready(self, timeout_s: float) -> None:
         """Block until started and the DHT node is alive. Raises TimeoutError after ``timeout_s`` seconds."""
         if not self._started.wait(timeout_s):

@@ -11,7 +11,6 @@ applied when a peer starts and have no entry here.
 from __future__ import annotations
 
 import dataclasses
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
     from hivetrain.chaos.runner import ChaosRunner, _Peer
 
 PROBE_TIMEOUT_S = 60.0
-_DATA_PORT = re.compile(r"averager \S+ listening on ([0-9.]+):(\d+)")
 
 
 def fire_kill(run: ChaosRunner, index: int, fault: KillFault, target: _Peer, reason: str) -> None:
@@ -230,12 +228,11 @@ def fire_forge_record(run: ChaosRunner, index: int, fault: ForgeRecordFault, tar
 
 
 def fire_flood(run: ChaosRunner, index: int, fault: FloodFault, target: _Peer, reason: str) -> None:
-    log = target.proc.log_path.read_text(errors="replace") if target.proc.log_path.exists() else ""
-    match = _DATA_PORT.search(log)
-    if match is None:
-        run.faults[index]["detail"] = f"flood not started: {target.run.name} logged no data port"
+    address = next((e["data_address"] for e in target.run.events if e.get("event") == "start"), None)
+    if not address:
+        run.faults[index]["detail"] = f"flood not started: {target.run.name} named no data port (no start event)"
         return
-    host, port = match.group(1), match.group(2)
+    host, port = address.rsplit(":", 1)
     out = run.out_dir / f"flood{index}.json"
     counts = ["--idle", str(fault.idle), "--slowloris", str(fault.slowloris), "--oversized", str(fault.oversized)]
     tool(run, "hivetrain.testing.flood", [host, port, "--duration-s", str(fault.duration_s), *counts], out)

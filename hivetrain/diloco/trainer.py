@@ -271,7 +271,7 @@ class DilocoTrainer:
         self.loop.run(self.state_server.register(p2p, self.config.run_id), timeout_s=30)
         self._p2p = p2p
         self.view.start(p2p)
-        self._emit("start", eval_loss=self._evaluate())
+        self._emit("start", eval_loss=self._evaluate(), data_address=self.averager.data_address)
         try:
             while not self._stop.is_set() and not self._done():
                 self._check_dht()

@@ -43,6 +43,8 @@ class ScriptedAverager:
     """Returns or raises the scripted outcomes in order; records what it was called with. Like ``GroupAverager``
     (butterfly), a result is first offered to ``accept`` as one flat tensor; a refusal raises RoundFailed("refused")."""
 
+    data_address = None  # no data port
+
     def __init__(self, *outcomes):
         self.outcomes, self.calls, self.patience = list(outcomes), [], []
 
