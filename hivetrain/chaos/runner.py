@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import time
@@ -32,7 +31,7 @@ from hivetrain.chaos.scenario import Scenario
 from hivetrain.chaos.schedule import Observed, due_faults
 from hivetrain.chaos.starve import DutyCycler
 from hivetrain.localswarm.launcher import LocalSwarm, PeerProcess
-from hivetrain.localswarm.summary import exit_reason, read_peer_summary
+from hivetrain.localswarm.summary import exit_reason, read_events, read_peer_summary
 from hivetrain.peers.identity import Identity, load_or_create_identity
 from hivetrain.peers.membership import make_token
 from hivetrain.testing.byzantine import CHUNK_BYTES_ENV, SERVED_MARKER
@@ -43,7 +42,6 @@ logger = logging.getLogger(__name__)
 RSS_INTERVAL_S = 2.0
 TOKEN_MARGIN_S = 3600.0  # join tokens expire this long after the scenario's max_duration_s
 _NORMAL_EXITS = (0, 2, 3, 4, 130)
-_COORDINATOR_DOWNLOAD = re.compile(r"downloaded epoch (\d+)")
 
 
 @dataclass
@@ -473,10 +471,9 @@ class ChaosRunner:
         return results
 
     def _coordinator_epochs(self) -> list[int]:
-        """The epochs the coordinator downloaded (its log, restarts included)."""
-        path = self.out_dir / "coordinator.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return [int(m.group(1)) for m in _COORDINATOR_DOWNLOAD.finditer(text)]
+        """The epochs the coordinator downloaded (its metrics events, restarts included: the file is appended to)."""
+        events = read_events(self.out_dir / "coordinator.jsonl")
+        return [int(e["epoch"]) for e in events if e["event"] == "state_downloaded"]
 
     def take_index(self) -> int:
         index = self._next_index

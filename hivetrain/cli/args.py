@@ -199,6 +199,11 @@ def coordinator_parser() -> argparse.ArgumentParser:
         "--address-file", default=None, help="write the multiaddrs volunteers should use here, one per line, once ready"
     )
     parser.add_argument(
+        "--metrics-file",
+        default=None,
+        help="append JSON lines here: each state the coordinator adopts or refuses, each checkpoint it writes",
+    )
+    parser.add_argument(
         "--refresh-interval",
         type=float,
         default=10.0,

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -75,8 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         _warn_missing_data(config)
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
-    node = loop = dashboard = None
+    node = loop = dashboard = metrics = None
     try:
+        if args.metrics_file:
+            try:
+                metrics = open(args.metrics_file, "a", buffering=1)  # noqa: SIM115 - closed in finally
+            except OSError as exc:
+                return fail(f"--metrics-file {args.metrics_file}: {exc.strerror or exc}", EXIT_BAD_INPUT)
         start_reaper()
         node = _start_with_known_peers(ncfg, args)
         policy = _guard_admission(node, config)
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         loop = LoopThread()
         # a pipeline's state lives in its stages' servers; moshpit/gossip peers hold no common state to follow
         if not args.no_state and not config.pipelined and config.averaging.exact_average:
-            follower = _make_follower(args, config, node, loop, fingerprint)
+            on_event = (lambda event: metrics.write(json.dumps(event) + "\n")) if metrics is not None else None
+            follower = _make_follower(args, config, node, loop, fingerprint, on_event)
         num_parameters = sum(t.numel() for t in follower.reference.params.values()) if follower else 0
         observer = SwarmObserver(
             RunInfo(
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             loop.stop(timeout_s=2)
         if node is not None:
             node.shutdown()
+        if metrics is not None:
+            metrics.close()
 
 
 def _serve_link_checks(node, loop, run_id: str, credit_table) -> None:
@@ -273,7 +282,7 @@ def _start_with_known_peers(ncfg, args):
     return start_node(ncfg)
 
 
-def _make_follower(args, config, node, loop, fingerprint):
+def _make_follower(args, config, node, loop, fingerprint, on_event=None):
     from hivetrain.coordinator.checkpoint import CheckpointStore
     from hivetrain.coordinator.follower import FollowerOptions, StateFollower
     from hivetrain.data import vocab_size_of
@@ -299,6 +308,7 @@ def _make_follower(args, config, node, loop, fingerprint):
             step_window=config.averaging.update_norm_window,
             step_min_history=config.averaging.update_norm_min_history,
         ),
+        on_event=on_event,
     )
     restored = follower.restore()
     if restored is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,7 +88,13 @@ class StateFollower:
         run_config: dict,
         fingerprint: str,
         options: FollowerOptions = FollowerOptions(),
+        on_event: Callable[[dict], None] | None = None,
     ):
+        """``on_event``: called with a dict per state the follower adopts or refuses and per checkpoint it writes
+        (``event``: "state_downloaded" / "state_refused" / "checkpoint_saved", with ``epoch``, ``time`` (unix s)
+        and ``state_hash`` / ``reason``), on the follower's thread; it must not raise (the coordinator's
+        ``--metrics-file`` appends them as JSON lines)."""
+        self.on_event = on_event or (lambda event: None)
         self.node, self.loop, self.run_id, self.store = node, loop, run_id, store
         # every record of the run, read afresh (the coordinator replaces it with its read of every shard)
         self.read_records: Callable[[], list[PeerRecord]] = lambda: fetch_records(node.dht, run_id)
@@ -174,6 +181,7 @@ class StateFollower:
                 for peer_id in decision.donors:
                     self.bans.ban(peer_id, now, reason=f"served an unbounded step: {why}")
                 logger.warning("refused epoch %d from %s: %s", new.epoch, ", ".join(decision.donors), why)
+                self._emit("state_refused", new.epoch, reason=why, donors=list(decision.donors))
                 return f"refused epoch {new.epoch}: {why}"
             if unchecked:
                 self._keep_before(state, f"epoch {new.epoch} adopted unchecked: {unchecked}")
@@ -181,6 +189,7 @@ class StateFollower:
             self.downloads += 1
             did = f"downloaded epoch {new.epoch} ({decision.reason})"
             logger.info("%s", did)
+            self._emit("state_downloaded", new.epoch, state_hash=self._hash, reason=decision.reason)
         self._maybe_checkpoint()
         return did
 
@@ -221,6 +230,10 @@ class StateFollower:
         self.store.save(state, self.run_config, extra={"model_fingerprint": self.fingerprint})
         self.checkpoints_written += 1
         logger.info("checkpoint of epoch %d written", state.epoch)
+        self._emit("checkpoint_saved", state.epoch)
+
+    def _emit(self, event: str, epoch: int, **fields) -> None:
+        self.on_event({"event": event, "time": time.time(), "epoch": epoch, **fields})
 
     def checkpoint_rows(self) -> list[CheckpointRow]:
         if self.store is None:

@@ -166,6 +166,8 @@ class LocalSwarm:
             f"/ip4/{host}/tcp/{port}",
             "--address-file",
             str(self.out_dir / "coordinator.addr"),
+            "--metrics-file",
+            str(self.out_dir / "coordinator.jsonl"),
             "--refresh-interval",
             "2",
             *extra_args,

@@ -41,6 +41,9 @@ def test_smoke_scenario_passes(name, tmp_path):
     assert all(f["fired_at_s"] is not None for f in report["faults"])
     assert report["figures"]["outer_steps_committed"] == scenario.run_config().diloco.outer_steps
     assert report["diverged_peers"] == [] and report["leftover_pids"] == []
+    if scenario.run_config().averaging.exact_average:  # the coordinator followed the run to its end (its events)
+        adopted = [e["epoch"] for e in read_events(tmp_path / "coordinator.jsonl") if e["event"] == "state_downloaded"]
+        assert adopted and max(adopted) == scenario.run_config().diloco.outer_steps, adopted
     if name == "kill-one-of-four":
         assert report["faults"][0]["recovery_s"] is not None and report["faults"][0]["recovery_s"] < 60
     if name == "nat-peer":

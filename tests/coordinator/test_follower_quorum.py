@@ -117,3 +117,18 @@ def test_the_runs_last_epoch_is_checkpointed_whatever_the_checkpoint_interval(tm
     never._p2p = None
     never.step([rec("a", 3), rec("b", 3)])
     assert not (tmp_path / "n").exists()  # 0 = never, the last epoch included
+
+
+def test_each_adopted_state_and_checkpoint_is_an_event_with_its_epoch(tmp_path):
+    """The coordinator's ``--metrics-file`` lines (the chaos harness reads the epochs it adopted from them)."""
+    from hivetrain.coordinator.checkpoint import CheckpointStore
+
+    events: list[dict] = []
+    node = SimpleNamespace(peer_id="coord", dht=None)
+    store = CheckpointStore(tmp_path, keep_last=3)
+    follower = StateFollower(node, FakeLoop({"a": 2, "b": 2}), "r", state(0), store, {}, "f",
+                             FollowerOptions(checkpoint_every=2), on_event=events.append)  # fmt: skip
+    follower._p2p = None
+    follower.step([rec("a", 2), rec("b", 2)])
+    assert [(e["event"], e["epoch"]) for e in events] == [("state_downloaded", 2), ("checkpoint_saved", 2)]
+    assert events[0]["state_hash"] == state(2).state_hash() and events[0]["reason"]
