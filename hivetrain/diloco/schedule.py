@@ -230,7 +230,7 @@ def round_under_way(
     once the group commits the peer is behind, downloads ``epoch + 1`` and drops the phase (a pseudo-gradient
     computed against the state before a download is not sent: ``round_policy.keep_carried``). Without overlap such a
     peer (a joiner whose download ended during the round, a peer that just resynced) waits for the round instead
-    (``DilocoTrainer._wait_out_round``, publishing ``phase_epoch = epoch + 1``) and then trains for the next epoch
+    (``round_wait.RoundWait``, publishing ``phase_epoch = epoch + 1``) and then trains for the next epoch
     from its result. In the simulator, 100 volunteers with 1 h sessions dropped 0.07 of every sample computed this
     way (dev/LOG.md, 2026-11-30).
 
@@ -259,7 +259,7 @@ def round_to_wait_for(
 ) -> int | None:
     """The epoch whose round a peer at ``my_epoch`` should wait out before it trains or downloads: the newest epoch a
     live trainer holds (ours if newer; behind, the state we would download is about to be replaced), if that round is
-    under way without us (``round_under_way``); else None. The trainer (``DilocoTrainer._wait_out_round``) and the
+    under way without us (``round_under_way``); else None. The trainer (``round_wait.RoundWait``) and the
     simulator (``sim.state_sync``) both ask this."""
     records = list(records)
     live = [r.epoch for r in live_records(records, now, stale_after_s)]

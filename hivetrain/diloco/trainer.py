@@ -35,13 +35,8 @@ from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.resync import Resync
+from hivetrain.diloco.round_wait import RoundWait
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
-from hivetrain.diloco.schedule import (
-    failed_rounds,
-    round_failed_since,
-    round_to_wait_for,
-    round_under_way,
-)
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
 from hivetrain.diloco.swarm_view import SwarmView
@@ -103,7 +98,6 @@ class DilocoTrainer:
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         self._stop = threading.Event()
         self._left_reason = ""
-        self._waited_epoch = -1  # our epoch when we last waited out a round (``_wait_out_round``: once per epoch)
         self._committed_epoch = -1  # the epoch our last own commit brought us to (its round's members expect us next)
         # (epoch, what we witness) of our last committed round: the others' credit (diloco.credit)
         self._witnessed: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
@@ -203,6 +197,17 @@ class DilocoTrainer:
             voted_wait_s=config.averaging.commit_timeout_s + options.record_interval_s,
             # a joiner behind us downloads our state (one state timeout) and joins the next round (one round timeout)
             catch_up_wait_s=options.state_timeout_s + config.averaging.round_timeout_s,
+        )
+        self.round_wait = RoundWait(
+            node.peer_id,
+            self.view,
+            phases,
+            record_ttl_s=options.record_ttl_s,
+            round_timeout_s=config.averaging.round_timeout_s,
+            min_group_size=config.averaging.min_group_size,
+            stop=self._stop,
+            emit=self._emit,
+            check_dht=self._check_dht,
         )
         diloco = config.diloco
         self.background = BackgroundRound(
@@ -482,43 +487,11 @@ class DilocoTrainer:
         return epoch + 1 if ahead else epoch
 
     def _wait_out_round(self) -> bool:
-        """Without overlap and with nothing pending: if the round of the swarm's epoch (ours, or the newest a live
-        trainer holds when we are behind) is under way without us (``schedule.round_under_way``), wait until it is
-        over instead of computing a phase it would not take, or downloading a state it is about to replace; at most
-        ``averaging.round_timeout_s``, once per epoch of ours (a claim of being done only delays us), and no longer
-        than until one of its members publishes a failed attempt. Returns whether we waited: the loop then downloads
-        the round's result if the records show it."""
+        """Without overlap and with nothing pending or in flight: wait out a round under way without us
+        (``round_wait.RoundWait``). Returns whether we waited: the loop then downloads the round's result."""
         if self._overlap != "off" or self._pending is not None or self.background.in_flight:
             return False
-        mine = self.state.epoch
-        if self._waited_epoch == mine:
-            return False
-        # We reached this epoch by committing its previous round with the others: they expect us at this one and
-        # their group waits for us (``diloco.rounds.patience_for``). Our phase then ends at once if they ended theirs
-        # (``schedule.decide_phase_end``) and we join their round; waiting it out lost the epoch (chaos cpu-starve
-        # beside 2 hogs: the 20%-CPU peer spent 5 s after its commit before looking, saw the others' round under way,
-        # waited, and downloaded the next state).
-        min_size = self.config.averaging.min_group_size
-        ttl = self.options.record_ttl_s
-        epoch = round_to_wait_for(self.node.peer_id, mine, self.view.records, get_dht_time(), ttl, min_size)
-        if epoch is None or (epoch == mine and self._committed_epoch == mine):
-            return False
-        self._waited_epoch = mine
-        logger.info("epoch %d's round is under way without us: waiting for it, then training for the next", epoch)
-        self._emit("round_wait", round_epoch=epoch)
-        self.phases.wait_for(epoch + 1)
-        self.view.request_publish()
-        until, failures = time.monotonic() + self.config.averaging.round_timeout_s, failed_rounds(self.view.records)
-        while not self._stop.wait(0.5) and time.monotonic() < until:
-            records = self.view.refresh()
-            if not self._round_under_way(epoch, records) or round_failed_since(failures, epoch, records):
-                break  # over, or its attempt failed: its members match again for the epoch, with us if we train
-            self._check_dht()
-        return True
-
-    def _round_under_way(self, epoch: int, records: Sequence[PeerRecord]) -> bool:
-        min_size = self.config.averaging.min_group_size
-        return round_under_way(self.node.peer_id, epoch, records, get_dht_time(), self.options.record_ttl_s, min_size)
+        return self.round_wait.wait_out(self.state.epoch, self._committed_epoch)
 
     def _catch_up(self, epoch: int) -> bool:
         """Wait (at most the matchmaking window plus a record interval) until peers publish ``epoch``, then download

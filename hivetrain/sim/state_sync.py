@@ -66,7 +66,7 @@ class StateSync:
             self._wait(np.array([slot]), waited, now)
 
     def _round_to_wait_for(self, slot: int, epoch: int, now: float) -> int | None:
-        """``schedule.round_to_wait_for`` for ``slot`` holding ``epoch`` (as ``DilocoTrainer._wait_out_round``)."""
+        """``schedule.round_to_wait_for`` for ``slot`` holding ``epoch`` (as ``round_wait.RoundWait``)."""
         sc = self.sim.sc
         records = self.sim.records_for(slot)
         peer_id = self.sim.state.peer_ids[slot]

@@ -1,11 +1,13 @@
 """A peer whose epoch's round is under way without it waits for that round instead of computing a phase the round
-cannot take (``DilocoTrainer._wait_out_round``, issue 23: joiners arriving during a round dropped their first phase)."""
+cannot take (``round_wait.RoundWait``, through ``DilocoTrainer._wait_out_round``; issue 23: joiners arriving during a
+round dropped their first phase)."""
 
 import threading
 from types import SimpleNamespace
 
 from hivemind.utils import get_dht_time
 
+from hivetrain.diloco.round_wait import RoundWait
 from hivetrain.diloco.trainer import DilocoTrainer
 from tests.records import peer_record
 
@@ -16,28 +18,31 @@ def _rec(peer: str, epoch: int, done_epoch: int) -> object:
 
 
 def _trainer(records: list, later: list, *, overlap: str = "off", pending=None) -> SimpleNamespace:
-    """A trainer at epoch 3 whose view shows ``records`` first, then ``later`` from the second refresh on."""
+    """A trainer at epoch 3 whose view shows ``records`` first, then ``later`` from the second refresh on, with a real
+    ``RoundWait`` (``t.round_wait``; its ``round_timeout_s`` is 20 s)."""
     reads = iter([records] + [later] * 1000)
     t = SimpleNamespace(
         state=SimpleNamespace(epoch=3),
-        node=SimpleNamespace(peer_id="me"),
-        options=SimpleNamespace(record_ttl_s=30.0),
-        config=SimpleNamespace(averaging=SimpleNamespace(round_timeout_s=20.0, min_group_size=1)),
         _overlap=overlap,
         _pending=pending,
-        _waited_epoch=-1,
         _committed_epoch=-1,  # epoch 3 was reached by a download (or a join), not by committing epoch 2's round
-        _stop=threading.Event(),
         background=SimpleNamespace(in_flight=False),
         events=[],
         waiting_for=[],
         checks=[],
     )
     t.view = SimpleNamespace(records=records, refresh=lambda: next(reads), request_publish=lambda: None)
-    t._emit = lambda event, **fields: t.events.append(event)
-    t.phases = SimpleNamespace(wait_for=t.waiting_for.append)
-    t._check_dht = lambda: t.checks.append(1)
-    t._round_under_way = lambda epoch, recs: DilocoTrainer._round_under_way(t, epoch, recs)
+    t.round_wait = RoundWait(
+        "me",
+        t.view,
+        SimpleNamespace(wait_for=t.waiting_for.append),
+        record_ttl_s=30.0,
+        round_timeout_s=20.0,
+        min_group_size=1,
+        stop=threading.Event(),
+        emit=lambda event, **fields: t.events.append(event),
+        check_dht=lambda: t.checks.append(1),
+    )
     return t
 
 
@@ -68,7 +73,7 @@ def test_a_peer_behind_waits_for_the_round_of_the_newest_epoch_before_downloadin
 def test_the_wait_is_bounded_by_the_round_timeout():
     under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
     t = _trainer(under_way, under_way)
-    t.config.averaging.round_timeout_s = 1.2
+    t.round_wait.round_timeout_s = 1.2
     DilocoTrainer._wait_out_round(t)
     assert 1 <= len(t.checks) <= 3  # ~2 looks at 0.5 s intervals, then it stops waiting
 
@@ -79,12 +84,12 @@ def test_the_wait_ends_when_a_member_of_the_round_publishes_a_failed_attempt():
     under_way = [_rec("a", 3, 3), _rec("b", 3, 3)]
     failed = [under_way[0].model_copy(update={"rounds_failed": 1}), under_way[1]]
     t = _trainer(under_way, failed)
-    t.config.averaging.round_timeout_s = 10.0
+    t.round_wait.round_timeout_s = 10.0
     assert DilocoTrainer._wait_out_round(t) is True
     assert len(t.checks) == 1  # left at its second look (the first shows no failure), not after ~20 at the 10 s bound
     # a failure that was there before the wait began is no news
     t = _trainer(failed, failed)
-    t.config.averaging.round_timeout_s = 1.2
+    t.round_wait.round_timeout_s = 1.2
     DilocoTrainer._wait_out_round(t)
     assert len(t.checks) >= 1
 
@@ -97,7 +102,7 @@ def test_a_peer_that_committed_into_the_epoch_joins_its_round_rather_than_wait_i
     t._committed_epoch = 3
     assert DilocoTrainer._wait_out_round(t) is False and t.events == []
     t.state.epoch, t._committed_epoch = 2, 2  # behind the swarm's epoch 3: that round is not ours to join
-    t.config.averaging.round_timeout_s = 0.6  # (the round stays under way in this view: the wait ends at its bound)
+    t.round_wait.round_timeout_s = 0.6  # (the round stays under way in this view: the wait ends at its bound)
     assert DilocoTrainer._wait_out_round(t) is True and t.waiting_for == [4]
 
 
