@@ -9,6 +9,7 @@ move to the next epoch (``_commit``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ import numpy as np
 from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import GroupDeclaration
 from hivetrain.diloco.round_policy import RoundView, group_holds_the_epoch
+from hivetrain.diloco.sync_policy import SyncTrust
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.grid import grid_round
 from hivetrain.sim.network import Transfer, allreduce_cost, two_stage_cost, two_stage_stages
@@ -42,6 +44,7 @@ class GroupRounds:
         measured = self.avg.bandwidth_slices and self.avg.upload_mbps == 0
         buffer = max(self.avg.socket_buffer_bytes, 1 << 20)
         self.rate_sample_bytes = UPLOAD_SAMPLE_BUFFERS * buffer if measured else 0
+        self.rounds_accepted = 0  # the last ``SwarmState.rounds_with`` token given out
 
     def cost(self, slots: np.ndarray, round_id: str | None = None) -> Transfer:
         """One butterfly round among ``slots``; with ``round_id``, the two-stage round of that declaration (one
@@ -255,25 +258,43 @@ class GroupRounds:
     def holds_the_epoch(self, contributors: np.ndarray, epoch: int, waiting: np.ndarray | None = None) -> bool:
         """Production's ``accept`` (``diloco.rounds.RoundRunner._accept``): a result of several contributors is
         applied only if they outweigh the live trainers of their epoch (or one past it) outside the round
-        (``round_policy.group_holds_the_epoch``, read from a member's records; the simulated trainers weigh records
-        as a joiner does, one per head: no seniority is modelled). Refused, the round fails on every member still in
-        it (``waiting``, default the contributors) and they decide what next (``decide_after_round``). Returns
-        whether the result may be applied."""
+        (``round_policy.group_holds_the_epoch``, read from a member's records). Each trainer is weighed as that
+        member weighs it: by the rounds the two accepted together (``SwarmState.rounds_with``; production counts
+        them in ``diloco.evidence.note_round``), so a joiner that never averaged with the member weighs nothing once
+        the member has averaged with anyone, and a member that has not yet counts heads. Refused, the round fails on
+        every member still in it (``waiting``, default the contributors) and they decide what next
+        (``decide_after_round``). Accepted, every contributor gains the round in ``rounds_with``. Returns whether the
+        result may be applied."""
         if len(contributors) < 2:
             return True
         st = self.sim.state
         me = int(contributors[0])
+        records = self.sim.records_for(me)
         ok, _ = group_holds_the_epoch(
-            st.peer_ids[me], epoch, [st.peer_ids[int(s)] for s in contributors], self.sim.records_for(me),
-            self.sim.env.now, self.sim.sc.schedule.stale_after_s, self.sim.trust,
+            st.peer_ids[me], epoch, [st.peer_ids[int(s)] for s in contributors], records,
+            self.sim.env.now, self.sim.sc.schedule.stale_after_s, self._trust_of(me, records, contributors),
         )  # fmt: skip
         if ok:
+            self.rounds_accepted += 1
+            for s in contributors.tolist():
+                st.rounds_with[int(s)].add(self.rounds_accepted)
             return True
         self.sim.metrics.count("round.refused_outweighed")
         waiting = contributors if waiting is None else waiting
         failing = [int(s) for s in waiting if st.i["status"][int(s)] == AVERAGING]
         self.engine.fail(failing, epoch, "outweighed", self.sim.env.now)
         return False
+
+    def _trust_of(self, me: int, records: list, contributors: np.ndarray) -> SyncTrust:
+        """The sim's trust (``dataparallel``) with ``me``'s seniority toward the peers of ``records`` and
+        ``contributors``: the rounds each accepted together with ``me`` (``SwarmState.rounds_with``)."""
+        st = self.sim.state
+        mine = st.rounds_with[me]
+        if not mine:
+            return self.sim.trust
+        slots = {st.index_of[r.peer_id] for r in records} | set(contributors.tolist())
+        seniority = {st.peer_ids[s]: n for s in slots if s != me and (n := len(mine & st.rounds_with[s]))}
+        return dataclasses.replace(self.sim.trust, seniority=seniority)
 
     def solo(self, slot: int, epoch: int, now: float) -> None:
         st = self.sim.state

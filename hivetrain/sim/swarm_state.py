@@ -41,6 +41,9 @@ class SwarmState:
         self.bias = np.zeros((0, vector_size))
         self.peer_ids: list[str] = []
         self.state_hash: list[str] = []
+        # per slot: the rounds (``round_token``) whose result it accepted with others; two slots' shared rounds are
+        # their seniority with each other (``diloco.evidence``: outer steps committed in one group)
+        self.rounds_with: list[set[int]] = []
         self.index_of: dict[str, int] = {}
         self.speed_jitter = 0.0  # sigma of a phase's log-speed around the peer's (``peers.speed_jitter``)
         self.jitter_rng = np.random.default_rng(0)  # its own stream: jitter leaves the other draws of a seed alone
@@ -81,6 +84,7 @@ class SwarmState:
         self.bias[s] = 0.5 * rng.standard_normal(self.vector_size)
         self.peer_ids.append(draw.peer_id)
         self.state_hash.append("")
+        self.rounds_with.append(set())
         self.index_of[draw.peer_id] = s
         return s
 
