@@ -98,7 +98,7 @@ class RoundWait:
         self.emit("round_wait", round_epoch=epoch)
         self.phases.wait_for(epoch + 1)
         self.view.request_publish()
-        until, failures = time.monotonic() + self.round_timeout_s, failed_rounds(self.view.records)
+        until, failures = time.monotonic() + self.round_timeout_s, failed_rounds(records)
         while not self.stop.wait(0.5) and time.monotonic() < until:
             records = self.view.refresh()
             if not self.under_way(epoch, records) or round_failed_since(failures, epoch, records):

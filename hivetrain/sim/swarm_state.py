@@ -41,8 +41,8 @@ class SwarmState:
         self.bias = np.zeros((0, vector_size))
         self.peer_ids: list[str] = []
         self.state_hash: list[str] = []
-        # per slot: the rounds (``round_token``) whose result it accepted with others; two slots' shared rounds are
-        # their seniority with each other (``diloco.evidence``: outer steps committed in one group)
+        # per slot: the rounds whose result it accepted with others (numbered by ``GroupRounds.rounds_accepted``); two
+        # slots' shared rounds are their seniority with each other (``diloco.evidence``: outer steps committed together)
         self.rounds_with: list[set[int]] = []
         self.index_of: dict[str, int] = {}
         self.speed_jitter = 0.0  # sigma of a phase's log-speed around the peer's (``peers.speed_jitter``)
