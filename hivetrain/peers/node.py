@@ -10,6 +10,7 @@ clock too far from the initial peer's, or an initial peer that cannot dial us ba
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import Literal
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from hivetrain.peers import stacks
@@ -202,10 +203,16 @@ def start_node(config: NodeConfig) -> PeerNode:
             dialed back (``explain_bootstrap_failure``).
         ValueError: the identity file is invalid.
     """
+    existed = config.identity_path is not None and os.path.isfile(os.path.expanduser(config.identity_path))
     identity = load_or_create_identity(config.identity_path)
+    started = time.monotonic()
+    if existed and config.initial_peers and identity_in_use(identity, config):
+        cause, message = explain_bootstrap_failure(
+            config, identity, f"Identity from `{identity.path}` is already taken", time.monotonic() - started
+        )
+        raise BootstrapFailed(message, cause)
     guard = RecordGuard(config.record_bounds, run_ids=config.run_ids)
     validators = [RSASignatureValidator(identity.private_key), guard, *config.extra_validators]
-    started = time.monotonic()
     dht = hivemind.DHT(
         initial_peers=list(config.initial_peers),
         start=False,
@@ -276,6 +283,37 @@ class LockedPipe:
 
     def __getattr__(self, name):
         return getattr(self._conn, name)
+
+
+IDENTITY_CHECKS = 2
+"""Our own checks that a kept identity is free, before the one hivemind runs when the node starts (three in all)."""
+
+
+def identity_in_use(identity: Identity, config: NodeConfig) -> bool:
+    """Whether a live peer reachable through ``config.initial_peers`` already runs under ``identity``.
+
+    hivemind's check (``P2P.is_identity_taken``, run once inside ``P2P.create``): a fresh anonymous daemon, connected
+    to the initial peers, dials the identity's peer ID, which they route by kad FIND_PEER. A daemon that has just
+    connected may not route it yet, and answers "free" for a live twin: 1 start in 20 beside 2 CPU hogs went ahead
+    with a copied key (dev/LOG.md 2026-11-30 session 25). Each of our ``IDENTITY_CHECKS`` tries is a fresh daemon,
+    so a copy is refused unless all three miss. A check that cannot run (no daemon, a timeout) counts as "free":
+    hivemind's own check and the bootstrap then say what is wrong. Costs about one daemon start per try."""
+
+    async def taken() -> bool:
+        check = P2P.is_identity_taken(
+            str(identity.path), initial_peers=list(config.initial_peers), tls=True, use_auto_relay=False,
+            use_ipfs=False, use_relay=config.use_relay,
+        )  # fmt: skip
+        return await asyncio.wait_for(check, timeout=config.startup_timeout_s)
+
+    for _ in range(IDENTITY_CHECKS):
+        try:
+            if asyncio.run(taken()):
+                return True
+        except Exception as exc:  # noqa: BLE001 - see the docstring: the start then reports the real cause
+            logger.debug("identity check did not run: %r", exc)
+            return False
+    return False
 
 
 _IDENTITY_TAKEN_RE = re.compile(r"Identity from `(.*?)` is already taken")

@@ -3,7 +3,6 @@
 The real cases run hivemind's own checks on 127.0.0.1 (the skewed clock is the joiner's DHT process's clock, patched
 before the process is forked); the pure cases pin the messages for each cause."""
 
-import asyncio
 import os
 import shutil
 import time
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import hivemind.dht.protocol
 import pytest
-from hivemind.p2p import P2P
 
 from hivetrain.peers.identity import load_or_create_identity
 from hivetrain.peers.node import (
@@ -19,20 +17,13 @@ from hivetrain.peers.node import (
     NodeConfig,
     clock_skew_problem,
     explain_bootstrap_failure,
+    identity_in_use,
     start_node,
 )
 from hivetrain.peers.validators import RecordBounds
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmZaPV7t8Ru4TUBX6qryUsdLzF6JuQCx8oH3c9xuuuBkGm"
-
-
-def _identity_taken(path: str, initial_peers) -> bool:
-    """hivemind's own check, as ``P2P.create`` runs it: an anonymous daemon dials the key's peer ID."""
-    check = P2P.is_identity_taken(
-        path, initial_peers=initial_peers, tls=True, use_auto_relay=False, use_ipfs=False, use_relay=True
-    )
-    return asyncio.run(check)
 
 
 @pytest.mark.slow
@@ -46,13 +37,12 @@ def test_a_reused_identity_is_named_with_the_fix(make_node, tmp_path):
     # the connection on a loaded machine (CI: connected, yet the copy started unchallenged). A long-running twin, the
     # real case, is long past that: wait until the daemon can answer, then start the copy.
     deadline = time.monotonic() + 30.0
-    while not _identity_taken(str(copy), boot.visible_maddrs()):
+    config = NodeConfig(initial_peers=tuple(boot.visible_maddrs()), host_maddrs=LOOPBACK, identity_path=str(copy))
+    while not identity_in_use(load_or_create_identity(copy), config):
         assert time.monotonic() < deadline, "the bootstrap peer's daemon never learned the twin's addresses"
         time.sleep(0.5)
     with pytest.raises(BootstrapFailed) as info:
-        start_node(
-            NodeConfig(initial_peers=tuple(boot.visible_maddrs()), host_maddrs=LOOPBACK, identity_path=str(copy))
-        )
+        start_node(config)
     assert info.value.cause == "identity_in_use"
     assert str(copy) in str(info.value) and "--identity-path" in str(info.value)
     assert "firewall" not in str(info.value)
