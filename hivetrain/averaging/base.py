@@ -24,13 +24,17 @@ class RoundFailed(RuntimeError):
         voted: set when the round failed after we voted (the two-phase-commit gap, ``allreduce``): the result we
             voted for, which members that received every vote may have committed. The caller applies it only on
             evidence that a member did (``diloco.round_policy.committed_without_us``); None otherwise.
+        closed_without_us: peer ids (base58) of the members of a group of our round key that closed without us
+            ("not_in_group": matchmaking's "late" / "not_in_group" verdicts): the epoch's round, whose result the
+            caller may follow once its members hold it (``diloco.sync_policy.decide_sync``); empty otherwise.
     """
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", *, closed_without_us: frozenset[str] = frozenset()):
         super().__init__(f"averaging round failed: {reason}" + (f" ({detail})" if detail else ""))
         self.reason = reason
         self.detail = detail
         self.voted: RoundResult | None = None
+        self.closed_without_us = closed_without_us
 
 
 @dataclass(frozen=True)

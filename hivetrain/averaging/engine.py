@@ -253,12 +253,12 @@ class GroupAverager:
             RoundResult: the mean (fp32, input shapes), bit-identical on every member for "butterfly".
 
         Raises:
-            RoundFailed: "not_in_group" (a group formed without us: resync), "no_group" (nobody, or fewer than
-                ``min_group_size``), "peer_failed"/"timeout"/"aborted" (a member died, stalled or misbehaved; nothing
-                was applied anywhere, except in the two-phase-commit gap described in ``allreduce``: then
-                ``voted`` holds the result we voted for, in the shapes of ``tensors``), "excluded" (others found our
-                data bad), "refused" (``accept`` refused the result). If a member dies mid-call, the survivors fail
-                within about ``part_timeout_s``.
+            RoundFailed: "not_in_group" (a group formed without us: resync; ``closed_without_us`` names its
+                members), "no_group" (nobody, or fewer than ``min_group_size``), "peer_failed"/"timeout"/"aborted" (a
+                member died, stalled or misbehaved; nothing was applied anywhere, except in the two-phase-commit gap
+                described in ``allreduce``: then ``voted`` holds the result we voted for, in the shapes of
+                ``tensors``), "excluded" (others found our data bad), "refused" (``accept`` refused the result). If a
+                member dies mid-call, the survivors fail within about ``part_timeout_s``.
             ValueError / TypeError: bad local input.
             RuntimeError: ``start()`` was not called, or the averager is shut down.
         """
@@ -361,7 +361,8 @@ class GroupAverager:
             patience_s=patience_s,
         )
         if decision.action != "joined" or decision.declaration is None:
-            raise RoundFailed(_FAILURES.get(decision.action, "no_group"), reason)
+            closed = decision.declaration.member_ids() if decision.declaration is not None else frozenset()
+            raise RoundFailed(_FAILURES.get(decision.action, "no_group"), reason, closed_without_us=frozenset(closed))
         return decision.declaration, secret, banned
 
     def _run(

@@ -96,7 +96,9 @@ class Decision:
             "not_in_group", "no_group", "too_small".
         reason: for people (logs, errors); code branches on the typed fields only.
         members: the group to declare ("declare").
-        declaration: the group we are in ("joined").
+        declaration: the group we are in ("joined"); for "late" and "not_in_group", the live group of our round key
+            that closed its window without us (its members' round is the epoch's: ``diloco.sync_policy.decide_sync``
+            follows its result, ``closed_without_us``).
         leader: while waiting, the entry of the peer expected to declare our group (ourselves when we lead).
         closed_by: why our group is closed, once it is ("declare", and "wait" for the leader's declaration):
             "full" (``target_group_size`` ready), "complete" (every expected peer ready), "window" (the first ready
@@ -211,9 +213,11 @@ def decide(
         if d.reason != "window" or me.peer_id in d.member_ids() or several or len(d.members) < 2:
             continue
         if d.declared_at >= me.announced_at:
-            return Decision("not_in_group", f"{d.leader} closed its window at {d.declared_at:.2f} without us")
+            why = f"{d.leader} closed its window at {d.declared_at:.2f} without us"
+            return Decision("not_in_group", why, declaration=d)
         if len(d.members) > 1:
-            return Decision("late", f"group of {d.leader} closed at {d.declared_at:.2f} before we announced")
+            why = f"group of {d.leader} closed at {d.declared_at:.2f} before we announced"
+            return Decision("late", why, declaration=d)
     by_id: dict[str, ReadyEntry] = {}
     for e in [*entries, me]:
         if e.round_key != me.round_key or e.peer_id in banned or (e.peer_id, e.session) in consumed:

@@ -51,6 +51,19 @@ class Evidence:
         self.my_peer_id, self.exact_average, self.stale_after_s = my_peer_id, exact_average, stale_after_s
         self.now, self.on_ban = now, on_ban
         self.trust = SyncTrust(coordinator_id=coordinator_id, run_started_at=run_started_at)
+        self._closed_without_us: tuple[int, frozenset[str]] = (-1, frozenset())
+
+    def note_closed_without_us(self, epoch: int, members: frozenset[str]) -> None:
+        """Matchmaking found our ``epoch``'s group closed without us (``RoundFailed.closed_without_us``: its
+        members, peer IDs): the round whose result ``decide_sync`` follows once they hold it (the latest such group
+        of the newest epoch is kept)."""
+        if members and epoch >= self._closed_without_us[0]:
+            self._closed_without_us = (epoch, frozenset(members))
+
+    def closed_without_us(self, epoch: int) -> frozenset[str]:
+        """The members of ``epoch``'s group that closed without us (``note_closed_without_us``), or empty."""
+        noted, members = self._closed_without_us
+        return members if noted == epoch else frozenset()
 
     def anchor(self, epoch: int) -> None:
         """We adopted a verified (quorum- or coordinator-backed) state at ``epoch``: move the run's start earlier if

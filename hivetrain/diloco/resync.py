@@ -117,6 +117,7 @@ class Resync:
             exact_average=self.exact_average,
             trust=self.evidence.trust,
             unbacked=True,
+            closed_without_us=self.evidence.closed_without_us(state.epoch),
         )
         self.evidence.ban(decision.ban, decision.reason)
         if decision.action == "train":

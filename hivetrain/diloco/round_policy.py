@@ -72,7 +72,8 @@ def group_holds_the_epoch(
     honestly but claim an epoch ahead formed a group with one honest peer whose partner and joiner were a second
     late; the honest peer committed with them, the others formed a group of their own, and the two honest lineages
     stayed apart for 6 epochs (chaos ``ahead-liars-3v2``, 2026-11-29). Refused, the round fails on every member (the
-    averager's ``accept``) and is retried with the peers we train with. Without seniority (a new run) the rule is a
+    averager's ``accept``) and is retried with the peers we train with, or, when trainers one epoch ahead outweighed
+    it, their result is followed (``went_ahead``). Without seniority (a new run) the rule is a
     plain majority of heads, which a group of one honest peer and Sybils can still win: admission closes that.
     Trainers whose record shows our epoch + 1 count too: they committed this round without us (the epoch's one
     declaration closed before we arrived), and a late group of our own would end the epoch on a second state (the
@@ -99,6 +100,22 @@ def group_holds_the_epoch(
         f"the round's {len(members)} contributor(s) weigh {inside_mass:g} against {outside_mass:g} for "
         f"{len(set(outside))} live trainer(s) of epoch {my_epoch} (or past it) outside it (rounds committed together): "
         "applying it could split the peers we train with"
+    )
+
+
+def went_ahead(
+    my_epoch: int, group: Iterable[str], records: Iterable[PeerRecord], now: float, stale_after_s: float,
+    trust: SyncTrust = SyncTrust(),
+) -> frozenset[str]:  # fmt: skip
+    """The live trainers outside ``group`` whose records show ``my_epoch`` + 1: when ``group_holds_the_epoch``
+    refuses a round, the peers of the epoch's round that went on without it, whose result the refused members follow
+    (``sync_policy.decide_sync``'s ``closed_without_us``; its quorum of them holding one state still applies). Banned,
+    departed, paused and stale records do not count."""
+    members = set(group)
+    return frozenset(
+        r.peer_id
+        for r in live_records(records, now, stale_after_s, banned=trust.banned, exclude=members, paused=False)
+        if r.epoch == my_epoch + 1
     )
 
 
@@ -150,6 +167,8 @@ class RoundView:
         view_age_s: seconds since the last real read of the swarm (the record heartbeat reads it every few seconds).
         time_left_s: seconds left until the round's overall deadline (``averaging.round_timeout_s`` from the first
             attempt); may be negative.
+        closed_without_us: peer ids of the members of our epoch's group that closed without us
+            (``RoundFailed.closed_without_us``); empty when no such group was seen.
     """
 
     epoch: int
@@ -162,6 +181,7 @@ class RoundView:
     view_age_s: float = 0.0
     time_left_s: float = 0.0
     stopping: bool = False
+    closed_without_us: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -195,7 +215,8 @@ def decide_after_round(
     Rules, in order: stopping stops; a swarm unreadable for over ``dht_lost_after_s`` is "lost"; a committed group of
     two or more is applied; a group of one is applied only on a real view of the swarm with no other live trainer at
     our epoch or later (``may_commit_alone``: else it would fork the run); after a failure, evidence of a newer epoch or
-    of another state at ours (``decide_sync``: a quorum or the run's coordinator) means "resync"; otherwise retry
+    of another state at ours (``decide_sync``: a quorum, the run's coordinator, or the members of our epoch's group
+    that closed without us, ``view.closed_without_us``) means "resync"; otherwise retry
     with exponential backoff (0.25 s doubling, at most 4 s), past ``max_retries`` only while live peers of our epoch
     may still come and the round's deadline is not reached; then "carry". Nothing a peer computed is thrown away
     here: "resync" and "carry" keep the contribution.
@@ -229,8 +250,9 @@ def decide_after_round(
                 return RoundPolicy("apply", f"alone: {why}")
             failure = f"alone: {why}"
     sync = decide_sync(
-        my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average, trust=trust, unbacked=unbacked
-    )
+        my_peer_id, view.epoch, view.my_hash, records, now, stale_after_s, exact_average, trust=trust,
+        unbacked=unbacked, closed_without_us=view.closed_without_us,
+    )  # fmt: skip
     if sync.action == "download":
         return RoundPolicy("resync", f"{failure}; {sync.reason}")
     waiting_for_peers = not may_commit_alone(my_peer_id, view.epoch, records, now, stale_after_s, trust, catch_up)[0]

@@ -47,6 +47,7 @@ from hivetrain.diloco.round_policy import (
     decide_after_round,
     group_holds_the_epoch,
     keep_carried,
+    went_ahead,
 )
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.swarm_view import SwarmView
@@ -218,6 +219,9 @@ class RoundRunner:
             publish at once). 0 = look once.
         catch_up_wait_s: how long a live trainer behind our epoch (a joiner, a restarted peer) holds our solo steps,
             seconds (``sync_policy.CatchUp``); 0 = solo steps go on past it.
+        note_closed_without_us: called with (epoch, member peer IDs) when matchmaking finds the epoch's group closed
+            without us (``RoundFailed.closed_without_us``), so that the trainer's downloads follow its result
+            (``Evidence.note_closed_without_us``).
     """
 
     def __init__(
@@ -235,6 +239,7 @@ class RoundRunner:
         trust: Callable[[], SyncTrust] = SyncTrust,
         voted_wait_s: float = 0.0,
         catch_up_wait_s: float = 0.0,
+        note_closed_without_us: Callable[[int, frozenset[str]], None] = lambda epoch, members: None,
     ):
         self.peer_id, self.averager, self.view, self.config = peer_id, averager, view, config
         self.faults, self.emit, self.stop = faults, emit, stop
@@ -245,10 +250,12 @@ class RoundRunner:
         self.norms = UpdateNorms(config.averaging.update_norm_window)
         self._checked_norm: float | None = None  # the norm ``_accept`` computed for the round in progress
         self._epoch = -1  # the epoch of the round in progress (``_accept``)
+        self._went_ahead: frozenset[str] = frozenset()  # who outweighed the round ``_accept`` refused (``went_ahead``)
         self.rounds_failed = 0
         self.last_failure = ""
         self.catch_up_wait_s = catch_up_wait_s
         self.behind_since: dict[str, float] = {}  # live trainers behind our epoch -> first seen so (``CatchUp``)
+        self.note_closed_without_us = note_closed_without_us
 
     def run(self, state: TrainingState, state_hash: str, contribution: Contribution) -> RoundOutcome:
         """Average ``contribution`` at ``state.epoch`` and build the next shared state; never modifies ``state``.
@@ -278,7 +285,7 @@ class RoundRunner:
                 weight=float(contribution.samples),
             )
             sent, weight = given["tensors"], float(given["weight"])
-            result, failure = None, ""
+            result, failure, closed_without_us = None, "", frozenset[str]()
             expected, patience = frozenset(), 0.0
             if self.view.coverage >= 1.0:  # a sample of a sharded swarm names too few: groups close by their window
                 # after a stall (a SIGSTOP, a laptop lid) the view is from before it: peers it shows at our epoch may
@@ -289,7 +296,7 @@ class RoundRunner:
                 expected = expected_peers(records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
                 per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
                 patience = patience_for(records, expected, epoch, per_step, cfg.round_timeout_s)
-            self._checked_norm, self._epoch = None, epoch
+            self._checked_norm, self._epoch, self._went_ahead = None, epoch, frozenset()
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
                 result = self.averager.average(
@@ -298,6 +305,9 @@ class RoundRunner:
                 )  # fmt: skip
             except RoundFailed as exc:
                 failure = exc.reason + (f" ({exc.detail})" if exc.detail else "")
+                # the epoch's group that closed without us, or the peers ahead whose round outweighed ours
+                closed_without_us = exc.closed_without_us or self._went_ahead
+                self.note_closed_without_us(epoch, closed_without_us)
                 if exc.voted is not None and local is None:
                     adopted = self._committed_without_us(state, exc.voted, failure)
                     if adopted is not None:
@@ -320,6 +330,7 @@ class RoundRunner:
                 view_age_s=self.view.view_age_s,
                 time_left_s=deadline - time.monotonic(),
                 stopping=self.stop.is_set(),
+                closed_without_us=closed_without_us,
             )
             policy = decide_after_round(
                 self.peer_id,
@@ -360,17 +371,21 @@ class RoundRunner:
     def _accept(self, flat: torch.Tensor, contributors: tuple[str, ...]) -> str:
         """``Averager.average``'s ``accept`` (butterfly): "" or why the round's averaged Δ̄ (fp32 (n,)) from
         ``contributors`` is refused: beyond the bound on the outer step (``update_bound``), or from a group that does
-        not outweigh the live trainers of our epoch left out of it (``round_policy.group_holds_the_epoch``)."""
+        not outweigh the live trainers of our epoch left out of it (``round_policy.group_holds_the_epoch``; the
+        trainers one epoch ahead among them are then the round we follow: ``round_policy.went_ahead``)."""
         norm = self._checked_norm = l2_norm([flat])
         cfg = self.config.averaging
         ok, why = update_bound(norm, self.norms.history, cfg.max_update_ratio, cfg.update_norm_min_history)
         if not ok:
             return why
         if len(contributors) > 1:  # a round of one: ``may_commit_alone`` decides after the call
+            records, now, trust = self.view.records, get_dht_time(), self.trust()
             ok, why = group_holds_the_epoch(
-                self.peer_id, self._epoch, contributors, self.view.records, get_dht_time(), self.stale_after_s,
-                self.trust(), coverage=self.view.coverage,
+                self.peer_id, self._epoch, contributors, records, now, self.stale_after_s, trust,
+                coverage=self.view.coverage,
             )  # fmt: skip
+            if not ok:
+                self._went_ahead = went_ahead(self._epoch, contributors, records, now, self.stale_after_s, trust)
         return "" if ok else why
 
     def _refuse_step(self, state: TrainingState, theta: list[torch.Tensor]) -> str:

@@ -13,7 +13,7 @@ their senders returned for banning.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -245,6 +245,7 @@ def decide_sync(
     trust: SyncTrust = SyncTrust(),
     my_vote: bool = True,
     unbacked: bool = False,
+    closed_without_us: frozenset[str] = frozenset(),
 ) -> SyncDecision:
     """Decide whether to keep training or download state first, on evidence only.
 
@@ -256,6 +257,18 @@ def decide_sync(
       counting our own vote, is not ours. Every peer counts the same population, its own hash included, so both sides
       of a fork agree on who downloads (a 2-1 fork: the lone peer; a 1-1 tie: nobody, as nothing tells the honest
       side from a liar; with ``min_fraction < 0.5`` ties go to the larger hash string on both sides).
+    - **behind, the epoch's round went on without us** (exact averaging): ``closed_without_us`` names the members
+      of our epoch's group that closed without us (matchmaking's "late": it closed before we were ready), and at
+      least ``quorum.min_peers`` of them hold one state at our epoch + 1 that is the most held there, by more than
+      ``quorum.min_fraction`` of the weight of every voter at that epoch. That group was the epoch's one round (its
+      members' ``accept`` checked that they outweigh the epoch's other trainers), so its result is the state the
+      swarm goes on from, even while as many peers as it held are still behind with us: the quorum's rule 3 (the
+      voters at an epoch or later must be half the population) would hold every late peer back, and they would form
+      a second round of the same epoch that its first group's result outweighs (the simulator's 1,000 peers with
+      1 h sessions: a group of 446 committed epoch 5 while 450 finished later; for 10,000 simulated seconds the late
+      peers' rounds were refused and the committed ones waited for them, dev/LOG.md 2026-12-01). The same adoption
+      checks apply as for any download (``vouched``: fresh identities that declare a group and claim its result
+      vouch for nothing).
     - **behind, unbacked** (``unbacked`` only, exact averaging): no other live trainer is at our epoch, so we can
       average with nobody, and trainers claim newer epochs that no quorum can back (a run of two peers, one of them
       ahead: issue 22's late joiner and restarted peer, stuck for minutes while the other committed solo steps). We
@@ -273,6 +286,8 @@ def decide_sync(
         trust: the quorum's thresholds, the run's coordinator, the run's start, the banned peers.
         my_vote: our state counts as a vote (trainers); False for the coordinator, which trains nothing.
         unbacked: allow the "behind, unbacked" rule (trainers, which can evaluate a state on their own windows).
+        closed_without_us: peer ids of the members of our epoch's group that closed without us
+            (``RoundFailed.closed_without_us``; empty = none seen): the "went on without us" rule.
 
     Returns:
         The decision; ``ban`` lists the peers whose epochs the run's age rules out.
@@ -312,6 +327,18 @@ def decide_sync(
             b.state_hash,
             vouched=vouched_by(ev, newest, b.state_hash, trust),
         )
+    followed = _closed_without_us(ev, my_epoch, closed_without_us, trust.quorum) if exact_average else None
+    if followed is not None:
+        state_hash, why = followed
+        return SyncDecision(
+            "download",
+            my_epoch + 1,
+            holding(my_epoch + 1, state_hash),
+            why + notes,
+            ev.ban,
+            state_hash,
+            vouched=vouched_by(ev, my_epoch + 1, state_hash, trust),
+        )
     if exact_average:
         if coord is not None and coord.epoch == my_epoch:
             theirs, by = coord.state_hash, "the run's coordinator verified"
@@ -337,6 +364,31 @@ def decide_sync(
                 epoch, state_hash, why = lone
                 return SyncDecision("download", epoch, holding(epoch, state_hash), why + notes, ev.ban, state_hash)
     return SyncDecision("train", my_epoch, (), "in sync" + _unbacked(ev, my_epoch) + notes, ev.ban)
+
+
+def _closed_without_us(
+    ev: _Evidence, my_epoch: int, members: frozenset[str], quorum: QuorumConfig
+) -> tuple[str, str] | None:
+    """(hash, reason) of the state the members of our epoch's group that closed without us hold at ``my_epoch`` + 1,
+    if it passes the "went on without us" rule of ``decide_sync``; else None."""
+    if not members:
+        return None
+    weight = (lambda p: 1.0) if ev.weights is None else (lambda p: ev.weights.get(p, 1.0))
+    voters = {v.peer_id: v for v in ev.votes if v.epoch == my_epoch + 1}  # distinct: one record per peer
+    held: dict[str, float] = defaultdict(float)
+    for p, v in voters.items():
+        held[v.state_hash] += weight(p)
+    if not held:
+        return None
+    state_hash, mass = max(held.items(), key=lambda kv: (kv[1], kv[0]))
+    ours = sorted(p for p, v in voters.items() if p in members and v.state_hash == state_hash)
+    if not state_hash or len(ours) < quorum.min_peers or mass <= quorum.min_fraction * sum(held.values()):
+        return None
+    why = (
+        f"behind: our epoch's round went on without us ({len(ours)} of its {len(members)} members hold epoch "
+        f"{my_epoch + 1}, {state_hash[:12]}), we are at {my_epoch}"
+    )
+    return state_hash, why
 
 
 def _lone_behind(ev: _Evidence, my_epoch: int) -> tuple[int, str, str] | None:

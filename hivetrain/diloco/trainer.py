@@ -197,6 +197,7 @@ class DilocoTrainer:
             voted_wait_s=config.averaging.commit_timeout_s + options.record_interval_s,
             # a joiner behind us downloads our state (one state timeout) and joins the next round (one round timeout)
             catch_up_wait_s=options.state_timeout_s + config.averaging.round_timeout_s,
+            note_closed_without_us=self.evidence.note_closed_without_us,
         )
         self.round_wait = RoundWait(
             node.peer_id,

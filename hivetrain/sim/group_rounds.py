@@ -17,7 +17,7 @@ import numpy as np
 
 from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import GroupDeclaration
-from hivetrain.diloco.round_policy import RoundView, group_holds_the_epoch
+from hivetrain.diloco.round_policy import RoundView, group_holds_the_epoch, went_ahead
 from hivetrain.diloco.sync_policy import SyncTrust
 from hivetrain.sim.consensus import group_means
 from hivetrain.sim.grid import grid_round
@@ -263,8 +263,8 @@ class GroupRounds:
         them in ``diloco.evidence.note_round``), so a joiner that never averaged with the member weighs nothing once
         the member has averaged with anyone, and a member that has not yet counts heads. Refused, the round fails on
         every member still in it (``waiting``, default the contributors) and they decide what next
-        (``decide_after_round``). Accepted, every contributor gains the round in ``rounds_with``. Returns whether the
-        result may be applied."""
+        (``decide_after_round``, which follows the result of the trainers ahead: ``went_ahead``). Accepted, every
+        contributor gains the round in ``rounds_with``. Returns whether the result may be applied."""
         if len(contributors) < 2:
             return True
         st = self.sim.state
@@ -282,7 +282,9 @@ class GroupRounds:
         self.sim.metrics.count("round.refused_outweighed")
         waiting = contributors if waiting is None else waiting
         failing = [int(s) for s in waiting if st.i["status"][int(s)] == AVERAGING]
-        self.engine.fail(failing, epoch, "outweighed", self.sim.env.now)
+        ids = [st.peer_ids[int(s)] for s in contributors]
+        ahead = went_ahead(epoch, ids, records, self.sim.env.now, self.sim.sc.schedule.stale_after_s)
+        self.engine.fail(failing, epoch, "outweighed", self.sim.env.now, ahead)
         return False
 
     def _trust_of(self, me: int, records: list, contributors: np.ndarray) -> SyncTrust:

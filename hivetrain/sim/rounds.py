@@ -116,14 +116,14 @@ class RoundEngine:
             key = self.keys[epoch]
             if not any(d.reason == "window" for d in key.declarations):
                 continue
-            failed: dict[str, list[int]] = defaultdict(list)
+            failed: dict[tuple[str, frozenset[str]], list[int]] = defaultdict(list)
             for part in self._by_side(group):  # callers of one side see the same entries
                 for slot, d in self.decide_fresh(key, part, now).items():
                     if d.action not in ("wait", "declare", "joined"):
                         del key.waiting[slot]
-                        failed[d.action].append(slot)
-            for action, failing in failed.items():
-                self.fail(failing, epoch, action, now)
+                        failed[d.action, _members(d.declaration)].append(slot)
+            for (action, closed), failing in failed.items():
+                self.fail(failing, epoch, action, now, closed)
 
     def store(self, slots: list[int], now: float) -> dict[int, list[int]]:
         """Store a fresh entry (a new session) for each of ``slots`` at its phase epoch's key; returns epoch ->
@@ -277,7 +277,7 @@ class RoundEngine:
                 self._start_group(key, decl, now)
                 continue
             del key.waiting[slot]
-            self.fail([slot], epoch, d.action, now)
+            self.fail([slot], epoch, d.action, now, _members(d.declaration))
         # peers past their call deadline that were not asked (a smaller id waits): no group formed for them either
         for slot in [s for s in waiting if s in key.waiting and now >= self._round_deadline(s)]:
             self._give_up(key, slot, now)
@@ -343,9 +343,14 @@ class RoundEngine:
         self.sim.metrics.count("after_round." + policy.action)
         return policy
 
-    def fail(self, slots: list[int], epoch: int, failure: str, now: float) -> None:
+    def fail(
+        self, slots: list[int], epoch: int, failure: str, now: float, closed: frozenset[str] = frozenset()
+    ) -> None:
         """A round failed for ``slots``: one ``decide_after_round`` per group of them that ``sim.sharing`` puts
-        together (``share_key``), or its cached answer (``policy_key``)."""
+        together (``share_key``), or its cached answer (``policy_key``). ``closed``: the members of the epoch's
+        group that closed without them (matchmaking's "late" / "not_in_group", as the engine reports it:
+        ``RoundFailed.closed_without_us``), or the peers ahead whose round outweighed theirs
+        (``round_policy.went_ahead``): whose result they follow (``RoundView.closed_without_us``)."""
         st = self.sim.state
         self.sim.metrics.count("round_failed." + failure)
         by_view: dict[tuple, list[int]] = defaultdict(list)
@@ -355,22 +360,24 @@ class RoundEngine:
             if st.i["status"][slot] != ABSENT:
                 by_view[shared.share_key(slot, now, free, epoch)].append(slot)
         for share, group in by_view.items():
-            key = shared.policy_key(share, epoch, failure, now)
+            key = shared.policy_key(share, epoch, (failure, closed), now)
             policy = shared.cached(key)
             if policy is None:
-                policy = self._after_round(group[0], shared.failed_view(group[0], epoch, failure, now), now)
+                view = shared.failed_view(group[0], epoch, failure, now, closed)
+                policy = self._after_round(group[0], view, now)
                 shared.store(key, policy)
             else:
                 self.sim.metrics.count("after_round." + policy.action)
                 self.sim.metrics.count("after_round.cached")
             self.sim.metrics.count("after_round.shared", len(group) - 1)
-            self._apply_policy(group, epoch, policy, now)
+            self._apply_policy(group, epoch, policy, now, closed)
 
-    def _apply_policy(self, slots: list[int], epoch: int, policy, now: float) -> None:
+    def _apply_policy(self, slots: list[int], epoch: int, policy, now: float, closed=frozenset[str]()) -> None:
         st = self.sim.state
         for slot in slots:
             st.i["attempt"][slot] += 1
-        if policy.action == "resync" and self.sim.sync.sync_or_download(slots, epoch, st.state_hash[slots[0]], now):
+        hash_ = st.state_hash[slots[0]]
+        if policy.action == "resync" and self.sim.sync.sync_or_download(slots, epoch, hash_, now, closed=closed):
             for slot in slots:
                 st.f["carried_samples"][slot] = 0  # ``keep_carried`` with max_staleness 0: lost across a download
                 st.i["carried_phases"][slot] = 0
@@ -414,6 +421,11 @@ class RoundEngine:
         return download_cost(sc.sim.resolved_state_bytes(), sc.download.chunk_bytes, float(st.f["down_bps"][slot]),
                              float(st.f["latency_s"][slot]), st.f["up_bps"][donors], st.f["latency_s"][donors],
                              concurrent)  # fmt: skip
+
+
+def _members(declaration: GroupDeclaration | None) -> frozenset[str]:
+    """The member ids of a declaration matchmaking failed us for ("late", "not_in_group"), or empty."""
+    return frozenset() if declaration is None else frozenset(declaration.member_ids())
 
 
 def wire_bytes(model_bytes: int, avg: AveragingConfig) -> int:

@@ -67,7 +67,7 @@ class SharedCalls:
             return None
         return ("top", epoch)
 
-    def policy_key(self, share: tuple, epoch: int, failure: str, now: float) -> tuple:
+    def policy_key(self, share: tuple, epoch: int, failure: object, now: float) -> tuple:
         """Failed peers with equal keys get the same ``decide_after_round`` answer, also at different times.
 
         ``decide_after_round`` reads ``now`` only through records' liveness (``now - updated_at <= stale_after_s``)
@@ -82,12 +82,15 @@ class SharedCalls:
             self._version = board.version
         return (board.num_live(now, self.sim.sc.schedule.stale_after_s), share, epoch, failure)
 
-    def failed_view(self, slot: int, epoch: int, failure: str, now: float) -> RoundView:
-        """What ``slot`` knows after a failed attempt at ``epoch``."""
+    def failed_view(
+        self, slot: int, epoch: int, failure: str, now: float, closed: frozenset[str] = frozenset()
+    ) -> RoundView:
+        """What ``slot`` knows after a failed attempt at ``epoch`` (``closed``: the members of the epoch's group
+        that closed without it)."""
         st = self.sim.state
         deadline = float(st.f["ready_since"][slot]) + self.sim.sc.averaging.round_timeout_s
         return RoundView(epoch, st.state_hash[slot], int(st.i["attempt"][slot]) + 1, committed=False,
-                         failure=failure, time_left_s=deadline - now)  # fmt: skip
+                         failure=failure, time_left_s=deadline - now, closed_without_us=closed)  # fmt: skip
 
     def share_key(self, slot: int, now: float, free: HashTest | None = None, epoch: int = -1) -> tuple:
         """Failed peers with equal keys get the same ``decide_after_round`` answer, so one call stands for them.

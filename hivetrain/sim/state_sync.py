@@ -110,12 +110,16 @@ class StateSync:
                             st.state_hash[slot] = GENESIS
                         st.start_phase(slot, epoch, now)
 
-    def sync_or_download(self, slots: list[int], epoch: int, state_hash: str, now: float, top: bool = False) -> bool:
+    def sync_or_download(
+        self, slots: list[int], epoch: int, state_hash: str, now: float, top: bool = False,
+        closed: frozenset[str] = frozenset(),
+    ) -> bool:  # fmt: skip
         """Peers at ``epoch`` with state ``state_hash`` (after a failed round, or a commit): download if ``decide_sync``
-        says so. ``top``: reuse the answer of an earlier call under ``SharedCalls.top_key`` when there is one."""
-        d = self.sync_decision(
-            slots, epoch, state_hash, now, self.sim.rounds.shared.top_key(epoch, now) if top else None
-        )
+        says so. ``top``: reuse the answer of an earlier call under ``SharedCalls.top_key`` when there is one;
+        ``closed``: the members of the epoch's group that closed without them (``decide_sync``'s
+        ``closed_without_us``, as the trainer's ``Evidence`` keeps it)."""
+        key = self.sim.rounds.shared.top_key(epoch, now) if top and not closed else None
+        d = self.sync_decision(slots, epoch, state_hash, now, key, closed)
         self.sim.metrics.count("decide_sync." + d.action)
         if d.action != "download" or not d.donors:
             return False
@@ -123,7 +127,10 @@ class StateSync:
             self.sim.env.process(self._download(slot, d.target_epoch, d.donors))
         return True
 
-    def sync_decision(self, slots: list[int], epoch: int, state_hash: str, now: float, key: tuple | None = None):
+    def sync_decision(
+        self, slots: list[int], epoch: int, state_hash: str, now: float, key: tuple | None = None,
+        closed: frozenset[str] = frozenset(),
+    ):  # fmt: skip
         """``decide_sync`` for ``slots`` (one call stands for them: ``sim.sharing``), or the answer cached under
         ``key``."""
         tops = self.sim.rounds.shared.tops
@@ -131,7 +138,8 @@ class StateSync:
             self.sim.metrics.count("decide_sync.cached")
             return tops[key]
         d = decide_sync(self.sim.state.peer_ids[slots[0]], epoch, state_hash, self.sim.records_for(slots[0]), now,
-                        self.sim.sc.schedule.record_ttl_s, self.sim.exact, trust=self.sim.trust)  # fmt: skip
+                        self.sim.sc.schedule.record_ttl_s, self.sim.exact, trust=self.sim.trust,
+                        closed_without_us=closed)  # fmt: skip
         if key is not None:
             tops[key] = d
         return d

@@ -102,6 +102,7 @@ def test_a_peer_arriving_after_a_group_closed_its_window_is_late_but_not_after_a
     closed = declaration([a, b], 105.0)
     d = run(entry("C", at=106.0), [a, b], [closed], now=106.0)
     assert d.action == "late"
+    assert d.declaration is closed  # the epoch's round, whose result C follows (``decide_sync``'s closed_without_us)
     alone = declaration([a], 105.0)  # A's caller may refuse to commit alone and retry with us
     assert run(entry("C", at=106.0), [a], [alone], now=106.0).action == "wait"
 

@@ -57,3 +57,14 @@ def test_without_a_run_start_nothing_is_anchored():
     ev = evidence()
     ev.anchor(10**6)
     assert ev.trust.run_started_at is None
+
+
+def test_evidence_keeps_the_group_that_closed_without_us_for_its_epoch_only():
+    ev = Evidence("me", "", exact_average=True, stale_after_s=30.0, now=lambda: 0.0)
+    assert ev.closed_without_us(5) == frozenset()
+    ev.note_closed_without_us(5, frozenset({"a", "b"}))
+    assert ev.closed_without_us(5) == {"a", "b"} and ev.closed_without_us(6) == frozenset()
+    ev.note_closed_without_us(4, frozenset({"c"}))  # an older epoch's group does not replace it
+    assert ev.closed_without_us(5) == {"a", "b"}
+    ev.note_closed_without_us(6, frozenset({"c", "d"}))
+    assert ev.closed_without_us(5) == frozenset() and ev.closed_without_us(6) == {"c", "d"}

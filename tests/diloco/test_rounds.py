@@ -191,6 +191,21 @@ def test_a_failed_round_applies_nothing_and_hands_the_contribution_back_when_oth
     assert [e for e, _ in events] == ["round_failed"] and events[0][1]["reason"] == "not_in_group"
 
 
+def test_a_late_peer_follows_the_group_that_closed_without_it_and_the_trainer_remembers_it():
+    """As many peers behind at epoch 4 as ahead at 5: no quorum backs epoch 5. The engine's "late" names the group
+    that closed without us; once its members hold epoch 5 we follow them (``decide_sync``'s closed_without_us), and
+    the trainer's downloads learn of the group through ``note_closed_without_us``."""
+    s = state()
+    records = [rec(p, 5, digest="h5") for p in ("a", "b")] + [rec(p, 4, digest=s.state_hash()) for p in ("c", "d")]
+    noted = []
+    late = RoundFailed("not_in_group", "group of a closed before we announced", closed_without_us=frozenset("ab"))
+    run = runner(ScriptedAverager(late), records)
+    run.note_closed_without_us = lambda epoch, members: noted.append((epoch, members))
+    out = run.run(s, s.state_hash(), contribution())
+    assert out.policy.action == "resync" and "went on without us" in out.policy.reason
+    assert noted == [(4, frozenset("ab"))]
+
+
 def test_retries_then_carries_when_nobody_else_is_at_our_epoch():
     s = state()
     avg = ScriptedAverager(RoundFailed("peer_failed"), RoundFailed("peer_failed"))

@@ -9,6 +9,7 @@ from hivetrain.diloco.round_policy import (
     group_holds_the_epoch,
     keep_carried,
     may_commit_alone,
+    went_ahead,
 )
 from hivetrain.diloco.sync_policy import (
     CatchUp,
@@ -535,3 +536,78 @@ def test_a_late_group_is_refused_once_the_peers_we_train_with_committed_the_epoc
     # without seniority heads count: 2 stragglers against 3 that moved on are refused, against 1 they commit
     assert not group_holds_the_epoch("j", 9, ("j", "k"), swarm_moved_on, NOW, 30)[0]
     assert group_holds_the_epoch("j", 9, ("j", "k"), swarm_moved_on[:1], NOW, 30)[0]
+
+
+def test_a_late_peer_follows_its_epochs_round_though_half_the_swarm_is_behind_with_it():
+    """dp-1000-churn (simulator, 2026-12-01): a group of 446 committed epoch 5 while ~450 finished their phases later.
+    Counting heads, epoch 6 was no quorum (rule 3: its voters were under half of the population), so the late peers
+    could not download it; their own rounds at epoch 5 were refused as outweighed by the 446, and the 446 waited for
+    them: no outer step for 10,000 simulated seconds. A late peer that saw the epoch's group close without it follows
+    that group's result once its members hold it."""
+    group = ["a", "b", "c"]
+    records = [rec(p, 6, "h6") for p in group] + [rec(p, 5, "h5") for p in ("d", "e", "f", "g")]
+    assert decide_sync("me", 5, "h5", records, NOW, 30).action == "train"  # no quorum for epoch 6
+    d = decide_sync("me", 5, "h5", records, NOW, 30, closed_without_us=frozenset(group))
+    assert d.action == "download" and d.target_epoch == 6 and d.state_hash == "h6"
+    assert set(d.donors) == set(group) and "went on without us" in d.reason
+    # the after-round policy takes the group from the round's failure
+    view = RoundView(5, "h5", 1, committed=False, failure="not_in_group", closed_without_us=frozenset(group))
+    policy = decide_after_round("me", view, records, NOW, max_retries=3, stale_after_s=30, dht_lost_after_s=60)
+    assert policy.action == "resync"
+    plain = RoundView(5, "h5", 1, committed=False, failure="not_in_group")
+    policy = decide_after_round("me", plain, records, NOW, max_retries=3, stale_after_s=30, dht_lost_after_s=60)
+    assert policy.action == "retry"
+
+
+def test_following_a_closed_group_needs_a_quorum_of_its_members_holding_the_most_held_state():
+    members = frozenset({"a", "b", "c"})
+    behind = [rec(p, 5, "h5") for p in ("d", "e")]
+    # one member holds the next epoch: a lone identity is never evidence
+    lone = [rec("a", 6, "h6"), rec("b", 5, "h5"), *behind]
+    assert decide_sync("me", 5, "h5", lone, NOW, 30, closed_without_us=members).action == "train"
+    # two members hold a state that others at the next epoch outnumber: not the epoch's result
+    many_behind = [rec(p, 5, "h5") for p in "defghi"]
+    split = [rec("a", 6, "x"), rec("b", 6, "x"), *(rec(p, 6, "y") for p in "pqr"), *many_behind]
+    assert decide_sync("me", 5, "h5", split, NOW, 30).action == "train"  # no quorum for epoch 6 either
+    assert decide_sync("me", 5, "h5", split, NOW, 30, closed_without_us=members).action == "train"
+    # moshpit/gossip groups end on different states by design: nothing to follow
+    held = [rec(p, 6, "h6") for p in members] + many_behind
+    assert decide_sync("me", 5, "h5", held, NOW, 30, closed_without_us=members).action == "download"
+    assert decide_sync("me", 5, "h5", held, NOW, 30, exact_average=False, closed_without_us=members).action == "train"
+    # its members two epochs ahead of us: only the quorum rule moves us (to the 6 peers' epoch 5)
+    d = decide_sync("me", 4, "h4", held, NOW, 30, closed_without_us=members)
+    assert d.target_epoch == 5 and "went on without us" not in d.reason
+
+
+def test_fresh_identities_that_declare_a_group_and_claim_its_result_vouch_for_nothing():
+    """Issue 28's liars as a group that closed without us: two fresh identities declare a group at our epoch and
+    claim the next one with a poisoned state. We follow it only as far as a download goes: nobody we trained with
+    holds it, so the adoption checks (the loss on our own windows) decide, as for any unvouched state. The same group
+    of our seniors is vouched for."""
+    records = [rec("x", 6, "poison"), rec("y", 6, "poison"), rec("a", 5, "h5"), rec("b", 5, "h5")]
+    trust = SyncTrust(seniority={"a": 4, "b": 4})
+    d = decide_sync("me", 5, "h5", records, NOW, 30, trust=trust, closed_without_us=frozenset({"x", "y"}))
+    assert d.action == "download" and d.state_hash == "poison" and d.vouched == ""
+    honest = [rec("a", 6, "h6"), rec("b", 6, "h6"), rec("x", 5, "h5"), rec("y", 5, "h5")]
+    d = decide_sync("me", 5, "h5", honest, NOW, 30, trust=trust, closed_without_us=frozenset({"a", "b"}))
+    assert d.action == "download" and d.state_hash == "h6" and d.vouched
+
+
+def test_a_round_outweighed_by_peers_one_epoch_ahead_follows_their_result():
+    """dp-1000-churn, after the rule above: peers that finished their phase after the epoch's declaration had
+    expired were no longer told "late" and formed a round of their own, which the peers already one epoch ahead
+    outweighed; with no quorum at that epoch (as many peers were behind as ahead) they formed the next such round, for
+    hours. The refusal names who went on: those peers' result is the one to follow."""
+    late = ["me", "d", "e"]
+    ahead = [rec(p, 6, "h6") for p in ("a", "b", "c", "x")]
+    records = ahead + [rec(p, 5, "h5") for p in ("d", "e", "f", "g")] + [rec("old", 4, "h4")]
+    ok, why = group_holds_the_epoch("me", 5, late, records, NOW, 30)
+    assert not ok and "6 live trainer(s) of epoch 5 (or past it) outside it" in why
+    assert went_ahead(5, late, records, NOW, 30) == {"a", "b", "c", "x"}
+    banned = SyncTrust(banned=frozenset({"x"}))
+    assert went_ahead(5, late, records, NOW, 30, banned) == {"a", "b", "c"}
+    view = RoundView(
+        5, "h5", 2, committed=False, failure="refused", closed_without_us=went_ahead(5, late, records, NOW, 30)
+    )
+    policy = decide_after_round("me", view, records, NOW, max_retries=3, stale_after_s=30, dht_lost_after_s=60)
+    assert policy.action == "resync" and "went on without us" in policy.reason

@@ -203,12 +203,12 @@ def test_members_of_committed_groups_share_decide_sync_only_with_equal_answers()
                                churn={"session": "exponential", "mean_session_s": 300.0}))  # fmt: skip
     real, compared = sim.sync.sync_decision, [0]
 
-    def checked(slots, epoch, state_hash, now, key=None):
-        d = real(slots, epoch, state_hash, now, key)
+    def checked(slots, epoch, state_hash, now, key=None, closed=frozenset()):
+        d = real(slots, epoch, state_hash, now, key, closed)
         st, ttl = sim.state, sim.sc.schedule.record_ttl_s
         for s in slots:
             alone = decide_sync(st.peer_ids[s], epoch, st.state_hash[s], sim.records_for(s), now, ttl, sim.exact,
-                                trust=sim.trust)  # fmt: skip
+                                trust=sim.trust, closed_without_us=closed)  # fmt: skip
             assert _answer(alone) == _answer(d), (key, s)
         compared[0] += len(slots) - 1
         return d
