@@ -183,7 +183,7 @@ def _train(
     node_ranks: NodeRanks | None = None,
 ) -> int:
     from hivetrain.diloco import builder
-    from hivetrain.diloco.trainer import DhtLost
+    from hivetrain.diloco.swarm_view import DhtLost
 
     config = resolve_config(args, node)
     check_role_arguments(args, config)
