@@ -1,6 +1,6 @@
 """Robust aggregation of one part: shift test, collusion discount, bucketing, rejection, CenteredClip.
 
-``robust_aggregate`` is what a reducer runs for ``aggregation = "centered_clip"`` (``allreduce._aggregate``). For k
+``robust_aggregate`` is what a reducer runs for ``aggregation = "centered_clip"`` (``reduce.aggregate_into``). For k
 contributions x_i (fp32 (n,), one slice of the flat pseudo-gradient, in peer-id order) with weights w_i (samples):
 
 0. Sizes: peers run different numbers of inner steps (the "swarm" schedule gives fast peers more), so honest

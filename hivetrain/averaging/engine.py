@@ -35,7 +35,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome, all_finite
+from hivetrain.averaging.allreduce import ButterflyRound
 from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
@@ -44,6 +44,7 @@ from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid
 from hivetrain.averaging.hierarchical import two_stage
 from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
+from hivetrain.averaging.reduce import BufferPool, Member, RoundOutcome, all_finite
 from hivetrain.averaging.relay import P2PFallback
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.bans import BanConfig, BanList
