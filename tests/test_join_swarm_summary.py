@@ -20,7 +20,7 @@ from hivetrain.config import load_run_config
 from hivetrain.diloco import builder
 from hivetrain.diloco import trainer as trainer_module
 from hivetrain.diloco.duty import DutyCycle
-from hivetrain.diloco.trainer import DhtLost
+from hivetrain.diloco.swarm_view import DhtLost
 from hivetrain.faults import FaultInjector
 
 DHT_LOST = "lost the DHT: could not read the swarm for 72s (did the p2pd daemon die?)"

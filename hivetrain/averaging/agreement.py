@@ -1,6 +1,7 @@
 """What the members of a butterfly round agree on: who contributes (step 2, HAVE) and whether to commit (step 5, VOTE).
 
-``agree_contributors`` is the pure rule every member applies to the same HAVE frames. ``CommitVote`` is the commit of
+``agree_contributors`` is the pure rule every member applies to the same HAVE frames, ``quorate`` the rule for how
+many may go on without the others. ``CommitVote`` is the commit of
 one attempt of an ``allreduce.ButterflyRound`` (which creates it and owns the transport it uses): check the full
 result with the caller's ``accept``, vote, wait for every vote, commit only if all match ours and ours left. The
 algorithm and its failure handling are in the ``allreduce`` module docstring; why it never forks is here.
@@ -196,6 +197,13 @@ class CommitVote:
                 round_id=self.round_id,
             )
         return exc
+
+
+def quorate(left: int, declared: int, min_group_size: int) -> bool:
+    """Whether ``left`` members may commit a round declared with ``declared``: at least max(2, ``min_group_size``),
+    and a strict majority, so that the two sides of a network partition, each going on without the other, never both
+    commit."""
+    return left >= max(2, min_group_size) and 2 * left > declared
 
 
 def agree_contributors(haves: dict[str, object], order: Sequence[str]) -> tuple[frozenset[str], dict[str, float]]:

@@ -22,8 +22,8 @@ same cut as hivemind's ``AllReduceRunner``), for the ``k`` members in the agreed
 3. Reduce: slice i is reduced by member i while it counts, else by the next member after it that does (``Plan.owner``):
    the members resend their kept part of a reassigned slice to its new reducer (n/k each). A slice is reduced once
    by its owner (below: an attempt after a removal reduces only reassigned slices). Each reducer aggregates
-   its slices' contributions in the agreed order (``weighted_mean_into``, in place into the result, or
-   ``bucketing.robust_aggregate``) and encodes each reduced slice *once*.
+   its slices' contributions in the agreed order (``reduce.aggregate_into``: ``weighted_mean_into``, in place into the
+   result, or ``bucketing.robust_aggregate``) and encodes each reduced slice *once*.
 4. Gather: the reducer sends those same bytes to every member (frame RESULT, naming the members removed and the
    weights used); everyone, the reducer included, decodes the same bytes, so the results are bit-identical.
    Receivers hash what they receive (BLAKE3, while it arrives).
@@ -63,7 +63,8 @@ Layout: this file holds the round logic (scatter, HAVE, reduce, gather, attempts
 ``transport.RoundTransport`` (links, threads, send queues, inbox, its lock, waiting on members), a
 ``receive.RoundReceiver`` (what each received frame means; plans and receive buffers) and an
 ``agreement.CommitVote`` (the vote of step 5; ``agreement`` also holds the contributor rule of step 2, why no member
-commits two results, and the two-phase-commit gap); ``reduce`` the arithmetic.
+commits two results, the quorum rule and the two-phase-commit gap); a ``round_codec.RoundCodec`` (parts and results
+on the wire, error feedback); ``reduce`` the arithmetic.
 
 Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround`` (the attempt:
 the number of members removed so far):
@@ -80,7 +81,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -89,32 +89,19 @@ import blake3
 import msgpack
 import torch
 
-from hivetrain.averaging import codecs
-from hivetrain.averaging.agreement import CommitVote, agree_contributors, bad_claims
+from hivetrain.averaging.agreement import CommitVote, agree_contributors, bad_claims, quorate
 from hivetrain.averaging.base import RoundFailed
-from hivetrain.averaging.bucketing import aggregation_seed, robust_aggregate, robust_options
+from hivetrain.averaging.bucketing import aggregation_seed
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer
 from hivetrain.averaging.groups import MAX_SLICE_SHARES, butterfly_partition, slice_bandwidths
 from hivetrain.averaging.receive import RoundReceiver
-from hivetrain.averaging.reduce import (
-    BufferPool,
-    Member,
-    Plan,
-    RoundOutcome,
-    all_finite,
-    part_codec,
-    result_codec,
-    tensor_view,
-    weighted_mean_into,
-)
-from hivetrain.averaging.robust import NoValidContribution
+from hivetrain.averaging.reduce import BufferPool, Member, Plan, RoundOutcome, aggregate_into
+from hivetrain.averaging.round_codec import RoundCodec
 from hivetrain.averaging.transport import PeerFailed, RoundTransport
 from hivetrain.averaging.wire import FrameType
 from hivetrain.faults import FaultInjector, HookPoint
 from hivetrain.peers.bans import BanList
-
-__all__ = ["BufferPool", "ButterflyRound", "Member", "RoundOutcome", "all_finite", "weighted_mean_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +156,11 @@ class ButterflyRound:
         self.config, self.faults, self.epoch, self.bans, self.banned = config, faults, epoch, bans, banned
         self.accept = accept  # ``base.Averager.average``: checks the full result before we vote
         max_weight = float(max_weight if max_weight is not None else config.max_samples_per_round)
-        self.codec_config = part_codec(config, fan_in)
-        self.codec = codecs.make_codec(self.codec_config) if config.compression != "none" else None
-        # a reducer's averaged slice: the same codec, except a denser "topk" (every element any contributor sent)
-        self.result_config = result_codec(self.codec_config, len(self.members))
-        self.result_codec = codecs.make_codec(self.result_config) if self.codec is not None else None
-        self.receiver = RoundReceiver(me=me, round_id=round_id, codec_config=self.codec_config, codec=self.codec,
-                                      result_config=self.result_config, max_weight=max_weight,
-                                      pool=pool or BufferPool(), plan_wait_s=config.part_timeout_s)  # fmt: skip
+        self.codec = RoundCodec(config, fan_in, len(self.members))  # parts, results, error feedback
+        self.receiver = RoundReceiver(me=me, round_id=round_id, codec_config=self.codec.part_config,
+                                      codec=self.codec.part, result_config=self.codec.result_config,
+                                      max_weight=max_weight, pool=pool or BufferPool(),
+                                      plan_wait_s=config.part_timeout_s)  # fmt: skip
         self.transport = RoundTransport(round_id=round_id, me=me, members=self.members, secret=secret, server=server,
                                         config=config, on_frame=self.receiver.on_frame, fallback=fallback)  # fmt: skip
         self.receiver.transport = self.transport
@@ -184,7 +168,6 @@ class ButterflyRound:
                                receiver=self.receiver, accept=accept, hook=self._hook, send=self._send,
                                changed=self._changed)  # fmt: skip
         self._out: torch.Tensor | None = None
-        self._residual_out: torch.Tensor | None = None  # error feedback: what the codec drops from what we send
         self._mid_fired: set[int] = set()
         self._hook_lock = threading.Lock()
         self.timings: dict[str, float] = {}  # phase -> seconds it took (for logs and benchmarks)
@@ -222,7 +205,7 @@ class ButterflyRound:
                 docstring).
         """
         self._out = torch.empty_like(flat) if out is None else out
-        self._residual_out = residual_out if self.codec is not None else None
+        self.codec.start(residual_out)
         committed = False
         try:
             self._mark("start")
@@ -275,34 +258,13 @@ class ButterflyRound:
         self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, stage=self.stage,
                           **extra)  # fmt: skip
 
-    def _result_ratio(self) -> float:
-        """Wire bytes of a result element over a part element (1 but for "topk", whose results are denser)."""
-        if self.result_config is self.codec_config:
-            return 1.0
-        return self.result_config.frame_num_bytes(1 << 16) / self.codec_config.frame_num_bytes(1 << 16)
-
-    def _encode(self, x: torch.Tensor, residual_at: int | None = None, codec=None) -> list:
-        """Wire buffers of ``x`` (in ``codec``, default the parts' codec); with error feedback and ``residual_at``
-        (the offset of ``x`` in our contribution), also write what the codec dropped into the residual."""
-        if self.codec is None:
-            return [tensor_view(x)]
-        codec = codec or self.codec
-        part = codec.encode(x)
-        if self._residual_out is not None and residual_at is not None:
-            torch.sub(x, codec.decode(part), out=self._residual_out[residual_at : residual_at + x.numel()])
-        return codecs.to_buffers(part)
-
-    def _decoded(self, payload: list, num_elements: int) -> torch.Tensor:
-        """What the members read from our encoded ``payload`` (``_encode``'s buffers, with a codec)."""
-        return codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), num_elements))
-
     def _run_round(self, flat: torch.Tensor, weight: float, deadline: float) -> RoundOutcome:
         order = tuple(self.members)
         # the cut follows the members' claimed upload rates (from their signed entries: every member reads the same)
         rates = slice_bandwidths([self.members[p].upload_mbps for p in order]) if self.config.bandwidth_slices else None
         tag = blake3.blake3(msgpack.packb([self.round_id, list(order), rates])).digest()[:16]
         cut = butterfly_partition(
-            flat.numel(), order, rates, self._result_ratio(), max_share=MAX_SLICE_SHARES / len(order)
+            flat.numel(), order, rates, self.codec.result_ratio(), max_share=MAX_SLICE_SHARES / len(order)
         )
         plan = Plan(order, cut, tag)
         self.receiver.start(plan, self._out)  # type: ignore[arg-type]
@@ -322,8 +284,8 @@ class ButterflyRound:
         for i, p in enumerate(order):
             if p != me:
                 start, end = plan.bounds[i]
-                meta = {"w": weight, "codec": self.codec_config.name, "tag": tag, "slice": i}
-                frames[p] = [meta, self._encode(flat[start:end], start)]
+                meta = {"w": weight, "codec": self.codec.part_config.name, "tag": tag, "slice": i}
+                frames[p] = [meta, self.codec.encode_part(flat[start:end], start)]
         self._hook(HookPoint.AVERAGING_BEFORE_SEND, 0, flat=flat, frames=frames)
         self._sent_parts: set[tuple[int, str]] = set()
         self._reduced: dict[int, tuple[frozenset[str], bytes, tuple[str, ...]]] = {}  # ours: removed set, digest, used
@@ -365,7 +327,7 @@ class ButterflyRound:
         if me not in contributors:
             raise RoundFailed("excluded", f"reducers found our data bad: {bad_claims(haves, me)}")
         removed = frozenset(gone & contributors)
-        if not self._quorate(len(contributors - removed), len(order)) and gone:
+        if not quorate(len(contributors - removed), len(order), self.config.min_group_size) and gone:
             failures = self.transport.read(lambda ib: {p: ib.errors.get(p, "") for p in sorted(gone)})
             raise RoundFailed("peer_failed", f"no other member left to average with: {failures}")
 
@@ -375,12 +337,6 @@ class ButterflyRound:
             if isinstance(outcome, RoundOutcome):
                 return outcome
             removed = outcome
-
-    def _quorate(self, left: int, declared: int) -> bool:
-        """Whether ``left`` members may commit a round declared with ``declared``: at least max(2,
-        ``min_group_size``), and a strict majority, so that the two sides of a network partition, each going on
-        without the other, never both commit."""
-        return left >= max(2, self.config.min_group_size) and 2 * left > declared
 
     def _until(self, ready, pending, gone: set[str], deadline: float, what: str) -> None:
         """Wait until ``ready()``; members of ``pending()`` that fail meanwhile are dropped and added to ``gone``
@@ -431,7 +387,7 @@ class ButterflyRound:
         removed set to go on with (nothing is committed by anyone in the attempt left: see the module docstring)."""
         me, inbox = self.me, self.transport.inbox
         left = contributors - removed
-        if not self._quorate(len(left), len(plan.order)):
+        if not quorate(len(left), len(plan.order), self.config.min_group_size):
             out = sorted(set(plan.order) - left)
             raise RoundFailed(
                 "aborted", f"{len(left)} of {len(plan.order)} members left once {out} failed or misbehaved"
@@ -463,8 +419,9 @@ class ButterflyRound:
             start, end = plan.bounds[i]
             parts, bad = [], set()
             for p in members:
-                if p == me:
-                    parts.append(self._own_part(flat, plan, i))
+                if p == me:  # as the others would read it: through the codec like everyone's
+                    sent = self._frames[i][1] if i != plan.index(me) else None
+                    parts.append(self.codec.own_part(flat, start, end, sent))
                     continue
                 tensor, _, why = self.transport.read(lambda ib, p=p, i=i: ib.parts[(i, p)])
                 if why:
@@ -476,13 +433,11 @@ class ButterflyRound:
                 logger.warning("round %s: %s sent a bad part of slice %d", self.round_id[:8], sorted(bad), i)
                 return removed | frozenset(bad)
             dest = self.receiver.out(removed)[start:end]  # without a codec we reduce straight into the result
-            reduced = dest if self.codec is None else self.receiver.take(end - start)
+            reduced = dest if self.codec.raw else self.receiver.take(end - start)
             seed = aggregation_seed(plan.tag if self.seed_tag is None else self.seed_tag, i)  # the same everywhere
-            self._aggregate(parts, [weights[p] for p in members], reduced, seed)
+            aggregate_into(reduced, parts, [weights[p] for p in members], seed, self.config)
             self._hook(HookPoint.AVERAGING_AFTER_REDUCE, sub, reduced=reduced)
-            payload = self._encode(reduced, codec=self.result_codec)
-            if self.codec is not None:  # everyone, us included, uses the decoded bytes
-                dest.copy_(codecs.decode(codecs.from_bytes(b"".join(bytes(b) for b in payload), end - start)))
+            payload = self.codec.encode_result(reduced, dest)  # everyone, us included, uses the decoded bytes
             for p in members:
                 if p != me:
                     self._send(p, FrameType.RESULT, sub, {**own_meta, "slice": i}, payload)
@@ -541,30 +496,3 @@ class ButterflyRound:
         if isinstance(outcome, RoundOutcome) and any(len(m) != len(members) for _, _, m in self._slice_members):
             outcome = dataclasses.replace(outcome, slice_members=self._slice_members)
         return outcome
-
-    def _own_part(self, flat: torch.Tensor, plan: Plan, i: int) -> torch.Tensor:
-        """Our contribution to slice ``i`` as the others would read it: through the codec like everyone's."""
-        start, end = plan.bounds[i]
-        if i != plan.index(self.me):
-            return self._decoded(self._frames[i][1], end - start) if self.codec is not None else flat[start:end]
-        mine = flat[start:end]
-        if self.codec is None:
-            return mine
-        decoded = self.codec.decode(self.codec.encode(mine))
-        if self._residual_out is not None:
-            torch.sub(mine, decoded, out=self._residual_out[start:end])
-        return decoded
-
-    def _aggregate(self, parts: list[torch.Tensor], weights: list[float], out: torch.Tensor, seed: int) -> None:
-        """Aggregate ``parts`` (fp32 (m,) each, in the round's order) into ``out`` (fp32 (m,)); ``seed``: buckets."""
-        if not parts:
-            raise RoundFailed("aborted", "no valid contribution to our slice")
-        if not math.fsum(weights) > 0:
-            weights = [1.0] * len(weights)
-        if self.config.aggregation == "centered_clip" and len(parts) > 2:
-            try:
-                out.copy_(robust_aggregate(parts, weights, seed=seed, **robust_options(self.config)).value)
-            except NoValidContribution as exc:
-                raise RoundFailed("aborted", str(exc)) from None
-            return
-        weighted_mean_into(out, parts, weights)

@@ -1,6 +1,6 @@
 """Robust aggregation of one part: shift test, collusion discount, bucketing, rejection, CenteredClip.
 
-``robust_aggregate`` is what a reducer runs for ``aggregation = "centered_clip"`` (``allreduce._aggregate``). For k
+``robust_aggregate`` is what a reducer runs for ``aggregation = "centered_clip"`` (``reduce.aggregate_into``). For k
 contributions x_i (fp32 (n,), one slice of the flat pseudo-gradient, in peer-id order) with weights w_i (samples):
 
 0. Sizes: peers run different numbers of inner steps (the "swarm" schedule gives fast peers more), so honest
@@ -313,21 +313,9 @@ def robust_aggregate(
             w[i] /= len(g)
     a = {i: w[i] / scale[i] for i in kept}  # the weights of the scaled contributions (step 0)
     buckets, means, bucket_weights = _bucket_means(kept, us, w, a, seed, bucket_size)  # step 3
-    center = coordinate_median(means)
-    dists = [float(torch.linalg.vector_norm(m - center)) for m in means]
-    t = tau if tau is not None else tau_factor * _median(dists)  # step 4
-    inside = [j for j, d in enumerate(dists) if reject_factor == 0 or d <= reject_factor * t]
-    inside = inside or list(range(len(means)))  # a fixed tau below every distance: clip only
+    center, t, inside = _radius(means, tau, tau_factor, reject_factor)  # step 4
     rejected = tuple(sorted(i for j, b in enumerate(buckets) if j not in inside for i in b))
-    if t == 0:  # every bucket mean equals the median, so the mean is the median too
-        value, clipped = center.clone(), ()
-    else:  # step 5
-        res = centered_clip([means[j] for j in inside], [bucket_weights[j] for j in inside], t, num_iters, init=center)
-        value, clipped = res.value, tuple(sorted(i for c in res.clipped for i in buckets[inside[c]]))
-    members = [i for j in inside for i in buckets[j]]
-    back = math.fsum(a[i] for i in members) / math.fsum(w[i] for i in members)  # sum w x / sum w, from the u's
-    if back != 1.0:
-        value.mul_(back)
+    value, clipped = _clipped_mean(means, bucket_weights, buckets, inside, center, t, num_iters, w, a)  # step 5
     return AggregateResult(
         value=value,
         tau=t,
@@ -370,6 +358,32 @@ def _scaled(parts, w: list[float], kept: list[int], size_exponent: float | None)
         p = estimate_size_exponent([float(torch.linalg.vector_norm(parts[i])) for i in kept], [w[i] for i in kept])
     scale = {i: (w_ref / w[i]) ** p if w[i] > 0 else 1.0 for i in kept}
     return p, scale, {i: parts[i] if scale[i] == 1.0 else parts[i] * scale[i] for i in kept}
+
+
+def _radius(means: list[torch.Tensor], tau: float | None, tau_factor: float, reject_factor: float):
+    """Step 4: (center, t, inside): the coordinate median of the bucket means, the clipping radius (``tau``, or
+    ``tau_factor`` median distances to the center) and the buckets within ``reject_factor`` radii of it (every
+    bucket if none is)."""
+    center = coordinate_median(means)
+    dists = [float(torch.linalg.vector_norm(m - center)) for m in means]
+    t = tau if tau is not None else tau_factor * _median(dists)
+    inside = [j for j, d in enumerate(dists) if reject_factor == 0 or d <= reject_factor * t]
+    return center, t, inside or list(range(len(means)))  # a fixed tau below every distance: clip only
+
+
+def _clipped_mean(means, bucket_weights, buckets, inside: list[int], center, t: float, num_iters: int, w, a: dict):
+    """Step 5: (value, clipped): CenteredClip of the inside buckets' means from ``center`` with radius ``t``, scaled
+    back from the compared u's to sum w x / sum w of their members; the contributions of the buckets it clipped."""
+    if t == 0:  # every bucket mean equals the median, so the mean is the median too
+        value, clipped = center.clone(), ()
+    else:
+        res = centered_clip([means[j] for j in inside], [bucket_weights[j] for j in inside], t, num_iters, init=center)
+        value, clipped = res.value, tuple(sorted(i for c in res.clipped for i in buckets[inside[c]]))
+    members = [i for j in inside for i in buckets[j]]
+    back = math.fsum(a[i] for i in members) / math.fsum(w[i] for i in members)  # sum w x / sum w, from the u's
+    if back != 1.0:
+        value.mul_(back)
+    return value, clipped
 
 
 def _bucket_means(kept: list[int], us: dict, w: list[float], a: dict, seed: int, bucket_size: int):

@@ -35,7 +35,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome, all_finite
+from hivetrain.averaging.allreduce import ButterflyRound
 from hivetrain.averaging.base import RoundFailed, RoundResult
 from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
@@ -44,6 +44,7 @@ from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid
 from hivetrain.averaging.hierarchical import two_stage
 from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
+from hivetrain.averaging.reduce import BufferPool, Member, RoundOutcome, all_finite
 from hivetrain.averaging.relay import P2PFallback
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.bans import BanConfig, BanList
@@ -68,9 +69,8 @@ class _OutputBuffers:
 
     Fresh memory costs a page fault per 4 KiB on first touch (~0.06 s of CPU per 200 MB). A result handed to the
     caller is reused only when its storage has no user but us (any tensor or view the caller keeps counts), so a
-    caller never sees its result change. Otherwise a new buffer is allocated and touched on a background thread,
-    while matchmaking waits on the DHT.
-    """
+    caller never sees its result change. Otherwise a new buffer is allocated and touched on a background thread
+    while matchmaking waits on the DHT."""
 
     _BASELINE = _storage_users(torch.empty(1))  # storage users of a tensor nobody else shares
 
@@ -253,12 +253,12 @@ class GroupAverager:
             RoundResult: the mean (fp32, input shapes), bit-identical on every member for "butterfly".
 
         Raises:
-            RoundFailed: "not_in_group" (a group formed without us: resync; ``closed_without_us`` names its
-                members), "no_group" (nobody, or fewer than ``min_group_size``), "peer_failed"/"timeout"/"aborted" (a
-                member died, stalled or misbehaved; nothing was applied anywhere, except in the two-phase-commit gap
-                described in ``allreduce``: then ``voted`` holds the result we voted for, in the shapes of
-                ``tensors``), "excluded" (others found our data bad), "refused" (``accept`` refused the result). If a
-                member dies mid-call, the survivors fail within about ``part_timeout_s``.
+            RoundFailed: "not_in_group" (a group formed without us, ``closed_without_us``: resync), "no_group"
+                (nobody, or fewer than ``min_group_size``), "peer_failed"/"timeout"/"aborted" (a member died, stalled
+                or misbehaved; nothing was applied anywhere, except in the two-phase-commit gap of ``allreduce``:
+                then ``voted`` holds the result we voted for, in the shapes of ``tensors``), "excluded" (others found
+                our data bad), "refused" (``accept`` refused the result). If a member dies mid-call, the survivors
+                fail within about ``part_timeout_s``.
             ValueError / TypeError: bad local input.
             RuntimeError: ``start()`` was not called, or the averager is shut down.
         """
@@ -361,8 +361,8 @@ class GroupAverager:
             patience_s=patience_s,
         )
         if decision.action != "joined" or decision.declaration is None:
-            closed = decision.declaration.member_ids() if decision.declaration is not None else frozenset()
-            raise RoundFailed(_FAILURES.get(decision.action, "no_group"), reason, closed_without_us=frozenset(closed))
+            closed = frozenset(decision.declaration.member_ids() if decision.declaration is not None else ())
+            raise RoundFailed(_FAILURES.get(decision.action, "no_group"), reason, closed_without_us=closed)
         return decision.declaration, secret, banned
 
     def _run(

@@ -1,5 +1,6 @@
 """The pieces of a butterfly all-reduce round that hold no connection: members, the plan of slices and who reduces them,
-what a committed round returns, wire sizes, the finite check, the in-place weighted mean and the buffer pool.
+what a committed round returns, wire sizes, the finite check, the in-place weighted mean, a reducer's aggregate and
+the buffer pool.
 
 Used by ``allreduce.ButterflyRound`` (the round), ``transport.RoundTransport`` (its links and inbox) and
 ``receive.RoundReceiver`` (its receive path).
@@ -16,7 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from hivetrain.averaging import codecs
+from hivetrain.averaging.base import RoundFailed
+from hivetrain.averaging.bucketing import robust_aggregate, robust_options
 from hivetrain.averaging.config import AveragingConfig
+from hivetrain.averaging.robust import NoValidContribution
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,30 @@ def weighted_mean_into(out: torch.Tensor, parts: Sequence[torch.Tensor], weights
     for p, w in zip(parts[1:], weights[1:], strict=True):
         out.add_(p, alpha=w / total)
     return out
+
+
+def aggregate_into(
+    out: torch.Tensor, parts: Sequence[torch.Tensor], weights: Sequence[float], seed: int, config: AveragingConfig
+) -> None:
+    """A reducer's aggregate of ``parts`` (fp32 (m,) each, in the round's order) with ``weights`` (samples) into
+    ``out`` (fp32 (m,)): the weighted mean, or with ``aggregation = "centered_clip"`` and more than 2 parts
+    ``bucketing.robust_aggregate`` (``seed``: its buckets, the same on every member). Weights that sum to 0 count
+    equally.
+
+    Raises:
+        RoundFailed: "aborted": no part, or no valid contribution to the robust aggregate.
+    """
+    if not parts:
+        raise RoundFailed("aborted", "no valid contribution to our slice")
+    if not math.fsum(weights) > 0:
+        weights = [1.0] * len(weights)
+    if config.aggregation == "centered_clip" and len(parts) > 2:
+        try:
+            out.copy_(robust_aggregate(parts, weights, seed=seed, **robust_options(config)).value)
+        except NoValidContribution as exc:
+            raise RoundFailed("aborted", str(exc)) from None
+        return
+    weighted_mean_into(out, parts, weights)
 
 
 class BufferPool:

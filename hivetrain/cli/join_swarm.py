@@ -182,25 +182,14 @@ def _train(
     ending: _Ending,
     node_ranks: NodeRanks | None = None,
 ) -> int:
+    """Join the run on ``node`` and take part until it ends: a DiLoCo peer, or the ``--role`` of a pipelined run.
+    Returns the exit code once ``ending`` wrote the summary. Raises what joining raises (``NotAdmitted``,
+    ``IncompatibleRun``, ``ValueError``, ``Interrupted``, ...): ``main`` turns it into an exit code."""
     from hivetrain.diloco import builder
-    from hivetrain.diloco.trainer import DhtLost
 
-    config = resolve_config(args, node)
-    check_role_arguments(args, config)
-    authority = run_authority(node, args.addresses)
-    token, roster = join_admission(args, node, config, authority[0])  # raises NotAdmitted before any work
-    # from now on our DHT node refuses out-of-bounds records of this run (and, if invite-only, non-members' records)
-    if roster is None:
-        node.guard_run(config.run_id)
-    else:
-        node.guard_run(config.run_id, admission=roster.policy)
+    config, authority, token, roster = _enter_run(args, node)
     if config.pipelined:  # a SWARM pipeline: serve a stage or train through the stages
-        from hivetrain.swarm.process import describe_model
-
-        model_config, fingerprint = describe_model(config)  # meta device: no memory
-        refuse_other_models(node.dht, config.run_id, node.peer_id, fingerprint, config.model)
-        code = run_swarm_role(args, node, config, model_config, fingerprint, faults, ending, data_plane_hosts(args))
-        return ending.leave(code, "finished" if code == EXIT_OK else "the pipeline trainer did not complete its steps")
+        return _pipeline_role(args, node, config, faults, ending)
     reporter = ProgressReporter(args.metrics_file, interactive=sys.stderr.isatty(), config=config)
     listen_host, announce_host = data_plane_hosts(args)
     options = TrainerOptions(
@@ -232,6 +221,56 @@ def _train(
     except BaseException:
         reporter.close()
         raise
+    return _run_peer(peer, node, roster, reporter, ending)
+
+
+def _enter_run(
+    args: argparse.Namespace, node: PeerNode
+) -> tuple[RunConfig, tuple[str, float | None], str, MemberRoster | None]:
+    """The run we join, once we may: (its config, its authority (coordinator ID, run start), our join token, an
+    invite-only run's roster or None). From then on our DHT node refuses out-of-bounds records of the run (and, if
+    invite-only, non-members' records).
+
+    Raises:
+        ValueError: an invalid or missing config, a flag the run's roles do not take, an unreadable join token.
+        NotAdmitted: we are not a member of an invite-only run (before any work).
+    """
+    config = resolve_config(args, node)
+    check_role_arguments(args, config)
+    authority = run_authority(node, args.addresses)
+    token, roster = join_admission(args, node, config, authority[0])  # raises NotAdmitted before any work
+    if roster is None:
+        node.guard_run(config.run_id)
+    else:
+        node.guard_run(config.run_id, admission=roster.policy)
+    return config, authority, token, roster
+
+
+def _pipeline_role(
+    args: argparse.Namespace, node: PeerNode, config: RunConfig, faults: FaultInjector, ending: _Ending
+) -> int:
+    """Serve a stage of a pipelined run, or train through its stages (``--role``); returns the exit code.
+
+    Raises:
+        IncompatibleRun: the swarm trains another model.
+    """
+    from hivetrain.swarm.process import describe_model
+
+    model_config, fingerprint = describe_model(config)  # meta device: no memory
+    refuse_other_models(node.dht, config.run_id, node.peer_id, fingerprint, config.model)
+    code = run_swarm_role(args, node, config, model_config, fingerprint, faults, ending, data_plane_hosts(args))
+    return ending.leave(code, "finished" if code == EXIT_OK else "the pipeline trainer did not complete its steps")
+
+
+def _run_peer(peer, node: PeerNode, roster: MemberRoster | None, reporter: ProgressReporter, ending: _Ending) -> int:
+    """Train the built DiLoCo ``peer`` (``builder.DilocoPeer``) to the run's end; returns the exit code. Whatever ends
+    it, the summary is written first, then our last record says why we left, then the peer and ``reporter`` close.
+
+    Raises:
+        Interrupted: Ctrl+C or SIGTERM (after the summary says "interrupted").
+    """
+    from hivetrain.diloco.swarm_view import DhtLost
+
     trainer = peer.trainer
     ending.trainer = trainer
     code, reason = EXIT_FAILED, "training did not start"

@@ -68,7 +68,7 @@ class Resync:
         record_interval_s: how often peers publish, seconds (a probe waits 2 of them; ``linger`` counts a peer
             alive while its record is at most 3 old).
         stop: set when the trainer stops (waits end early).
-        emit: writes a metrics event (``DilocoTrainer._emit``).
+        emit: writes a metrics event (``PeerReport.emit``).
     """
 
     def __init__(

@@ -47,6 +47,10 @@ PROBE_INTERVAL_S = 60.0  # without a coordinator's level, how often we probe our
 READ_TIMEOUT_S = 30.0  # one heartbeat's DHT reads, seconds
 
 
+class DhtLost(RuntimeError):
+    """This peer can no longer reach the DHT; it stops rather than train on a view of the swarm it cannot check."""
+
+
 class SwarmView:
     """Our record heartbeat and the swarm's records, kept fresh by a background thread.
 
@@ -154,6 +158,13 @@ class SwarmView:
         """Seconds since the last real read of the swarm."""
         with self._lock:
             return self.clock() - self._view_ok_at
+
+    def check_alive(self, lost_after_s: float) -> None:
+        """Raise ``DhtLost`` if our DHT node's process died, or the swarm could not be read for over ``lost_after_s``
+        seconds (too long to keep training on what we last saw)."""
+        lost_s = self.view_age_s
+        if not self.node.dht.is_alive() or lost_s > lost_after_s:
+            raise DhtLost(f"lost the DHT: could not read the swarm for {lost_s:.0f}s (did the p2pd daemon die?)")
 
     def publish(self) -> None:
         """Store our current record now (a failure is logged; the heartbeat retries)."""

@@ -14,41 +14,35 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 
 import torch
 from hivemind.utils import get_dht_time
 
-from hivetrain import __version__
 from hivetrain.averaging.base import Averager
 from hivetrain.config import RunConfig
 from hivetrain.data import Corpus
-from hivetrain.diloco.adoption import StateAdopter
 from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.credit import witnesses_for
-from hivetrain.diloco.drift import ParamSketcher, sketch_seed, sketch_to_text
+from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.evidence import Evidence
-from hivetrain.diloco.join_check import JoinCheck
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
+from hivetrain.diloco.peer_report import PeerReport
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
-from hivetrain.diloco.resync import Resync
 from hivetrain.diloco.round_wait import RoundWait
 from hivetrain.diloco.rounds import Contribution, RoundOutcome, RoundRunner, carry
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_sync import StateServer
-from hivetrain.diloco.swarm_view import SwarmView
+from hivetrain.diloco.state_exchange import StateExchange
+from hivetrain.diloco.swarm_view import DhtLost, SwarmView
 from hivetrain.diloco.sync_policy import SyncTrust
-from hivetrain.diloco.update_bound import UpdateNorms, step_norm
-from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
+from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.model import evaluate
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.membership import MemberRoster
 from hivetrain.peers.node import PeerNode
-from hivetrain.peers.record_shards import carries_sketch
-from hivetrain.peers.records import PeerRecord, live_records
+from hivetrain.peers.records import live_records
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +56,9 @@ class DilocoTrainer:
     train loop settles it (statistics, evaluation, or carrying its contribution) when that phase ends.
 
     Built by ``diloco.builder.build_peer`` (which makes the model, the averager and the inner ``phases``); the
-    trainer wires the swarm's view, the evidence rules, state sync and the averaging rounds to them.
+    trainer wires the swarm's view, the evidence rules, state sync (``state_exchange.StateExchange``: our state
+    server, downloads, θ sketches and step norms), our record and events (``peer_report.PeerReport``) and the
+    averaging rounds to them.
     """
 
     def __init__(
@@ -84,30 +80,33 @@ class DilocoTrainer:
         self.node, self.loop, self.config, self.model = node, loop, config, model
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
         self.options, self.faults = options, faults
-        self.on_event = on_event or (lambda event: None)
         self.duty = duty if duty is not None else DutyCycle(options.duty_cycle, pause_file=options.pause_file)
         self.state = TrainingState.from_model(model)
         self.stats = TrainerStats()
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
-        shapes = {name: tuple(p.shape) for name, p in self.state.params.items()}
-        self.sketcher = ParamSketcher(shapes, sketch_seed(config.run_id, config.seed))
-        self._sketcher_pool = ThreadPoolExecutor(1, thread_name_prefix="sketch")  # off the critical path
-        self._sketch_text: tuple[int, str] = (-1, "")
-        self.join_check = JoinCheck(max_wait_s=options.record_ttl_s)  # moshpit/gossip downloads (``join_check``)
-        self._emit_lock = threading.Lock()
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         self._stop = threading.Event()
-        self._left_reason = ""
         self._committed_epoch = -1  # the epoch our last own commit brought us to (its round's members expect us next)
-        # (epoch, what we witness) of our last committed round: the others' credit (diloco.credit)
-        self._witnessed: tuple[int, tuple[tuple[str, int], ...]] = (0, ())
         self._exact_average = config.averaging.exact_average
         self._overlap = config.diloco.overlap if self._exact_average else "off"
         self.phases = phases  # inner steps on our data stream (a multi-rank node's: ``builder.build_phases``)
         self._pending: Contribution | None = None  # computed, not yet committed: sent with the next round
         self._committed_at = float("-inf")  # time.monotonic() of our last committed outer step
-        # per-epoch ‖θ_{t+1} − θ_t‖₂ of our last committed or adopted steps: what a downloaded state is bounded by
-        self.steps = UpdateNorms(config.averaging.update_norm_window)
+        self.report = PeerReport(
+            node,
+            config,
+            fingerprint,
+            options,
+            self.stats,
+            phases,
+            self.duty,
+            faults,
+            on_event or (lambda event: None),
+            state=lambda: self.state,
+            state_hash=lambda: self.state_hash,
+            records=lambda: self.view.records,
+            shard_bits=lambda: self.view.shard_bits,
+        )
         # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
         self.evidence = Evidence(
             node.peer_id,
@@ -123,7 +122,7 @@ class DilocoTrainer:
             loop,
             config.run_id,
             fingerprint,
-            self._record,
+            self.report.record,
             record_ttl_s=options.record_ttl_s,
             # read the swarm several times per lost-DHT timeout, whatever the record interval
             record_interval_s=min(options.record_interval_s, options.dht_lost_after_s / 4),
@@ -132,64 +131,32 @@ class DilocoTrainer:
             coordinator_id=options.coordinator_id,
         )
         if faults is not NO_FAULTS:  # every fault that fires becomes a metrics event (the chaos harness reads them)
-            faults.on_fire = self._fault_fired
-        # the server joiners download our state from (a fault-harness "call" fault may replace it: a hostile donor)
-        get_state = lambda: self.state  # noqa: E731
-        served = faults.check(
-            HookPoint.DILOCO_STATE_SERVER,
-            server=StateServer(get_state, faults=faults, max_downloaders=config.diloco.max_downloaders),
-            get_state=get_state,
-            faults=faults,
-        )
-        self.state_server: StateServer = served["server"]
-        self.admits = membership.admits if membership is not None else None  # None: an open run
-
-        def published() -> dict[int, str]:  # runs inside a download: read the DHT only, no daemon check
-            fresh = self.view.fetch_fresh()
-            return self.evidence.published_hashes(r for r in fresh if r.model_fingerprint == self.fingerprint)
-
-        def claims(peers: Sequence[str]) -> dict[int, str]:  # what these peers' current records claim (probes)
-            fresh = self.view.fetch_fresh()
-            return {r.epoch: r.state_hash for r in fresh if r.peer_id in peers and r.model_fingerprint == fingerprint}
-
-        adopter = StateAdopter(
+            faults.on_fire = self.report.fault_fired
+        self.exchange = StateExchange(
+            node,
             loop,
-            lambda: self._p2p,
-            config.run_id,
-            published=published,
-            claims=claims,
-            evaluate=self._evaluate,
-            timeout_s=options.state_timeout_s,
-            faults=faults,
-            admits=self.admits,
-            join_check=None if self._exact_average else self.join_check,
-            sketcher=self.sketcher,
-            steps=self.steps,
-            max_step_ratio=config.averaging.max_update_ratio,
-            step_min_history=config.averaging.update_norm_min_history,
-        )
-        self.resync = Resync(
-            node.peer_id,
+            config,
+            fingerprint,
+            options,
             self.view,
             self.evidence,
-            adopter,
-            exact_average=self._exact_average,
-            stale_after_s=options.record_ttl_s,
-            record_interval_s=options.record_interval_s,
+            faults,
+            membership,
+            state=lambda: self.state,
+            evaluate=self._evaluate,
             stop=self._stop,
-            emit=self._emit,
+            emit=self.report.emit,
         )
         if membership is not None:  # invite-only: members are learned from the (guarded) records we read; a peer not
             # known yet is looked up again at once (cheap: a token is parsed once), not only at the view's next read
             membership.follow(lambda: self.view.records)
-            self.state_server.admits = membership.admits
         self.rounds = RoundRunner(
             node.peer_id,
             averager,
             self.view,
             config,
             faults,
-            self._emit,
+            self.report.emit,
             self._stop,
             stale_after_s=options.record_ttl_s,
             dht_lost_after_s=options.dht_lost_after_s,
@@ -207,12 +174,12 @@ class DilocoTrainer:
             round_timeout_s=config.averaging.round_timeout_s,
             min_group_size=config.averaging.min_group_size,
             stop=self._stop,
-            emit=self._emit,
-            check_dht=self._check_dht,
+            emit=self.report.emit,
+            check_dht=lambda: self.view.check_alive(options.dht_lost_after_s),
         )
         diloco = config.diloco
         self.background = BackgroundRound(
-            self.rounds, self._overlap, diloco.outer_lr, diloco.outer_momentum, self._committed_in_background
+            self.rounds, self._overlap, diloco.outer_lr, diloco.outer_momentum, self._install
         )
         self._note_state()
 
@@ -220,7 +187,7 @@ class DilocoTrainer:
         """A peer whose records we now ignore (it lied: a poisoned state, an impossible epoch) never joins our
         groups either (issue 28: banned liars were still grouped with)."""
         self.averager.ban(peers, reason)
-        self._emit("peers_banned", peers=peers, reason=reason)
+        self.report.emit("peers_banned", peers=peers, reason=reason)
 
     def _round_trust(self) -> SyncTrust:
         """The evidence rules after a round: our bans, and the peers our averager leaves out of our groups (caught
@@ -249,21 +216,20 @@ class DilocoTrainer:
             self._hash_cache = (state, state_hash)
         self.stats.state_hashes[state.epoch] = self.state_hash
 
-        def sketch() -> None:
-            encoded = self.sketcher.encode(state, state.params)
+        def sketched(encoded: bytes) -> None:
             self.stats.param_sketches[state.epoch] = encoded
             if self.state is state:
-                self._sketch_text = (state.epoch, sketch_to_text(encoded))
+                self.report.sketch_text = (state.epoch, sketch_to_text(encoded))
                 self.view.request_publish()
 
-        self._sketcher_pool.submit(sketch)
+        self.exchange.sketch(state, sketched)
 
     def stop(self) -> None:
         self._stop.set()
 
     def announce_leaving(self, reason: str) -> None:
         """Stop, and publish a last record saying why we leave (shown by the coordinator; ``reason`` <= 200 chars)."""
-        self._left_reason = reason[:200] or "left"
+        self.report.left_reason = reason[:200] or "left"
         self._stop.set()
         self.view.publish()
 
@@ -274,13 +240,12 @@ class DilocoTrainer:
             DhtLost: the swarm could not be read for ``dht_lost_after_s`` seconds (our daemon or network is gone).
         """
         p2p = self.loop.run(self.node.dht.replicate_p2p(), timeout_s=30)
-        self.loop.run(self.state_server.register(p2p, self.config.run_id), timeout_s=30)
-        self._p2p = p2p
+        self.exchange.start(p2p)
         self.view.start(p2p)
-        self._emit("start", eval_loss=self._evaluate(), data_address=self.averager.data_address)
+        self.report.emit("start", eval_loss=self._evaluate(), data_address=self.averager.data_address)
         try:
             while not self._stop.is_set() and not self._done():
-                self._check_dht()
+                self.view.check_alive(self.options.dht_lost_after_s)
                 if self._wait_out_round():
                     continue  # a download now would fetch the state the round under way replaces
                 if not self.background.in_flight and not self.sync_state():
@@ -306,7 +271,9 @@ class DilocoTrainer:
                 else:
                     self.outer_phase()
             if self._done():
-                self.resync.linger(self.state.epoch, lambda: self._round_trust().banned, self.rounds.catch_up_wait_s)
+                self.exchange.resync.linger(
+                    self.state.epoch, lambda: self._round_trust().banned, self.rounds.catch_up_wait_s
+                )
         finally:
             outcome, contribution = self.background.abandon()  # stopping: do not wait (it ends within its timeouts)
             if outcome is not None and contribution is not None:
@@ -316,8 +283,8 @@ class DilocoTrainer:
             if self._pending is not None:
                 self._discard(self._pending.samples, "the peer stopped before sending them")
                 self._pending = None
-            self._sketcher_pool.shutdown(wait=True, cancel_futures=self._stop.is_set())
-        self._emit("finish", eval_loss=self._evaluate())
+            self.exchange.close(cancel=self._stop.is_set())
+        self.report.emit("finish", eval_loss=self._evaluate())
         self._stop.set()
         self.view.stop()
         self.view.publish()
@@ -333,27 +300,22 @@ class DilocoTrainer:
     def sync_state(self) -> bool:
         """Download state if we are behind or forked, else probe a claim we do not follow (``diloco.resync``).
         Returns False if a needed download failed or waits (retry later)."""
-        synced = self.resync.run(
+        synced = self.exchange.resync.run(
             self.state, self.state_hash, self._committed_at, probe=not self._done(), history=self.stats.state_hashes
         )
         state = synced.state
         if state is None:
             return synced.ok
         self.state = state
-        self.steps.add(synced.step)
+        self.exchange.steps.add(synced.step)
         self.evidence.anchor(state.epoch)
         self.background.forget()
         self.stats.state_downloads += 1
         self.stats.state_bytes_downloaded += state.num_bytes()
         self._note_state()
-        self._emit("state_downloaded", reason=synced.reason)
+        self.report.emit("state_downloaded", reason=synced.reason)
         self.view.request_publish()
         return True
-
-    def _note_step(self, old: TrainingState, new: TrainingState) -> None:
-        """A round committed ``new`` from ``old``: remember its per-epoch step (``update_bound.step_norm``) in the
-        history downloads are bounded by, computed off the critical path."""
-        self._sketcher_pool.submit(lambda: self.steps.add(step_norm(old, new)))
 
     def inner_phase(self) -> Contribution | None:
         """Inner steps from our start point until the schedule ends the phase (``diloco.schedule``); the result,
@@ -370,11 +332,9 @@ class DilocoTrainer:
 
         def on_step(i: int, loss: float) -> None:
             self.stats.last_loss = loss
-            with self._emit_lock:
-                self.on_event(
-                    {"event": "inner_step", "epoch": epoch, "inner_step": phase_epoch * h + i + 1, "loss": loss}
-                )
-            self._check_dht()
+            step = phase_epoch * h + i + 1
+            self.report.write({"event": "inner_step", "epoch": epoch, "inner_step": step, "loss": loss})
+            self.view.check_alive(self.options.dht_lost_after_s)
 
         try:
             phase = self.phases.run(lambda: self.view.records, self._stop, on_step, coverage=lambda: self.view.coverage)
@@ -382,14 +342,14 @@ class DilocoTrainer:
             return None
         except FloatingPointError as exc:
             logger.error("inner phase diverged, discarding it: %s", exc)
-            self._emit("inner_diverged", reason=str(exc))
+            self.report.emit("inner_diverged", reason=str(exc))
             return None
         self.view.request_publish()  # others stop counting on our progress for this round
         result = phase.inner
         self.stats.compute_s += phase.compute_s
         self.stats.samples_computed += result.num_samples
         self.stats.throughput = self.phases.last_rate
-        self._emit(
+        self.report.emit(
             "inner_phase",
             loss=result.mean_loss if result.num_steps else None,
             steps=result.num_steps,
@@ -415,11 +375,12 @@ class DilocoTrainer:
         outcome = self.rounds.run(self.state, self.state_hash, contribution)
         return self._apply(outcome, contribution)
 
-    def _committed_in_background(self, outcome: RoundOutcome) -> None:
-        """Overlap: a background round committed. Publish the new shared state at once (peers see our epoch,
-        joiners can download it); the phase in progress runs from its own start point and never reads it."""
+    def _install(self, outcome: RoundOutcome) -> None:
+        """A round committed: its state is ours from now on, published at once (peers see our epoch, joiners can
+        download it). With overlap the background round calls this when it commits; the phase in progress runs from
+        its own start point and never reads it."""
         assert outcome.state is not None
-        self._note_step(self.state, outcome.state)
+        self.exchange.note_step(self.state, outcome.state)
         self.state = outcome.state
         self._note_state(outcome.state_hash)
         self.view.request_publish()
@@ -437,28 +398,25 @@ class DilocoTrainer:
             else:  # resync / carry: sent again with our next pseudo-gradient (their sample-weighted mean); with
                 # overlap that one ran while this round was in flight, for the round after it: one epoch "later"
                 self._pending = self._carry(contribution, self._pending, 1) if self._pending else contribution
-                self._emit("contribution_carried", reason=policy.reason, samples=contribution.samples)
+                self.report.emit("contribution_carried", reason=policy.reason, samples=contribution.samples)
             return policy.action
         result = outcome.result
         assert result is not None and outcome.state is not None
         if self.state is not outcome.state:  # a background round already applied it
-            self._note_step(self.state, outcome.state)
-            self.state = outcome.state
-            self._note_state(outcome.state_hash)
-            self.view.request_publish()
+            self._install(outcome)
         self.background.remember(outcome, contribution)
         self.evidence.note_round(result.group)  # the peers we train with: their votes weigh more than strangers'
         self._committed_at = time.monotonic()
         self._committed_epoch = self.state.epoch
         self.stats.rounds_committed += 1
         self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
-        self._witnessed = (self.state.epoch, witnesses_for(result.round_id, result.weights, self.node.peer_id))
+        self.report.witnessed = (self.state.epoch, witnesses_for(result.round_id, result.weights, self.node.peer_id))
         self.stats.samples_total += contribution.samples
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
         eval_every = self.config.diloco.eval_every
         eval_loss = self._evaluate() if eval_every and self.state.epoch % eval_every == 0 else None
-        self._emit(
+        self.report.emit(
             "outer_step",
             group_size=len(result.group),
             round_s=result.duration_s,
@@ -468,7 +426,7 @@ class DilocoTrainer:
             samples=contribution.samples,
             attempts=outcome.attempts,
             update_norm=outcome.update_norm,  # ‖Δ̄‖₂ applied (moshpit/gossip: ‖θ_new − θ_old‖₂; update_bound)
-            witnessed=[list(entry) for entry in self._witnessed[1]],  # others' samples we vouch for (diloco.credit)
+            witnessed=[list(entry) for entry in self.report.witnessed[1]],  # others' samples we vouch for (credit)
         )
         return policy.action
 
@@ -517,7 +475,7 @@ class DilocoTrainer:
             return
         self.stats.samples_discarded += samples
         logger.warning("discarding %d computed samples: %s", samples, reason)
-        self._emit("samples_discarded", samples=samples, reason=reason)
+        self.report.emit("samples_discarded", samples=samples, reason=reason)
 
     def _evaluate(self, state: TrainingState | None = None) -> float:
         """Eval loss of ``state`` (default: ours, recorded in the stats) on our held-out windows; the model is left
@@ -529,79 +487,3 @@ class DilocoTrainer:
         else:
             load_into_model(self.state, self.model)
         return loss
-
-    def _carries_sketch(self, sketch_epoch: int) -> bool:
-        """Our record carries our θ sketch of the current epoch: always in a small swarm, in 1 epoch of 8 in a sharded
-        one (``record_shards.carries_sketch``: bounded heartbeat reads)."""
-        epoch = self.state.epoch
-        return sketch_epoch == epoch and carries_sketch(self.node.peer_id, epoch, self.view.shard_bits)
-
-    def _record(self) -> PeerRecord:
-        """The record we publish now (a fault-harness "call" fault at ``HookPoint.DILOCO_RECORD`` may replace it)."""
-        phase_epoch, phase_samples = self.phases.progress
-        done_epoch, done_samples = self.phases.done
-        sketch_epoch, sketch_text = self._sketch_text
-        record = PeerRecord(
-            peer_id=self.node.peer_id,
-            role="trainer",
-            version=__version__,
-            run_id=self.config.run_id,
-            model_fingerprint=self.fingerprint,
-            epoch=self.state.epoch,
-            throughput=min(self.phases.throughput, 1e12),
-            state_hash=self.state_hash,
-            param_sketch=sketch_text if self._carries_sketch(sketch_epoch) else "",
-            samples_total=self.stats.samples_total,
-            compute_s=self.stats.compute_s,
-            public_name=self.options.public_name,
-            maddrs=tuple(self.node.visible_maddrs()[:8]),
-            reachable=not self.node.config.client_mode,
-            loss=self.stats.last_loss,
-            eval_loss=self.stats.last_eval_loss,
-            rounds_committed=self.stats.rounds_committed,
-            rounds_failed=self.stats.rounds_failed,
-            last_round_s=self.stats.last_round_s,
-            last_group_size=self.stats.last_group_size,
-            last_failure=self.stats.last_failure[:200],
-            phase_epoch=phase_epoch,
-            phase_samples=phase_samples,
-            done_epoch=done_epoch,
-            done_samples=done_samples,
-            left_reason=self._left_reason,
-            paused=self.duty.paused,
-            join_token=self.options.join_token,
-            witnessed=self._witnessed[1],
-            witnessed_epoch=self._witnessed[0] if self._witnessed[1] else 0,
-            updated_at=get_dht_time(),
-        )
-        return self.faults.check(HookPoint.DILOCO_RECORD, record=record)["record"]
-
-    def _check_dht(self) -> None:
-        """Raise DhtLost if the DHT (or its p2pd daemon) has been unreachable for too long to keep training."""
-        lost_s = self.view.view_age_s
-        if not self.node.dht.is_alive() or lost_s > self.options.dht_lost_after_s:
-            raise DhtLost(f"lost the DHT: could not read the swarm for {lost_s:.0f}s (did the p2pd daemon die?)")
-
-    def _emit(self, event: str, **fields) -> None:
-        payload = {
-            "event": event,
-            "time": time.time(),
-            "peer": self.node.peer_id,
-            "epoch": self.state.epoch,
-            "state_hash": self.state_hash,
-            "peers_seen": len([r for r in self.view.records if r.role == "trainer"]),
-            **fields,
-        }
-        with self._emit_lock:  # the background round emits too
-            self.on_event(payload)
-
-    def _fault_fired(self, point: HookPoint, action: str, context: dict) -> None:
-        """``FaultInjector.on_fire``: a ``fault_fired`` event with the point, the action and the hook's plain context
-        values (``epoch``, ``peer``, ``subround``, ...; tensors and dicts left out). Runs on the thread that hit the
-        hook, before the action (an ``exit`` fault's event is written before the process ends)."""
-        plain = {key: value for key, value in context.items() if isinstance(value, (bool, int, float, str))}
-        self._emit("fault_fired", point=point.value, action=action, context=plain)
-
-
-class DhtLost(RuntimeError):
-    """This peer can no longer reach the DHT; it stops rather than train on a view of the swarm it cannot check."""

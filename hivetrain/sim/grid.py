@@ -5,7 +5,7 @@ departure times.
 The model follows the production stages:
 
 1. **Rows** in parallel. A member that leaves before its row ends is dropped (its contribution lost) while its row
-   keeps a quorum (``quorate(left, declared)``: the production ``ButterflyRound._quorate``); the row then ends
+   keeps a quorum (``quorate(left, declared)``: the production ``agreement.quorate``); the row then ends
    ``part_timeout_s`` after the loss plus one slice of the round (1/k of it) more, as in ``sim.rounds``' model of
    one group. A row that loses its quorum fails, and with it every column: nobody commits.
 2. **Columns** start when the last row ended (a column needs a member of every row). A column with a member gone

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hivetrain.averaging.agreement import quorate
 from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.matchmaking import GroupDeclaration
 from hivetrain.diloco.round_policy import RoundView, group_holds_the_epoch, went_ahead
@@ -59,10 +60,10 @@ class GroupRounds:
 
     def goes_on_without(self, left: int, declared: int) -> bool:
         """Whether ``left`` of ``declared`` members of one butterfly group go on without the others
-        (``ButterflyRound._quorate`` with ``averaging.drop_failed``); the grid's tolerance is ``grid`` (``sim.grid``),
+        (``agreement.quorate`` with ``averaging.drop_failed``); the grid's tolerance is ``grid`` (``sim.grid``),
         and moshpit stays all-or-nothing."""
         tolerant = self.avg.drop_failed and self.avg.exact_average and declared <= self.avg.target_group_size
-        return tolerant and left >= max(2, self.avg.min_group_size) and 2 * left > declared
+        return tolerant and quorate(left, declared, self.avg.min_group_size)
 
     def tolerant_grid(self, declared: int) -> bool:
         """Whether a declaration of ``declared`` members runs the tolerant two-stage round (``sim.grid``)."""
@@ -89,7 +90,7 @@ class GroupRounds:
 
         out = grid_round(stages, leaves, now, part_timeout_s=self.avg.part_timeout_s,
                          connect_grace_s=min(1.0, self.avg.connect_timeout_s),
-                         quorate=lambda left, declared: left >= max(2, self.avg.min_group_size) and 2 * left > declared,
+                         quorate=lambda left, declared: quorate(left, declared, self.avg.min_group_size),
                          fetch_s=lambda source, fetchers: fetch(source, fetchers).duration_s)  # fmt: skip
         metrics = self.sim.metrics
         metrics.count("round.members_dropped", int((~out.contributors).sum()))

@@ -19,6 +19,10 @@ is syncing or moving) are retried elsewhere without a ban, and so are "expired" 
 meet the deadline: overloaded, not faulty). Accepted backward calls enter the ``GradientLedger``,
 which replays them if the server's phase is lost (see ``hivetrain.swarm.ledger``).
 
+Layout: this file holds routing (one hop: choose a server, call it, ban or reroute) and the step; the
+``recovery.Recovery`` it owns keeps the servers' health (death verdicts, abandoning calls to a dead server) and
+replays lost gradients through this trainer's ``_resend``.
+
 Shape legend: B = windows per microbatch, T = tokens per window, D = hidden size, V = vocabulary size.
 """
 
@@ -45,23 +49,15 @@ from hivetrain.swarm import wire
 from hivetrain.swarm.announce import StageRecord, fetch_stage_records
 from hivetrain.swarm.client import CallFailed, StageClient
 from hivetrain.swarm.config import SwarmConfig
-from hivetrain.swarm.failures import FailureConfig, PeerHealth, judge_answer, judge_failure
+from hivetrain.swarm.failures import FailureConfig
 from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
+from hivetrain.swarm.recovery import Recovery
 from hivetrain.swarm.routing import choose_server
 
 logger = logging.getLogger(__name__)
 
 _NAN_STRIKES = 4
 _WAIT_FOR_SERVER_S = 0.2
-_MAX_REPLAYS_IN_FLIGHT = 2
-"""Replays one trainer has in flight at once: a dead server's whole ledger sent at once would wait in the survivors'
-queues past its timeout (expired replies, the stage's last server then excluded) instead of finishing."""
-
-
-def _consume_result(task: asyncio.Task) -> None:
-    """Retrieve an abandoned call's outcome (asyncio would log an exception nobody retrieved)."""
-    if not task.cancelled():
-        task.exception()
 
 
 class PipelineStalled(RuntimeError):
@@ -141,14 +137,11 @@ class PipelineTrainer:
         self.client: StageClient | None = None
         self._records: list[StageRecord] = []
         self._records_at = -1e9
-        self._missing: dict[str, tuple[float, int]] = {}  # peer -> (first read it was missing from, reads)
-        self._suspects: set[str] = set()  # servers whose last call failed in the network (maybe dead)
         self.failure_config = FailureConfig.for_swarm(swarm.record_ttl_s, swarm.announce_interval_s)
-        self._health: dict[str, PeerHealth] = {}
-        self._death_signals: dict[str, asyncio.Future] = {}  # peer -> set when it is declared dead
-        self._pending_replays: list[LedgerEntry] = []
-        self._replay_tasks: set[asyncio.Task] = set()
-        self._replay_slots = asyncio.Semaphore(_MAX_REPLAYS_IN_FLIGHT)
+        # dead servers and the gradients replayed from them (``recovery``); replays resend through our routing
+        self.recovery = Recovery(
+            self.ledger, self.failure_config, swarm.announce_interval_s, self.stats, resend=self._resend
+        )
         self._step = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
@@ -160,9 +153,7 @@ class PipelineTrainer:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Cancel replays in flight and stop the loop this trainer owns; idempotent."""
-        if self._replay_tasks:
-            for task in list(self._replay_tasks):
-                self.loop.loop.call_soon_threadsafe(task.cancel)
+        self.recovery.cancel(self.loop.loop)
         if self._owns_loop:
             self.loop.stop(timeout_s)
 
@@ -239,7 +230,7 @@ class PipelineTrainer:
             "cancelled_calls": self.stats.cancelled_calls,
             "bans": dict(self.stats.bans),
             "ban_reasons": self.stats.ban_reasons[-20:],
-            "pending_replays": len(self._pending_replays),
+            "pending_replays": len(self.recovery.pending),
             "unprotected_gradients": self.ledger.num_unprotected,
             "bytes_sent": self.client.bytes_sent if self.client else 0,
             "bytes_received": self.client.bytes_received if self.client else 0,
@@ -334,7 +325,7 @@ class PipelineTrainer:
             self.inflight[peer_id] += 1
             sent_at = time.monotonic()
             try:
-                reply, result, answered_at = await self._watched_call(peer_id, call)
+                reply, result, answered_at = await self.recovery.watched(peer_id, call)
             except wire.BadTensor as exc:
                 self._ban(peer_id, stage, f"bad tensor: {exc}", strikes=_NAN_STRIKES)
                 reply = None
@@ -344,10 +335,7 @@ class PipelineTrainer:
             finally:
                 self.inflight[peer_id] -= 1
             if reply is not None:
-                alive = self._answered(peer_id, answered_at)
-                self._observe(peer_id, reply)
-                if alive:
-                    self._suspects.discard(peer_id)
+                alive = self.recovery.answered(peer_id, answered_at, reply)
                 if reply.status == "ok":
                     if alive:
                         self.bans.forgive(peer_id)
@@ -369,37 +357,10 @@ class PipelineTrainer:
             if failures >= self.swarm.max_attempts_per_hop or time.monotonic() > deadline:
                 raise PipelineStalled(f"stage {stage}: {failures} failed attempt(s)")
 
-    async def _watched_call(self, peer_id: str, call):
-        """``await call(peer_id)``, returning (reply, result, when the reply came).
-
-        Raises CallFailed (kind "unreachable") as soon as another call declares ``peer_id`` dead: microbatches in flight
-        there reroute at once, not at their timeout."""
-
-        async def timed():
-            reply, result = await call(peer_id)
-            return reply, result, time.monotonic()
-
-        task = asyncio.ensure_future(timed())
-        death = self._death_signals.get(peer_id)
-        if death is None or death.done():
-            death = self._death_signals[peer_id] = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait([task, death], return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # this hop itself was cancelled
-            task.cancel()
-            raise
-        if not task.done():  # declared dead meanwhile: reroute now, let the call end on its own
-            task.add_done_callback(_consume_result)
-            self.stats.cancelled_calls += 1
-            raise CallFailed(f"call to {peer_id[:12]} abandoned: declared dead by another call", "unreachable")
-        return task.result()
-
     def _call_failed(self, peer_id: str, stage: int, exc: CallFailed, sent_at: float) -> None:
         """Ban the server, and if ``judge_failure`` declares it dead, cancel its other calls and maybe replay now."""
         now = time.monotonic()
-        verdict = judge_failure(self._health.get(peer_id, PeerHealth()), exc.kind, now, self.failure_config, sent_at)
-        self._health[peer_id] = verdict.health
-        self._suspects.add(peer_id)
+        verdict = self.recovery.judge(peer_id, exc.kind, now, sent_at)
         if verdict.ban_s:
             self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
             self.stats.reroutes += 1
@@ -412,32 +373,7 @@ class PipelineTrainer:
         self.stats.deaths += 1
         self.stats.ban_reasons.append(f"stage {stage} {peer_id[:12]}: dead: {verdict.reason} ({exc})")
         logger.info("stage %d server %s declared dead: %s (%s)", stage, peer_id[:12], verdict.reason, exc)
-        death = self._death_signals.pop(peer_id, None)
-        if death is not None and not death.done():
-            death.set_result(None)
-        if verdict.replay_now:
-            self._suspects.discard(peer_id)
-            self._queue_replays(self.ledger.forget(peer_id))
-
-    def _answered(self, peer_id: str, answered_at: float) -> bool:
-        """Record a reply; returns False if it was sent before the server was declared dead (it stays dead)."""
-        health = self._health.get(peer_id)
-        if health is None:
-            return True
-        health, kind = judge_answer(health, answered_at)
-        if kind == "before_death":
-            return False
-        del self._health[peer_id]
-        if kind == "false_death":
-            self.stats.false_deaths += 1
-            logger.warning("server %s answered after being declared dead", peer_id[:12])
-        return True
-
-    def _add_to_ledger(self, entry: LedgerEntry) -> None:
-        """Keep an accepted backward call; replayed at once if its server was already declared dead and replayed."""
-        self.ledger.add(entry)
-        if self._health.get(entry.peer_id, PeerHealth()).replayed:
-            self._queue_replays(self.ledger.forget(entry.peer_id))
+        self.recovery.declare_dead(peer_id, verdict.replay_now)
 
     async def _hop_forward(
         self, stage: int, microbatch_id: str, x: runtime_pb2.Tensor, deadline: float, trace: list | None = None
@@ -468,32 +404,18 @@ class PipelineTrainer:
 
         peer_id, reply, grad_input = await self._hop(stage, deadline, call, preferred=preferred, trace=trace)
         if reply.window >= 0:
-            self._add_to_ledger(LedgerEntry(stage, microbatch_id, peer_id, reply.incarnation, reply.window, x, grad))
+            self.recovery.accepted(LedgerEntry(stage, microbatch_id, peer_id, reply.incarnation, reply.window, x, grad))
         return grad_input
 
     def _timeout(self, deadline: float) -> float:
         return max(0.1, min(self.swarm.request_timeout_s, deadline - time.monotonic()))
 
-    # ---- ledger and replays --------------------------------------------------------------------------------------
+    # ---- replays and records -------------------------------------------------------------------------------------
 
-    def _observe(self, peer_id: str, reply: wire.ReplyMeta) -> None:
-        self._queue_replays(self.ledger.observe(peer_id, reply.incarnation, reply.open_window, reply.abandoned))
-
-    def _queue_replays(self, entries: list[LedgerEntry]) -> None:
-        if not entries:
-            return
-        logger.info("replaying %d gradient(s) lost at %s", len(entries), entries[0].peer_id[:12])
-        self._pending_replays.extend(entries)
-        for entry in entries:
-            task = asyncio.get_running_loop().create_task(self._replay(entry))
-            self._replay_tasks.add(task)
-            task.add_done_callback(self._replay_tasks.discard)
-
-    async def _replay(self, entry: LedgerEntry) -> None:
-        async with self._replay_slots:
-            await self._replay_one(entry)
-
-    async def _replay_one(self, entry: LedgerEntry) -> None:
+    async def _resend(self, entry: LedgerEntry) -> tuple[str, wire.ReplyMeta] | None:
+        """``Recovery``'s replay: the same backward on another server of the entry's stage, with ``replay=True`` (the
+        server only adds the parameter gradients). Returns (server, reply), or None if the stage stalled (logged; the
+        entry stays pending and ``settle`` retries it)."""
         deadline = time.monotonic() + self.swarm.step_timeout_s
 
         async def call(peer_id: str):
@@ -511,34 +433,12 @@ class PipelineTrainer:
             peer_id, reply, _ = await self._hop(entry.stage, deadline, call)
         except PipelineStalled as exc:
             logger.warning("replay of %s at stage %d failed (%s); will retry", entry.microbatch_id, entry.stage, exc)
-            return
-        self._pending_replays.remove(entry)
-        self.stats.replays += 1
-        self.stats.replayed_at.append(time.time())
-        self.stats.replayed_from.append((time.time(), entry.peer_id))
-        if reply.window >= 0:
-            self._add_to_ledger(
-                LedgerEntry(
-                    entry.stage,
-                    entry.microbatch_id,
-                    peer_id,
-                    reply.incarnation,
-                    reply.window,
-                    entry.stage_input,
-                    entry.grad_output,
-                )
-            )
+            return None
+        return peer_id, reply
 
     async def _settle_once(self, wait_s: float) -> int:
         await self._refresh_records(force=True)
-        if self._replay_tasks:
-            await asyncio.wait(list(self._replay_tasks), timeout=wait_s)
-        orphans = list(self._pending_replays)
-        if orphans and not self._replay_tasks:
-            self._pending_replays = []
-            self._queue_replays(orphans)
-        at_suspects = sum(len(self.ledger.entries.get(p, ())) for p in self._suspects)
-        return len(self._pending_replays) + len(self._replay_tasks) + at_suspects
+        return await self.recovery.settle_once(wait_s)
 
     async def _refresh_records(self, force: bool = False) -> None:
         """Re-read stage records (at most every half announce interval unless ``force``).
@@ -556,20 +456,7 @@ class PipelineTrainer:
         if not records and self._records:
             return
         self._records, self._records_at = records, time.monotonic()
-        live = {r.peer_id: (r.incarnation, r.open_window, r.abandoned) for r in records}
-        replays = []
-        for peer_id in list(self.ledger.entries):
-            if peer_id in live:
-                self._missing.pop(peer_id, None)
-                replays.extend(self.ledger.observe(peer_id, *live[peer_id]))
-                continue
-            first_miss, reads = self._missing.get(peer_id, (self._records_at, 0))
-            self._missing[peer_id] = (first_miss, reads + 1)
-            if reads + 1 >= 2 and self._records_at - first_miss >= 2 * self.swarm.announce_interval_s:
-                del self._missing[peer_id]
-                self._health.pop(peer_id, None)
-                replays.extend(self.ledger.forget(peer_id))
-        self._queue_replays(replays)
+        self.recovery.read(records, self._records_at)
 
     def wait_for_stages(self, timeout_s: float) -> None:
         """Block until every stage has a serving server. Raises PipelineStalled after ``timeout_s`` seconds."""

@@ -43,8 +43,9 @@ def worker(args: argparse.Namespace) -> None:
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
     from hivetrain.averaging import AveragingConfig
-    from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member
+    from hivetrain.averaging.allreduce import ButterflyRound
     from hivetrain.averaging.dataplane import DataPlaneServer
+    from hivetrain.averaging.reduce import BufferPool, Member
     from hivetrain.faults import NO_FAULTS
     from hivetrain.peers.bans import BanList
 

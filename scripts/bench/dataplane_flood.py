@@ -56,9 +56,10 @@ def _member(rank: int, num_floats: int, conn) -> None:
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
     from hivetrain.averaging import AveragingConfig
-    from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member
+    from hivetrain.averaging.allreduce import ButterflyRound
     from hivetrain.averaging.base import RoundFailed
     from hivetrain.averaging.dataplane import DataPlaneServer
+    from hivetrain.averaging.reduce import BufferPool, Member
     from hivetrain.faults import NO_FAULTS
     from hivetrain.peers.bans import BanList
 

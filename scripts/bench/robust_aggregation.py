@@ -3,7 +3,7 @@
 
 k = 8 members average one flat pseudo-gradient; f of them (f = 0, 1, 2, 3) are attackers who know every honest
 contribution (omniscient, the threat model of the papers below) and claim the largest honest weight. As in a butterfly
-round, the flat vector is cut into k contiguous parts and each part is aggregated on its own (``allreduce._aggregate``
+round, the flat vector is cut into k contiguous parts and each part is aggregated on its own (``reduce.aggregate_into``
 runs per part), then the parts are concatenated. For honest contributions x_h with weights w_h (samples):
 
     honest_mean = sum_h w_h x_h / sum_h w_h

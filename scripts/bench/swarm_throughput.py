@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         replays_done_s = max((t - t_kill for t in replayed), default=0.0)
         recovery_s = rerouted_done_s if killed_ids else recovery_any_s
         recovery_with_replays_s = max(rerouted_done_s, replays_done_s) if killed_ids else recovery_any_s
-        pending = sum(len(tr._pending_replays) + tr.ledger.num_unprotected for tr in trainers)
+        pending = sum(len(tr.recovery.pending) + tr.ledger.num_unprotected for tr in trainers)
         # steps are stopped only between steps, so every started microbatch either finished or its step failed
         lost = sum(started_microbatches) - len(completed) + pending
         figures = {

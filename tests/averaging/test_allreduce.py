@@ -14,9 +14,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hivetrain.averaging import AveragingConfig
-from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
+from hivetrain.averaging.allreduce import ButterflyRound
 from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.handshake import RoundKeys, dial, send_declaration
+from hivetrain.averaging.reduce import BufferPool, Member, RoundOutcome
 from hivetrain.averaging.wire import VERSION, AuthFailed, LinkClosed
 from hivetrain.faults import NO_FAULTS, Fault, FaultInjector
 from hivetrain.peers.bans import BanList

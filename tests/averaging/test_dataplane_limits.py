@@ -17,8 +17,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hivetrain.averaging import AveragingConfig
 from hivetrain.averaging.admission import DataPlaneLimits
-from hivetrain.averaging.allreduce import BufferPool, ButterflyRound, Member, RoundOutcome
+from hivetrain.averaging.allreduce import ButterflyRound
 from hivetrain.averaging.handshake import RoundKeys, dial
+from hivetrain.averaging.reduce import BufferPool, Member, RoundOutcome
 from hivetrain.averaging.wire import HEADER, MAX_DECLARE_META_BYTES, VERSION, FrameType
 from hivetrain.faults import NO_FAULTS
 from hivetrain.peers.bans import BanList
