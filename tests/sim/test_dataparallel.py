@@ -236,3 +236,34 @@ def test_joiners_arriving_during_a_round_wait_for_it_instead_of_training_for_it(
     assert trained.decisions["round_failed.late"] > 0
     assert trained.summary["lost_sample_shares"]["dropped by a resync"] > 0.0
     assert waited.summary["committed_sample_share"] > trained.summary["committed_sample_share"]
+
+
+def test_a_departed_leader_is_found_gone_after_the_declare_grace_as_followers_probe_it():
+    """``Matchmaker.match``: a follower that waited on its leader's declaration past the declare grace probes the
+    leader's data port and drops a leader that is gone. The simulator marks a departed peer whose entry would lead
+    gone once it left that long ago (+ the 1 s probe); a live waiting peer ahead of it in id order leads instead."""
+    from hivetrain.sim.rounds import RoundKey
+    from hivetrain.sim.swarm_state import READY
+
+    sim = DataParallelSim(tiny())
+    st, engine = sim.state, sim.rounds
+    for _ in range(4):
+        sim._new_peer(READY)
+    order = sorted(range(4), key=lambda s: st.peer_ids[s])
+    ghost, follower, other = order[0], order[2], order[1]
+    key = RoundKey(0)
+    engine.keys[0] = key
+    engine.store([ghost, follower, other], 10.0)
+    st.i["status"][ghost], st.f["leaves_at"][ghost] = ABSENT, 11.0
+    key.waiting.pop(ghost)
+    me = key.waiting[follower]
+    grace = engine.avg.declare_grace_s + 1.0
+    entries = list(key.entries.values())
+    assert engine._gone_leaders(key, entries, me, 11.0 + grace - 0.5) == frozenset()  # not probed yet
+    assert engine._gone_leaders(key, entries, me, 11.0 + grace) == {st.peer_ids[ghost]}
+    # a departed peer behind a live waiting one in id order leads nothing: nothing to probe
+    late_ghost = order[3]
+    engine.store([late_ghost], 10.0)
+    st.i["status"][late_ghost], st.f["leaves_at"][late_ghost] = ABSENT, 11.0
+    key.waiting.pop(late_ghost)
+    assert st.peer_ids[late_ghost] not in engine._gone_leaders(key, list(key.entries.values()), me, 100.0)
