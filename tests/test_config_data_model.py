@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from hivetrain.config import DataConfig, RunConfig, load_run_config
+from hivetrain.config import RunConfig, load_run_config
 from hivetrain.data import load_corpus, resolve_files, stream_seed
+from hivetrain.data.config import DataConfig
 from hivetrain.model import build_config, build_model, count_parameters, model_fingerprint
 
 

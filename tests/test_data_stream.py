@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hivetrain.config import DataConfig
 from hivetrain.data import is_held_out, iter_documents, list_shards, load_corpus, resolve_files, stream_seed
+from hivetrain.data.config import DataConfig
 
 DOC_RE = re.compile(rb"<d(\d+)>")
 

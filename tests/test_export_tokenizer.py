@@ -10,10 +10,11 @@ from transformers import GPTNeoXConfig, PreTrainedTokenizerFast, pipeline
 
 from hivetrain.cli.export import main as run_export
 from hivetrain.cli.generate import main as generate_main
-from hivetrain.config import DataConfig, RunConfig
+from hivetrain.config import RunConfig
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.export import byte_tokenizer, export_transformers
 from hivetrain.data import load_corpus
+from hivetrain.data.config import DataConfig
 from hivetrain.diloco.state import TrainingState
 from hivetrain.model import build_run_model
 

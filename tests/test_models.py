@@ -10,7 +10,9 @@ import torch
 from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config
 
 from hivetrain import __version__
-from hivetrain.config import DataConfig, DilocoConfig, RunConfig, load_run_config
+from hivetrain.config import RunConfig, load_run_config
+from hivetrain.data.config import DataConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.model import (
     build_config,
     build_model,

@@ -148,8 +148,8 @@ class GroupAverager:
             push=Pusher(timeout_s=config.connect_timeout_s),
             admits=admits,
         )
-        ban_s = max(config.ban_time_s, 1.0)
-        self.bans = BanList(BanConfig(base_duration_s=ban_s, max_duration_s=max(3600.0, ban_s)))
+        ban_time_s = max(config.ban_time_s, 1.0)
+        self.bans = BanList(BanConfig(ban_base_s=ban_time_s, ban_max_s=max(3600.0, ban_time_s)))
         self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)
         self._outputs = _OutputBuffers()  # result buffers, reused once the caller has let go of them
         self._feedback = ErrorFeedback() if config.error_feedback else None
@@ -209,12 +209,12 @@ class GroupAverager:
         return self.matchmaker.dht_latency_s
 
     def ban(self, peer_ids: Iterable[str], reason: str) -> None:
-        """Leave these peers out of our groups for the longest ban (``BanConfig.max_duration_s``, >= 1 h): the
+        """Leave these peers out of our groups for the longest ban (``BanConfig.ban_max_s``, >= 1 h): the
         caller caught them lying outside a round (a poisoned state, an impossible epoch), evidence at least as strong
         as bad data inside one. Thread-safe."""
         now = time.time()
         for peer in peer_ids:
-            self.bans.ban(peer, now, self.bans.config.max_duration_s, reason=reason)
+            self.bans.ban(peer, now, self.bans.config.ban_max_s, reason=reason)
 
     def banned(self) -> frozenset[str]:
         """Peers left out of our groups now: caught sending bad data in a round (for ``ban_time_s``, longer for

@@ -7,7 +7,10 @@ Nothing here may import torch, transformers or hivemind: ``tests/test_cli_fast_s
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 JOIN_SWARM_DESCRIPTION = (
     "``join-swarm ADDRESS [ADDRESS ...]``: join a run and train with DiLoCo until the run ends or Ctrl+C."
@@ -65,26 +68,71 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_run_override_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("run config overrides (only with --config; the coordinator's config wins)")
-    group.add_argument("--run-id", default=None, help="name of the run in the DHT")
-    group.add_argument(
-        "--model",
-        default=None,
-        help=MODEL_HELP,
-    )
-    group.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
-    group.add_argument("--outer-steps", type=int, default=None, help="stop after this many outer steps (0 = never)")
-    group.add_argument(
+@dataclass(frozen=True)
+class RunOverride:
+    """A flag that sets one field of the run config (``hivetrain.config.apply_overrides``)."""
+
+    flag: str
+    field: str
+    """The run config field it sets, dotted (``diloco.inner_steps``)."""
+    help: str
+    type: Callable[[str], Any] | None = None
+    nargs: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute the flag parses into (``--inner-steps`` -> ``inner_steps``)."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+RUN_OVERRIDES = (
+    RunOverride("--run-id", "run_id", "name of the run in the DHT"),
+    RunOverride("--model", "model", MODEL_HELP),
+    RunOverride("--inner-steps", "diloco.inner_steps", "H, inner steps per outer step", type=int),
+    RunOverride("--outer-steps", "diloco.outer_steps", "stop after this many outer steps (0 = never)", type=int),
+    RunOverride(
         "--data",
+        "data.paths",
+        "text files, directories or globs (default: this machine's Python stdlib sources)",
         nargs="+",
-        default=None,
-        help="text files, directories or globs (default: this machine's Python stdlib sources)",
-    )
-    group.add_argument("--seq-len", type=int, default=None, help="tokens per training window")
-    group.add_argument(
-        "--batch-size", type=int, default=None, help="windows per microbatch (diloco.grad_accum_steps per inner step)"
-    )
+    ),
+    RunOverride("--seq-len", "data.seq_len", "tokens per training window", type=int),
+    RunOverride(
+        "--batch-size", "data.batch_size", "windows per microbatch (diloco.grad_accum_steps per inner step)", type=int
+    ),
+)
+"""Every flag that overrides a run config field, each defined once, in ``--help`` order. Unset (None) = the config's
+value (``cli.common.run_overrides``)."""
+
+
+def add_run_override_arguments(
+    parser: argparse.ArgumentParser,
+    title: str = "run config overrides (only with --config; the coordinator's config wins)",
+    flags: Collection[str] | None = None,
+    helps: Mapping[str, str] | None = None,
+) -> None:
+    """Add the run-override flags (``RUN_OVERRIDES``) to ``parser``, in a group named ``title``.
+
+    Args:
+        flags: the flags this command takes (``{"--model", "--data"}``); None = all of them.
+        helps: a help text per flag, replacing the shared one where this command treats the flag differently.
+
+    Raises:
+        ValueError: ``flags`` or ``helps`` name a flag that ``RUN_OVERRIDES`` does not hold.
+    """
+    unknown = (set(flags or ()) | set(helps or {})) - {o.flag for o in RUN_OVERRIDES}
+    if unknown:
+        raise ValueError(f"not run-override flags: {sorted(unknown)}")
+    group = parser.add_argument_group(title)
+    for override in RUN_OVERRIDES:
+        if flags is None or override.flag in flags:
+            group.add_argument(
+                override.flag,
+                type=override.type,
+                nargs=override.nargs,
+                default=None,
+                help=(helps or {}).get(override.flag, override.help),
+            )
 
 
 def add_role_arguments(parser: argparse.ArgumentParser) -> None:
@@ -258,21 +306,6 @@ def local_swarm_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", type=int, default=None, help="number of training peers (>= 1; default 3)")
     parser.add_argument("--out", required=True, help="directory for logs, metrics and summary.json")
     parser.add_argument("--config", default=None, help="run config TOML (default: built-in defaults)")
-    parser.add_argument(
-        "--outer-steps",
-        type=int,
-        default=None,
-        help="K, outer steps to train (default: the config's, or 5 if it trains forever)",
-    )
-    parser.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step")
-    parser.add_argument(
-        "--model",
-        default=None,
-        help=MODEL_HELP,
-    )
-    parser.add_argument(
-        "--data", nargs="+", default=None, help="text files/dirs/globs (default: Python stdlib sources)"
-    )
     parser.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before everything is stopped")
     parser.add_argument("--peer-args", default="", help="extra join-swarm arguments for every peer (one string)")
@@ -305,6 +338,12 @@ def local_swarm_parser() -> argparse.ArgumentParser:
     )
     pipe.add_argument(
         "--steps", type=int, default=None, help="steps per pipeline trainer (default: swarm.trainer_steps, or 30)"
+    )
+    add_run_override_arguments(
+        parser,
+        "run config overrides (over --config, if given)",
+        flags={"--model", "--inner-steps", "--outer-steps", "--data"},
+        helps={"--outer-steps": "K, outer steps to train (default: the config's, or 5 if it trains forever)"},
     )
     return parser
 

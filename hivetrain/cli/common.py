@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from hivetrain.cli.args import RUN_OVERRIDES
 
 if TYPE_CHECKING:
     from hivetrain.peers.node import NodeConfig
@@ -89,16 +91,11 @@ def node_config(args: argparse.Namespace, initial_peers: list[str]) -> NodeConfi
     )
 
 
-def run_overrides(args: argparse.Namespace) -> dict:
-    return {
-        "run_id": args.run_id,
-        "model": args.model,
-        "diloco.inner_steps": args.inner_steps,
-        "diloco.outer_steps": args.outer_steps,
-        "data.paths": args.data,
-        "data.seq_len": args.seq_len,
-        "data.batch_size": args.batch_size,
-    }
+def run_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The run config overrides the command line gives: ``{"diloco.inner_steps": 20, ...}``, one per flag of
+    ``cli.args.RUN_OVERRIDES``; None where the flag was not given or the command has none (``apply_overrides`` skips
+    those)."""
+    return {o.field: getattr(args, o.dest, None) for o in RUN_OVERRIDES}
 
 
 def fail(message: str, code: int) -> int:

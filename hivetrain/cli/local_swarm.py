@@ -31,6 +31,7 @@ from hivetrain.cli.common import (
     Interrupted,
     fail,
     install_signal_handlers,
+    run_overrides,
     setup_logging,
 )
 from hivetrain.config import RunConfig, apply_overrides, load_run_config
@@ -100,13 +101,7 @@ def pipeline_plan(args: argparse.Namespace) -> PipelinePlan:
         raise ValueError(f"--pipeline must be >= 0 stages, got {args.pipeline}")
     base = load_run_config(args.config) if args.config is not None else default_run("tiny", seed=0)
     steps = args.steps or base.swarm.trainer_steps or DEFAULT_PIPELINE_STEPS
-    overrides = {
-        "model": args.model,
-        "diloco.inner_steps": args.inner_steps,
-        "data.paths": args.data,
-        "swarm.num_stages": args.pipeline or None,
-        "swarm.trainer_steps": steps,
-    }
+    overrides = {**run_overrides(args), "swarm.num_stages": args.pipeline or None, "swarm.trainer_steps": steps}
     run = RunConfig.from_dict(apply_overrides(base.to_dict(), overrides))
     coordinator_args = ("--http-port", str(args.dashboard_port)) if args.dashboard_port is not None else ()
     return PipelinePlan(
@@ -193,12 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = Path(args.out)
     try:
-        overrides = {
-            "model": args.model,
-            "diloco.inner_steps": args.inner_steps,
-            "diloco.outer_steps": args.outer_steps,
-            "data.paths": args.data,
-        }
+        overrides = run_overrides(args)
         config = load_run_config(args.config, overrides)
         if config.diloco.outer_steps == 0:  # a local swarm must end: train K=5 unless told otherwise
             config = load_run_config(args.config, {**overrides, "diloco.outer_steps": 5})

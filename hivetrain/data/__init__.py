@@ -1,37 +1,26 @@
-"""Training text: corpus discovery (``sources``), tokenizers (``tokenizers``), the shared held-out windows and each
-peer's stream of training windows (``stream``).
+"""Training text: its settings (``config``), corpus discovery (``sources``), tokenizers (``tokenizers``), the shared
+held-out windows and each peer's stream of training windows (``stream``), and opening the run's corpus (``corpus``).
 
 Files, directories and globs name the corpus: text files, and .jsonl/.json/.parquet/.arrow record files read through
 the ``datasets`` library (local files only; the text is in ``data.text_field``). Everything is read as a stream, so a
 corpus far bigger than memory trains as well as a small one. The default corpus is the Python standard library's
 source files of the machine the peer runs on; tokenization is bytes (vocabulary 256) unless a local ``transformers``
 tokenizer directory is given. Nothing is ever downloaded.
+
+Everything but ``DataConfig`` is imported lazily (PEP 562), as in ``hivetrain.averaging``: ``hivetrain.config`` needs
+``DataConfig`` and must pull in no torch, so that a command's ``--help`` and config errors answer at once.
 """
 
-from __future__ import annotations
+from typing import Any
 
-import hashlib
-import json
-from pathlib import Path
-
-from hivetrain.config import DataConfig
-from hivetrain.data.sources import (
-    RECORD_SUFFIXES,
-    TEXT_SUFFIXES,
-    Shard,
-    default_corpus_files,
-    iter_documents,
-    list_shards,
-    resolve_files,
-)
-from hivetrain.data.stream import Corpus, StreamCursor, is_held_out, pack
-from hivetrain.data.tokenizers import ByteTokenizer, LocalTokenizer
+from hivetrain.data.config import DataConfig
 
 __all__ = [
     "RECORD_SUFFIXES",
     "TEXT_SUFFIXES",
     "ByteTokenizer",
     "Corpus",
+    "DataConfig",
     "LocalTokenizer",
     "Shard",
     "StreamCursor",
@@ -47,56 +36,28 @@ __all__ = [
     "vocab_size_of",
 ]
 
-
-def make_tokenizer(config: DataConfig) -> ByteTokenizer | LocalTokenizer:
-    """Bytes, or the local tokenizer directory ``config.tokenizer``. Raises FileNotFoundError if it is missing."""
-    return LocalTokenizer(config.tokenizer) if config.tokenizer else ByteTokenizer()
-
-
-def vocab_size_of(config: DataConfig) -> int:
-    """Vocabulary size the run's model needs: 256 for bytes, else the local tokenizer's size."""
-    return make_tokenizer(config).vocab_size
-
-
-def load_corpus(config: DataConfig, cursor_path: str | Path | None = None) -> Corpus:
-    """List the corpus that ``config`` names and check that it holds held-out and training windows.
-
-    Reads only what the checks need: the held-out windows (about ``num_eval_windows * (seq_len + 1) /
-    eval_fraction`` tokens from the start of the sorted corpus) and the first training window.
-
-    Args:
-        config: the run's data config.
-        cursor_path: a file where training streams keep their position across restarts (None = none).
-
-    Raises:
-        FileNotFoundError: a data path or the tokenizer directory is missing.
-        ValueError: the corpus holds no text, is too small for one held-out and one training window, or a record
-            file lacks the text field (the message says what to change).
-    """
-    shards = list_shards(resolve_files(config.paths), config.max_corpus_bytes)
-    tokenizer = make_tokenizer(config)
-    listing = [(s.path.name, s.size_bytes, s.kind, s.limit_bytes) for s in shards]
-    blob = json.dumps(
-        {"shards": listing, "tokenizer": tokenizer.name, "text_field": config.text_field, "eval": config.eval_fraction}
-    )
-    corpus = Corpus(
-        shards=shards,
-        tokenizer=tokenizer,
-        text_field=config.text_field,
-        eval_fraction=config.eval_fraction,
-        vocab_size=tokenizer.vocab_size,
-        digest=hashlib.sha256(blob.encode()).hexdigest(),
-        shuffle_windows=config.shuffle_windows,
-    )
-    if next(iter(corpus.documents(held_out=False)), None) is None and next(iter(corpus.documents(True)), None) is None:
-        named = ", ".join(config.paths) if config.paths else "the default corpus"
-        raise ValueError(f"no text in {named}: every file is empty; point data.paths at files that hold text")
-    corpus.eval_windows(config.seq_len, config.num_eval_windows)  # raises if too small; cached for the trainer
-    next(iter(corpus.train_windows(config.seq_len, stream_seed=0)), None)  # raises if no training window
-    corpus.cursor_path = Path(cursor_path) if cursor_path is not None else None  # set after the check: it saves none
-    return corpus
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "RECORD_SUFFIXES",
+            "TEXT_SUFFIXES",
+            "Shard",
+            "default_corpus_files",
+            "iter_documents",
+            "list_shards",
+            "resolve_files",
+        ),
+        "hivetrain.data.sources",
+    ),
+    **dict.fromkeys(("Corpus", "StreamCursor", "is_held_out", "pack"), "hivetrain.data.stream"),
+    **dict.fromkeys(("ByteTokenizer", "LocalTokenizer"), "hivetrain.data.tokenizers"),
+    **dict.fromkeys(("load_corpus", "make_tokenizer", "stream_seed", "vocab_size_of"), "hivetrain.data.corpus"),
+}
 
 
-def stream_seed(run_seed: int, peer_id: str) -> int:
-    """Seed of one peer's training stream: distinct per peer, reproducible for a given identity."""
-    return int.from_bytes(hashlib.sha256(f"{run_seed}:{peer_id}".encode()).digest()[:8], "little")
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hivetrain.data' has no attribute {name!r}")

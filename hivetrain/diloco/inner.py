@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from hivetrain.config import DilocoConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.model import lm_loss
 
 logger = logging.getLogger(__name__)

@@ -20,29 +20,27 @@ class BanConfig:
     """How long peers are banned.
 
     Args:
-        base_duration_s: a first offence bans for this long, seconds (unless ``ban`` is given a duration).
+        ban_base_s: a first offence bans for this long, seconds (unless ``ban`` is given its own ``ban_time_s``).
         backoff_factor: each further offence multiplies the duration by this, >= 1.
-        max_duration_s: no ban is longer than this, seconds, >= base_duration_s.
+        ban_max_s: no ban is longer than this, seconds, >= ban_base_s.
         forget_after_s: an offender whose last ban ended this long ago starts again from a first offence, seconds.
         max_entries: the most peers remembered; past it, forgotten and then soonest-ending entries are dropped
             (bounds memory against peers that mint new ids).
     """
 
-    base_duration_s: float = 60.0
+    ban_base_s: float = 60.0
     backoff_factor: float = 2.0
-    max_duration_s: float = 3600.0
+    ban_max_s: float = 3600.0
     forget_after_s: float = 3600.0
     max_entries: int = 100_000
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.base_duration_s) and self.base_duration_s > 0):
-            raise ValueError(f"base_duration_s must be finite and > 0, got {self.base_duration_s}")
+        if not (math.isfinite(self.ban_base_s) and self.ban_base_s > 0):
+            raise ValueError(f"ban_base_s must be finite and > 0, got {self.ban_base_s}")
         if not (math.isfinite(self.backoff_factor) and self.backoff_factor >= 1):
             raise ValueError(f"backoff_factor must be finite and >= 1, got {self.backoff_factor}")
-        if not (math.isfinite(self.max_duration_s) and self.max_duration_s >= self.base_duration_s):
-            raise ValueError(
-                f"max_duration_s ({self.max_duration_s}) must be finite and >= base_duration_s ({self.base_duration_s})"
-            )
+        if not (math.isfinite(self.ban_max_s) and self.ban_max_s >= self.ban_base_s):
+            raise ValueError(f"ban_max_s ({self.ban_max_s}) must be finite and >= ban_base_s ({self.ban_base_s})")
         if not (math.isfinite(self.forget_after_s) and self.forget_after_s >= 0):
             raise ValueError(f"forget_after_s must be finite and >= 0, got {self.forget_after_s}")
         if self.max_entries < 1:
@@ -69,32 +67,32 @@ class BanList:
         self._lock = threading.Lock()
 
     def ban(
-        self, peer_id: str, now: float, duration_s: float | None = None, reason: str = "", weight: int = 1
+        self, peer_id: str, now: float, ban_time_s: float | None = None, reason: str = "", weight: int = 1
     ) -> BanRecord:
         """Ban ``peer_id`` from ``now``; returns the resulting record.
 
-        The duration is ``(duration_s or base_duration_s) * backoff_factor ** (offences - 1)``, capped at
-        ``max_duration_s``, where ``offences`` counts this ban (``weight`` offences: > 1 for worse failures) and
+        The duration is ``(ban_time_s or ban_base_s) * backoff_factor ** (offences - 1)``, capped at
+        ``ban_max_s``, where ``offences`` counts this ban (``weight`` offences: > 1 for worse failures) and
         earlier ones not yet forgotten or forgiven. Banning a peer that is already banned extends its ban (never
         shortens it).
 
         Raises:
-            ValueError: empty ``peer_id``, non-finite ``now``, ``duration_s`` not finite and > 0, or ``weight`` < 1.
+            ValueError: empty ``peer_id``, non-finite ``now``, ``ban_time_s`` not finite and > 0, or ``weight`` < 1.
         """
         if not peer_id:
             raise ValueError("peer_id must be a non-empty string")
         if not math.isfinite(now):
             raise ValueError(f"now must be finite, got {now}")
-        if duration_s is not None and not (math.isfinite(duration_s) and duration_s > 0):
-            raise ValueError(f"duration_s must be finite and > 0, got {duration_s}")
+        if ban_time_s is not None and not (math.isfinite(ban_time_s) and ban_time_s > 0):
+            raise ValueError(f"ban_time_s must be finite and > 0, got {ban_time_s}")
         if weight < 1:
             raise ValueError(f"weight must be >= 1, got {weight}")
         cfg = self.config
         with self._lock:
             old = self._records.get(peer_id)
             offences = weight if old is None or self._forgotten(old, now) else old.offences + weight
-            base = duration_s if duration_s is not None else cfg.base_duration_s
-            length = min(base * cfg.backoff_factor ** min(offences - 1, 1000), cfg.max_duration_s)
+            base = ban_time_s if ban_time_s is not None else cfg.ban_base_s
+            length = min(base * cfg.backoff_factor ** min(offences - 1, 1000), cfg.ban_max_s)
             until = max(now + length, old.until if old is not None else -math.inf)
             record = BanRecord(peer_id, reason, now, until, offences)
             self._records[peer_id] = record

@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
 from hivetrain.averaging.config import AveragingConfig
-from hivetrain.config import MAX_DOWNLOADERS_DEFAULT
+from hivetrain.diloco.config import MAX_DOWNLOADERS_DEFAULT
 
 if sys.version_info >= (3, 11):
     import tomllib

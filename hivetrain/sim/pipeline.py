@@ -86,7 +86,7 @@ class PipelineSim:
         self.servers: dict[str, Server] = {}
         self.records: dict[str, StageRecord] = {}
         self._view: list[StageRecord] | None = None
-        bans = BanConfig(base_duration_s=self.p.ban_base_s, max_duration_s=self.p.ban_max_s)  # as swarm.trainer
+        bans = BanConfig(ban_base_s=self.p.ban_base_s, ban_max_s=self.p.ban_max_s)  # as swarm.trainer
         self.trainers = [Trainer(BanList(bans)) for _ in range(self.p.num_trainers)]
         self.num_drawn = 0
         self.done_at: list[float] = []

@@ -13,7 +13,7 @@ benchmark). The trainer's own calls tell it sooner:
   the ordinary backoff, except a call sent before the previous failure was seen (calls queued together time out
   together: one outage); ``dead_after_timeouts`` such consecutive failures (no success between, at least one a
   timeout) within ``window_s`` declare it dead for routing: its other calls in flight are cancelled and rerouted,
-  but it keeps the ordinary backoff ban (not ``dead_ban_s``) and its ledger entries wait for its record to lapse: a
+  but it keeps the ordinary backoff ban (not ``dead_ban_time_s``) and its ledger entries wait for its record to lapse: a
   stalled server keeps the gradients it accumulated, and replaying them while it may still commit them would count
   them twice.
 * **error** (a malformed reply, an error raised by its handler): the server is alive; ban with backoff only.
@@ -58,17 +58,17 @@ class FailureConfig:
         dead_after_timeouts: consecutive failed calls, at least one a timeout, that declare a server dead for routing
             (3: two timeouts are common on a busy machine and only cost their own reroutes).
         window_s: those failures must fall within this many seconds (a server that fails rarely is only banned).
-        dead_ban_s: a dead server gets no call for this long, seconds: long enough for its record to lapse.
+        dead_ban_time_s: a dead server gets no call for this long, seconds: long enough for its record to lapse.
     """
 
     dead_after_timeouts: int = 3
     window_s: float = 8.0
-    dead_ban_s: float = 16.0
+    dead_ban_time_s: float = 16.0
 
     def __post_init__(self) -> None:
         if self.dead_after_timeouts < 1:
             raise ValueError(f"dead_after_timeouts must be >= 1, got {self.dead_after_timeouts}")
-        for name in ("window_s", "dead_ban_s"):
+        for name in ("window_s", "dead_ban_time_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0 seconds, got {value}")
@@ -78,7 +78,7 @@ class FailureConfig:
         """Windows sized by the pipeline's record lifetime: a dead server's record lapses within
         ``record_ttl_s + 2 * announce_interval_s`` of its death."""
         lapse_s = record_ttl_s + 2 * announce_interval_s
-        return cls(window_s=2 * record_ttl_s, dead_ban_s=2 * lapse_s)
+        return cls(window_s=2 * record_ttl_s, dead_ban_time_s=2 * lapse_s)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class FailureVerdict:
         health: the server's updated record.
         declare_dead: it just became dead: cancel and reroute every other call in flight to it.
         replay_now: replay the ledger entries held there now (only for an unreachable server).
-        ban_s: ban it this long, seconds (an unreachable server); 0 = no ban of this length.
+        ban_time_s: ban it this long, seconds (an unreachable server); 0 = no ban of this length.
         strike: add one offence to its ordinary backoff ban. False when this failure is no new evidence: the server
             is already dead, or the call was sent before the last failure was seen (calls queued together time out
             together: one outage, not several; counting each doubled the ban of a loaded stage's last server until
@@ -127,7 +127,7 @@ class FailureVerdict:
     health: PeerHealth
     declare_dead: bool
     replay_now: bool
-    ban_s: float
+    ban_time_s: float
     strike: bool
     reason: str
 
@@ -151,7 +151,7 @@ def judge_failure(
         return FailureVerdict(health, False, False, 0.0, False, "already declared dead")
     if kind == "unreachable":
         dead = dataclasses.replace(health, dead_since=now, replayed=True)
-        return FailureVerdict(dead, True, True, config.dead_ban_s, False, "unreachable: its daemon is gone")
+        return FailureVerdict(dead, True, True, config.dead_ban_time_s, False, "unreachable: its daemon is gone")
     if health.num_failures and sent_at < health.last_failure_at and now - health.first_failure_at <= config.window_s:
         return FailureVerdict(health, False, False, 0.0, False, f"{kind}: sent before the last failure, same outage")
     if health.num_failures == 0 or now - health.first_failure_at > config.window_s:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import tomli_w
 
-from hivetrain.config import DataConfig, DilocoConfig, RunConfig
+from hivetrain.config import RunConfig
+from hivetrain.data.config import DataConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.localswarm.launcher import LOOPBACK, LocalSwarm, PeerProcess
 from hivetrain.model import count_parameters
 from hivetrain.peers.node import NodeConfig, PeerNode, start_node

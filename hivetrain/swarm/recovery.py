@@ -15,22 +15,36 @@ dead, what a later answer means) and of ``ledger`` (which accepted gradients are
   backward, ``replay=True``), at most ``MAX_REPLAYS_IN_FLIGHT`` at once; one that finds no server stays pending and
   is retried by ``settle_once``.
 
+Everything the trainer knows of one server's health is one ``ServerHealth`` value (its failed calls, whether it is a
+suspect, the record reads it was missing from, the signal that wakes its watched calls). Its pure methods compute the
+next value; ``Recovery._set`` is the one place it is stored, as ``swarm.phase.StagePhase`` is for a server's phase.
+
 Every method runs on the trainer's event loop. Units: seconds on ``time.monotonic()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from hivetrain.swarm import wire
 from hivetrain.swarm.announce import StageRecord
 from hivetrain.swarm.client import CallFailed
-from hivetrain.swarm.failures import FailureConfig, FailureKind, FailureVerdict, PeerHealth, judge_answer, judge_failure
+from hivetrain.swarm.failures import (
+    AnswerKind,
+    FailureConfig,
+    FailureKind,
+    FailureVerdict,
+    PeerHealth,
+    judge_answer,
+    judge_failure,
+)
 from hivetrain.swarm.ledger import GradientLedger, LedgerEntry
 
 logger = logging.getLogger(__name__)
@@ -51,6 +65,64 @@ class Counters(Protocol):
 
 
 Resend = Callable[[LedgerEntry], Awaitable[tuple[str, wire.ReplyMeta] | None]]
+
+
+@dataclass(frozen=True)
+class ServerHealth:
+    """One stage server's health as one trainer sees it (replaced, never mutated: ``Recovery._set``).
+
+    Attributes:
+        calls: its failed calls since its last answer and any death verdict (``failures.PeerHealth``).
+        suspect: its last call failed in the network, so it may be dead: the gradients it holds count as unresolved
+            (``Recovery.settle_once``) until it answers or they are replayed.
+        missing_since: when the first of the consecutive record reads it was missing from happened (meaningless when
+            ``missing_reads`` is 0).
+        missing_reads: consecutive reads of the stage records it was missing from (0 = in the last read).
+        death: resolved when it is declared dead, to abandon the calls watched there (``Recovery.watched``); None =
+            no call has watched it since.
+    """
+
+    calls: PeerHealth = PeerHealth()
+    suspect: bool = False
+    missing_since: float = 0.0
+    missing_reads: int = 0
+    death: asyncio.Future | None = None
+
+    def failed(
+        self, kind: FailureKind, now: float, config: FailureConfig, sent_at: float
+    ) -> tuple[ServerHealth, FailureVerdict]:
+        """After a call of ``kind`` sent at ``sent_at`` failed at ``now`` (``failures.judge_failure``): a suspect."""
+        verdict = judge_failure(self.calls, kind, now, config, sent_at)
+        return dataclasses.replace(self, calls=verdict.health, suspect=True), verdict
+
+    def answered(self, answered_at: float) -> tuple[ServerHealth, AnswerKind]:
+        """After a reply at ``answered_at`` (``failures.judge_answer``): its failures are forgotten and it is no
+        suspect, unless the reply came before its death verdict (it stays dead, unchanged)."""
+        calls, kind = judge_answer(self.calls, answered_at)
+        if kind == "before_death":
+            return self, kind
+        return dataclasses.replace(self, calls=calls, suspect=False), kind
+
+    def declared_dead(self, replay_now: bool) -> ServerHealth:
+        """After its death was signalled (``death`` is spent); with ``replay_now`` its gradients are being replayed,
+        so it is no suspect."""
+        return dataclasses.replace(self, death=None, suspect=self.suspect and not replay_now)
+
+    def read(self, present: bool, read_at: float, announce_interval_s: float) -> tuple[ServerHealth, bool]:
+        """After a read of the stage records at ``read_at`` that held its record or not. Returns the new value and
+        whether it is gone: missing from two reads at least two announce intervals apart (a live server re-announces
+        every interval); a gone server's failures are forgotten with its ledger entries."""
+        if present:
+            return dataclasses.replace(self, missing_since=0.0, missing_reads=0), False
+        since = self.missing_since if self.missing_reads else read_at
+        reads = self.missing_reads + 1
+        if reads >= 2 and read_at - since >= 2 * announce_interval_s:
+            return dataclasses.replace(self, calls=PeerHealth(), missing_since=0.0, missing_reads=0), True
+        return dataclasses.replace(self, missing_since=since, missing_reads=reads), False
+
+
+_UNKNOWN = ServerHealth()
+"""A server nothing is known of: never failed, present, no call watching it."""
 
 
 def _consume_result(task: asyncio.Task) -> None:
@@ -81,13 +153,22 @@ class Recovery:
     ):
         self.ledger, self.config, self.announce_interval_s = ledger, config, announce_interval_s
         self.stats, self.resend = stats, resend
-        self.suspects: set[str] = set()  # servers whose last call failed in the network (maybe dead)
         self.pending: list[LedgerEntry] = []  # replays not finished yet
-        self._health: dict[str, PeerHealth] = {}
-        self._death_signals: dict[str, asyncio.Future] = {}  # peer -> set when it is declared dead
-        self._missing: dict[str, tuple[float, int]] = {}  # peer -> (first read it was missing from, reads)
+        self._servers: dict[str, ServerHealth] = {}  # peer -> its health; absent = _UNKNOWN
         self._tasks: set[asyncio.Task] = set()
         self._slots = asyncio.Semaphore(MAX_REPLAYS_IN_FLIGHT)
+
+    def health(self, peer_id: str) -> ServerHealth:
+        """What this trainer knows of ``peer_id``'s health."""
+        return self._servers.get(peer_id, _UNKNOWN)
+
+    def _set(self, peer_id: str, health: ServerHealth) -> None:
+        """The one place a server's health changes. A server back to knowing nothing leaves the dict (memory stays
+        bounded by the servers with something to remember)."""
+        if health == _UNKNOWN:
+            self._servers.pop(peer_id, None)
+        else:
+            self._servers[peer_id] = health
 
     # ---- calls and verdicts --------------------------------------------------------------------------------------
     async def watched(self, peer_id: str, call):
@@ -101,9 +182,11 @@ class Recovery:
             return reply, result, time.monotonic()
 
         task = asyncio.ensure_future(timed())
-        death = self._death_signals.get(peer_id)
+        health = self.health(peer_id)
+        death = health.death
         if death is None or death.done():
-            death = self._death_signals[peer_id] = asyncio.get_running_loop().create_future()
+            death = asyncio.get_running_loop().create_future()
+            self._set(peer_id, dataclasses.replace(health, death=death))
         try:
             await asyncio.wait([task, death], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # this hop itself was cancelled
@@ -118,48 +201,36 @@ class Recovery:
     def judge(self, peer_id: str, kind: FailureKind, now: float, sent_at: float) -> FailureVerdict:
         """Count a call of ``kind`` sent at ``sent_at`` that failed at ``now`` (``failures.judge_failure``); the
         server is a suspect until it answers again. The caller bans it as the verdict says."""
-        verdict = judge_failure(self._health.get(peer_id, PeerHealth()), kind, now, self.config, sent_at)
-        self._health[peer_id] = verdict.health
-        self.suspects.add(peer_id)
+        health, verdict = self.health(peer_id).failed(kind, now, self.config, sent_at)
+        self._set(peer_id, health)
         return verdict
 
     def declare_dead(self, peer_id: str, replay_now: bool) -> None:
         """``peer_id`` was just declared dead: abandon its calls in flight, and with ``replay_now`` (it is unreachable)
         replay the gradients it holds at once."""
-        death = self._death_signals.pop(peer_id, None)
-        if death is not None and not death.done():
-            death.set_result(None)
+        health = self.health(peer_id)
+        if health.death is not None and not health.death.done():
+            health.death.set_result(None)
+        self._set(peer_id, health.declared_dead(replay_now))
         if replay_now:
-            self.suspects.discard(peer_id)
             self.queue(self.ledger.forget(peer_id))
 
     def answered(self, peer_id: str, answered_at: float, reply: wire.ReplyMeta) -> bool:
         """Count a reply of ``peer_id`` and apply what it says about its windows. Returns False if it was sent before
         the server was declared dead (it stays dead)."""
-        alive = self._alive(peer_id, answered_at)
-        self.observe(peer_id, reply)
-        if alive:
-            self.suspects.discard(peer_id)
-        return alive
-
-    def _alive(self, peer_id: str, answered_at: float) -> bool:
-        health = self._health.get(peer_id)
-        if health is None:
-            return True
-        health, kind = judge_answer(health, answered_at)
-        if kind == "before_death":
-            return False
-        del self._health[peer_id]
+        health, kind = self.health(peer_id).answered(answered_at)
+        self._set(peer_id, health)
         if kind == "false_death":
             self.stats.false_deaths += 1
             logger.warning("server %s answered after being declared dead", peer_id[:12])
-        return True
+        self.observe(peer_id, reply)
+        return kind != "before_death"
 
     # ---- ledger and replays --------------------------------------------------------------------------------------
     def accepted(self, entry: LedgerEntry) -> None:
         """Keep an accepted backward call; replayed at once if its server was already declared dead and replayed."""
         self.ledger.add(entry)
-        if self._health.get(entry.peer_id, PeerHealth()).replayed:
+        if self.health(entry.peer_id).calls.replayed:
             self.queue(self.ledger.forget(entry.peer_id))
 
     def observe(self, peer_id: str, reply: wire.ReplyMeta) -> None:
@@ -171,15 +242,11 @@ class Recovery:
         live = {r.peer_id: (r.incarnation, r.open_window, r.abandoned) for r in records}
         replays = []
         for peer_id in list(self.ledger.entries):
+            health, gone = self.health(peer_id).read(peer_id in live, read_at, self.announce_interval_s)
+            self._set(peer_id, health)
             if peer_id in live:
-                self._missing.pop(peer_id, None)
                 replays.extend(self.ledger.observe(peer_id, *live[peer_id]))
-                continue
-            first_miss, reads = self._missing.get(peer_id, (read_at, 0))
-            self._missing[peer_id] = (first_miss, reads + 1)
-            if reads + 1 >= 2 and read_at - first_miss >= 2 * self.announce_interval_s:
-                del self._missing[peer_id]
-                self._health.pop(peer_id, None)
+            elif gone:
                 replays.extend(self.ledger.forget(peer_id))
         self.queue(replays)
 
@@ -226,7 +293,7 @@ class Recovery:
         if orphans and not self._tasks:
             self.pending = []
             self.queue(orphans)
-        at_suspects = sum(len(self.ledger.entries.get(p, ())) for p in self.suspects)
+        at_suspects = sum(len(self.ledger.entries.get(p, ())) for p, h in self._servers.items() if h.suspect)
         return len(self.pending) + len(self._tasks) + at_suspects
 
     def cancel(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hivetrain.averaging.base import RoundFailed
-from hivetrain.config import DilocoConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.inner import lr_multiplier
 from hivetrain.diloco.state import TrainingState
 from hivetrain.faults import NO_FAULTS, FaultInjector

@@ -129,7 +129,7 @@ class PipelineTrainer:
         self._owns_loop = loop is None
         self.rng = random.Random(seed)
         self.router = router
-        self.bans = BanList(BanConfig(base_duration_s=swarm.ban_base_s, max_duration_s=swarm.ban_max_s))
+        self.bans = BanList(BanConfig(ban_base_s=swarm.ban_base_s, ban_max_s=swarm.ban_max_s))
         self.ledger = GradientLedger()
         self.stats = TrainerStats()
         self.inflight: Counter[str] = Counter()
@@ -361,8 +361,8 @@ class PipelineTrainer:
         """Ban the server, and if ``judge_failure`` declares it dead, cancel its other calls and maybe replay now."""
         now = time.monotonic()
         verdict = self.recovery.judge(peer_id, exc.kind, now, sent_at)
-        if verdict.ban_s:
-            self.bans.ban(peer_id, now, duration_s=verdict.ban_s, reason=verdict.reason)
+        if verdict.ban_time_s:
+            self.bans.ban(peer_id, now, ban_time_s=verdict.ban_time_s, reason=verdict.reason)
             self.stats.reroutes += 1
         elif verdict.strike:
             self._ban(peer_id, stage, str(exc))

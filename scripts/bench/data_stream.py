@@ -88,8 +88,8 @@ def _read(root: str, num_windows: int, seq_len: int, batch_size: int, out) -> No
 
     import torch
 
-    from hivetrain.config import DataConfig
     from hivetrain.data import load_corpus, stream_seed
+    from hivetrain.data.config import DataConfig
 
     torch.set_num_threads(1)
     started = time.monotonic()

@@ -49,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lpb_arms import Arm, Setup, codec_config, run_arm  # noqa: E402
 
-from hivetrain.config import DilocoConfig  # noqa: E402
+from hivetrain.diloco.config import DilocoConfig  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 OUTER_GRID = tuple((lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.0, 0.5, 0.9))

@@ -39,8 +39,9 @@ from typing import Literal
 
 import torch
 
-from hivetrain.config import DataConfig, DilocoConfig
 from hivetrain.data import Corpus, load_corpus, stream_seed
+from hivetrain.data.config import DataConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.inner import InnerOptimizer, lr_multiplier
 from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
 from hivetrain.diloco.overlap import PreviousRound, start_params

@@ -64,8 +64,9 @@ import torch
 
 from hivetrain.averaging import AveragingConfig, GroupAverager, RoundFailed
 from hivetrain.averaging.groups import grid_for, max_relative_deviation
-from hivetrain.config import DataConfig, DilocoConfig
 from hivetrain.data import Corpus, load_corpus, stream_seed
+from hivetrain.data.config import DataConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
 from hivetrain.diloco.state import TrainingState

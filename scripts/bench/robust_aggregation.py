@@ -91,7 +91,7 @@ def real_inputs(seed: int, warm_steps: int, uneven: bool = False) -> tuple[list[
     on its own data stream."""
     import numpy as np
 
-    from hivetrain.config import DilocoConfig
+    from hivetrain.diloco.config import DilocoConfig
     from hivetrain.diloco.inner import InnerOptimizer
     from hivetrain.model import build_config, build_model
 

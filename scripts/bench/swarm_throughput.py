@@ -40,8 +40,8 @@ import threading
 import time
 from pathlib import Path
 
-from hivetrain.config import DataConfig
 from hivetrain.data import load_corpus, stream_seed
+from hivetrain.data.config import DataConfig
 from hivetrain.localswarm.launcher import LOOPBACK
 from hivetrain.peers.node import NodeConfig, start_node
 from hivetrain.swarm.config import SwarmConfig

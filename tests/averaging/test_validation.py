@@ -78,7 +78,7 @@ def test_validate_part_rejects_wrong_size_dtype_type_codec() -> None:
 
 
 def test_ban_backoff_expiry_and_forgetting() -> None:
-    bans = BanList(BanConfig(base_duration_s=10, backoff_factor=3, max_duration_s=100, forget_after_s=1000))
+    bans = BanList(BanConfig(ban_base_s=10, backoff_factor=3, ban_max_s=100, forget_after_s=1000))
     r1 = bans.ban("peerA", now=0.0, reason="non_finite")
     assert (r1.until, r1.offences) == (10.0, 1)
     assert bans.is_banned("peerA", 9.99) and not bans.is_banned("peerA", 10.0)
@@ -92,12 +92,12 @@ def test_ban_backoff_expiry_and_forgetting() -> None:
 
 
 def test_ban_extends_but_never_shortens_and_explicit_duration() -> None:
-    bans = BanList(BanConfig(base_duration_s=10, backoff_factor=2, max_duration_s=1000))
-    bans.ban("p", now=0.0, duration_s=500)
-    r = bans.ban("p", now=1.0, duration_s=1)  # second offence: 1 * 2 = 2 s, but the 500 s ban stands
+    bans = BanList(BanConfig(ban_base_s=10, backoff_factor=2, ban_max_s=1000))
+    bans.ban("p", now=0.0, ban_time_s=500)
+    r = bans.ban("p", now=1.0, ban_time_s=1)  # second offence: 1 * 2 = 2 s, but the 500 s ban stands
     assert r.until == 500.0 and r.offences == 2
     with pytest.raises(ValueError):
-        bans.ban("p", now=0.0, duration_s=0)
+        bans.ban("p", now=0.0, ban_time_s=0)
     with pytest.raises(ValueError):
         bans.ban("", now=0.0)
     with pytest.raises(ValueError):
@@ -107,10 +107,10 @@ def test_ban_extends_but_never_shortens_and_explicit_duration() -> None:
 
 
 def test_ban_active_prune_and_memory_bound() -> None:
-    bans = BanList(BanConfig(base_duration_s=10, forget_after_s=50, max_entries=3))
+    bans = BanList(BanConfig(ban_base_s=10, forget_after_s=50, max_entries=3))
     bans.ban("a", now=0.0)
     bans.ban("b", now=5.0)
-    bans.ban("c", now=8.0, duration_s=100)
+    bans.ban("c", now=8.0, ban_time_s=100)
     assert [r.peer_id for r in bans.active(6.0)] == ["a", "b", "c"]
     assert [r.peer_id for r in bans.active(12.0)] == ["b", "c"]
     bans.ban("d", now=9.0)  # over max_entries: nothing forgotten yet, so the soonest-ending ("a") goes
@@ -122,12 +122,12 @@ def test_ban_active_prune_and_memory_bound() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"base_duration_s": 0},
+        {"ban_base_s": 0},
         {"backoff_factor": 0.5},
-        {"max_duration_s": 1.0, "base_duration_s": 2.0},
+        {"ban_max_s": 1.0, "ban_base_s": 2.0},
         {"forget_after_s": -1},
         {"max_entries": 0},
-        {"base_duration_s": float("inf")},
+        {"ban_base_s": float("inf")},
     ],
 )
 def test_ban_config_rejects_bad_fields(kwargs: dict) -> None:
@@ -136,7 +136,7 @@ def test_ban_config_rejects_bad_fields(kwargs: dict) -> None:
 
 
 def test_ban_list_is_thread_safe() -> None:
-    bans = BanList(BanConfig(base_duration_s=1, backoff_factor=1, max_entries=10_000))
+    bans = BanList(BanConfig(ban_base_s=1, backoff_factor=1, max_entries=10_000))
 
     def worker(offset: int) -> None:
         for i in range(500):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hivetrain.cli.node_launch import NodeEnv, launched_by_torchrun
-from hivetrain.config import DilocoConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
 from hivetrain.diloco.node_ranks import (

@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from hivetrain.config import DilocoConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.phase import PhaseRunner

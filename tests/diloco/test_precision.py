@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from hivetrain.averaging.config import AveragingConfig
-from hivetrain.config import DataConfig, DilocoConfig, RunConfig
+from hivetrain.config import RunConfig
+from hivetrain.data.config import DataConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.inner import InnerOptimizer, Precision, lr_multiplier, resolve_precision
 from hivetrain.diloco.outer import pseudo_gradient
 from hivetrain.diloco.state import TrainingState

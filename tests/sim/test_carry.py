@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hivetrain.config import DilocoConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.sim.config import ScheduleSettings
 from hivetrain.sim.dataparallel import DataParallelSim
 from hivetrain.sim.swarm_state import STEP_SCALE, SwarmState

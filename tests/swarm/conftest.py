@@ -13,7 +13,9 @@ import psutil
 import pytest
 import torch
 
-from hivetrain.config import DataConfig, DilocoConfig, RunConfig
+from hivetrain.config import RunConfig
+from hivetrain.data.config import DataConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.faults import FaultInjector
 from hivetrain.model import build_model, lm_loss
 from hivetrain.peers.node import NodeConfig, PeerNode, start_node

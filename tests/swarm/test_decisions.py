@@ -38,7 +38,7 @@ def rec(peer: str, stage: int, throughput: float, queue_len: int = 0, status="se
 
 def test_choose_server_is_proportional_to_throughput_over_queue():
     records = [rec("fast", 1, 30.0), rec("slow", 1, 10.0), rec("queued", 1, 30.0, queue_len=2), rec("other", 0, 99.0)]
-    bans, rng = BanList(BanConfig(base_duration_s=1.0, max_duration_s=10.0)), random.Random(0)
+    bans, rng = BanList(BanConfig(ban_base_s=1.0, ban_max_s=10.0)), random.Random(0)
     picks = Counter(choose_server(records, 1, NOW, bans, rng)[0].peer_id for _ in range(20_000))
     # weights 30, 10, 30/3 = 10 -> 0.6, 0.2, 0.2; the stage-0 server is never a candidate
     assert set(picks) == {"fast", "slow", "queued"}
@@ -49,7 +49,7 @@ def test_choose_server_is_proportional_to_throughput_over_queue():
 
 def test_choose_server_counts_this_trainers_inflight_work_and_skips_busy_excluded_and_banned():
     records = [rec("a", 0, 10.0), rec("b", 0, 10.0), rec("c", 0, 10.0, status="syncing"), rec("d", 0, 10.0)]
-    bans, rng = BanList(BanConfig(base_duration_s=1.0, max_duration_s=10.0)), random.Random(1)
+    bans, rng = BanList(BanConfig(ban_base_s=1.0, ban_max_s=10.0)), random.Random(1)
     bans.ban("d", NOW, reason="timeout")
     picks = Counter(choose_server(records, 0, NOW, bans, rng, inflight={"a": 3})[0].peer_id for _ in range(4000))
     assert set(picks) == {"a", "b"} and picks["b"] / 4000 == pytest.approx(0.8, abs=0.03)  # 10/4 vs 10
@@ -63,7 +63,7 @@ def test_choose_server_counts_this_trainers_inflight_work_and_skips_busy_exclude
 def _route_concurrently(records, stage, rng, num_microbatches):
     """Pick servers for microbatches sent one after another while all earlier ones are still in flight, as the
     trainer does up to ``max_inflight_microbatches``: each pick counts this trainer's in-flight work."""
-    bans, inflight = BanList(BanConfig(base_duration_s=1.0, max_duration_s=10.0)), Counter()
+    bans, inflight = BanList(BanConfig(ban_base_s=1.0, ban_max_s=10.0)), Counter()
     for _ in range(num_microbatches):
         inflight[choose_server(records, stage, NOW, bans, rng, inflight=inflight)[0].peer_id] += 1
     return inflight
@@ -87,7 +87,7 @@ def test_stochastic_wiring_spreads_concurrent_microbatches_over_a_stages_servers
 
 
 def test_bans_back_off_exponentially_and_success_clears_strikes():
-    bans = BanList(BanConfig(base_duration_s=2.0, max_duration_s=10.0))
+    bans = BanList(BanConfig(ban_base_s=2.0, ban_max_s=10.0))
     assert bans.ban("p", NOW, reason="x").until == NOW + 2.0
     assert bans.is_banned("p", NOW + 1.9) and not bans.is_banned("p", NOW + 2.1)
     assert bans.ban("p", NOW + 3, reason="x").until == NOW + 3 + 4.0
@@ -99,7 +99,7 @@ def test_bans_back_off_exponentially_and_success_clears_strikes():
     assert bans.ban("q", NOW, reason="nan", weight=3).until == NOW + 8.0  # worse offences start longer
     assert bans.banned(NOW + 1) == {"p", "q"}
     with pytest.raises(ValueError):
-        BanConfig(base_duration_s=5.0, max_duration_s=1.0)
+        BanConfig(ban_base_s=5.0, ban_max_s=1.0)
     with pytest.raises(ValueError):
         bans.ban("p", NOW, weight=0)
 

@@ -13,7 +13,7 @@ from hivetrain.swarm.routing import choose_server
 
 from .test_decisions import NOW, rec
 
-CONFIG = FailureConfig(dead_after_timeouts=3, window_s=8.0, dead_ban_s=12.0)
+CONFIG = FailureConfig(dead_after_timeouts=3, window_s=8.0, dead_ban_time_s=12.0)
 
 
 def test_daemon_errors_of_a_dead_peer_are_unreachable_and_handler_errors_are_not():
@@ -27,7 +27,7 @@ def test_daemon_errors_of_a_dead_peer_are_unreachable_and_handler_errors_are_not
 
 def test_an_unreachable_server_is_dead_at_once_and_its_gradients_replay_now():
     verdict = judge_failure(PeerHealth(), "unreachable", NOW, CONFIG)
-    assert verdict.declare_dead and verdict.replay_now and verdict.ban_s == CONFIG.dead_ban_s
+    assert verdict.declare_dead and verdict.replay_now and verdict.ban_time_s == CONFIG.dead_ban_time_s
     assert verdict.health.dead and verdict.health.dead_since == NOW and verdict.health.replayed
     # the calls that were in flight there fail next: already dead, not declared (or replayed, or banned) again
     again = judge_failure(verdict.health, "unreachable", NOW + 0.01, CONFIG)
@@ -36,11 +36,13 @@ def test_an_unreachable_server_is_dead_at_once_and_its_gradients_replay_now():
 
 def test_timeouts_declare_a_server_dead_for_routing_only_when_repeated_within_the_window():
     first = judge_failure(PeerHealth(), "timeout", NOW, CONFIG, sent_at=NOW - 5)
-    assert not first.declare_dead and first.strike and first.ban_s == 0  # the ordinary backoff: it may only be slow
+    assert (
+        not first.declare_dead and first.strike and first.ban_time_s == 0
+    )  # the ordinary backoff: it may only be slow
     second = judge_failure(first.health, "timeout", NOW + 2.0, CONFIG, sent_at=NOW + 0.5)
     assert not second.declare_dead and second.strike  # two timeouts happen to live servers of a busy machine
     third = judge_failure(second.health, "error", NOW + 5.0, CONFIG, sent_at=NOW + 4.0)
-    assert third.declare_dead and not third.replay_now and third.ban_s == 0  # its gradients wait for its record
+    assert third.declare_dead and not third.replay_now and third.ban_time_s == 0  # its gradients wait for its record
     assert third.health.dead and not third.health.replayed
     assert "3 failed calls (2 timeouts) in 5.0s" in third.reason
 
@@ -80,21 +82,21 @@ def test_an_answer_forgets_failures_reports_a_false_death_and_keeps_a_reply_sent
 
 def test_the_reroute_is_the_stages_other_server_until_the_dead_ban_ends():
     records = [rec("dead", 1, 50.0), rec("alive", 1, 10.0), rec("other-stage", 2, 99.0)]
-    bans = BanList(BanConfig(base_duration_s=1.0, max_duration_s=60.0))
+    bans = BanList(BanConfig(ban_base_s=1.0, ban_max_s=60.0))
     verdict = judge_failure(PeerHealth(), "unreachable", NOW, CONFIG)
-    bans.ban("dead", NOW, duration_s=verdict.ban_s, reason=verdict.reason)
+    bans.ban("dead", NOW, ban_time_s=verdict.ban_time_s, reason=verdict.reason)
     for seed in range(50):  # the dead server had 5x the weight: without the verdict it would win most picks
         chosen, _ = choose_server(records, 1, NOW + 0.001, bans, random.Random(seed), exclude={"dead"})
         assert chosen.peer_id == "alive"
-        chosen, _ = choose_server(records, 1, NOW + CONFIG.dead_ban_s - 0.1, bans, random.Random(seed))
+        chosen, _ = choose_server(records, 1, NOW + CONFIG.dead_ban_time_s - 0.1, bans, random.Random(seed))
         assert chosen.peer_id == "alive"
-    assert not bans.is_banned("dead", NOW + CONFIG.dead_ban_s + 0.1)
+    assert not bans.is_banned("dead", NOW + CONFIG.dead_ban_time_s + 0.1)
 
 
 def test_failure_config_is_sized_by_the_record_lifetime_and_rejects_bad_values():
     config = FailureConfig.for_swarm(record_ttl_s=4.0, announce_interval_s=1.0)
-    assert config.window_s == 8.0 and config.dead_ban_s == 12.0  # 2 x (ttl + 2 announce intervals)
+    assert config.window_s == 8.0 and config.dead_ban_time_s == 12.0  # 2 x (ttl + 2 announce intervals)
     with pytest.raises(ValueError, match="dead_after_timeouts"):
         FailureConfig(dead_after_timeouts=0)
-    with pytest.raises(ValueError, match="dead_ban_s"):
-        FailureConfig(dead_ban_s=math.inf)
+    with pytest.raises(ValueError, match="dead_ban_time_s"):
+        FailureConfig(dead_ban_time_s=math.inf)

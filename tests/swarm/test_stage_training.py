@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hivetrain.averaging.base import RoundFailed, RoundResult
-from hivetrain.config import DilocoConfig
+from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.state import TrainingState
 from hivetrain.model import build_config
 from hivetrain.swarm.config import SwarmConfig

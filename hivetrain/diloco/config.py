@@ -1,0 +1,109 @@
+"""DiLoCo's settings (a table ``[diloco]`` of the run's TOML file): the inner and outer optimizers, the schedule,
+overlap, precision and how rounds carry over."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+_STRICT = ConfigDict(extra="forbid")
+
+
+MAX_DOWNLOADERS_DEFAULT = 16
+"""``diloco.max_downloaders``'s default: peers one donor serves at once (measured: dev/LOG.md, 2026-11-29)."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class DilocoConfig:
+    """DiLoCo hyper-parameters (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of LMs").
+
+    Args:
+        inner_steps: H, inner AdamW steps between outer steps.
+        inner_lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warmup of the inner learning rate, in inner steps.
+        total_inner_steps: length of the cosine decay in inner steps; 0 = outer_steps * inner_steps.
+        min_lr_ratio: floor of the cosine decay as a fraction of inner_lr (kept > 0 so open-ended runs still learn).
+        grad_clip: max global gradient norm per inner step; 0 = no clipping.
+        outer_lr: outer SGD learning rate. Default 1.0 with ``outer_momentum`` 0: plain averaging of the peers'
+            updates, the best or within noise of the best setting at every length that
+            ``scripts/bench/diloco_vs_ddp.py`` measured (10 to 120 outer steps, tiny and small presets; dev/LOG.md,
+            2026-11-25). The paper's 0.7 with momentum 0.9 (tuned on a 150M model, H = 500) ended 5-14 points
+            further behind tuned data parallelism there (e.g. +11.1% vs +5.6% eval loss at 10 outer steps).
+        outer_momentum: outer Nesterov momentum (see ``outer_lr``; paper: 0.9).
+        outer_steps: stop after this many outer steps (epochs); 0 = train until stopped.
+        eval_every: evaluate on the held-out windows every this many outer steps; 0 = only at start and end.
+        schedule: when a peer ends its inner phase. "swarm" (default): when the samples that all live peers have
+            computed at this epoch reach ``target_samples_per_epoch`` (estimated from the progress and throughput
+            every peer publishes, as hivemind's ``ProgressTracker``), so every peer ends at about the same time and a
+            fast peer runs more inner steps than a slow one (Async Local-SGD's dynamic local updates, Liu et al.
+            2024). "steps": every peer runs exactly ``inner_steps`` inner steps (the paper's fixed H; slow peers
+            arrive late).
+        target_samples_per_epoch: the swarm's samples per epoch for ``schedule = "swarm"``; 0 = ``inner_steps *
+            data.batch_size * grad_accum_steps`` times the number of live trainers at the epoch (equal peers then run
+            H steps each).
+        overlap: "off" = the peer waits for its epoch's round before the next inner phase. "delayed" = the next inner
+            phase starts at once from the newest shared θ while the round runs in the background (the averaged
+            update lands one epoch late). "eager" = the same, but the next phase starts from θ advanced by an
+            estimate of the average in flight: the previous average with our own share replaced by our new
+            pseudo-gradient (Kale et al. 2025, "Eager updates for overlapped communication and computation in
+            DiLoCo"). The shared state stays bit-identical across peers in every mode.
+        precision: the compute precision of the inner steps' forward and backward passes (``diloco/inner.py``).
+            "auto" (default): bf16 autocast on CUDA GPUs with native bf16 (compute capability 8.0+), fp16 autocast
+            with a gradient scaler on older CUDA GPUs, fp32 on CPUs and other devices (so CPU peers compute exactly
+            as without autocast). "fp32": no autocast anywhere. "bf16": bf16 autocast on every peer, CPUs included
+            (torch autocasts there too; slow on CPUs without bf16 instructions). "fp16": fp16 autocast with a
+            gradient scaler (steps with Inf/NaN gradients are skipped and counted); a peer without a CUDA GPU
+            refuses to start with a ValueError rather than silently train in another precision. Parameters, AdamW
+            state, θ, the outer momentum and the pseudo-gradient stay fp32 in every mode, so peers of one run may
+            use different precisions (mixed GPU/CPU swarms: keep "auto") and still hold bit-identical state. Why:
+            bf16 autocast roughly halves activation memory and runs on a GPU's tensor cores.
+        grad_accum_steps: microbatches per inner step (gradient accumulation). Each inner step averages the
+            gradients of ``grad_accum_steps`` microbatches of ``data.batch_size`` windows, so an inner step
+            trains on ``data.batch_size * grad_accum_steps`` samples (the weight a peer claims counts them all)
+            while activations are held for one microbatch. Default 1 (no accumulation). Why: a large batch that
+            does not fit in device memory.
+        max_carried_phases: the most inner phases one contribution holds. A round that fails while nobody moved on
+            carries the peer's pseudo-gradient into its next round, merged with the next phase's as their
+            sample-weighted mean (``diloco.rounds.Contribution``); when a new phase would make more than this many,
+            the oldest carried phase is dropped and counted in ``samples_discarded``. 1 = never carry. Default 4:
+            phases carried at one epoch are estimates of one update from one θ, so each more only averages noise
+            down (the mean of k has sqrt(1/k) of one's noise: the 5th phase would cut it by 11% more, the 2nd by
+            29%), while the peer trains for k phases without an outer step and holds one fp32 copy of the
+            parameters per phase; four phases cover rounds missed for three phases in a row (issue 22 saw six, on
+            a machine at load 7-18 whose matchmaking could not converge).
+        max_downloaders: a peer serves its state's chunks to at most this many downloading peers at once (0 = no
+            cap; ``diloco.state_sync.StateServer``). A joiner refused as one too many takes its chunks from the other
+            holders, so no donor serves more than its share of a flash crowd. Default ``MAX_DOWNLOADERS_DEFAULT``
+            (measured in the simulator's flash crowd: dev/LOG.md, 2026-11-29 session 13).
+    """
+
+    inner_steps: int = Field(default=50, ge=1, le=1_000_000)
+    inner_lr: float = Field(default=1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(default=0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(default=20, ge=0)
+    total_inner_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    outer_lr: float = Field(default=1.0, gt=0.0, le=10.0)
+    outer_momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    outer_steps: int = Field(default=0, ge=0)
+    eval_every: int = Field(default=1, ge=0)
+    schedule: Literal["steps", "swarm"] = "swarm"
+    target_samples_per_epoch: int = Field(default=0, ge=0)
+    overlap: Literal["off", "delayed", "eager"] = "off"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    grad_accum_steps: int = Field(default=1, ge=1, le=4096)
+    max_carried_phases: int = Field(default=4, ge=1, le=64)
+    max_downloaders: int = Field(default=MAX_DOWNLOADERS_DEFAULT, ge=0, le=4096)
+
+    def samples_per_inner_step(self, batch_size: int) -> int:
+        """Samples (windows) one inner step trains on: ``batch_size`` (``data.batch_size``) * ``grad_accum_steps``."""
+        return batch_size * self.grad_accum_steps
+
+    def schedule_length(self) -> int:
+        """Inner steps over which the cosine schedule decays (at least the warmup)."""
+        length = self.total_inner_steps or self.outer_steps * self.inner_steps or 100_000
+        return max(length, self.warmup_steps + 1)
