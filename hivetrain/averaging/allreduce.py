@@ -118,8 +118,8 @@ class ButterflyRound:
     (and a column without a whole late row the same mean as the others, committing without that row). ``stage``: the
     round's place in the averaging call ("group", or "row", "column", "confirm", "fetch" in ``hierarchical``), for
     fault hooks and logs. ``fan_in``: how many members' pseudo-gradients each contribution already averages (the
-    column stage: a row's size), which sizes a "topk" part (``reduce.part_codec``).
-    """
+    column stage: a row's size), which sizes a "topk" part (``reduce.part_codec``). ``join_grace_s``: how long a
+    member may take to learn of the round after us, seconds (default ``declare_grace_s``)."""
 
     def __init__(
         self,
@@ -143,6 +143,7 @@ class ButterflyRound:
         drop_failed: bool = True,
         stage: str = "group",
         fan_in: int = 1,
+        join_grace_s: float | None = None,
     ):
         self.round_id, self.me, self.stage = round_id, me, stage
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
@@ -162,7 +163,8 @@ class ButterflyRound:
                                       max_weight=max_weight, pool=pool or BufferPool(),
                                       plan_wait_s=config.part_timeout_s)  # fmt: skip
         self.transport = RoundTransport(round_id=round_id, me=me, members=self.members, secret=secret, server=server,
-                                        config=config, on_frame=self.receiver.on_frame, fallback=fallback)  # fmt: skip
+                                        config=config, on_frame=self.receiver.on_frame, fallback=fallback,
+                                        join_grace_s=join_grace_s)  # fmt: skip
         self.receiver.transport = self.transport
         self.vote = CommitVote(round_id=round_id, me=me, config=config, transport=self.transport,
                                receiver=self.receiver, accept=accept, hook=self._hook, send=self._send,

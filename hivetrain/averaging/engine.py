@@ -387,7 +387,7 @@ class GroupAverager:
         kw.setdefault("drop_failed", config.drop_failed)  # columns pass False (confirms too with drop_failed off)
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
                            config=config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
-                           fallback=self.fallback, **kw)  # fmt: skip
+                           fallback=self.fallback, join_grace_s=self.matchmaker.grace_s(), **kw)  # fmt: skip
         outcome = r.run(flat, weight, deadline, out=out, residual_out=residual_out)
         self._note_upload(outcome, len(ids) - 1)
         return outcome
