@@ -55,8 +55,9 @@ class Evidence:
 
     def note_closed_without_us(self, epoch: int, members: frozenset[str]) -> None:
         """Matchmaking found our ``epoch``'s group closed without us (``RoundFailed.closed_without_us``: its
-        members, peer IDs): the round whose result ``decide_sync`` follows once they hold it (the latest such group
-        of the newest epoch is kept)."""
+        members, peer IDs), or trainers one epoch ahead outweighed our round (``round_policy.went_ahead``): the
+        peers whose result ``decide_sync`` follows once they hold it (the latest such set of the newest epoch is
+        kept)."""
         if members and epoch >= self._closed_without_us[0]:
             self._closed_without_us = (epoch, frozenset(members))
 

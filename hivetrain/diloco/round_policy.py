@@ -168,7 +168,8 @@ class RoundView:
         time_left_s: seconds left until the round's overall deadline (``averaging.round_timeout_s`` from the first
             attempt); may be negative.
         closed_without_us: peer ids of the members of our epoch's group that closed without us
-            (``RoundFailed.closed_without_us``); empty when no such group was seen.
+            (``RoundFailed.closed_without_us``), or of the trainers ahead that outweighed our round (``went_ahead``);
+            empty when neither was seen.
     """
 
     epoch: int

@@ -258,7 +258,8 @@ def decide_sync(
       of a fork agree on who downloads (a 2-1 fork: the lone peer; a 1-1 tie: nobody, as nothing tells the honest
       side from a liar; with ``min_fraction < 0.5`` ties go to the larger hash string on both sides).
     - **behind, the epoch's round went on without us** (exact averaging): ``closed_without_us`` names the members
-      of our epoch's group that closed without us (matchmaking's "late": it closed before we were ready), and at
+      of our epoch's group that closed without us (matchmaking's "late": it closed before we were ready), or the
+      trainers one epoch ahead whose weight refused our own round of the epoch (``round_policy.went_ahead``), and at
       least ``quorum.min_peers`` of them hold one state at our epoch + 1 that is the most held there, by more than
       ``quorum.min_fraction`` of the weight of every voter at that epoch. That group was the epoch's one round (its
       members' ``accept`` checked that they outweigh the epoch's other trainers), so its result is the state the
@@ -287,7 +288,8 @@ def decide_sync(
         my_vote: our state counts as a vote (trainers); False for the coordinator, which trains nothing.
         unbacked: allow the "behind, unbacked" rule (trainers, which can evaluate a state on their own windows).
         closed_without_us: peer ids of the members of our epoch's group that closed without us
-            (``RoundFailed.closed_without_us``; empty = none seen): the "went on without us" rule.
+            (``RoundFailed.closed_without_us``), or of the trainers ahead that outweighed our round
+            (``round_policy.went_ahead``); empty = none seen: the "went on without us" rule.
 
     Returns:
         The decision; ``ban`` lists the peers whose epochs the run's age rules out.
