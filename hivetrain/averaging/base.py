@@ -104,7 +104,9 @@ class Averager(Protocol):
                 vote that matches nobody's), so every member fails with "aborted" and nobody commits, and its own
                 call raises ``RoundFailed("refused", reason)``; neither carries a ``voted`` result. A round of one
                 is checked too. Engines whose members end a call with different values ("moshpit", "gossip")
-                ignore it: there the caller checks its own applied step. None = accept every result.
+                ignore it: there the caller checks its own applied step. None = accept every result. A round of
+                several members also passes ``epoch_groups`` (keyword, ``matchmaking.EpochGroups``): our
+                declaration and the other live declarations of the epoch, read when the result is checked.
             patience_s: while an expected peer is not ready, the group waits this long past the matchmaking window
                 for it (at least the grace a DHT store takes to show), seconds, in [0, ``timeout_s``): the caller's
                 estimate of what a slow expected peer still needs, e.g. one inner step of a starved volunteer.

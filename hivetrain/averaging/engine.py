@@ -244,8 +244,8 @@ class GroupAverager:
                 are ready, the group closes at once instead of after ``matchmaking_time_s``. Empty = wait for the
                 window (or ``target_group_size`` ready peers).
             accept: "butterfly" only (see ``base.Averager``): checks the flat fp32 (n,) result before we vote (a
-                solo result before it is returned); a non-empty reason refuses it: RoundFailed("refused") here,
-                "aborted" on every other member. "moshpit"/"gossip" ignore it.
+                solo result before it is returned), given ``epoch_groups`` too with other members; a non-empty reason
+                refuses it: RoundFailed("refused") here, "aborted" on every other member.
             patience_s: while an expected peer is not ready, the group waits this long past its window, seconds
                 (at least the declare grace; see ``base.Averager``).
 
@@ -271,15 +271,12 @@ class GroupAverager:
         if not self._started.is_set() or self._closed:
             raise RuntimeError("GroupAverager is not running: call start() first")
         deadline = started + timeout_s
-        # One contiguous tensor is read in place (the round never writes its input; saves a copy of the input), unless
-        # error feedback adds to it or a fault hook may corrupt it.
+        # one contiguous tensor is read in place (the round never writes it) unless error feedback or a fault hook
+        # may change it; else it is copied into a pooled buffer (reused between calls: no page faults)
         in_place = len(tensors) == 1 and tensors[0].is_contiguous()
         in_place = in_place and self._feedback is None and self.faults is NO_FAULTS
         with self._lock:
-            if in_place:
-                flat = tensors[0].detach().reshape(-1)
-            else:
-                flat = self.pool.take(sum(t.numel() for t in tensors))  # reused between calls: no page faults
+            flat = tensors[0].detach().reshape(-1) if in_place else self.pool.take(sum(t.numel() for t in tensors))
             try:
                 if not in_place:
                     torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
@@ -413,6 +410,9 @@ class GroupAverager:
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
         decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected, patience_s)
         ids = decl.member_ids()
+        if accept is not None and len(ids) > 1:  # ranked against our epoch's other declarations, read meanwhile
+            checks, groups = accept, self.matchmaker.epoch_groups(decl, self.config.round_timeout_s)
+            accept = lambda x, group: checks(x, group, epoch_groups=groups())  # noqa: E731
         if len(ids) == 1:
             refusal = accept(flat, tuple(ids)) if accept is not None else ""
             if refusal:

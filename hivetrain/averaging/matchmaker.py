@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hivemind.utils import get_dht_time
 
@@ -23,7 +23,7 @@ from hivetrain.averaging.group_records import (
     verify_declaration,
     verify_entry,
 )
-from hivetrain.averaging.matchmaking import ClosedBy, Decision, decide
+from hivetrain.averaging.matchmaking import ClosedBy, Decision, EpochGroups, decide, rival_groups
 from hivetrain.averaging.transport import refuses_connections
 from hivetrain.peers.records import parse_signed
 
@@ -35,6 +35,7 @@ MAX_VERIFIED = 4096  # signature checks remembered
 FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, seconds
 FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
 HINT_FANOUT = 2  # we push our entry to this many of the smallest members of our previous group
+EPOCH_GROUPS_WAIT_S = 1.0  # how long ``accept`` waits for the epoch's declarations read during the round, seconds
 ANNOUNCE_DELAY_S = 0.05  # a follower that told its likely leader uses the DHT only if not matched by then, seconds
 LATENCY_SAMPLES = 16  # DHT operations whose durations ``dht_latency_s`` looks at
 LATENCY_FACTOR = 3.0  # windows and graces last at least this many DHT latencies (a store, a read, and slack)
@@ -325,6 +326,23 @@ class Matchmaker:
         """One blocking DHT read merged with what was pushed to us: verified entries and declarations."""
         timeout_s = max(5.0, 10 * self.poll_interval_s)
         return self._merge(round_key, self._collect(self._start_read(round_key), round_key, timeout_s))
+
+    def epoch_groups(self, decl: GroupDeclaration, ttl_s: float) -> Callable[[], EpochGroups]:
+        """What a member's ``accept`` ranks its round against (``matchmaking.EpochGroups``): ``decl``'s members and the
+        other live declarations of its round key (``ttl_s``: the round timeout, after which a declaration is over).
+        A DHT read starts now, while the round runs; the returned function ranks what it found with what we already
+        knew, waiting at most ``EPOCH_GROUPS_WAIT_S`` for a read still in flight (a slow read must not hold our
+        vote past the round's commit timeout)."""
+        future = self._start_read(decl.round_key)
+
+        def read() -> EpochGroups:
+            entries, declarations = self._merge(
+                decl.round_key, self._collect(future, decl.round_key, EPOCH_GROUPS_WAIT_S)
+            )
+            rivals = rival_groups(decl, entries, declarations, self.dht_clock(), ttl_s)
+            return EpochGroups(frozenset(decl.member_ids()), rivals)
+
+        return read
 
     # ---- matching -----------------------------------------------------------------------------------------------
     def _push_entry(self, me: ReadyEntry, targets: Sequence[ReadyEntry], pushed_to: set[str]) -> None:

@@ -144,6 +144,53 @@ def over_because(decl: GroupDeclaration, newest: dict[str, float], now: float, d
     return ""
 
 
+@dataclass(frozen=True)
+class EpochGroups:
+    """Our round's declaration and the other live declarations of its epoch (member peer IDs): more ready trainers
+    than one declaration holds (``averaging.matchmaking.MAX_MEMBERS``) form several. Of these, one commits: the
+    declaration that outranks every other (more members; on a tie, the smaller smallest peer ID), a total order every
+    member of every declaration computes alike from what matchmaking read. The others' rounds are refused (a
+    declaration that outranks ours, or the winner's trainers once one epoch ahead), and they follow its result
+    (``diloco.round_policy.went_ahead``); without an order none of three declarations outweighed the other two and no
+    round of the epoch ever committed (the simulator's strict xfail of 2026-11-30).
+    ``diloco.round_policy.group_holds_the_epoch`` applies it in each member's ``accept``."""
+
+    ours: frozenset[str]
+    rivals: tuple[frozenset[str], ...] = ()
+
+    def followers(self) -> frozenset[str]:
+        """The members of the rival declarations ours outranks, ours excluded."""
+        return frozenset(p for r in self.rivals if _outranks(self.ours, r) for p in r) - self.ours
+
+    def ahead(self) -> tuple[frozenset[str], ...]:
+        """The rival declarations that outrank ours: the epoch's result is theirs, not ours."""
+        return tuple(r for r in self.rivals if _outranks(r, self.ours))
+
+
+def _outranks(a: frozenset[str], b: frozenset[str]) -> bool:
+    """Declaration ``a`` commits before ``b`` (``EpochGroups``): more members, or as many and a smaller smallest ID."""
+    return len(a) > len(b) or (len(a) == len(b) and min(a, default="") < min(b, default=""))
+
+
+def rival_groups(
+    ours: GroupDeclaration,
+    entries: Iterable[ReadyEntry],
+    declarations: Iterable[GroupDeclaration],
+    now: float,
+    declaration_ttl_s: float,
+) -> tuple[frozenset[str], ...]:
+    """The member IDs of the other live declarations of ``ours``' round key (two members or more; pure): an epoch with
+    more ready peers than ``MAX_MEMBERS`` forms several, of which one commits (``diloco.round_policy.EpochGroups``).
+    A declaration whose round is over (``over_because``) is no rival."""
+    declarations = [d for d in declarations if d.round_key == ours.round_key and d.round_id != ours.round_id]
+    newest = _newest_sessions(ours.round_key, list(entries), [*declarations, ours])
+    return tuple(
+        frozenset(d.member_ids())
+        for d in declarations
+        if len(d.members) > 1 and not over_because(d, newest, now, declaration_ttl_s)
+    )
+
+
 def decide(
     me: ReadyEntry,
     entries: Iterable[ReadyEntry],

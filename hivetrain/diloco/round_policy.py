@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from hivetrain.averaging.matchmaking import EpochGroups
 from hivetrain.diloco.sync_policy import CatchUp, SyncTrust, decide_sync
 from hivetrain.peers.quorum import seniority_weights
 from hivetrain.peers.records import PeerRecord, live_records
@@ -62,6 +63,7 @@ def group_holds_the_epoch(
     stale_after_s: float,
     trust: SyncTrust = SyncTrust(),
     coverage: float = 1.0,
+    epoch_groups: EpochGroups | None = None,
 ) -> tuple[bool, str]:
     """Whether a round's result may be applied: its contributors (``group``, us included) weigh at least as much as the
     live trainers at our epoch (or computing for it) that are not in it.
@@ -83,15 +85,26 @@ def group_holds_the_epoch(
     Banned, departed, paused and stale trainers do not count; nor do those behind our epoch (they follow us) or
     further ahead (the resync rules' evidence). ``coverage``: the fraction of
     the swarm ``records`` holds (a sharded swarm's sample, ``peers/record_shards.py``): the mass outside is scaled by
-    1 / ``coverage``."""
+    1 / ``coverage``. ``epoch_groups``: our declaration and the other live declarations of our epoch; the members of
+    those ours outranks (``EpochGroups.followers``) will follow our result and do not count outside, and one that
+    outranks ours refuses it (unless its members weigh nothing to us: fresh identities)."""
     members = set(group) | {my_peer_id}
     weights = seniority_weights(trust.seniority, my_peer_id)
     weight = (lambda p: weights.get(p, 0.0)) if weights else (lambda p: 1.0)
+    # a declaration of peers we never trained with (fresh identities weigh 0) outranks nothing: not a Sybil's lever
+    for rival in epoch_groups.ahead() if epoch_groups is not None else ():
+        if sum(weight(p) for p in rival - members) > 0:
+            return False, (
+                f"another declaration of our epoch ({len(rival)} members) outranks ours ({len(epoch_groups.ours)}): "
+                "its result is the epoch's, ours would be a second state"
+            )
+    followers = epoch_groups.followers() if epoch_groups is not None else frozenset()
     outside = [
         r.peer_id
-        for r in live_records(records, now, stale_after_s, banned=trust.banned, exclude=members, paused=False)
+        for r in live_records(records, now, stale_after_s, banned=trust.banned, exclude=members | followers,
+                              paused=False)
         if r.epoch in (my_epoch, my_epoch + 1) or r.phase_epoch == my_epoch
-    ]
+    ]  # fmt: skip
     inside_mass = sum(weight(p) for p in members)
     outside_mass = sum(weight(p) for p in set(outside)) / max(coverage, 1e-9)
     if inside_mass >= outside_mass:  # a tie commits, as before this rule (refusing it could stall half a swarm)

@@ -37,6 +37,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from hivetrain.averaging.base import Averager, RoundFailed, RoundResult
+from hivetrain.averaging.matchmaking import EpochGroups
 from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.round_policy import (
@@ -368,11 +369,14 @@ class RoundRunner:
             # in lockstep
             self.stop.wait(policy.backoff_s * (1.0 + 0.5 * backoff_jitter(self.peer_id, epoch, attempt)))
 
-    def _accept(self, flat: torch.Tensor, contributors: tuple[str, ...]) -> str:
+    def _accept(
+        self, flat: torch.Tensor, contributors: tuple[str, ...], epoch_groups: EpochGroups | None = None
+    ) -> str:
         """``Averager.average``'s ``accept`` (butterfly): "" or why the round's averaged Δ̄ (fp32 (n,)) from
         ``contributors`` is refused: beyond the bound on the outer step (``update_bound``), or from a group that does
         not outweigh the live trainers of our epoch left out of it (``round_policy.group_holds_the_epoch``; the
-        trainers one epoch ahead among them are then the round we follow: ``round_policy.went_ahead``)."""
+        trainers one epoch ahead among them are then the round we follow: ``round_policy.went_ahead``), ranked against
+        our epoch's other declarations when the averager passes them (``epoch_groups``)."""
         norm = self._checked_norm = l2_norm([flat])
         cfg = self.config.averaging
         ok, why = update_bound(norm, self.norms.history, cfg.max_update_ratio, cfg.update_norm_min_history)
@@ -382,7 +386,7 @@ class RoundRunner:
             records, now, trust = self.view.records, get_dht_time(), self.trust()
             ok, why = group_holds_the_epoch(
                 self.peer_id, self._epoch, contributors, records, now, self.stale_after_s, trust,
-                coverage=self.view.coverage,
+                coverage=self.view.coverage, epoch_groups=epoch_groups,
             )  # fmt: skip
             if not ok:
                 self._went_ahead = went_ahead(self._epoch, contributors, records, now, self.stale_after_s, trust)

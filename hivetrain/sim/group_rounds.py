@@ -17,7 +17,7 @@ import numpy as np
 
 from hivetrain.averaging.agreement import quorate
 from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
-from hivetrain.averaging.matchmaking import GroupDeclaration
+from hivetrain.averaging.matchmaking import EpochGroups, GroupDeclaration, rival_groups
 from hivetrain.diloco.round_policy import RoundView, group_holds_the_epoch, went_ahead
 from hivetrain.diloco.sync_policy import SyncTrust
 from hivetrain.sim.consensus import group_means
@@ -118,7 +118,7 @@ class GroupRounds:
                 # the round's result is checked once, when its first row commits: every member's ``accept`` sees
                 # the same contributors (a refusal fails the round on every member)
                 live = [int(s) for s in slots if st.i["status"][int(s)] == AVERAGING]
-                if not self.holds_the_epoch(kept, epoch, waiting=np.array(live, np.int64)):
+                if not self.holds_the_epoch(kept, epoch, waiting=np.array(live, np.int64), decl=decl):
                     return
                 # members that left after their row committed: their pseudo-gradient is in the mean the swarm keeps
                 gone = kept[st.i["status"][kept] == ABSENT]
@@ -195,7 +195,7 @@ class GroupRounds:
             st.f["bytes_received"][kept] += resent * self.wire_bytes // len(slots)
         # every member applies the same averaged pseudo-gradient to the state it held: members that came from
         # different groups of the last epoch (several groups per epoch) still hold different states after it
-        if not self.holds_the_epoch(kept, epoch):
+        if not self.holds_the_epoch(kept, epoch, decl=decl):
             return
         held = [st.state_hash[int(s)] for s in kept]
         hashes = decl.round_id if len(set(held)) == 1 else [state_hash_of(decl.round_id, h) for h in held]
@@ -256,7 +256,10 @@ class GroupRounds:
         hashes = [f"{round_id}:{g}" for g in final_group[keep]]
         self._commit(slots[keep], averaged[keep], epoch, hashes, self.sim.env.now)
 
-    def holds_the_epoch(self, contributors: np.ndarray, epoch: int, waiting: np.ndarray | None = None) -> bool:
+    def holds_the_epoch(
+        self, contributors: np.ndarray, epoch: int, waiting: np.ndarray | None = None,
+        decl: GroupDeclaration | None = None,
+    ) -> bool:  # fmt: skip
         """Production's ``accept`` (``diloco.rounds.RoundRunner._accept``): a result of several contributors is
         applied only if they outweigh the live trainers of their epoch (or one past it) outside the round
         (``round_policy.group_holds_the_epoch``, read from a member's records). Each trainer is weighed as that
@@ -265,15 +268,24 @@ class GroupRounds:
         the member has averaged with anyone, and a member that has not yet counts heads. Refused, the round fails on
         every member still in it (``waiting``, default the contributors) and they decide what next
         (``decide_after_round``, which follows the result of the trainers ahead: ``went_ahead``). Accepted, every
-        contributor gains the round in ``rounds_with``. Returns whether the result may be applied."""
+        contributor gains the round in ``rounds_with``. ``decl``: the round's declaration, whose live rivals at its
+        key (``matchmaking.rival_groups``) it may outrank (``round_policy.EpochGroups``), as the engine passes them.
+        Returns whether the result may be applied."""
         if len(contributors) < 2:
             return True
         st = self.sim.state
         me = int(contributors[0])
         records = self.sim.records_for(me)
+        groups = None
+        if decl is not None:
+            key = self.engine.keys[epoch]
+            rivals = rival_groups(decl, key.entries.values(), key.declarations, self.sim.env.now,
+                                  self.avg.round_timeout_s)  # fmt: skip
+            groups = EpochGroups(frozenset(decl.member_ids()), rivals)
         ok, _ = group_holds_the_epoch(
             st.peer_ids[me], epoch, [st.peer_ids[int(s)] for s in contributors], records,
             self.sim.env.now, self.sim.sc.schedule.stale_after_s, self._trust_of(me, records, contributors),
+            epoch_groups=groups,
         )  # fmt: skip
         if ok:
             self.rounds_accepted += 1

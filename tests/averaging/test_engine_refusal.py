@@ -33,8 +33,9 @@ class Check:
         self.history, self.max_ratio = history, max_ratio
         self.calls, self.refusals, self.contributors = 0, [], []
 
-    def __call__(self, flat: torch.Tensor, contributors: tuple[str, ...]) -> str:
+    def __call__(self, flat: torch.Tensor, contributors: tuple[str, ...], epoch_groups=None) -> str:
         assert flat.dtype == torch.float32 and flat.dim() == 1
+        self.epoch_groups = epoch_groups
         self.calls += 1
         self.contributors.append(contributors)
         ok, why = update_bound(l2_norm([flat]), self.history, self.max_ratio, min_history=3)
@@ -72,6 +73,10 @@ def test_an_update_50x_the_recent_median_is_refused_on_every_member_and_applied_
     _assert_nobody_committed(results, inputs, kept)
     assert all(c.calls == 1 and len(c.refusals) == 1 for c in checks)
     assert all(c.contributors == [tuple(sorted(a.node.peer_id for a in avgs))] for c in checks)
+    # each check also got the epoch's declarations, read from the DHT: ours (every member), no rival
+    everyone = frozenset(a.node.peer_id for a in avgs)
+    assert all(c.epoch_groups is not None and c.epoch_groups.ours == everyone for c in checks)
+    assert all(c.epoch_groups.rivals == () for c in checks)
     assert all(r.reason == "refused" for r in results)  # each refused it itself
     ratio = float(checks[0].refusals[0].split(" is ")[1].split("x")[0])
     assert 40 < ratio < 60, checks[0].refusals[0]

@@ -20,6 +20,7 @@ from hivetrain.averaging.matchmaking import (
     ReadyEntry,
     decide,
     make_round_id,
+    rival_groups,
     sign_declaration,
     sign_entry,
     verify_declaration,
@@ -597,3 +598,17 @@ def test_half_of_the_expected_peers_or_fewer_keep_waiting_when_one_group_is_to_h
     assert d.action == "declare" and ids(d) == list("ABCDEFGH")
     d = run(early[0], early, now=131.0, target=3, expected=expected)
     assert d.action == "declare" and ids(d) == list("ABC") and d.closed_by == "full"
+
+
+def test_rival_groups_are_the_other_live_declarations_of_the_round_key() -> None:
+    """What a member's ``accept`` ranks its round against (``EpochGroups``): not ours, not one of another key, not a
+    lone peer's, and not one whose round is over (a member announced again, or older than the round timeout)."""
+    a, b, c, d, e, f = (entry(p) for p in "ABCDEF")
+    ours, rival = declaration([a, b], 101.0, "full"), declaration([c, d], 101.0, "full")
+    lone = declaration([e], 101.0)
+    other_key = declaration([entry("G", key="e1"), entry("H", key="e1")], 101.0)
+    failed = declaration([f, entry("I")], 101.0, "full")
+    again = entry("F", session=2, at=103.0)  # F's call with that group ended: its round is over
+    rivals = rival_groups(ours, [again], [ours, rival, lone, other_key, failed], 104.0, TTL)
+    assert rivals == (frozenset("CD"),)
+    assert rival_groups(ours, [], [ours, rival], 101.0 + TTL + 1.0, TTL) == ()  # expired

@@ -1,5 +1,6 @@
 """Pure decisions: when a peer downloads state, and when it may apply a round of one."""
 
+from hivetrain.averaging.matchmaking import EpochGroups
 from hivetrain.coordinator.follower import FollowerOptions
 from hivetrain.diloco.round_policy import (
     RoundView,
@@ -611,3 +612,32 @@ def test_a_round_outweighed_by_peers_one_epoch_ahead_follows_their_result():
     )
     policy = decide_after_round("me", view, records, NOW, max_retries=3, stale_after_s=30, dht_lost_after_s=60)
     assert policy.action == "resync" and "went on without us" in policy.reason
+
+
+def test_of_several_declarations_of_an_epoch_the_one_that_outranks_the_others_commits():
+    """Past MAX_MEMBERS ready peers an epoch forms several declarations; with the accept rule alone none of three
+    outweighed the other two (the simulator's strict xfail of 2026-11-30). Ranked (more members, then the smaller
+    smallest peer ID), the first commits: the members of the declarations it outranks follow it and do not count
+    outside; a declaration outranked is refused while the first is live."""
+    a, b, c = frozenset("abcd"), frozenset("efgh"), frozenset("ij")
+    records = [rec(p, 5, "h5") for p in "abcdefghij"]
+    assert not group_holds_the_epoch("a", 5, a, records, NOW, 30)[0]  # 4 against 6
+    ok, _ = group_holds_the_epoch("a", 5, a, records, NOW, 30, epoch_groups=EpochGroups(a, (b, c)))
+    assert ok  # outranks both (a tie in size with b: "a" < "e")
+    ok, why = group_holds_the_epoch("e", 5, b, records, NOW, 30, epoch_groups=EpochGroups(b, (a, c)))
+    assert not ok and "outranks ours" in why
+    ok, why = group_holds_the_epoch("i", 5, c, records, NOW, 30, epoch_groups=EpochGroups(c, (a, b)))
+    assert not ok and "outranks ours" in why
+    assert EpochGroups(a, (b, c)).followers() == b | c and EpochGroups(b, (a, c)).ahead() == (a,)
+
+
+def test_a_declaration_of_fresh_identities_outranks_nobody_who_trained_with_others():
+    """Sybils declaring a bigger group at our epoch must not refuse our round: to a peer with seniority, peers it
+    never committed a round with weigh 0, and so does their declaration."""
+    ours, sybils = frozenset("ab"), frozenset("stuvw")
+    records = [rec(p, 5, "h5") for p in "abstuvw"]
+    trust = SyncTrust(seniority={"b": 3})
+    ok, _ = group_holds_the_epoch("a", 5, ours, records, NOW, 30, trust, epoch_groups=EpochGroups(ours, (sybils,)))
+    assert ok
+    # a joiner (no seniority) counts heads: the bigger declaration wins there, as any quorum of heads would
+    assert not group_holds_the_epoch("a", 5, ours, records, NOW, 30, epoch_groups=EpochGroups(ours, (sybils,)))[0]
