@@ -388,8 +388,10 @@ class RoundRunner:
                 self.peer_id, self._epoch, contributors, records, now, self.stale_after_s, trust,
                 coverage=self.view.coverage, epoch_groups=epoch_groups,
             )  # fmt: skip
-            if not ok:
+            if not ok:  # whose result we follow: the trainers ahead, and the declarations that outrank ours
+                ahead = epoch_groups.ahead() if epoch_groups is not None else ()
                 self._went_ahead = went_ahead(self._epoch, contributors, records, now, self.stale_after_s, trust)
+                self._went_ahead = self._went_ahead.union(*ahead)
         return "" if ok else why
 
     def _refuse_step(self, state: TrainingState, theta: list[torch.Tensor]) -> str:

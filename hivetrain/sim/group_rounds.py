@@ -297,6 +297,7 @@ class GroupRounds:
         failing = [int(s) for s in waiting if st.i["status"][int(s)] == AVERAGING]
         ids = [st.peer_ids[int(s)] for s in contributors]
         ahead = went_ahead(epoch, ids, records, self.sim.env.now, self.sim.sc.schedule.stale_after_s)
+        ahead = ahead.union(*(groups.ahead() if groups is not None else ()))  # and the declarations outranking ours
         self.engine.fail(failing, epoch, "outweighed", self.sim.env.now, ahead)
         return False
 

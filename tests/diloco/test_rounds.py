@@ -339,3 +339,23 @@ def test_moshpit_bounds_each_peers_own_applied_step():
     r.averager = ScriptedAverager(near)
     out = r.run(s, s.state_hash(), contribution())
     assert out.policy.action == "apply" and out.update_norm == pytest.approx(0.1 * 6**0.5, rel=1e-5)
+
+
+def test_a_round_outranked_by_another_declaration_is_refused_and_follows_that_declaration():
+    """Several declarations at our epoch (``EpochGroups``): one that outranks ours refuses our result, and its members
+    are whose result we follow once they hold the next epoch (``note_closed_without_us``)."""
+    from hivetrain.averaging.matchmaking import EpochGroups
+
+    records = [rec(p, 4) for p in ("a", "b", "c", "me")]
+    run = runner(ScriptedAverager(), records)
+    run._epoch = 4
+    flat = torch.zeros(6)
+    bigger = EpochGroups(frozenset({"a", "me"}), (frozenset({"b", "c", "x"}),))
+    refusal = run._accept(flat, ("a", "me"), epoch_groups=bigger)
+    assert "outranks ours" in refusal and run._went_ahead == {"b", "c", "x"}
+    # ours ties with {b, c} in size and has the smaller smallest ID: b and c follow us, so only d is outside
+    run = runner(ScriptedAverager(), [*records, rec("d", 4)])
+    run._epoch = 4
+    assert "outside it" in run._accept(flat, ("a", "me"))  # 2 against b, c and d
+    tied = EpochGroups(frozenset({"a", "me"}), (frozenset({"b", "c"}),))
+    assert run._accept(flat, ("a", "me"), epoch_groups=tied) == ""
