@@ -7,8 +7,9 @@ inner steps, a stopped process answers nothing: heartbeats, matchmaking and the 
 
 ``duty_window`` is the schedule as a pure function of time; ``DutyCycler`` is the thread that follows it. The schedule
 is anchored at the start time (period ``k`` runs over ``[start + k * period_s, start + (k + fraction) * period_s)``),
-so a late wake-up of the thread shortens one window instead of shifting every later one: the long-run share stays
-``fraction``.
+so a late wake-up of the thread shortens one window instead of shifting every later one; and a run stops once the
+target's running time reaches its share of the periods so far (``run_until``), so a stop sent late is paid back in
+the next run: the long-run share stays ``fraction``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def duty_window(now_s: float, start_s: float, fraction: float, period_s: float) 
     if now_s < run_end:
         return DutyWindow(running=True, until_s=run_end, period=period)
     return DutyWindow(running=False, until_s=begin + period_s, period=period)
+
+
+def run_until(since_s: float, start_s: float, period: int, fraction: float, period_s: float, ran_s: float) -> float:
+    """When a target let run at ``since_s`` in ``period`` is stopped: once its running time since ``start_s`` (``ran_s``
+    before this run, plus this run) reaches ``fraction`` of the periods up to this one's end, and never later than
+    that end. A stop sent late (its thread woke late: under load, and most while the target itself runs) shortens the
+    next run by as much, so the long-run share stays ``fraction`` (beside the CI suite and 2 CPU hogs the fixed
+    windows let a 20% target run 25% of the time: chaos ``cpu-starve``, 2026-12-01)."""
+    period_end = start_s + (period + 1) * period_s
+    return min(period_end, since_s + max(0.0, fraction * (period + 1) * period_s - ran_s))
 
 
 @dataclass
@@ -171,6 +182,7 @@ class DutyCycler:
         start = self._start_s
         end = start + self.duration_s if self.duration_s > 0 else math.inf
         running, since = True, start  # the target runs when the cycle starts
+        stopped_in = -1  # the period whose run window we ended (stopped until the next one)
         try:
             while True:
                 now = self.clock()
@@ -181,14 +193,24 @@ class DutyCycler:
                     self.stats.ended_by = "stopped" if self._stop.is_set() else "deadline"
                     break
                 window = duty_window(now, start, self.fraction, self.period_s)
-                if window.running != running:
-                    if not self._send(signal.SIGCONT if window.running else signal.SIGSTOP):
+                if running:  # stop once its share is used up (``run_until``), not at the window's fixed end
+                    want = now < run_until(since, start, window.period, self.fraction, self.period_s,
+                                           self.stats.running_s)  # fmt: skip
+                else:  # continue at the start of the next period's run window
+                    want = window.running and window.period > stopped_in
+                if want != running:
+                    if not self._send(signal.SIGCONT if want else signal.SIGSTOP):
                         self.stats.ended_by = "gone"
                         break
                     if running:
                         self.stats.running_s += now - since
-                    running, since = window.running, now
-                self._stop.wait(max(0.0, min(window.until_s, end) - self.clock()))
+                        stopped_in = window.period
+                    running, since = want, now
+                if running:
+                    until = run_until(since, start, window.period, self.fraction, self.period_s, self.stats.running_s)
+                else:
+                    until = start + (window.period + 1) * self.period_s
+                self._stop.wait(max(0.0, min(until, end) - self.clock()))
         except Exception:  # noqa: BLE001 - never leave the target stopped because a signal failed
             logger.exception("cpu_starve of %s failed", self.name)
             self.stats.ended_by = "error"

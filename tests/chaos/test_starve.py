@@ -186,3 +186,19 @@ def test_cycler_of_a_process_that_exited_ends_without_raising():
         time.sleep(0.02)
     assert cycler.stats.ended_by == "gone" and cycler.stats.stops == 0
     cycler.stop()  # and a stop afterwards is harmless
+
+
+def test_a_run_that_overran_its_share_is_paid_back_in_the_next_one():
+    """Beside the CI suite and 2 CPU hogs the fixed windows let a 20% target run 25% of the time: the cycler's stops
+    came late, most while the target itself competed for the CPU. A run now stops once the target's running time
+    reaches its share of the periods so far."""
+    from hivetrain.chaos.starve import run_until
+
+    # on schedule: the whole share of the period (0.2 s of 1 s)
+    assert run_until(103.0, 100.0, 3, 0.2, 1.0, ran_s=0.6) == pytest.approx(103.2)
+    # 0.05 s too much so far: this run is 0.05 s shorter; a run that started late still gets its share
+    assert run_until(103.0, 100.0, 3, 0.2, 1.0, ran_s=0.65) == pytest.approx(103.15)
+    assert run_until(103.1, 100.0, 3, 0.2, 1.0, ran_s=0.6) == pytest.approx(103.3)
+    # a whole share too much: stopped at once; too little: the run lasts at most until the period ends
+    assert run_until(103.0, 100.0, 3, 0.2, 1.0, ran_s=0.9) == pytest.approx(103.0)
+    assert run_until(103.5, 100.0, 3, 0.2, 1.0, ran_s=0.0) == pytest.approx(104.0)
