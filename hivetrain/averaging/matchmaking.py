@@ -152,7 +152,7 @@ class EpochGroups:
     member of every declaration computes alike from what matchmaking read. The others' rounds are refused (a
     declaration that outranks ours, or the winner's trainers once one epoch ahead), and they follow its result
     (``diloco.round_policy.went_ahead``); without an order none of three declarations outweighed the other two and no
-    round of the epoch ever committed (the simulator's strict xfail of 2026-11-30).
+    round of the epoch ever committed (a simulator test marked as an expected failure until 2026-12-01).
     ``diloco.round_policy.group_holds_the_epoch`` applies it in each member's ``accept``."""
 
     ours: frozenset[str]
@@ -180,7 +180,7 @@ def rival_groups(
     declaration_ttl_s: float,
 ) -> tuple[frozenset[str], ...]:
     """The member IDs of the other live declarations of ``ours``' round key (two members or more; pure): an epoch with
-    more ready peers than ``MAX_MEMBERS`` forms several, of which one commits (``diloco.round_policy.EpochGroups``).
+    more ready peers than ``MAX_MEMBERS`` forms several, of which one commits (``EpochGroups``).
     A declaration whose round is over (``over_because``) is no rival."""
     declarations = [d for d in declarations if d.round_key == ours.round_key and d.round_id != ours.round_id]
     newest = _newest_sessions(ours.round_key, list(entries), [*declarations, ours])

@@ -220,8 +220,9 @@ class RoundRunner:
             publish at once). 0 = look once.
         catch_up_wait_s: how long a live trainer behind our epoch (a joiner, a restarted peer) holds our solo steps,
             seconds (``sync_policy.CatchUp``); 0 = solo steps go on past it.
-        note_closed_without_us: called with (epoch, member peer IDs) when matchmaking finds the epoch's group closed
-            without us (``RoundFailed.closed_without_us``), so that the trainer's downloads follow its result
+        note_closed_without_us: called with (epoch, peer IDs) when matchmaking finds the epoch's group closed without
+            us (``RoundFailed.closed_without_us``) or our ``accept`` refuses a round that peers ahead outweigh or
+            another declaration outranks, so that the trainer's downloads follow their result
             (``Evidence.note_closed_without_us``).
     """
 

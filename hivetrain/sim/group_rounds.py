@@ -269,7 +269,7 @@ class GroupRounds:
         every member still in it (``waiting``, default the contributors) and they decide what next
         (``decide_after_round``, which follows the result of the trainers ahead: ``went_ahead``). Accepted, every
         contributor gains the round in ``rounds_with``. ``decl``: the round's declaration, whose live rivals at its
-        key (``matchmaking.rival_groups``) it may outrank (``round_policy.EpochGroups``), as the engine passes them.
+        key (``matchmaking.rival_groups``) it may outrank (``matchmaking.EpochGroups``), as the engine passes them.
         Returns whether the result may be applied."""
         if len(contributors) < 2:
             return True

@@ -616,9 +616,9 @@ def test_a_round_outweighed_by_peers_one_epoch_ahead_follows_their_result():
 
 def test_of_several_declarations_of_an_epoch_the_one_that_outranks_the_others_commits():
     """Past MAX_MEMBERS ready peers an epoch forms several declarations; with the accept rule alone none of three
-    outweighed the other two (the simulator's strict xfail of 2026-11-30). Ranked (more members, then the smaller
-    smallest peer ID), the first commits: the members of the declarations it outranks follow it and do not count
-    outside; a declaration outranked is refused while the first is live."""
+    outweighed the other two (a simulator test marked as an expected failure until 2026-12-01). Ranked (more members,
+    then the smaller smallest peer ID), the first commits: the members of the declarations it outranks follow it and
+    do not count outside; a declaration outranked is refused while the first is live."""
     a, b, c = frozenset("abcd"), frozenset("efgh"), frozenset("ij")
     records = [rec(p, 5, "h5") for p in "abcdefghij"]
     assert not group_holds_the_epoch("a", 5, a, records, NOW, 30)[0]  # 4 against 6

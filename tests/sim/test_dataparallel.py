@@ -84,8 +84,8 @@ def test_two_declarations_per_epoch_end_on_one_state_the_outweighed_one_download
 def test_three_declarations_per_epoch_commit_every_epoch_on_one_state() -> None:
     """Declarations of 8 for 20 peers: 8, 8 and 4 at every epoch. Before the rule was modelled they each committed
     and drifted apart for good; with it alone no declaration outweighed the other two and 600 simulated seconds passed
-    with no outer step (the strict xfail of 2026-11-30). Now the declarations of an epoch are ranked
-    (``round_policy.EpochGroups``: more members, then the smaller smallest peer ID): the first commits, the others are
+    with no outer step (marked as an expected failure until 2026-12-01). Now the declarations of an epoch are ranked
+    (``matchmaking.EpochGroups``: more members, then the smaller smallest peer ID): the first commits, the others are
     refused and follow its result (``went_ahead``). The price: their samples, dropped by the download."""
     s = _declarations_of(8, sim={"outer_steps": 3, "max_sim_s": 600.0})
     assert s["outer_steps_done"] == 3 and s["committed_states_max"] == 1 and s["drift_max"] < 1e-12
