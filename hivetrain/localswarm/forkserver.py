@@ -4,7 +4,8 @@ A coordinator or join-swarm process spends about 6 s of CPU importing torch, tra
 version 5) and hivemind before it does anything. A local swarm of a coordinator and four peers on a 2-core machine thus
 spent about 15 s of its first 25 importing the same modules five times. Python's ``multiprocessing`` forkserver
 (started once per launching process, with ``set_forkserver_preload``) imports them once; every process is then forked
-from it, sharing those pages copy-on-write.
+from it, sharing those pages copy-on-write. A process started so that still runs a single thread (``hivetrain
+local-swarm`` started by ``run``, as the tests do) forks its own children directly: it holds those modules already.
 
 Each forked process is still a process of its own, as ``subprocess.Popen(..., start_new_session=True)`` would make
 it: a new session and process group (so signalling the group reaches its p2pd), stdin from /dev/null, stdout and
@@ -107,16 +108,33 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _forks_itself() -> bool:
+    """Whether this process can be its own fork server: it has imported torch, transformers and hivemind and runs one
+    thread, native threads included (``fork`` copies only the calling thread: a lock another thread held would stay
+    held in the child, and an OpenMP pool would be gone). ``hivetrain local-swarm`` forked from a fork server
+    (``run``: how the tests start it) is such a process until its first thread; a fresh fork server for it would
+    import the same modules again in a new interpreter (about 6 s of CPU; beside 4 CPU hogs, 12-16 s before its
+    coordinator started).
+    Only where ``/proc/self/task`` lists the threads (Linux)."""
+    if not all(name in sys.modules for name in PRELOAD if not name.startswith("hivetrain.")):
+        return False  # (our own entry modules are cheap, and the one that runs is ``__main__``, not under its name)
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
 def start(
     argv: Sequence[str], env: Mapping[str, str], log_path: Path, stderr_path: Path | None = None
 ) -> ForkedProcess:
     """Fork ``python -m argv[0] argv[1:]`` from the fork server (started, and its modules imported, on first use: about
-    6 s of CPU, once per launching process), its stdout appended to ``log_path``, its stderr too unless
-    ``stderr_path`` is given.
+    6 s of CPU, once per launching process), or from this process itself when it holds those modules already and runs
+    a single thread (``_forks_itself``), its stdout appended to ``log_path``, its stderr too unless ``stderr_path``
+    is given.
 
     Returns once the child is in its own session and process group. Raises RuntimeError if it is not within
     ``SESSION_WAIT_S`` (the child is killed first) or if the fork server cannot start."""
-    server = context()
+    server = multiprocessing.get_context("fork") if _forks_itself() else context()
     args = [sys.executable, "-m", *argv]
     paths = (str(log_path), str(stderr_path) if stderr_path is not None else None)
     process = server.Process(
