@@ -26,8 +26,8 @@ def test_sigkilled_peer_leaves_no_dht_process_or_p2pd(local_swarm):
 @pytest.mark.slow
 def test_peer_whose_p2pd_dies_never_commits_alone_and_exits(local_swarm):
     swarm = local_swarm(**{"diloco.outer_steps": 40, "diloco.inner_steps": 10})
-    a = swarm.add_peer(["--dht-lost-timeout", "15"])
-    b = swarm.add_peer(["--dht-lost-timeout", "15"])
+    a = swarm.add_peer(["--dht-lost-timeout", "6"])
+    b = swarm.add_peer(["--dht-lost-timeout", "6"])
     wait_for_event(a, lambda e: e["event"] == "outer_step" and e["epoch"] >= 1, timeout_s=120)
     p2pd = [c for c in psutil.Process(a.pid).children(recursive=True) if "p2pd" in c.name()]
     assert p2pd
