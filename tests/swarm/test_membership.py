@@ -62,7 +62,9 @@ def test_rebalancing_moves_one_server_to_the_bottleneck_with_that_stages_paramet
     # stage throughputs [30, 10, 20]: every stage-0 server sees the same records and only the best mover moves
     moves = [server.maybe_rebalance() for server in stage0]
 
-    assert sorted(moves, key=str) == [1, None, None], moves
+    # why each decided as it did (decide_move's reason, and the server's status: a syncing stage moves later)
+    why = [(s.last_decision, s.status) for s in stage0]
+    assert sorted(moves, key=str) == [1, None, None], (moves, why)
     mover = stage0[moves.index(1)]
     assert mover.stage == 1 and mover.rebalances == 1 and mover.status == "serving"
     assert "from 10.00 to 20.00" in mover.rebalance_reasons[0]
