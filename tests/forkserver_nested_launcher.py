@@ -4,6 +4,7 @@ pid (as the child saw it) and the child's exit code."""
 
 import json
 import multiprocessing.forkserver
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ if __name__ == "__main__":
         json.dumps(
             {
                 "own_server": multiprocessing.forkserver._forkserver._forkserver_pid is not None,
-                "pid": __import__("os").getpid(),
+                "pid": os.getpid(),
                 "child_parent": int((out / "child.log").read_text().split()[-1]),
                 "code": code,
             }
