@@ -118,8 +118,8 @@ class ButterflyRound:
     (and a column without a whole late row the same mean as the others, committing without that row). ``stage``: the
     round's place in the averaging call ("group", or "row", "column", "confirm", "fetch" in ``hierarchical``), for
     fault hooks and logs. ``fan_in``: how many members' pseudo-gradients each contribution already averages (the
-    column stage: a row's size), which sizes a "topk" part (``reduce.part_codec``). ``join_grace_s``: how long a
-    member may take to learn of the round after us, seconds (default ``declare_grace_s``)."""
+    column stage: a row's size), which sizes a "topk" part (``reduce.part_codec``). ``join_grace_s``: seconds a
+    member may take to learn of the round after us (default ``declare_grace_s``). ``group``: see ``RoundTransport``."""
 
     def __init__(
         self,
@@ -144,6 +144,7 @@ class ButterflyRound:
         stage: str = "group",
         fan_in: int = 1,
         join_grace_s: float | None = None,
+        group: tuple[str, str] = ("", ""),
     ):
         self.round_id, self.me, self.stage = round_id, me, stage
         self.members = {m.peer_id: m for m in sorted(members, key=lambda m: m.peer_id)}
@@ -164,14 +165,13 @@ class ButterflyRound:
                                       plan_wait_s=config.part_timeout_s)  # fmt: skip
         self.transport = RoundTransport(round_id=round_id, me=me, members=self.members, secret=secret, server=server,
                                         config=config, on_frame=self.receiver.on_frame, fallback=fallback,
-                                        join_grace_s=join_grace_s)  # fmt: skip
+                                        join_grace_s=join_grace_s, group=group)  # fmt: skip
         self.receiver.transport = self.transport
         self.vote = CommitVote(round_id=round_id, me=me, config=config, transport=self.transport,
                                receiver=self.receiver, accept=accept, hook=self._hook, send=self._send,
                                changed=self._changed)  # fmt: skip
         self._out: torch.Tensor | None = None
-        self._mid_fired: set[int] = set()
-        self._hook_lock = threading.Lock()
+        self._mid_fired, self._hook_lock = set[int](), threading.Lock()  # attempts whose mid-transfer hook fired
         self.timings: dict[str, float] = {}  # phase -> seconds it took (for logs and benchmarks)
         self._last_mark = time.monotonic()
 
@@ -200,11 +200,11 @@ class ButterflyRound:
 
         Raises:
             RoundFailed: "peer_failed" (the others went on without us: our links failed or stalled, or a voter
-                failed after our vote: ``voted`` is set), "timeout", "aborted" (members disagree, votes differ, fewer
-                than max(2, ``min_group_size``) members or no strict majority of the declared ones left), "excluded"
-                (others found our data bad), "refused" (our ``accept`` check refused the result: we voted against
-                it). Members that fail during the call are dropped and the others commit without them (module
-                docstring).
+                failed after our vote: ``voted`` is set), "not_in_group" (``RoundTransport.open``), "timeout",
+                "aborted" (members disagree, votes differ, fewer than max(2, ``min_group_size``) members or no
+                strict majority of the declared ones left), "excluded" (others found our data bad), "refused" (our
+                ``accept`` check refused the result: we voted against it). Members that fail during the call are
+                dropped and the others commit without them (module docstring).
         """
         self._out = torch.empty_like(flat) if out is None else out
         self.codec.start(residual_out)

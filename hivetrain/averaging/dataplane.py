@@ -35,8 +35,10 @@ from hivetrain.averaging.handshake import (
     auth_is_genuine,
     challenge_meta,
     hello_is_genuine,
+    parse_group,
     parse_hello,
     tune,
+    where_answer,
 )
 from hivetrain.averaging.wire import (
     MAX_DECLARE_META_BYTES,
@@ -55,6 +57,7 @@ __all__ = ["DataPlaneLimits", "DataPlaneServer", "LinkClosed", "Pusher", "RoundK
 logger = logging.getLogger(__name__)
 
 ACCEPT_BATCH = 64  # connections accepted per wake-up before pending reads are served again
+DONE_KEPT = 16  # round keys we committed that RETRY answers name (``note_committed``): far more than a round's span
 _TICK_S = 0.2  # the selector wakes at least this often (shutdown, deadlines)
 
 
@@ -114,12 +117,13 @@ class DataPlaneServer:
         self.admits = admits
         self.handshake_timeout_s = self.limits.handshake_timeout_s or connect_timeout_s
         self._handlers = {FrameType.DECLARE: (on_declaration, "decl"), FrameType.READY: (on_ready, "entry")}
-        self._first_limits = {FrameType.HELLO: MAX_HANDSHAKE_META_BYTES}
+        self._first_limits = {FrameType.HELLO: MAX_HANDSHAKE_META_BYTES, FrameType.WHERE: MAX_HANDSHAKE_META_BYTES}
         if on_ready is not None:
             self._first_limits[FrameType.READY] = MAX_HANDSHAKE_META_BYTES
         if on_declaration is not None:
             self._first_limits[FrameType.DECLARE] = MAX_DECLARE_META_BYTES
         self._rounds: dict[str, tuple[RoundKeys, dict[str, bytes]]] = {}  # round id -> keys, pair keys by sender
+        self._done: dict[str, str] = {}  # round key -> declaration we committed it with (``note_committed``)
         self._cond = threading.Condition()  # guards _rounds; wakes dial-back requests waiting for a round
         self.pool = StrangerPool(self.limits, self.handshake_timeout_s)  # selector thread only
         self._conns: dict[int, _Conn] = {}  # fd -> connection in handshake (selector thread only)
@@ -170,6 +174,24 @@ class DataPlaneServer:
     def unregister(self, round_id: str) -> None:
         with self._cond:
             self._rounds.pop(round_id, None)
+
+    def note_committed(self, round_key: str, declaration: str, committed: bool = True) -> None:
+        """Our averager committed ``round_key`` in the group of declaration ``declaration`` (two members or more):
+        until it averages at that round key again (``committed=False``, at the start of each call: a caller may
+        average twice at one epoch), we say so to whoever dials us for it (``handshake.where_answer``). The last
+        ``DONE_KEPT`` round keys are kept."""
+        with self._cond:
+            self._done.pop(round_key, None)
+            if committed:
+                self._done[round_key] = declaration
+            while len(self._done) > DONE_KEPT:
+                del self._done[next(iter(self._done))]
+
+    def _where(self, meta: dict) -> dict:
+        """Our RETRY meta for the declaration a HELLO or WHERE names (``handshake.where_answer``)."""
+        with self._cond:
+            groups = [keys.group for keys, _ in self._rounds.values()]
+            return where_answer(parse_group(meta), groups, dict(self._done))
 
     def dial_back(self, round_id: str, peer_id: str) -> bool:
         """Dial member ``peer_id`` of round ``round_id`` on its request (it could not dial us): waits up to
@@ -325,6 +347,9 @@ class DataPlaneServer:
             self._close(c)
         elif ftype == FrameType.HELLO and not payload_len:
             self._on_hello(c, meta)
+        elif ftype == FrameType.WHERE and not payload_len:
+            self._send(c, FrameType.RETRY, self._where(meta))
+            self._close(c)
         else:
             raise AuthFailed(f"{c.source} opened with a {ftype.name} frame")
 
@@ -333,7 +358,7 @@ class DataPlaneServer:
         with self._cond:
             keys, pair_keys = self._rounds.get(round_id, (None, {}))
         if keys is None:  # not learned of it yet, or a stranger: nothing is held for a round we cannot verify
-            self._send(c, FrameType.RETRY, {})
+            self._send(c, FrameType.RETRY, self._where(meta))  # {} unless we will never join it
             self._drop(c, "unknown round")
             return
         if receiver != keys.my_id or sender not in keys.peers:

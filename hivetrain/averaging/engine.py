@@ -44,7 +44,7 @@ from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid
 from hivetrain.averaging.hierarchical import two_stage
 from hivetrain.averaging.matchmaker import Matchmaker
 from hivetrain.averaging.matchmaking import MAX_MEMBERS, GroupDeclaration
-from hivetrain.averaging.reduce import BufferPool, Member, RoundOutcome, all_finite
+from hivetrain.averaging.reduce import BufferPool, Member, OutputBuffers, RoundOutcome, all_finite
 from hivetrain.averaging.relay import P2PFallback
 from hivetrain.faults import NO_FAULTS, FaultInjector
 from hivetrain.peers.bans import BanConfig, BanList
@@ -58,43 +58,6 @@ _FAILURES = {"late": "not_in_group", "not_in_group": "not_in_group", "no_group":
 def _announce_host_from(maddrs: Sequence[str]) -> str:
     hosts = (ip_of(str(addr)) for addr in maddrs)
     return next((h for h in hosts if h and h not in ("0.0.0.0", "::")), "127.0.0.1")
-
-
-def _storage_users(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-class _OutputBuffers:
-    """Result buffers, recycled once the caller holds no view of them any more.
-
-    Fresh memory costs a page fault per 4 KiB on first touch (~0.06 s of CPU per 200 MB). A result handed to the
-    caller is reused only when its storage has no user but us (any tensor or view the caller keeps counts), so a
-    caller never sees its result change. Otherwise a new buffer is allocated and touched on a background thread
-    while matchmaking waits on the DHT."""
-
-    _BASELINE = _storage_users(torch.empty(1))  # storage users of a tensor nobody else shares
-
-    def __init__(self, num_kept: int = 2):
-        self._kept: list[torch.Tensor] = []
-        self._num_kept = num_kept
-        self._box: list[torch.Tensor] = []
-        self._thread: threading.Thread | None = None
-
-    def prepare(self, num_elements: int) -> None:
-        """Pick a free kept buffer of ``num_elements``, or start allocating one in the background."""
-        self._box = [t for t in self._kept if t.numel() == num_elements and _storage_users(t) == self._BASELINE][:1]
-        self._thread = None
-        if not self._box:
-            self._thread = threading.Thread(target=lambda: self._box.append(torch.zeros(num_elements)), daemon=True)
-            self._thread.start()
-
-    def get(self) -> torch.Tensor:
-        """The buffer chosen by ``prepare``; it is kept for reuse by a later call."""
-        if self._thread is not None:
-            self._thread.join()
-        out = self._box[0]
-        self._kept = [out, *[t for t in self._kept if t is not out]][: self._num_kept]
-        return out
 
 
 class GroupAverager:
@@ -151,7 +114,7 @@ class GroupAverager:
         ban_time_s = max(config.ban_time_s, 1.0)
         self.bans = BanList(BanConfig(ban_base_s=ban_time_s, ban_max_s=max(3600.0, ban_time_s)))
         self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)
-        self._outputs = _OutputBuffers()  # result buffers, reused once the caller has let go of them
+        self._outputs = OutputBuffers()  # result buffers, reused once the caller has let go of them
         self._feedback = ErrorFeedback() if config.error_feedback else None
         self.fallback: P2PFallback | None = None  # set by start() if config.libp2p_fallback
         self._lock = threading.Lock()
@@ -384,7 +347,8 @@ class GroupAverager:
         kw.setdefault("drop_failed", config.drop_failed)  # columns pass False (confirms too with drop_failed off)
         r = ButterflyRound(round_id=round_id, members=members, me=self.node.peer_id, secret=secret, server=self.server,
                            config=config, faults=self.faults, epoch=epoch, bans=self.bans, pool=self.pool,
-                           fallback=self.fallback, join_grace_s=self.matchmaker.grace_s(), **kw)  # fmt: skip
+                           fallback=self.fallback, join_grace_s=self.matchmaker.grace_s(),
+                           group=(decl.round_key, decl.round_id), **kw)  # fmt: skip
         outcome = r.run(flat, weight, deadline, out=out, residual_out=residual_out)
         self._note_upload(outcome, len(ids) - 1)
         return outcome
@@ -408,6 +372,7 @@ class GroupAverager:
         ``target_group_size`` the two-stage all-reduce (``hierarchical``): one mean either way."""
         out = self._outputs
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
+        self.server.note_committed(f"e{epoch}", "", committed=False)  # at this round key again: not done with it
         decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected, patience_s)
         ids = decl.member_ids()
         if accept is not None and len(ids) > 1:  # ranked against our epoch's other declarations, read meanwhile
@@ -431,6 +396,7 @@ class GroupAverager:
         else:
             outcome = self._run(decl.round_id, decl, ids, secret, flat, weight, epoch, deadline, out.get(), residual,
                                 banned=banned, accept=accept)  # fmt: skip
+        self.server.note_committed(decl.round_key, decl.round_id)  # we never average at this round key again
         self._feedback_done(residual)
         return outcome, decl.round_id, outcome.contributors
 

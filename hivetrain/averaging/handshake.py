@@ -15,6 +15,16 @@ Authentication (per round, per pair of members):
     for a round the listener cannot verify. A connection closed before its CHALLENGE (e.g. evicted by a flood of
     strangers) is retried the same way.
 
+    Two declarations of one round key (two leaders that did not see each other's in time) list some members twice;
+    each member joins one. The HELLO names the dialer's declaration (``RoundKeys.group``: round key, declaration
+    id), and a RETRY says when the listener will never join it (``where_answer``): it is in another declaration of
+    that round key now, or it committed that round key already and went on. The dialer then stops at once
+    (``Elsewhere``) instead of dialing for ``join_wait_s``: chaos ``pause-twice`` lost 11 s that way, while the
+    listener's group had committed in 0.1 s, and fell 4 epochs behind (dev/LOG.md, 2026-12-01). A member waiting to
+    be dialed asks the same question with a WHERE frame (``ask_where``). Neither answer is authenticated (the
+    listener cannot verify a round it does not hold): a forged one only fails a link, which dropping the connection
+    could do as well.
+
     Protected: a stranger, or a peer of another round, cannot open a link into a round, and cannot replay an old
     handshake (fresh nonces, fresh keys per call). Commit votes are MACed with the pair key, so a vote cannot be
     forged. Not protected: frames after the handshake are neither encrypted nor MACed, so an attacker on the path
@@ -76,6 +86,9 @@ class RoundKeys:
         attach: called with each authenticated incoming Link.
         dial_back: called with a member's peer id when it asks us (over libp2p, ``relay``) to dial it because it
             could not dial us; dials its signed address directly, attaches the link, returns whether that worked.
+        group: (round key, declaration id) of the declaration this round belongs to (a two-stage round's row,
+            column, confirm and fetch rounds share their declaration's); ("", "") = none (moshpit and gossip
+            rounds): a RETRY then never says ``Elsewhere``.
     """
 
     round_id: str
@@ -84,12 +97,39 @@ class RoundKeys:
     peers: dict[str, bytes]
     attach: Callable[[Link], None]
     dial_back: Callable[[str], bool] | None = None
+    group: tuple[str, str] = ("", "")
 
 
 # ---- the three messages (both sides) --------------------------------------------------------------------------------
-def hello_meta(key: bytes, round_id: str, sender: str, receiver: str, nonce: bytes) -> dict:
+def hello_meta(
+    key: bytes, round_id: str, sender: str, receiver: str, nonce: bytes, group: tuple[str, str] = ("", "")
+) -> dict:
     proof = mac(key, b"hello", round_id.encode(), sender.encode(), receiver.encode(), nonce)
-    return {"round_id": round_id, "sender": sender, "receiver": receiver, "nonce": nonce, "mac": proof}
+    meta = {"round_id": round_id, "sender": sender, "receiver": receiver, "nonce": nonce, "mac": proof}
+    if group[0]:
+        meta["group"] = list(group)
+    return meta
+
+
+def parse_group(meta: dict) -> tuple[str, str] | None:
+    """The (round key, declaration id) a HELLO or WHERE frame names, or None if it names none or a malformed one."""
+    group = meta.get("group")
+    if isinstance(group, list) and len(group) == 2 and all(isinstance(g, str) and 0 < len(g) <= 64 for g in group):
+        return group[0], group[1]
+    return None
+
+
+def where_answer(asked: tuple[str, str] | None, registered: Sequence[tuple[str, str]], done: dict[str, str]) -> dict:
+    """The listener's RETRY meta for a dialer of declaration ``asked`` (pure): {"done": id} if we committed its round
+    key already (``done``: round key -> the declaration we committed it with), {"elsewhere": id} if a round we are
+    registered in now (``registered``: their groups) belongs to another declaration of that round key, else {}."""
+    if asked is None:
+        return {}
+    round_key, declaration = asked
+    if round_key in done:
+        return {"done": done[round_key][:12]}
+    other = next((d for k, d in registered if k == round_key and d != declaration), None)
+    return {"elsewhere": other[:12]} if other is not None else {}
 
 
 def parse_hello(meta: dict) -> tuple[str, str, str, bytes, bytes]:
@@ -119,6 +159,25 @@ class _Retry(Exception):
     """The listener answered RETRY, or closed before its CHALLENGE: dial again after a pause."""
 
 
+class Elsewhere(LinkClosed):
+    """The member will never join this round: it is in another declaration of the round key, or it committed the
+    round key already (``went_on``: its group's result is the epoch's, ``RoundFailed.closed_without_us``)."""
+
+    def __init__(self, message: str, went_on: bool):
+        super().__init__(message)
+        self.went_on = went_on
+
+
+def _elsewhere(peer_id: str, round_key: str, meta: dict) -> Elsewhere | None:
+    """The ``Elsewhere`` a RETRY's meta (``where_answer``) says, or None."""
+    done, other = meta.get("done"), meta.get("elsewhere")
+    if isinstance(done, str):
+        return Elsewhere(f"{peer_id} committed round key {round_key} without us (group {done[:12]})", went_on=True)
+    if isinstance(other, str):
+        return Elsewhere(f"{peer_id} is in another group of round key {round_key} ({other[:12]})", went_on=False)
+    return None
+
+
 # ---- dialing --------------------------------------------------------------------------------------------------------
 def dial(
     host: str,
@@ -141,6 +200,7 @@ def dial(
 
     Raises:
         Unreachable: no TCP connection to ``host:port`` (the caller may try the libp2p fallback).
+        Elsewhere: its RETRY said it will never join this round (module docstring); raised at once.
         LinkClosed: it kept closing the connection or answering RETRY (e.g. it is not in this round).
         AuthFailed: it did not prove it holds the secret of its signed entry.
     """
@@ -175,12 +235,15 @@ def _authenticate(
     try:
         nonce = os.urandom(NONCE_NUM_BYTES)
         sent_at = time.monotonic()
-        link.send_frame(FrameType.HELLO, 0, hello_meta(key, keys.round_id, keys.my_id, peer_id, nonce))
+        link.send_frame(FrameType.HELLO, 0, hello_meta(key, keys.round_id, keys.my_id, peer_id, nonce, keys.group))
         try:
             ftype, _, meta, payload_len = link.recv_header(MAX_HANDSHAKE_META_BYTES)
         except LinkClosed as exc:
             raise _Retry(str(exc)) from None
         if ftype == FrameType.RETRY:
+            elsewhere = _elsewhere(peer_id, keys.group[0], meta) if keys.group[0] else None
+            if elsewhere is not None:
+                raise elsewhere
             raise _Retry("it has not learned of the round yet")
         link.rtt_s = time.monotonic() - sent_at
         their_nonce = meta.get("nonce")
@@ -197,6 +260,21 @@ def _authenticate(
     link.set_timeout(part_timeout_s)
     link.bytes_sent = link.bytes_received = 0
     return link
+
+
+def ask_where(host: str, port: int, peer_id: str, group: tuple[str, str], timeout_s: float) -> Elsewhere | None:
+    """Ask member ``peer_id``'s data port whether it will never join our declaration ``group`` (round key,
+    declaration id): the WHERE frame, answered like a HELLO's RETRY (module docstring). Used by a member waiting for
+    a link that ``peer_id`` is to dial. Returns the ``Elsewhere`` it says, or None: it may still come, or it could
+    not be asked (no connection, no answer within ``timeout_s`` seconds; nothing is retried)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            link = Link(sock, peer_id, b"", timeout_s)
+            link.send_frame(FrameType.WHERE, 0, {"group": list(group)})
+            ftype, _, meta, payload_len = link.recv_header(MAX_HANDSHAKE_META_BYTES)
+    except (OSError, ConnectionError):
+        return None
+    return _elsewhere(peer_id, group[0], meta) if ftype == FrameType.RETRY and not payload_len else None
 
 
 # ---- one-way pushes -------------------------------------------------------------------------------------------------

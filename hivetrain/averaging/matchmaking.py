@@ -24,7 +24,9 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the on
    owner marker + ``b"|group"``) listing the members' signed entries. Followers accept only a declaration that
    lists their own current session, signed by its leader, whose embedded entries all verify; with several, the one
    with the smallest leader id wins (the rare case of two leaders that did not see each other; if members then disagree,
-   the data-plane handshake or the commit vote fails the round and the callers retry).
+   the data-plane handshake or the commit vote fails the round and the callers retry: a member that joined the other
+   declaration says so in its first RETRY, ``handshake.where_answer``, and the round fails at once, "not_in_group"
+   naming those that committed the round key without us).
 4. A peer not listed in a group whose window closed fails at once: ``late`` (it closed before we announced) or
    ``not_in_group`` (its leader did not see us in time), unless more peers are expected at the round key than one
    group holds: the epoch needs several groups, and it forms the next one (without this, in the simulation of

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from hivetrain.averaging.base import RoundFailed
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer
-from hivetrain.averaging.handshake import RoundKeys, dial
+from hivetrain.averaging.handshake import Elsewhere, RoundKeys, ask_where, dial
 from hivetrain.averaging.reduce import Inbox, Member
 from hivetrain.averaging.wire import FrameType, Link, LinkClosed, Unreachable
 
@@ -74,6 +74,9 @@ class RoundTransport:
         secret: our X25519 secret of this call; server: our data-plane server (incoming links).
         config: timeouts and socket buffers; fallback: a ``relay.P2PFallback`` or None.
         on_frame: the handler of every received frame other than HEARTBEAT (called on receiver threads).
+        group: (round key, declaration id) of the round's declaration (``handshake.RoundKeys.group``): a member that
+            will never join it (``handshake.Elsewhere``) fails its link at once instead of at the connect deadline;
+            those that committed the round key without us are ``went_on``.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class RoundTransport:
         on_frame: FrameHandler,
         fallback=None,
         join_grace_s: float | None = None,
+        group: tuple[str, str] = ("", ""),
     ):
         self.round_id, self.me, self.members, self.server = round_id, me, members, server
         # how long a member may take to learn of the round after us: a follower reads its leader's declaration from
@@ -97,7 +101,8 @@ class RoundTransport:
         self.config, self.fallback, self.on_frame = config, fallback, on_frame
         self.others = [p for p in members if p != me]
         self.keys = RoundKeys(round_id, me, secret, {p: members[p].kx_public for p in self.others}, self._attach,
-                              dial_back=self._dial_back)  # fmt: skip
+                              dial_back=self._dial_back, group=group)  # fmt: skip
+        self.went_on: set[str] = set()  # members that committed our round key in another group (``Elsewhere``)
         self.inbox = Inbox()  # guarded by the lock
         self._cond = threading.Condition()
         self._links: dict[str, Link] = {}
@@ -115,7 +120,9 @@ class RoundTransport:
         """Register with the server and link to every other member. Returns the members we could not link to before
         the connect deadline (a dial failed, its data port refuses connections, or it never dialed us): the round
         goes on without them (``ButterflyRound``). Raises RoundFailed("timeout") if ``deadline``
-        (``time.monotonic()``) comes first."""
+        (``time.monotonic()``) comes first, and RoundFailed("not_in_group") with ``closed_without_us`` as soon as a
+        member says it committed our round key in another group (``went_on``): a result of ours would be a second
+        state of the epoch; its group's is the epoch's (``diloco.sync_policy.decide_sync`` follows it)."""
         self.server.register(self.keys)
         self._registered = True
         for p in self.others:
@@ -130,10 +137,19 @@ class RoundTransport:
         connect_deadline = min(deadline, time.monotonic() + attempts * cfg.connect_timeout_s + cfg.declare_grace_s)
         pending = lambda: [p for p in self.others if p not in self._links and p not in self.inbox.errors]  # noqa: E731
         try:
-            self.wait(lambda: not pending(), (), connect_deadline, "connecting")
+            self.wait(lambda: not pending() or bool(self.went_on), (), connect_deadline, "connecting")
         except RoundFailed:
             if time.monotonic() >= deadline:
                 raise
+        if self.went_on:  # the others' answers are a round trip away (a watched member's, 1 s): name all who went on
+            try:
+                self.wait(lambda: not pending(), (), min(connect_deadline, time.monotonic() + cfg.connect_timeout_s),
+                          "connecting")  # fmt: skip
+            except RoundFailed:
+                pass
+            went_on = frozenset(self.went_on)
+            why = "; ".join(self.inbox.errors.get(p, "") for p in sorted(went_on))
+            raise RoundFailed("not_in_group", why, closed_without_us=went_on)
         with self._cond:
             unlinked = {p for p in self.others if p not in self._links}
             self._dropped |= unlinked  # a link that attaches later is closed at once (``_attach``)
@@ -349,15 +365,30 @@ class RoundTransport:
             if refuses_connections(m.host, m.port, self.config.connect_timeout_s):
                 self.post_error(peer_id, f"its data port {m.host}:{m.port} refuses connections: it is gone")
                 return
+            if self.keys.group[0]:  # it joined another declaration of our round key, or went on: it never dials us
+                elsewhere = ask_where(m.host, m.port, peer_id, self.keys.group, self.config.connect_timeout_s)
+                if elsewhere is not None and peer_id not in self._links:
+                    self._elsewhere(peer_id, elsewhere)
+                    return
 
     def _dial_one(self, peer_id: str, deadline: float) -> None:
         try:
             link = self._dial(peer_id, deadline)
+        except Elsewhere as exc:
+            self._elsewhere(peer_id, exc)
+            return
         except ConnectionError as exc:
             self.post_error(peer_id, str(exc))
             return
         if link is not None:  # None: it dialed us back, and the server attached that link
             self._attach(link)
+
+    def _elsewhere(self, peer_id: str, exc: Elsewhere) -> None:
+        logger.info("round %s: %s: not waiting for it", self.round_id[:8], exc)
+        if exc.went_on:
+            with self._cond:
+                self.went_on.add(peer_id)
+        self.post_error(peer_id, str(exc))
 
     def _dial(self, peer_id: str, deadline: float) -> Link | None:
         """An authenticated link to ``peer_id``: direct TCP; else (or at once if it was unreachable recently) it

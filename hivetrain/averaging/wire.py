@@ -55,6 +55,7 @@ class FrameType(enum.IntEnum):
     RETRY = 10  # listener -> dialer: the round is not registered here yet, dial again shortly (then closes)
     HAVE = 11  # reducer -> members: whose parts of its slice it holds, with their weights (no payload)
     GONE = 12  # member -> members: the members it now goes on without (no payload)
+    WHERE = 13  # member -> a member's data port: will you never join my declaration? (answered by RETRY, then closed)
 
 
 class LinkClosed(ConnectionError):
