@@ -86,3 +86,20 @@ def test_a_topk_arm_counts_its_sparse_parts_and_denser_results():
     assert sparse.bytes < dense.bytes / 10 and math.isfinite(sparse.eval_loss)
     with pytest.raises(ValueError, match="error feedback is required"):
         codec_config("topk2-2b")
+
+
+def test_codecs_long_tunes_each_codec_over_scaled_outer_steps_of_the_chosen_fp32_arm():
+    from diloco_vs_ddp import OUTER_LR_SCALES, Sweep, plan
+
+    fams = plan("codecs-long", str(DATA), ["topk3-2b-ef"])
+    assert [f.label for f in fams] == ["tiny/1200/ddp", "tiny/1200/diloco-H40", "tiny/1200/diloco-H40-topk3-2b-ef"]
+    assert all(f.setup.steps == 1200 for f in fams)
+    sweep = Sweep(fams, jobs=0, results_path="")
+    fp32 = fams[1]
+    for i, arm in enumerate(fp32.grid):  # pretend the tuning ran: the second setting won
+        sweep.done[(fp32.setup.key(), arm.key(), 0)] = {"eval_loss": 2.0 if i != 1 else 1.5}
+    tuning = [arm for _, arm, seed in sweep.needed() if arm.codec]
+    chosen = fp32.grid[1]
+    assert [(a.codec, a.outer_lr, a.outer_momentum) for a in tuning] == [
+        ("topk3-2b-ef", chosen.outer_lr * x, chosen.outer_momentum) for x in OUTER_LR_SCALES
+    ]

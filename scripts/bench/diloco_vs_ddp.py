@@ -22,6 +22,8 @@ Plans (``--plan``):
   full     every grid everywhere, 3 seeds (hours).
   codecs   the tiny/400 DDP and DiLoCo H = 40 rows of "default" (H = 40 over its 3 settings), then each ``--codecs``
            arm at H = 40's best setting, 3 seeds: the learning-per-byte table of the wire formats (issue 25).
+  codecs-long  the same at 1,200 steps (30 outer steps at H = 40; DDP at lr 2e-3, the 400-step choice), each codec
+           arm tuned over H = 40's best outer lr x {1, 1.5, 2}.
 
 ``--json`` prints, as its last line, a JSON list with one object per row: arm, preset, steps, inner_steps,
 eval_loss (mean over seeds), eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties),
@@ -54,6 +56,8 @@ from hivetrain.diloco.config import DilocoConfig  # noqa: E402
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 OUTER_GRID = tuple((lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.0, 0.5, 0.9))
 OVERLAP_GRID = ((1.0, 0.0), (0.7, 0.0), (0.5, 0.0), (0.3, 0.0))  # a one-epoch delay wants a smaller step, no momentum
+PLANS = ("quick", "default", "full", "codecs", "codecs-long")
+OUTER_LR_SCALES = (1.0, 1.5, 2.0)  # "codecs-long": a sparse update may want a larger outer step than fp32's
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,16 @@ def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
         return fams + [
             Family(f"tiny/400/diloco-H40-{c}", short, after="tiny/400/diloco-H40", derive=_codec(c)) for c in codecs
         ]
+    if name == "codecs-long":  # 1,200 steps: 30 outer steps at H = 40, where error feedback has time to send
+        long = Setup(data, "tiny", workers=4, steps=1200, seq_len=64, batch_size=8, warmup_steps=20)
+        fams = [
+            Family("tiny/1200/ddp", long, (Arm("ddp", lr),)),  # the 400-step tuning's lr (1e-3 and 4e-3 lost)
+            Family("tiny/1200/diloco-H40", long, diloco_grid(lr, 40, three)),
+        ]
+        return fams + [
+            Family(f"tiny/1200/diloco-H40-{c}", long, after="tiny/1200/diloco-H40", derive=_codec(c, OUTER_LR_SCALES))
+            for c in codecs
+        ]
     if name not in ("default", "full"):
         raise ValueError(f"unknown plan {name!r}")
     full = name == "full"
@@ -145,8 +159,9 @@ def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
     return fams
 
 
-def _codec(name: str) -> Callable[[Arm], tuple[Arm, ...]]:
-    return lambda arm: (replace(arm, codec=name),)
+def _codec(name: str, outer_lr_scales: tuple[float, ...] = (1.0,)) -> Callable[[Arm], tuple[Arm, ...]]:
+    """The codec arm at the chosen fp32 arm's setting, its outer lr scaled by each of ``outer_lr_scales`` (tuned)."""
+    return lambda arm: tuple(replace(arm, codec=name, outer_lr=arm.outer_lr * x) for x in outer_lr_scales)
 
 
 RunKey = tuple[str, str, int]
@@ -303,7 +318,7 @@ def _ratio(ratio: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="text file (default: shared tinyshakespeare.txt)")
-    parser.add_argument("--plan", default="default", choices=("quick", "default", "full", "codecs"), help="which sweep")
+    parser.add_argument("--plan", default="default", choices=PLANS, help="which sweep")
     parser.add_argument("--quick", action="store_true", help="same as --plan quick (smoke run, < 1 min)")
     parser.add_argument(
         "--jobs", type=int, default=2, help="worker processes (one torch thread each); 0 = in this process"
