@@ -14,6 +14,9 @@ from typing import Protocol
 
 import torch
 
+ExpectedPeers = frozenset[str] | Callable[[], frozenset[str]]
+"""``Averager.average``'s ``expected_peers``: the peer ids expected at the epoch, or a function returning them now."""
+
 
 class RoundFailed(RuntimeError):
     """An averaging round did not commit for us; nothing from it may be applied on this evidence alone.
@@ -79,7 +82,7 @@ class Averager(Protocol):
         weight: float,
         epoch: int,
         timeout_s: float,
-        expected_peers: frozenset[str] = frozenset(),
+        expected_peers: ExpectedPeers = frozenset(),
         accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
         patience_s: float = 0.0,
     ) -> RoundResult:
@@ -96,7 +99,11 @@ class Averager(Protocol):
                 is only for peers not yet visible. A peer missing from the set is still grouped if it is ready in
                 time; an expected peer that never comes delays the group to the window (and ``patience_s``), no
                 further. An empty set
-                (the default) = no such knowledge: the group closes at the window or when it is full.
+                (the default) = no such knowledge: the group closes at the window or when it is full. A callable
+                returning the set is asked again at every matchmaking decision: peers that move on without us
+                (their records now show a later epoch) stop being waited for. A woken laptop's first view of the
+                swarm can be the one from before its sleep; a fixed set kept it waiting a whole round timeout for
+                peers 6 epochs ahead (chaos ``pause-twice``, dev/LOG.md 2026-12-01).
             accept: called once with the full result, a flat fp32 tensor (n,) (the inputs concatenated in order;
                 read-only, valid during the call only), and the peer ids whose contributions it holds (sorted), on
                 every member that holds it, before it votes to commit; returns "" to vote normally, or a reason to

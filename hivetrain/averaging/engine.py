@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hivetrain.averaging.allreduce import ButterflyRound
-from hivetrain.averaging.base import RoundFailed, RoundResult
+from hivetrain.averaging.base import ExpectedPeers, RoundFailed, RoundResult
 from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
@@ -53,6 +53,10 @@ from hivetrain.peers.node import ip_of
 logger = logging.getLogger(__name__)
 
 _FAILURES = {"late": "not_in_group", "not_in_group": "not_in_group", "no_group": "no_group", "too_small": "no_group"}
+
+
+def _peer_ids(x: object) -> bool:
+    return isinstance(x, frozenset) and all(isinstance(p, str) for p in x)
 
 
 def _announce_host_from(maddrs: Sequence[str]) -> str:
@@ -191,7 +195,7 @@ class GroupAverager:
         weight: float,
         epoch: int,
         timeout_s: float,
-        expected_peers: frozenset[str] = frozenset(),
+        expected_peers: ExpectedPeers = frozenset(),
         accept: Callable[[torch.Tensor, tuple[str, ...]], str] | None = None,
         patience_s: float = 0.0,
     ) -> RoundResult:
@@ -205,7 +209,7 @@ class GroupAverager:
                 ``commit_timeout_s`` for a round that reached its vote).
             expected_peers: peer ids expected at ``epoch`` (ours may be in it): once all of them (banned ones aside)
                 are ready, the group closes at once instead of after ``matchmaking_time_s``. Empty = wait for the
-                window (or ``target_group_size`` ready peers).
+                window (or ``target_group_size`` ready peers). A callable is asked at every decision (``base``).
             accept: "butterfly" only (see ``base.Averager``): checks the flat fp32 (n,) result before we vote (a
                 solo result before it is returned), given ``epoch_groups`` too with other members; a non-empty reason
                 refuses it: RoundFailed("refused") here, "aborted" on every other member.
@@ -227,8 +231,8 @@ class GroupAverager:
         """
         started = time.monotonic()
         self._check_input(tensors, weight, epoch, timeout_s)
-        if not isinstance(expected_peers, frozenset) or not all(isinstance(p, str) for p in expected_peers):
-            raise TypeError("expected_peers must be a frozenset of peer id strings")
+        if not callable(expected_peers) and not _peer_ids(expected_peers):
+            raise TypeError("expected_peers must be a frozenset of peer id strings, or a function returning one")
         if isinstance(patience_s, bool) or not isinstance(patience_s, int | float) or not 0 <= patience_s < timeout_s:
             raise ValueError(f"patience_s must be a number in [0, timeout_s={timeout_s}), got {patience_s!r}")
         if not self._started.is_set() or self._closed:
@@ -295,7 +299,7 @@ class GroupAverager:
         return frozenset(r.peer_id for r in self.bans.active(time.time()))
 
     def _match(
-        self, round_key: str, target: int, deadline: float, expected: frozenset[str], patience_s: float
+        self, round_key: str, target: int, deadline: float, expected: ExpectedPeers, patience_s: float
     ) -> tuple[GroupDeclaration, X25519PrivateKey, frozenset[str]]:
         cfg = self.config
         secret = X25519PrivateKey.generate()

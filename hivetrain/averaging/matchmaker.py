@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from hivemind.utils import get_dht_time
 
+from hivetrain.averaging.base import ExpectedPeers
 from hivetrain.averaging.group_records import (
     GroupDeclaration,
     ReadyEntry,
@@ -360,7 +361,7 @@ class Matchmaker:
         ttl_s: float,
         deadline_monotonic: float,
         banned: frozenset[str] = frozenset(),
-        expected: frozenset[str] = frozenset(),
+        expected: ExpectedPeers = frozenset(),
         patience_s: float = 0.0,
     ) -> tuple[Decision, str]:
         """Announce ``me``, then decide on every push and DHT read until a decision other than "wait" (or the call
@@ -368,7 +369,9 @@ class Matchmaker:
 
         Args:
             me: our signed entry (``make_entry``).
-            target_group_size, min_group_size, banned, expected, patience_s: as in ``decide``.
+            target_group_size, min_group_size, banned, expected, patience_s: as in ``decide``; ``expected`` may be a
+                function, asked before every decision (``base.Averager.average``). Raises TypeError if it returns
+                anything but a frozenset of peer ids.
             ttl_s: our entry and declaration live this long in the DHT, seconds; also ``decide``'s
                 ``declaration_ttl_s`` (the round timeout: a declaration older than that is over).
             deadline_monotonic: the call gives up at this ``time.monotonic()``.
@@ -412,6 +415,9 @@ class Matchmaker:
                 stored = None
             self._wake.clear()  # anything pushed from here on wakes the wait below
             entries, decls = self._merge(me.round_key, dht_entries)
+            expected_now = expected() if callable(expected) else expected
+            if not isinstance(expected_now, frozenset):
+                raise TypeError(f"expected peers must be a frozenset of peer ids, got {type(expected_now).__name__}")
             decision = decide(
                 me,
                 entries,
@@ -422,7 +428,7 @@ class Matchmaker:
                 declare_grace_s=self.grace_s(),
                 declaration_ttl_s=ttl_s,
                 banned=banned | gone,
-                expected=expected,
+                expected=expected_now,
                 patience_s=patience_s,
             )
             # A window closes on what the DHT showed after it closed: a view read before the deadline (a slow DHT under

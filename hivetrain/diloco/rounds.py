@@ -32,11 +32,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from hivemind.utils import get_dht_time
 
-from hivetrain.averaging.base import Averager, RoundFailed, RoundResult
+from hivetrain.averaging.base import Averager, ExpectedPeers, RoundFailed, RoundResult
 from hivetrain.averaging.matchmaking import EpochGroups
 from hivetrain.config import RunConfig
 from hivetrain.diloco.outer import outer_step
@@ -288,16 +289,22 @@ class RoundRunner:
             )
             sent, weight = given["tensors"], float(given["weight"])
             result, failure, closed_without_us = None, "", frozenset[str]()
-            expected, patience = frozenset(), 0.0
+            expected: ExpectedPeers = frozenset()
+            patience = 0.0
             if self.view.coverage >= 1.0:  # a sample of a sharded swarm names too few: groups close by their window
                 # after a stall (a SIGSTOP, a laptop lid) the view is from before it: peers it shows at our epoch may
                 # have moved on long ago, and waiting for them held a woken peer in matchmaking for a whole round
                 # timeout while the others committed 10 epochs (chaos pause-twice, idle)
                 stale = self.view.view_age_s > VIEW_REFRESH_AFTER_S
                 records = self.view.refresh() if stale else self.view.records
-                expected = expected_peers(records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
+                expected_then = expected_peers(records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
                 per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
-                patience = patience_for(records, expected, epoch, per_step, cfg.round_timeout_s)
+                patience = patience_for(records, expected_then, epoch, per_step, cfg.round_timeout_s)
+                # asked again at every matchmaking decision, from the view the heartbeat keeps fresh: a peer whose
+                # record moves past our epoch is no longer waited for. Right after a SIGSTOP the refresh above can
+                # still return the view from before it (a failed read keeps the last one): a woken peer then waited
+                # a whole round timeout for two peers 6 epochs ahead (chaos pause-twice beside 2 hogs, 1 in 20).
+                expected = partial(self._expected_now, epoch)
             self._checked_norm, self._epoch, self._went_ahead = None, epoch, frozenset()
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
@@ -369,6 +376,10 @@ class RoundRunner:
             # back off (failures must not spin), stretched per peer so that peers that failed together do not retry
             # in lockstep
             self.stop.wait(policy.backoff_s * (1.0 + 0.5 * backoff_jitter(self.peer_id, epoch, attempt)))
+
+    def _expected_now(self, epoch: int) -> frozenset[str]:
+        """The live trainers expected at ``epoch`` in the view as it is now (``expected_peers``)."""
+        return expected_peers(self.view.records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
 
     def _accept(
         self, flat: torch.Tensor, contributors: tuple[str, ...], epoch_groups: EpochGroups | None = None

@@ -613,3 +613,25 @@ def test_rival_groups_are_the_other_live_declarations_of_the_round_key() -> None
     rivals = rival_groups(ours, [again], [ours, rival, lone, other_key, failed], 104.0, TTL)
     assert rivals == (frozenset("CD"),)
     assert rival_groups(ours, [], [ours, rival], 101.0 + TTL + 1.0, TTL) == ()  # expired
+
+
+def test_an_expected_peer_that_moves_on_during_matchmaking_is_no_longer_waited_for(keys) -> None:
+    """``expected`` as a function is asked at every decision: a peer alone at the window's close waits for an
+    expected peer until its deadline (issue 22), but not once the caller's view shows that peer gone past the epoch
+    (a woken laptop's first view was from before its sleep: chaos pause-twice)."""
+    (c_id, c_key), (x_id, _), _ = keys
+    mm = Matchmaker(FakeNode(c_id, c_key, FakeDHT()), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE)
+    results = {}
+    for label, moves_on_after_s in (("fixed", None), ("moves on", 1.0)):
+        started = time.monotonic()
+
+        def expected(started=started, after=moves_on_after_s) -> frozenset[str]:
+            gone = after is not None and time.monotonic() - started > after
+            return frozenset() if gone else frozenset({x_id})
+
+        me = mm.make_entry(f"e{len(results)}", os.urandom(16), "127.0.0.1", 4000, bytes(32), 6.0, window_s=0.2)
+        decision, _ = mm.match(me, target_group_size=8, min_group_size=1, ttl_s=TTL,
+                               deadline_monotonic=started + 6.0, expected=expected)  # fmt: skip
+        results[label] = (decision.action, time.monotonic() - started)
+    assert results["fixed"][0] == "no_group" and results["fixed"][1] >= 6.0  # waited for it until the deadline
+    assert results["moves on"][0] == "joined" and results["moves on"][1] < 4.0  # a group of one: the caller decides

@@ -46,10 +46,11 @@ class ScriptedAverager:
     data_address = None  # no data port
 
     def __init__(self, *outcomes):
-        self.outcomes, self.calls, self.patience = list(outcomes), [], []
+        self.outcomes, self.calls, self.patience, self.expected = list(outcomes), [], [], []
 
     def average(self, tensors, weight, epoch, timeout_s, expected_peers=frozenset(), accept=None, patience_s=0.0):
-        self.calls.append((weight, epoch, expected_peers))
+        self.expected.append(expected_peers)  # as given: a set, or a function asked at each matchmaking decision
+        self.calls.append((weight, epoch, expected_peers() if callable(expected_peers) else expected_peers))
         self.patience.append(patience_s)
         outcome = self.outcomes.pop(0)
         if callable(outcome):
@@ -141,6 +142,21 @@ def test_after_a_stall_matchmaking_expects_whom_a_fresh_read_shows_not_the_view_
         s = state()
         run.run(s, s.state_hash(), contribution())
         assert avg.calls[0][2] == expected
+
+
+def test_matchmaking_asks_who_is_expected_from_the_view_as_it_is_then_not_as_it_was_at_the_start():
+    """The refresh after a SIGSTOP can fail and keep the view from before it (a failed read keeps the last one): the
+    woken peer expected two peers at its epoch and waited a whole round timeout for them while they ran 6 epochs
+    ahead (chaos pause-twice beside 2 hogs, 1 in 20 runs). Matchmaking asks again at every decision; the heartbeat's
+    next read shows them ahead, and they are no longer waited for."""
+    avg = ScriptedAverager(RoundResult([torch.zeros(3, 2)], ("a", "b", "me"), 240.0, "x"))
+    run = runner(avg, [rec("a", 4), rec("b", 4)])
+    s = state()
+    run.run(s, s.state_hash(), contribution())
+    expected = avg.expected[0]
+    assert callable(expected) and expected() == frozenset({"a", "b"})
+    run.view._records = [rec("a", 10), rec("b", 10)]  # the heartbeat's next read
+    assert expected() == frozenset()
 
 
 def test_expected_peers_are_the_live_trainers_of_our_epoch():
