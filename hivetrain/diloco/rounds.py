@@ -294,17 +294,14 @@ class RoundRunner:
             if self.view.coverage >= 1.0:  # a sample of a sharded swarm names too few: groups close by their window
                 # after a stall (a SIGSTOP, a laptop lid) the view is from before it: peers it shows at our epoch may
                 # have moved on long ago, and waiting for them held a woken peer in matchmaking for a whole round
-                # timeout while the others committed 10 epochs (chaos pause-twice, idle)
-                stale = self.view.view_age_s > VIEW_REFRESH_AFTER_S
-                records = self.view.refresh() if stale else self.view.records
-                expected_then = expected_peers(records, self.peer_id, epoch, get_dht_time(), self.stale_after_s)
-                per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
-                patience = patience_for(records, expected_then, epoch, per_step, cfg.round_timeout_s)
-                # asked again at every matchmaking decision, from the view the heartbeat keeps fresh: a peer whose
-                # record moves past our epoch is no longer waited for. Right after a SIGSTOP the refresh above can
-                # still return the view from before it (a failed read keeps the last one): a woken peer then waited
-                # a whole round timeout for two peers 6 epochs ahead (chaos pause-twice beside 2 hogs, 1 in 20).
+                # timeout while the others committed 10 epochs (chaos pause-twice, idle). So the view is read afresh,
+                # and who is expected is asked again at every matchmaking decision from the view the heartbeat keeps
+                # fresh: a refresh right after the stall can fail and keep the old view (pause-twice beside 2 hogs,
+                # 1 in 20 runs: 30 s waited for two peers 6 epochs ahead).
+                records = self.view.refresh() if self.view.view_age_s > VIEW_REFRESH_AFTER_S else self.view.records
                 expected = partial(self._expected_now, epoch)
+                per_step = diloco.samples_per_inner_step(self.config.data.batch_size)
+                patience = patience_for(records, expected(), epoch, per_step, cfg.round_timeout_s)
             self._checked_norm, self._epoch, self._went_ahead = None, epoch, frozenset()
             accept = self._accept if local is None else None  # moshpit/gossip: our own step, checked below
             try:
