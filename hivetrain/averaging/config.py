@@ -31,6 +31,12 @@ class AveragingConfig:
             their matchmaking skew, and a vote may queue behind results on a slow uplink), seconds.
         declare_grace_s: followers wait this long past the group deadline for the leader's declaration, seconds.
         poll_interval_s: DHT polling period during matchmaking, seconds.
+        matchmaking_read_kib_s: the matchmaking reads' budget, KiB per second: after reading B bytes of its round
+            key a waiting peer starts its next read no sooner than B / this (``matchmaker.Matchmaker``). The key holds
+            every ready peer's entry, so it binds from ~20 ready peers on; pushes between data ports carry the
+            urgent records. Default 256 KiB/s (2 Mbit/s, a fifth of a 10 Mbit/s home downlink): at 1,000 simulated
+            peers with 1 h sessions (``dp-1000-churn``) matchmaking reads fell from 2.0 GB to 57 MB per peer per
+            outer step, the training unchanged (dev/LOG.md, 2026-12-01 session 30).
         compression: wire codec of parts and results ("none" = fp32 bit-exact inputs; "fp16", "int8", "int4"
             quantize what is sent; "topk" sparsifies it, ``codecs`` module docstring; every member still ends
             bit-identical).
@@ -121,6 +127,7 @@ class AveragingConfig:
     commit_timeout_s: float = Field(default=5.0, gt=0.0, le=600.0)
     declare_grace_s: float = Field(default=1.5, gt=0.0, le=60.0)
     poll_interval_s: float = Field(default=0.1, gt=0.0, le=10.0)
+    matchmaking_read_kib_s: float = Field(default=256.0, gt=0.0, le=1e7)
     compression: Literal["none", "fp16", "int8", "int4", "topk"] = "none"
     codec_block_size: int = Field(default=64, ge=1, le=1 << 20)
     topk_density: float = Field(default=0.02, gt=0.0, le=0.5)

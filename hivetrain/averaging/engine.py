@@ -114,6 +114,7 @@ class GroupAverager:
             declare_grace_s=config.declare_grace_s,
             push=Pusher(timeout_s=config.connect_timeout_s),
             admits=admits,
+            read_bytes_per_s=config.matchmaking_read_kib_s * 1024,
         )
         ban_time_s = max(config.ban_time_s, 1.0)
         self.bans = BanList(BanConfig(ban_base_s=ban_time_s, ban_max_s=max(3600.0, ban_time_s)))

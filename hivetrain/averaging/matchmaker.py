@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
 
 from hivetrain.averaging.base import ExpectedPeers
 from hivetrain.averaging.group_records import (
@@ -62,6 +63,12 @@ class Matchmaker:
     - each push and each finished DHT read wakes ``match``, which decides from the union of its last DHT read and
       the pushed records at once; DHT reads (one get of one key per poll) run in the background.
 
+    DHT reads are spaced by their size: after a read of B bytes the next starts no sooner than B /
+    ``read_bytes_per_s`` (``averaging.matchmaking_read_kib_s``; the poll interval when longer). The key holds every
+    ready peer's entry: at 1,000 peers a read is ~2.6 MB, and a 0.1 s poll would take 26 MB/s of a waiting peer's
+    downlink. Pushes carry what is urgent; a read gap delays only a follower whose pushed declaration was lost (its
+    grace grows by the gap: ``grace_s``) or whose expected leader changed since its last read.
+
     Pushed records are verified (signatures) before use, bounded in number, and only add what the DHT would show
     anyway; the DHT stays the source of truth for latecomers and for pushes that were lost. Someone flooding our
     port with records of other round keys can evict pushed records (we then wait for the DHT), not forge any.
@@ -70,10 +77,12 @@ class Matchmaker:
 
     def __init__(
         self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None, admits=None,
-        dht_clock=get_dht_time,
+        dht_clock=get_dht_time, read_bytes_per_s: float = float("inf"),
     ):  # fmt: skip
         """``dht_clock()``: the DHT's time, seconds (hivemind's ``get_dht_time``): entries' announce times, windows and
-        declarations use it. Tests freeze it to prove that a group closed without waiting out its window."""
+        declarations use it. Tests freeze it to prove that a group closed without waiting out its window.
+        ``read_bytes_per_s``: the reads' budget, bytes per second (class docstring; inf = none), > 0."""
+        self.read_bytes_per_s, self._read_bytes = read_bytes_per_s, 0  # _read_bytes: size of our last read
         self.node, self.prefix, self.push = node, prefix, push
         self.dht_clock = dht_clock
         self.admits = admits  # peer id -> member of the run? (None: open run); non-members' records are dropped
@@ -114,8 +123,15 @@ class Matchmaker:
     def grace_s(self) -> float:
         """How long a follower waits for its leader's declaration past the group's close: ``declare_grace_s``, or
         ``LATENCY_FACTOR`` x the DHT latency when that is longer (the leader reads our entry through the DHT when a
-        push is lost), seconds."""
-        return max(self.declare_grace_s, LATENCY_FACTOR * self.dht_latency_s)
+        push is lost), plus how much longer than the poll interval our reads are spaced (``read_gap_s``), seconds."""
+        extra = max(0.0, self.read_gap_s() - self.poll_interval_s)
+        return max(self.declare_grace_s, LATENCY_FACTOR * self.dht_latency_s) + extra
+
+    def read_gap_s(self) -> float:
+        """The least time between the starts of two matchmaking reads that the read budget allows after our last
+        read: its size over ``read_bytes_per_s``, seconds (0 before any read)."""
+        with self._lock:
+            return self._read_bytes / self.read_bytes_per_s
 
     def make_entry(
         self,
@@ -155,13 +171,7 @@ class Matchmaker:
         The expiration grows with ``announced_at``: a DHT node keeps, per subkey, the value that expires last, so our
         newer entry (or withdrawal) always replaces an older one, whatever each one's wait.
         """
-        return self.node.dht.store(
-            self._key(entry.round_key),
-            entry.model_dump(),
-            entry.announced_at + ttl_s,
-            subkey=self._subkey(b"ready"),
-            return_future=True,
-        )
+        return self._store(entry, entry.announced_at + ttl_s, b"ready")
 
     def withdraw(self, entry: ReadyEntry, ttl_s: float):
         """Replace our stored entry by a copy whose deadline has passed, which every peer's ``decide`` finds stale, so
@@ -171,13 +181,12 @@ class Matchmaker:
         Returns the DHT's future."""
         gone = entry.model_copy(update={"deadline": 0.0, "window_closes_at": 0.0})
         gone = sign_entry(self.prefix, gone, self.node.identity.private_key)
-        return self.node.dht.store(
-            self._key(entry.round_key),
-            gone.model_dump(),
-            entry.announced_at + ttl_s + WITHDRAW_AFTER_S,
-            subkey=self._subkey(b"ready"),
-            return_future=True,
-        )
+        return self._store(gone, entry.announced_at + ttl_s + WITHDRAW_AFTER_S, b"ready")
+
+    def _store(self, record: ReadyEntry | GroupDeclaration, expiration: float, kind: bytes):
+        """Start storing ``record`` under its round key's DHT key and our ``kind`` subkey; returns the DHT's future."""
+        key, value = self._key(record.round_key), record.model_dump()
+        return self.node.dht.store(key, value, expiration, subkey=self._subkey(kind), return_future=True)
 
     def declare(
         self, me: ReadyEntry, members: tuple[ReadyEntry, ...], closed_by: ClosedBy, ttl_s: float
@@ -200,9 +209,7 @@ class Matchmaker:
         raw = decl.model_dump()
         if self.push is not None:  # followers hear it at once instead of at their next DHT poll
             self.push("group", raw, [m for m in members if m.peer_id != me.peer_id])
-        self.node.dht.store(  # for latecomers ("late") and followers the push missed; not awaited
-            self._key(me.round_key), raw, decl.declared_at + ttl_s, subkey=self._subkey(b"group"), return_future=True
-        )
+        self._store(decl, decl.declared_at + ttl_s, b"group")  # for latecomers and followers the push missed
         return decl
 
     # ---- verified records ---------------------------------------------------------------------------------------
@@ -302,7 +309,11 @@ class Matchmaker:
         except Exception as exc:  # noqa: BLE001 - a failed poll is retried at the next interval
             logger.debug("DHT read failed: %s", exc)
             return []
-        if found is None or not isinstance(found.value, dict):
+        items = found.value if found is not None and isinstance(found.value, dict) else {}
+        size = sum(len(MSGPackSerializer.dumps(getattr(item, "value", None))) for item in items.values())
+        with self._lock:
+            self._read_bytes = size
+        if not items:
             return []
         entries = []
         for subkey, item in found.value.items():
@@ -475,6 +486,7 @@ class Matchmaker:
                 just_started and (leader is None or leader.peer_id == me.peer_id or leader.peer_id not in pushed_to)
             )
             interval_s = min(self.poll_interval_s, FAST_POLL_S) if imminent else self.poll_interval_s
+            interval_s = max(interval_s, self.read_gap_s())  # the read budget (class docstring)
             if read is None and (now_m >= next_read_at or stale or unproven):
                 read_started_dht = self.dht_clock()
                 read, read_started, next_read_at = self._start_read(me.round_key), now_m, now_m + interval_s

@@ -142,7 +142,7 @@ class RoundEngine:
             # as ``averaging.engine`` makes it: the window closes after matchmaking_time_s; the entry waits until the
             # round's deadline less the grace a follower gives its leader (``_poll_key`` gives up at the deadline)
             window_closes = now + self.avg.matchmaking_time_s
-            deadline = max(window_closes, self._round_deadline(slot) - self.avg.declare_grace_s)
+            deadline = max(window_closes, self._round_deadline(slot) - self._grace_s(key))
             entry = simdht.fake_entry(peer_id, f"e{epoch}", session, now, deadline, window_closes)
             key.entries[peer_id] = entry
             key.waiting[slot] = entry
@@ -207,6 +207,19 @@ class RoundEngine:
         self.sim.metrics.dht.value_size("matchmaking", size, self.sim.env.now)
         return size
 
+    def _reads_per_s(self, size: int) -> float:
+        """Matchmaking reads per second of one waiting peer at a key of ``size`` bytes: one per poll interval, or
+        fewer where the read budget binds (``Matchmaker.read_gap_s``: a read of B bytes, then B /
+        ``matchmaking_read_kib_s`` before the next)."""
+        return min(1.0 / self.avg.poll_interval_s, self.avg.matchmaking_read_kib_s * 1024 / max(size, 1))
+
+    def _grace_s(self, key: RoundKey) -> float:
+        """``Matchmaker.grace_s`` at ``key``: the declare grace, plus how much longer than the poll interval the read
+        budget spaces the reads (the simulated DHT answers at once: no latency term)."""
+        return self.avg.declare_grace_s + max(
+            0.0, 1.0 / self._reads_per_s(self._key_size(key)) - self.avg.poll_interval_s
+        )
+
     def _by_side(self, slots: list[int]) -> list[list[int]]:
         """``slots`` split by partition side while the network is split, else ``[slots]``."""
         if self.sim.views is None:
@@ -231,7 +244,7 @@ class RoundEngine:
         entries, declarations = self._visible(key, me)
         gone = self._gone_leaders(key, entries, me, now)
         d = decide(me, entries, declarations, now, target_group_size=self.max_members,
-                   min_group_size=self.avg.min_group_size, declare_grace_s=self.avg.declare_grace_s,
+                   min_group_size=self.avg.min_group_size, declare_grace_s=self._grace_s(key),
                    declaration_ttl_s=self.avg.round_timeout_s, banned=gone, expected=expected,
                    patience_s=patience_s)  # fmt: skip
         self.sim.metrics.count("decide." + d.action)
@@ -245,7 +258,7 @@ class RoundEngine:
         waiting at ``key`` (the candidates that would lead instead). Without it a departed peer's entry, live until
         its call's deadline (up to ``round_timeout_s``), led every group at its key: at 1,000 simulated peers,
         60,000 "leader declared nothing" verdicts in 900 s."""
-        st, grace = self.sim.state, self.avg.declare_grace_s + 1.0
+        st, grace = self.sim.state, self._grace_s(key) + 1.0
         gone = []
         for e in sorted(entries, key=lambda e: e.peer_id):
             slot = st.index_of.get(e.peer_id)
@@ -271,8 +284,8 @@ class RoundEngine:
                     del self.keys[epoch]
                 continue
             size = self._key_size(key)
-            polls = max(1, round(self.sim.sc.sim.tick_s / self.avg.poll_interval_s))
-            m.dht.ops(len(key.waiting), polls, polls * size, "matchmaking")
+            polls = self.sim.sc.sim.tick_s * self._reads_per_s(size)
+            m.dht.ops(len(key.waiting), max(1, round(polls)), int(polls * size), "matchmaking")
             for part in self._by_side(list(key.waiting)):  # each side of a split matches on its own
                 self._poll_key(key, part, now)
 

@@ -635,3 +635,42 @@ def test_an_expected_peer_that_moves_on_during_matchmaking_is_no_longer_waited_f
         results[label] = (decision.action, time.monotonic() - started)
     assert results["fixed"][0] == "no_group" and results["fixed"][1] >= 4.0  # waited for it until the deadline
     assert results["moves on"][0] == "joined" and results["moves on"][1] < 3.0  # a group of one: the caller decides
+
+
+class CountingDHT(FakeDHT):
+    """A FakeDHT that counts gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets = 0
+
+    def get(self, key, latest, return_future):
+        self.gets += 1
+        return super().get(key, latest, return_future)
+
+
+def test_reads_of_a_large_round_key_are_spaced_by_the_read_budget(keys) -> None:
+    """A peer waiting in matchmaking reads its round key no faster than its read budget allows: after a read of B
+    bytes, B / budget seconds pass before the next (a 1,000-peer key is ~2.6 MB; polled every 0.1 s it would fill a
+    home downlink), and its grace for a leader's declaration grows by that gap. Without a budget the same wait polls
+    at the fast interval. (Malformed values count in a read's size like any other: the DHT sends them too.)"""
+    (c_id, c_key), (x_id, _), _ = keys
+    gets = {}
+    for budget in (None, 40_000.0):
+        dht = CountingDHT()
+        pad = {os.urandom(8) + b"|ready": ValueWithExpiration({"pad": b"x" * 1000}, 0.0) for _ in range(20)}
+        budgeted = {} if budget is None else {"read_bytes_per_s": budget}
+        mm = Matchmaker(FakeNode(c_id, c_key, dht), PREFIX, poll_interval_s=0.05, declare_grace_s=GRACE, **budgeted)
+        me = mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0)
+        dht.data[f"{PREFIX}.e0.mm"] = dict(pad)
+        decision, _ = mm.match(me, target_group_size=8, min_group_size=1, ttl_s=TTL,
+                               deadline_monotonic=time.monotonic() + 1.5, expected=frozenset({x_id}))  # fmt: skip
+        assert decision.action == "no_group"  # alone, the expected peer never came: it waited the whole call
+        gets[budget] = dht.gets
+        if budget is not None:
+            size = mm._read_bytes
+            assert 20_000 < size < 30_000  # 20 values of ~1 KB and our entry, as msgpack
+            assert mm.read_gap_s() == pytest.approx(size / budget)  # ~0.6 s
+            assert mm.grace_s() == pytest.approx(GRACE + size / budget - 0.05)
+    assert gets[40_000.0] <= 4  # 1.5 s at one read per ~0.6 s: the first, then at most 3
+    assert gets[None] >= 8  # polled every 20 ms during the first second (a prospective leader), then every 50 ms

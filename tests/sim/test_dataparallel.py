@@ -266,3 +266,17 @@ def test_a_departed_leader_is_found_gone_after_the_declare_grace_as_followers_pr
     st.i["status"][late_ghost], st.f["leaves_at"][late_ghost] = ABSENT, 11.0
     key.waiting.pop(late_ghost)
     assert st.peer_ids[late_ghost] not in engine._gone_leaders(key, list(key.entries.values()), me, 100.0)
+
+
+def test_matchmaking_reads_are_bounded_by_the_read_budget_and_the_run_trains_the_same() -> None:
+    """``averaging.matchmaking_read_kib_s`` in the simulator, as ``Matchmaker`` spaces its reads: a waiting peer reads
+    its round key (20 entries, ~31 KB) at most that many KiB per second instead of every poll interval, so its
+    matchmaking reads per outer step stay under budget x the time of an outer step; groups still form through the
+    pushes, and the run trains the same."""
+    free = _summary(tiny())
+    tight = _summary(tiny(averaging={"matchmaking_read_kib_s": 1.0}))
+    read = lambda s: s["dht_read_bytes_per_peer_per_step_by_key"]["matchmaking"]  # noqa: E731
+    assert read(tight) <= 1024 * tight["time_per_outer_step_s"]
+    assert read(tight) < read(free) / 50  # polled at 10 reads/s: ~31 KB each
+    for s in (free, tight):
+        assert s["outer_steps_done"] == 3 and s["committed_sample_share"] == 1.0 and s["committed_states_max"] == 1
