@@ -280,3 +280,32 @@ def test_matchmaking_reads_are_bounded_by_the_read_budget_and_the_run_trains_the
     assert read(tight) < read(free) / 50  # polled at 10 reads/s: ~31 KB each
     for s in (free, tight):
         assert s["outer_steps_done"] == 3 and s["committed_sample_share"] == 1.0 and s["committed_states_max"] == 1
+
+
+def test_a_peer_told_late_withdraws_its_entry_and_leads_no_later_group():
+    """``Matchmaker.match`` withdraws our entry on every failure verdict; so does the simulated peer. Before, a peer
+    told "late" kept a live entry at its key until its deadline; with the smallest id it led every later group there,
+    never declared one (it was not waiting), and its followers failed "no_group" after the grace (16,301 such verdicts
+    in ``dp-1000-churn``, 8 outer steps)."""
+    from hivetrain.averaging.matchmaking import GroupDeclaration, make_round_id
+    from hivetrain.sim.rounds import RoundKey
+    from hivetrain.sim.swarm_state import READY
+
+    sim = DataParallelSim(tiny())
+    st, engine = sim.state, sim.rounds
+    for _ in range(3):
+        sim._new_peer(READY)
+    late, a, b = sorted(range(3), key=lambda s: st.peer_ids[s])
+    key = RoundKey(0)
+    engine.keys[0] = key
+    engine.store([a, b], 10.0)
+    members = tuple(sorted((key.waiting.pop(a), key.waiting.pop(b)), key=lambda e: e.peer_id))
+    key.declare(GroupDeclaration.model_construct(
+        leader=members[0].peer_id, round_key="e0", round_id=make_round_id("sim", "e0", members), members=members,
+        declared_at=11.0, reason="window", signature=b"s" * 256))  # fmt: skip
+    engine.announce([late], 12.0)  # the epoch's group closed before it announced
+    assert sim.metrics.decisions["decide.late"] == 1 and late not in key.waiting
+    assert key.entries[st.peer_ids[late]].deadline == 0.0  # withdrawn
+    engine.store([a], 13.0)  # a's round failed and it announced again: that group is over, the epoch open again
+    d = engine._decide(key, key.waiting[a], 13.5)
+    assert d.action == "wait" and d.leader.peer_id == st.peer_ids[a]  # not the late peer's entry
