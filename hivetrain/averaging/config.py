@@ -35,8 +35,8 @@ class AveragingConfig:
             key a waiting peer starts its next read no sooner than B / this (``matchmaker.Matchmaker``). The key holds
             every ready peer's entry, so it binds from ~20 ready peers on; pushes between data ports carry the
             urgent records. Default 256 KiB/s (2 Mbit/s, a fifth of a 10 Mbit/s home downlink): at 1,000 simulated
-            peers with 1 h sessions (``dp-1000-churn``) matchmaking reads fell from 2.0 GB to 57 MB per peer per
-            outer step, and the committed sample share went from 0.70 to 0.72 (dev/LOG.md, 2026-12-01 session 30).
+            peers with 1 h sessions (``dp-1000-churn``, 8 outer steps) matchmaking reads fell from 3.0 GB to 139 MB
+            per peer per outer step, and from 74 to 1.4 MB without churn (dev/LOG.md, 2026-12-01 session 30).
         compression: wire codec of parts and results ("none" = fp32 bit-exact inputs; "fp16", "int8", "int4"
             quantize what is sent; "topk" sparsifies it, ``codecs`` module docstring; every member still ends
             bit-identical).
