@@ -86,8 +86,9 @@ def group_holds_the_epoch(
     further ahead (the resync rules' evidence). ``coverage``: the fraction of
     the swarm ``records`` holds (a sharded swarm's sample, ``peers/record_shards.py``): the mass outside is scaled by
     1 / ``coverage``. ``epoch_groups``: our declaration and the other live declarations of our epoch; the members of
-    those ours outranks (``EpochGroups.followers``) will follow our result and do not count outside, and one that
-    outranks ours refuses it (unless its members weigh nothing to us: fresh identities)."""
+    those ours outranks (``EpochGroups.followers``) will follow our result and do not count outside (unless their
+    record shows our epoch + 1: they committed theirs already), and one that outranks ours refuses it (unless its
+    members weigh nothing to us: fresh identities)."""
     members = set(group) | {my_peer_id}
     weights = seniority_weights(trust.seniority, my_peer_id)
     weight = (lambda p: weights.get(p, 0.0)) if weights else (lambda p: 1.0)
@@ -99,6 +100,10 @@ def group_holds_the_epoch(
                 "its result is the epoch's, ours would be a second state"
             )
     followers = epoch_groups.followers() if epoch_groups is not None else frozenset()
+    # ... but a member of an outranked declaration whose record shows our epoch + 1 committed its round before ours
+    # voted: it follows nobody, and ours applied beside it would end the epoch on a second state
+    records = list(records)
+    followers = followers - {r.peer_id for r in records if r.epoch > my_epoch}
     outside = [
         r.peer_id
         for r in live_records(records, now, stale_after_s, banned=trust.banned, exclude=members | followers,

@@ -631,6 +631,21 @@ def test_of_several_declarations_of_an_epoch_the_one_that_outranks_the_others_co
     assert EpochGroups(a, (b, c)).followers() == b | c and EpochGroups(b, (a, c)).ahead() == (a,)
 
 
+def test_an_outranked_declaration_that_already_committed_is_not_a_follower():
+    """Ranking assumes the declarations of an epoch vote about together. When an outranked one committed first (its
+    members' records show our epoch + 1), its members follow nobody: the outranking round is refused like any round
+    the trainers ahead outweigh, and follows their result; applied, the epoch would end on two states."""
+    ours, rival = frozenset("abcde"), frozenset("fghi")  # ours outranks the rival: 5 members against 4
+    contributors = frozenset("ab")  # three of ours left during the round
+    groups = EpochGroups(ours, (rival,))
+    running = [rec(p, 5, "h5") for p in "abfghi"]
+    assert group_holds_the_epoch("a", 5, contributors, running, NOW, 30, epoch_groups=groups)[0]  # they follow us
+    committed = [rec(p, 5, "h5") for p in "ab"] + [rec(p, 6, "h6") for p in "fghi"]
+    ok, why = group_holds_the_epoch("a", 5, contributors, committed, NOW, 30, epoch_groups=groups)
+    assert not ok and "4 live trainer(s) of epoch 5 (or past it) outside it" in why
+    assert went_ahead(5, contributors, committed, NOW, 30) == set("fghi")  # whose result the refused members follow
+
+
 def test_a_declaration_of_fresh_identities_outranks_nobody_who_trained_with_others():
     """Sybils declaring a bigger group at our epoch must not refuse our round: to a peer with seniority, peers it
     never committed a round with weigh 0, and so does their declaration."""
