@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import blake3
 import msgpack
@@ -206,12 +206,20 @@ def quorate(left: int, declared: int, min_group_size: int) -> bool:
     return left >= max(2, min_group_size) and 2 * left > declared
 
 
-def agree_contributors(haves: dict[str, object], order: Sequence[str]) -> tuple[frozenset[str], dict[str, float]]:
-    """The contributors every member computes alike from the same HAVE frames, and their weights (samples).
+def agree_contributors(
+    haves: dict[str, object], order: Sequence[str], silent: Collection[str] = ()
+) -> tuple[frozenset[str], dict[str, float]]:
+    """The contributors every member computes alike from the HAVE frames, and their weights (samples).
 
-    A member counts if it sent a well-formed HAVE, every HAVE holds its part, and all of them give it one weight: a
-    member whose part a reducer found bad (or never got, its link having failed) is out, and so is one that claimed
-    different weights to different reducers. ``haves``: member -> its HAVE metadata, ours included."""
+    A member counts if every HAVE holds its part and all of them give it one weight, and it sent a well-formed HAVE
+    or is ``silent``: a member whose part a reducer found bad (or never got, its link having failed) is out, and so
+    is one that claimed different weights to different reducers, or sent a malformed HAVE. ``haves``: member -> its
+    HAVE metadata, ours included. ``silent``: the members we dropped before their HAVE reached us (they failed).
+    A member that dies while its HAVE frames leave reaches some members and not others; counting it when silent
+    gives every member the same set (those without its HAVE remove it at once, the others when they learn it is
+    gone: ``allreduce``), where leaving it out made two survivors expect different contributors in a slice and
+    abort the round (``test_engine_faults`` at ``averaging.after_reduce`` on a loaded machine, 2026-12-02). Its own
+    HAVE only says which parts of its own slice it held, and that slice is reduced again without it."""
     valid: dict[str, dict[str, float]] = {}
     for p, meta in haves.items():
         have = meta.get("have") if isinstance(meta, dict) else None
@@ -220,7 +228,8 @@ def agree_contributors(haves: dict[str, object], order: Sequence[str]) -> tuple[
             for q, w in have.items()
         ):
             valid[p] = {q: float(w) for q, w in have.items()}
-    held = set(valid).intersection(*(set(h) for h in valid.values())) if valid else set()
+    senders = set(valid) | (set(silent) - set(haves))  # a malformed HAVE is not silence
+    held = senders.intersection(*(set(h) for h in valid.values())) if valid else set()
     claimed: dict[str, set[float]] = {}
     for h in valid.values():
         for q, w in h.items():

@@ -54,7 +54,9 @@ slice it owned (issue 23: a new gather of the whole vector per loss, as before, 
 under churn at 100 members, others left, and outer steps stretched to 6,000 s in the simulator), and the result
 holds its part in some slices (``RoundOutcome.slice_members`` says which; its samples are not counted in
 ``total_weight``). Each attempt holds one more result buffer (4 bytes per element) until the round ends. A member
-that failed before the connect deadline or before its HAVE is simply not in C0.
+that failed before the connect deadline is simply not in C0; one that failed before its HAVE reached us counts in
+C0 if every HAVE we got holds its part with one weight, and is removed at once (a member that dies while its HAVE
+frames leave reaches some members and not others: ``agree_contributors``).
 
 Failure handling otherwise: a local failure (a fault, the deadline, a crash) makes the member close all its links and
 raise RoundFailed; the others drop it as above. Inputs are never modified.
@@ -324,7 +326,7 @@ class ButterflyRound:
         no_have = lambda: [p for p in others if p not in gone and p not in bad and p not in inbox.haves]  # noqa: E731
         self._until(lambda: not no_have(), no_have, gone, deadline, "waiting for HAVE frames")
         haves = {me: have_meta, **self.transport.read(lambda ib: dict(ib.haves))}
-        contributors, weights = agree_contributors(haves, order)
+        contributors, weights = agree_contributors(haves, order, silent=gone - set(haves))
         self.receiver.set_contributors(contributors)
         if me not in contributors:
             raise RoundFailed("excluded", f"reducers found our data bad: {bad_claims(haves, me)}")

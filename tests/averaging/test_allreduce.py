@@ -283,6 +283,28 @@ def test_contributors_are_those_every_have_frame_holds_with_one_weight() -> None
     assert agree_contributors(haves, order)[0] == {"b", "c", "d"}
     haves["b"] = {"have": {"zz": 1.0}}  # malformed: b's HAVE does not count, nor does b
     assert "b" not in agree_contributors(haves, order)[0]
+    assert "b" not in agree_contributors(haves, order, silent={"b"})[0]  # and a malformed HAVE is not silence
+
+
+def test_a_member_whose_have_reached_only_some_members_counts_alike_everywhere() -> None:
+    """A member that dies while its HAVE frames leave: ``a`` got d's HAVE, ``b`` and ``c`` did not and dropped d. Every
+    member must compute the same contributors (a slice reduced with d's part is then expected with it everywhere);
+    leaving a silent d out made the survivors abort the round (test_engine_faults at after_reduce, 2026-12-02)."""
+    from hivetrain.averaging.agreement import agree_contributors
+
+    order = ["a", "b", "c", "d"]
+    full = {"a": 1.0, "b": 2.0, "c": 1.0, "d": 3.0}
+    with_d = {p: {"have": dict(full)} for p in "abcd"}
+    without_d = {p: {"have": dict(full)} for p in "abc"}
+    seen_by_a = agree_contributors(with_d, order)
+    assert seen_by_a == (frozenset("abcd"), full)
+    assert agree_contributors(without_d, order, silent={"d"}) == seen_by_a
+    assert agree_contributors(without_d, order)[0] == frozenset("abc")  # the rule before: another set than a's
+    without_d["c"]["have"].pop("d")  # c never got d's part: d is out for everyone, silent or not
+    with_d["c"]["have"].pop("d")
+    assert (
+        agree_contributors(without_d, order, silent={"d"})[0] == agree_contributors(with_d, order)[0] == {"a", "b", "c"}
+    )
 
 
 def test_without_a_strict_majority_of_the_declared_members_nobody_commits(servers) -> None:
