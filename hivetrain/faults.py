@@ -52,6 +52,10 @@ class HookPoint(str, enum.Enum):
     AVERAGING_AFTER_REDUCE = "averaging.after_reduce"
     """A reducer has reduced its part, before sending results back. Context: as before_send, ``reduced`` (the fp32
     slice) instead of ``flat``/``frames``."""
+    AVERAGING_HAVE = "averaging.have"
+    """A member is about to send its HAVE frame (whose parts of its slice it holds) to member ``to``
+    (``averaging.allreduce``); a "raise" fault drops that one frame (a member dying while its HAVE frames leave
+    reaches some members and not others). Context: as before_commit, plus ``to`` (the member's peer id)."""
     AVERAGING_BEFORE_COMMIT = "averaging.before_commit"
     """A member holds the full result, before voting to commit. Context: ``epoch``, ``peer``, ``round_id``,
     ``subround``, ``stage`` (as before_send)."""

@@ -54,19 +54,17 @@ slice it owned (issue 23: a new gather of the whole vector per loss, as before, 
 under churn at 100 members, others left, and outer steps stretched to 6,000 s in the simulator), and the result
 holds its part in some slices (``RoundOutcome.slice_members`` says which; its samples are not counted in
 ``total_weight``). Each attempt holds one more result buffer (4 bytes per element) until the round ends. A member
-that failed before the connect deadline is simply not in C0; one that failed before its HAVE reached us counts in
-C0 if every HAVE we got holds its part with one weight, and is removed at once (a member that dies while its HAVE
-frames leave reaches some members and not others: ``agree_contributors``).
+that failed before the connect deadline is not in C0; one dropped before its HAVE reached us counts if every HAVE
+we got holds its part with one weight, and is removed at once (``agree_contributors``).
 
 Failure handling otherwise: a local failure (a fault, the deadline, a crash) makes the member close all its links and
 raise RoundFailed; the others drop it as above. Inputs are never modified.
 
 Layout: this file holds the round logic (scatter, HAVE, reduce, gather, attempts); by composition it uses a
 ``transport.RoundTransport`` (links, threads, send queues, inbox, its lock, waiting on members), a
-``receive.RoundReceiver`` (what each received frame means; plans and receive buffers) and an
-``agreement.CommitVote`` (the vote of step 5; ``agreement`` also holds the contributor rule of step 2, why no member
-commits two results, the quorum rule and the two-phase-commit gap); a ``round_codec.RoundCodec`` (parts and results
-on the wire, error feedback); ``reduce`` the arithmetic.
+``receive.RoundReceiver`` (what each received frame means; plans and receive buffers), an ``agreement.CommitVote``
+(step 5; ``agreement`` also holds step 2's contributor rule, why no member commits two results, the quorum rule and
+the two-phase-commit gap), a ``round_codec.RoundCodec`` (the wire, error feedback); ``reduce`` the arithmetic.
 
 Fault hooks (``FaultInjector``), context ``epoch``, ``peer`` (our peer id), ``round_id``, ``subround`` (the attempt:
 the number of members removed so far):
@@ -74,6 +72,7 @@ the number of members removed so far):
                              [meta dict, payload buffers]) that a "call" fault may corrupt (tests of bad peers)
     averaging.mid_transfer   once per attempt, when the first part is half sent (from a sender thread)
     averaging.after_reduce   after reducing each of our slices, before sending it; also ``reduced`` (the fp32 slice)
+    averaging.have           before sending our HAVE frame to member ``to``; a "raise" fault drops that one frame
     averaging.before_commit  holding the full result, before voting
     averaging.vote           before sending our vote to member ``to``; a "raise" fault drops that one vote (the
                              two-phase-commit gap in tests: the others commit, ``to`` fails with ``voted`` set)
@@ -81,6 +80,7 @@ the number of members removed so far):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -102,7 +102,7 @@ from hivetrain.averaging.reduce import BufferPool, Member, Plan, RoundOutcome, a
 from hivetrain.averaging.round_codec import RoundCodec
 from hivetrain.averaging.transport import PeerFailed, RoundTransport
 from hivetrain.averaging.wire import FrameType
-from hivetrain.faults import FaultInjector, HookPoint
+from hivetrain.faults import FaultInjected, FaultInjector, HookPoint
 from hivetrain.peers.bans import BanList
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,6 @@ class ButterflyRound:
         self.timings: dict[str, float] = {}  # phase -> seconds it took (for logs and benchmarks)
         self._last_mark = time.monotonic()
 
-    # ---- public -------------------------------------------------------------------------------------------------
     def run(
         self,
         flat: torch.Tensor,
@@ -257,7 +256,6 @@ class ButterflyRound:
 
         return on_progress
 
-    # ---- the round ----------------------------------------------------------------------------------------------
     def _hook(self, point: HookPoint, sub: int, **extra) -> None:
         self.faults.check(point, epoch=self.epoch, peer=self.me, round_id=self.round_id, subround=sub, stage=self.stage,
                           **extra)  # fmt: skip
@@ -304,8 +302,7 @@ class ButterflyRound:
         lacking = lambda: [p for p in others if p not in gone and (mine_i, p) not in inbox.parts]  # noqa: E731
         self._until(lambda: not lacking(), lacking, gone, deadline, "waiting for parts")
         self._mark("parts")
-        have, bad = {me: float(weight)}, {}
-        now = time.time()
+        have, bad, now = {me: float(weight)}, {}, time.time()
         for p in others:
             got = self.transport.read(lambda ib, p=p: ib.parts.get((mine_i, p)))
             if got is None:
@@ -319,8 +316,9 @@ class ButterflyRound:
             else:
                 have[p] = got[1]
         have_meta = {"have": have, "bad": bad}
-        for p in others:
-            if p not in gone:
+        for p in (p for p in others if p not in gone):
+            with contextlib.suppress(FaultInjected):  # a "raise" fault loses this frame (tests)
+                self._hook(HookPoint.AVERAGING_HAVE, 0, to=p)
                 self._send(p, FrameType.HAVE, 0, have_meta)
         # not from a member whose part we found bad: we read nothing more from it (``StopReading``), and it is out
         no_have = lambda: [p for p in others if p not in gone and p not in bad and p not in inbox.haves]  # noqa: E731

@@ -210,6 +210,32 @@ def test_a_stalled_member_is_dropped_within_the_part_timeout(make_averagers, poi
         assert all(r.reason in ("peer_failed", "timeout") for r in results[:2]), results
 
 
+def test_a_member_whose_have_reached_one_survivor_only_costs_them_nothing_but_its_part(make_averagers) -> None:
+    """Member 2 dies while its HAVE frames leave: member 0 gets it, member 1 does not. Both survivors must agree on
+    the contributors and commit in the same call, 0's slice holding 2's part (reduced before 2 died). With the old
+    rule (a member counts only if its HAVE reached us) they disagreed, rejected each other's slice results and
+    aborted (test_engine_faults at after_reduce, 2026-12-02)."""
+    avgs = make_averagers(3, AveragingConfig(target_group_size=3, drop_failed=True, **SLOW_OK))
+    order = sorted(range(3), key=lambda i: avgs[i].node.peer_id)
+    victim, first, second = order[2], order[0], order[1]  # the victim owns the last slice
+    dying = FaultInjector()
+    dying.arm(Fault("averaging.have", "raise", when={"to": avgs[second].node.peer_id}))  # lost on the way
+    dying.arm(Fault("averaging.after_reduce", "raise"))  # then it crashes: its result never leaves
+    avgs[victim].faults = dying
+    inputs = _inputs(3)
+    results = _average_all(avgs, inputs, [1.0, 1.0, 1.0])
+    assert dying.fired_count("averaging.have") == 1 and dying.fired_count("averaging.after_reduce") == 1
+    assert isinstance(results[victim], RoundFailed), results
+    committed = [results[first], results[second]]
+    assert all(isinstance(r, RoundResult) for r in committed), results
+    assert _digest(committed[0]) == _digest(committed[1]) and avgs[victim].node.peer_id in committed[0].excluded
+    got = torch.cat([t.flatten() for t in committed[0].tensors])
+    torch.testing.assert_close(got, _per_slice_mean(avgs, inputs, committed[0]), atol=1e-5, rtol=0)
+    # the slice reduced by the survivor that held the victim's HAVE averages the victim's part too
+    with_victim = [m for _, _, m in committed[0].slice_members if avgs[victim].node.peer_id in m]
+    assert len(with_victim) == 1, committed[0].slice_members
+
+
 def test_a_member_that_misses_a_vote_fails_holding_the_result_the_others_committed(make_averagers) -> None:
     """The two-phase-commit gap: member 2's vote to member 0 is lost; 1 and 2 receive every vote and commit, 0 fails
     (when 2 closes its links, or at the votes deadline) with ``voted``: exactly the result the others committed, in
