@@ -71,8 +71,8 @@ the number of members removed so far):
     averaging.before_send    before sending parts; also ``flat`` (our fp32 vector) and ``frames`` (peer id ->
                              [meta dict, payload buffers]) that a "call" fault may corrupt (tests of bad peers)
     averaging.mid_transfer   once per attempt, when the first part is half sent (from a sender thread)
-    averaging.after_reduce   after reducing each of our slices, before sending it; also ``reduced`` (the fp32 slice)
     averaging.have           before sending our HAVE frame to member ``to``; a "raise" fault drops that one frame
+    averaging.after_reduce   after reducing each of our slices, before sending it; also ``reduced`` (the fp32 slice)
     averaging.before_commit  holding the full result, before voting
     averaging.vote           before sending our vote to member ``to``; a "raise" fault drops that one vote (the
                              two-phase-commit gap in tests: the others commit, ``to`` fails with ``voted`` set)
