@@ -211,8 +211,9 @@ def test_a_stalled_member_is_dropped_within_the_part_timeout(make_averagers, poi
 
 
 def test_a_member_whose_have_reached_one_survivor_only_costs_them_nothing_but_its_part(make_averagers) -> None:
-    """Member 2 dies while its HAVE frames leave: member 0 gets it, member 1 does not. Both survivors must agree on
-    the contributors and commit in the same call, 0's slice holding 2's part (reduced before 2 died). With the old
+    """The victim dies while its HAVE frames leave: the first survivor gets it, the second does not. Both must agree
+    on the contributors and commit in the same call, the first's slice holding the victim's part (reduced before it
+    died). With the old
     rule (a member counts only if its HAVE reached us) they disagreed, rejected each other's slice results and
     aborted (test_engine_faults at after_reduce, 2026-12-02)."""
     avgs = make_averagers(3, AveragingConfig(target_group_size=3, drop_failed=True, **SLOW_OK))
