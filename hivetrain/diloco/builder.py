@@ -135,8 +135,13 @@ def build_phases(
     the node is one peer N times as fast (the epoch target counts the run's batch per peer, the same on every peer);
     with fixed H ("steps") it runs H inner steps of N batches.
 
+    A single-process peer compiles its inner step here when ``diloco.compile`` asks for it
+    (``InnerOptimizer.warm_up``: seconds to minutes, before the swarm counts us as training); a node's ranks compile
+    at their first inner step, together.
+
     Raises:
-        ValueError: a fixed-H node whose phase would exceed ``averaging.max_samples_per_round``.
+        ValueError: a fixed-H node whose phase would exceed ``averaging.max_samples_per_round``, or
+            ``diloco.compile = "on"`` on a machine where torch.compile fails (the message names the cause).
         NodeRanksFailed: a rank could not build the run's model.
     """
     diloco = config.diloco
@@ -155,6 +160,7 @@ def build_phases(
     batches = corpus.train_batches(config.data.seq_len, config.data.batch_size, stream_seed(config.seed, stream))
     if node_ranks is None:
         inner = InnerOptimizer(model, diloco)
+        inner.warm_up(config.data.batch_size, config.data.seq_len)  # compiles now (if compiled), not in phase 1
     else:
         bound = config.averaging.max_samples_per_round
         if diloco.schedule == "steps" and diloco.inner_steps * per_step > bound:

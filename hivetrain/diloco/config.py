@@ -78,6 +78,14 @@ class DilocoConfig:
             cap; ``diloco.state_sync.StateServer``). A joiner refused as one too many takes its chunks from the other
             holders, so no donor serves more than its share of a flash crowd. Default ``MAX_DOWNLOADERS_DEFAULT``
             (measured in the simulator's flash crowd: dev/LOG.md, 2026-11-29 session 13).
+        compile: whether the inner step's forward pass and loss run through ``torch.compile`` (``diloco/inner.py``).
+            "auto" (default): on CUDA GPUs, where it roughly doubles tokens/s (dev/LOG.md, 2026-11-28: 0.50x of a
+            compiled loop without it), falling back to eager with a warning if compiling fails; off on CPUs, which
+            then train exactly as without it. "on": everywhere (CPUs need a C++ compiler for inductor); a failure to
+            compile stops the peer with the cause. "off": never. Compiling happens once per process, before the
+            first inner phase (its seconds are logged): tens of seconds, less when inductor's cache holds the graph.
+            Peers that compile and peers that do not hold bit-identical shared state (only the averaged
+            pseudo-gradient touches it).
     """
 
     inner_steps: int = Field(default=50, ge=1, le=1_000_000)
@@ -98,6 +106,7 @@ class DilocoConfig:
     grad_accum_steps: int = Field(default=1, ge=1, le=4096)
     max_carried_phases: int = Field(default=4, ge=1, le=64)
     max_downloaders: int = Field(default=MAX_DOWNLOADERS_DEFAULT, ge=0, le=4096)
+    compile: Literal["auto", "on", "off"] = "auto"
 
     def samples_per_inner_step(self, batch_size: int) -> int:
         """Samples (windows) one inner step trains on: ``batch_size`` (``data.batch_size``) * ``grad_accum_steps``."""

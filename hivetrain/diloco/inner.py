@@ -15,6 +15,16 @@ Gradient accumulation (``DilocoConfig.grad_accum_steps`` = k): an inner step dra
 ``data.batch_size`` windows from the batch stream, back-propagates each one's loss divided by k and then takes one
 AdamW step, so its gradient is the mean over k * batch_size windows (equal to one batch of that size up to float
 rounding) while activations are held for one microbatch only.
+
+Speed on a GPU (issue 24; ``scripts/bench/inner_loop.py`` measures it): the forward pass and loss may run through
+``torch.compile`` (``DilocoConfig.compile``; compiled once per process by ``InnerOptimizer.warm_up``, before the first
+phase), AdamW is fused on CUDA (one kernel for every parameter), batches are copied from pinned host memory without
+blocking, and the host does not wait for the device inside an inner step ("deferred reads"): each step's loss and its
+non-finite flag stay on the device, the fused AdamW step of a step whose loss is not finite is skipped on the device
+(its ``found_inf`` input, the mechanism ``torch.amp.GradScaler`` uses), and step k's loss is read after step k+1 is
+queued, so the device always has work. A diverged step still raises ``FloatingPointError`` before the phase returns
+(one step later than on the CPU, with the parameters and AdamW state untouched by it). CPU peers keep the plain path:
+unfused AdamW, eager, every microbatch's loss checked before its backward pass (bit-identical to before issue 24).
 """
 
 from __future__ import annotations
@@ -130,6 +140,14 @@ def cuda_native_bf16(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def resolve_compile(requested: str, device_type: str) -> bool:
+    """Whether ``diloco.compile = requested`` compiles the inner step on a device of type ``device_type``: "auto" on
+    CUDA only (``DilocoConfig.compile``), "on" everywhere, "off" nowhere."""
+    if requested not in ("auto", "on", "off"):
+        raise ValueError(f"diloco.compile={requested!r}: choose 'auto', 'on' or 'off'")
+    return requested == "on" or (requested == "auto" and device_type == "cuda")
+
+
 def lr_multiplier(step: int, config: DilocoConfig) -> float:
     """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` over ``schedule_length()`` inner steps."""
     if step < config.warmup_steps:
@@ -145,14 +163,26 @@ class InnerOptimizer:
     Args:
         model: the peer's model; its parameters must be fp32 (they are the master weights) and on the device the
             inner steps run on.
-        config: the run's DiLoCo settings (``inner_lr``, ``precision``, ``grad_accum_steps``, ...).
+        config: the run's DiLoCo settings (``inner_lr``, ``precision``, ``grad_accum_steps``, ``compile``, ...).
+        fused: use fused AdamW (one kernel per step); None = on CUDA only (CPU peers keep torch's default
+            multi-tensor AdamW, as before issue 24).
+        deferred_reads: read each step's loss one step late and skip a non-finite step on the device (module
+            docstring); needs fused AdamW and no gradient scaler or multi-rank agreement (``agree_finite``). None = on
+            whenever those hold on CUDA.
 
     Raises:
-        ValueError: a parameter is not fp32, or ``config.precision`` cannot run on the model's device
-            (``resolve_precision``).
+        ValueError: a parameter is not fp32, ``config.precision`` cannot run on the model's device
+            (``resolve_precision``), or ``deferred_reads=True`` without fused AdamW or with fp16's gradient scaler.
     """
 
-    def __init__(self, model: PreTrainedModel, config: DilocoConfig):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: DilocoConfig,
+        *,
+        fused: bool | None = None,
+        deferred_reads: bool | None = None,
+    ):
         for name, p in model.named_parameters():
             if p.dtype != torch.float32:
                 raise ValueError(
@@ -163,24 +193,101 @@ class InnerOptimizer:
         self.model = model
         self.config = config
         self.precision = resolve_precision(config.precision, device.type, cuda_native_bf16(device))
+        self.fused = device.type == "cuda" if fused is None else fused
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+            model.parameters(),
+            lr=config.inner_lr,
+            weight_decay=config.weight_decay,
+            betas=(0.9, 0.95),
+            fused=self.fused or None,  # None: torch's default (foreach where it can)
         )
         # kept across phases like the AdamW state, so the loss scale is calibrated once per peer
         self.scaler = torch.amp.GradScaler(device.type) if self.precision.use_grad_scaler else None
+        if deferred_reads and (not self.fused or self.scaler is not None):
+            raise ValueError("deferred reads skip a diverged step inside fused AdamW: they need fused=True and no fp16")
+        self._deferred = deferred_reads
         self.num_skipped_steps = 0  # fp16: steps the scaler skipped since this optimizer was made
         # a multi-rank node (node_ranks): callback(finite) -> whether every rank's microbatch loss is finite, so all
         # ranks raise together; None for a single-process peer
         self.agree_finite: Callable[[bool], bool] | None = None
+        self.compiled = resolve_compile(config.compile, device.type)
+        self._loss = torch.compile(self._forward_loss, dynamic=False) if self.compiled else self._forward_loss
+        self.compile_s = 0.0  # seconds ``warm_up`` spent compiling
         logger.info(
-            "inner steps in %s on %s, %d microbatch(es) per step", self.precision.name, device, config.grad_accum_steps
+            "inner steps in %s on %s, %d microbatch(es) per step, %s AdamW, %s",
+            self.precision.name,
+            device,
+            config.grad_accum_steps,
+            "fused" if self.fused else "multi-tensor",
+            "compiled" if self.compiled else "eager",
         )
+
+    @property
+    def deferred_reads(self) -> bool:
+        """Whether ``run`` reads each step's loss one step late (module docstring)."""
+        if self._deferred is not None:
+            return self._deferred and self.agree_finite is None
+        device = next(self.model.parameters()).device
+        return device.type == "cuda" and self.fused and self.scaler is None and self.agree_finite is None
+
+    def _forward_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of a (B, T+1) int64 batch, in the step's precision (what ``torch.compile``
+        compiles): an fp32 scalar, nats per token."""
+        with self.precision.autocast():
+            return lm_loss(self.model, batch)  # lm_loss takes the cross-entropy in fp32
+
+    def warm_up(self, batch_size: int, seq_len: int) -> float:
+        """Compile the inner step now, on a batch of zeros of the run's shape (B = ``batch_size``, T+1 = ``seq_len``
+        + 1), so the first phase's time and throughput measure training, not compiling. The parameters, the AdamW
+        state and the random number generators are left as they were; the gradients are cleared. A no-op (0.0)
+        when the step is not compiled.
+
+        Returns:
+            Seconds spent (logged; ``compile_s``).
+
+        Raises:
+            ValueError: ``diloco.compile = "on"`` and torch.compile failed (the message names the cause and the fix).
+                With "auto" a failure falls back to the eager step with a warning instead.
+        """
+        if not self.compiled:
+            return 0.0
+        device = next(self.model.parameters()).device
+        batch = torch.zeros((batch_size, seq_len + 1), dtype=torch.int64, device=device)
+        started = time.perf_counter()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self.model.train()
+                self._loss(batch).backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        except Exception as exc:  # inductor's failures have many types: a missing compiler, Triton, an unsupported op
+            cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            if self.config.compile == "on":
+                raise ValueError(
+                    f"diloco.compile = 'on', but torch.compile failed on this machine ({cause[:500]}): set "
+                    "diloco.compile = 'auto' (compiles on CUDA GPUs only, else falls back) or 'off'; on a CPU, "
+                    "inductor needs a C++ compiler (e.g. g++)"
+                ) from exc
+            logger.warning("torch.compile failed, inner steps run eager (diloco.compile = 'auto'): %s", cause[:500])
+            self.compiled, self._loss = False, self._forward_loss
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.compile_s = time.perf_counter() - started
+        logger.info("compiling the inner step took %.1f s (once per process)", self.compile_s)
+        return self.compile_s
 
     def _grad_sync(self, last_microbatch: bool) -> contextlib.AbstractContextManager:
         """DDP (a multi-rank node): all-reduce the gradients on a step's last microbatch only (``no_sync`` before:
         they accumulate locally, the sum is the same). A no-op for a plain model."""
         no_sync = getattr(self.model, "no_sync", None)
         return no_sync() if no_sync is not None and not last_microbatch else contextlib.nullcontext()
+
+    @staticmethod
+    def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``batch`` on ``device``; from pinned host memory without blocking the host when that is a GPU."""
+        if device.type == "cuda" and batch.device.type == "cpu":
+            batch = batch.pin_memory()
+        return batch.to(device, non_blocking=True)
 
     def run(
         self, batches: Iterator[torch.Tensor], first_step: int, num_steps: int, on_step=None, should_end=None
@@ -194,6 +301,10 @@ class InnerOptimizer:
         their samples stay in ``num_samples``, as the swarm's schedule counted them. A non-finite *loss* is not a
         scale problem: it raises as below, in every precision.
 
+        With deferred reads (``deferred_reads``: CUDA) ``on_step`` for step k runs once step k+1 is queued (after the
+        last step, before returning); ``should_end`` runs after every step is queued and counts it, so the phase
+        never runs a step the schedule did not ask for.
+
         Args:
             batches: yields (B, T+1) int64 token windows (one microbatch each, B = ``data.batch_size``).
             first_step: global index of the first inner step (sets the learning rate).
@@ -204,54 +315,76 @@ class InnerOptimizer:
                 phase early (the swarm's schedule, ``diloco.schedule``).
 
         Raises:
-            FloatingPointError: the loss became NaN/Inf (the inner phase diverged; the caller discards it).
+            FloatingPointError: the loss became NaN/Inf (the inner phase diverged; the caller discards it). The
+                diverged step changed neither the parameters nor the AdamW state.
         """
         device = next(self.model.parameters()).device
         accum = self.config.grad_accum_steps
         scaler = self.scaler
+        deferred = self.deferred_reads
         self.model.train()
         started = time.perf_counter()
-        total_loss, samples, tokens, steps, skipped = 0.0, 0, 0, 0, 0
-        for i in range(num_steps):
-            lr = self.config.inner_lr * lr_multiplier(first_step + i, self.config)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for j in range(accum):
-                batch = next(batches).to(device, non_blocking=True)
-                with self._grad_sync(j + 1 == accum):
-                    with self.precision.autocast():
-                        loss = lm_loss(self.model, batch)  # fp32 scalar: lm_loss takes the cross-entropy in fp32
-                    finite = bool(torch.isfinite(loss))
-                    if self.agree_finite is not None:
-                        finite = self.agree_finite(finite)  # a node's ranks raise together, before the backward
-                    if not finite:
-                        raise FloatingPointError(f"inner step {first_step + i}: loss is {loss.item()}")
-                    scaled = loss / accum if accum > 1 else loss  # the mean over microbatches of equal size
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                step_loss += loss.item()
-                samples += batch.shape[0]
-                tokens += batch.shape[0] * (batch.shape[1] - 1)
-            if scaler is not None:
-                scaler.unscale_(self.optimizer)  # clip the true gradients
-            if self.config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-            if scaler is not None:
-                scale = scaler.get_scale()
-                scaler.step(self.optimizer)  # skipped when a gradient is Inf/NaN
-                scaler.update()
-                if scaler.get_scale() < scale:  # update() backs off exactly when the step was skipped
-                    skipped += 1
-            else:
-                self.optimizer.step()
-            loss_value = step_loss / accum
-            total_loss += loss_value
-            steps += 1
+        samples, tokens, steps, skipped = 0, 0, 0, 0
+        losses: list[float] = []
+        pending: tuple[int, torch.Tensor] | None = None  # deferred: (step index, its summed loss on the device)
+
+        def report(i: int, loss_sum: torch.Tensor | float) -> None:
+            value = (loss_sum.item() if isinstance(loss_sum, torch.Tensor) else loss_sum) / accum
+            if not math.isfinite(value):  # deferred reads: the fused step skipped it on the device
+                raise FloatingPointError(f"inner step {first_step + i}: loss is {value}")
+            losses.append(value)
             if on_step is not None:
-                on_step(i, loss_value)
-            if should_end is not None and should_end(steps, samples):
-                break
+                on_step(i, value)
+
+        try:
+            for i in range(num_steps):
+                lr = self.config.inner_lr * lr_multiplier(first_step + i, self.config)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.zero_grad(set_to_none=True)
+                step_loss: torch.Tensor | float = 0.0
+                for j in range(accum):
+                    batch = self._to_device(next(batches), device)
+                    with self._grad_sync(j + 1 == accum):
+                        loss = self._loss(batch)
+                        if not deferred:
+                            finite = bool(torch.isfinite(loss))
+                            if self.agree_finite is not None:
+                                finite = self.agree_finite(finite)  # a node's ranks raise together, before the backward
+                            if not finite:
+                                raise FloatingPointError(f"inner step {first_step + i}: loss is {loss.item()}")
+                        scaled = loss / accum if accum > 1 else loss  # the mean over microbatches of equal size
+                        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                    step_loss = step_loss + (loss.detach() if deferred else loss.item())
+                    samples += batch.shape[0]
+                    tokens += batch.shape[0] * (batch.shape[1] - 1)
+                if deferred:  # a non-finite loss leaves parameters, AdamW state and its step count as they were
+                    self.optimizer.found_inf = (~torch.isfinite(step_loss)).to(torch.float32)
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)  # clip the true gradients
+                if self.config.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+                if scaler is not None:
+                    scale = scaler.get_scale()
+                    scaler.step(self.optimizer)  # skipped when a gradient is Inf/NaN
+                    scaler.update()
+                    if scaler.get_scale() < scale:  # update() backs off exactly when the step was skipped
+                        skipped += 1
+                else:
+                    self.optimizer.step()
+                steps += 1
+                if deferred:
+                    previous, pending = pending, (i, step_loss)
+                    if previous is not None:
+                        report(*previous)  # waits for the step before this one only: this one keeps the device busy
+                else:
+                    report(i, step_loss)
+                if should_end is not None and should_end(steps, samples):
+                    break
+            if pending is not None:
+                report(*pending)
+        finally:
+            self.optimizer.__dict__.pop("found_inf", None)  # only our deferred steps set it
         if skipped:
             self.num_skipped_steps += skipped
             logger.warning(
@@ -264,7 +397,7 @@ class InnerOptimizer:
             num_steps=steps,
             num_samples=samples,
             num_tokens=tokens,
-            mean_loss=total_loss / max(steps, 1),
+            mean_loss=sum(losses) / max(steps, 1),
             duration_s=time.perf_counter() - started,
             num_skipped_steps=skipped,
         )

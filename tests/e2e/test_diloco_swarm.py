@@ -119,3 +119,23 @@ def test_moshpit_swarm_averages_parameters_in_pairs_and_loss_falls(tmp_path):
     for name in ("peer0", "peer1", "peer2", "peer3"):
         steps = [e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"]
         assert [e["group_size"] for e in steps] == [4, 4, 4]  # every peer took part in every epoch's rounds
+
+
+@pytest.mark.slow
+def test_peers_that_compile_their_inner_step_end_bit_identical_and_loss_falls(tmp_path):
+    """``diloco.compile = "on"`` (issue 24; "auto" compiles on CUDA GPUs only): inductor on the CPU, each peer
+    compiling before its first phase. Only the averaged pseudo-gradient touches the shared state, so the peers hold
+    one state whatever their kernels' float rounding."""
+    config = write_config(tmp_path / "run.toml", **{"diloco.compile": "on", "diloco.inner_steps": 100})
+    out = tmp_path / "out"
+    proc = run_local_swarm(["--peers", "2", "--config", str(config), "--out", str(out), "--timeout", "240"], 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outer_steps"] == 3
+    for epoch in ("1", "2", "3"):
+        hashes = summary["state_hashes"][epoch]
+        assert len(hashes) == 2 and len(set(hashes.values())) == 1, f"epoch {epoch}: {hashes}"
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+    for name in ("peer0", "peer1"):
+        log = (out / f"{name}.log").read_text()
+        assert "compiled" in log and "compiling the inner step took" in log, log[-2000:]
