@@ -426,6 +426,11 @@ def _write_summary(
         "samples_computed": stat("samples_computed"),
         "samples_discarded": stat("samples_discarded"),
         "compute_s": stat("compute_s", 0.0),
+        # seconds per committed outer step outside the inner steps and the all-reduce, by part (issue 24)
+        "outer_overhead_s": {
+            part: seconds / max(stat("rounds_committed"), 1) for part, seconds in stat("outer_overhead_s", {}).items()
+        },
+        "compile_s": stat("compile_s", 0.0),
         "final_eval_loss": stat("last_eval_loss", None),
         "num_parameters": sum(p.numel() for p in trainer.model.parameters()) if trainer is not None else 0,
     }

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,3 +66,28 @@ class TrainerStats:
     last_failure: str = ""
     state_hashes: dict[int, str] = field(default_factory=dict)
     param_sketches: dict[int, bytes] = field(default_factory=dict)  # epoch -> diloco.drift sketch of θ
+    # seconds outside inner steps and the all-reduce, per part of the outer step, summed over the run (issue 24):
+    # "pseudo_gradient", "outer_step", "state_hash", "evaluate", "load" (θ into the model for the next phase)
+    outer_overhead_s: dict[str, float] = field(default_factory=dict)
+    last_overhead_s: dict[str, float] = field(default_factory=dict)  # the newest of each part
+    compile_s: float = 0.0  # torch.compile of the inner step, once (``InnerOptimizer.warm_up``)
+
+    def timed(self, part: str, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)``, its seconds counted as ``part`` (``add_overhead``), also when it raises."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.add_overhead(part, time.perf_counter() - started)
+
+    def add_overhead(self, part: str, seconds: float) -> None:
+        self.outer_overhead_s[part] = self.outer_overhead_s.get(part, 0.0) + seconds
+        self.last_overhead_s[part] = seconds
+
+    def step_overhead(self, commit_s: dict[str, float], evaluated: bool) -> dict[str, float]:
+        """An outer step's parts outside the all-reduce, seconds: the pseudo-gradient of our newest phase, the
+        commit's parts (``commit_s``: outer step, state hash) and the evaluation after it (if ``evaluated``)."""
+        parts = {"pseudo_gradient": self.last_overhead_s.get("pseudo_gradient", 0.0), **commit_s}
+        if evaluated:
+            parts["evaluate"] = self.last_overhead_s.get("evaluate", 0.0)
+        return {part: round(seconds, 6) for part, seconds in parts.items()}

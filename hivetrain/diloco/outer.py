@@ -64,12 +64,14 @@ def outer_step(state: TrainingState, avg_delta: Sequence[torch.Tensor], lr: floa
             raise ValueError(f"{name}: averaged delta {delta.dtype}{tuple(delta.shape)} does not match θ")
         if not torch.isfinite(delta).all():
             raise ValueError(f"{name}: averaged delta is not finite")
+        # two new tensors per parameter, each op in place after it (fresh temporaries per op cost page faults: 12.2
+        # -> see dev/LOG.md 2026-12-02 for ms per million parameters); the same six correctly rounded operations
         buf = torch.mul(state.momentum[name], mu_t)  # μ·m
-        buf = torch.add(buf, delta)  # m ← μ·m + Δ̄
+        buf.add_(delta)  # m ← μ·m + Δ̄
         update = torch.mul(buf, mu_t)  # μ·m
-        update = torch.add(update, delta)  # Δ̄ + μ·m
-        update = torch.mul(update, lr_t)  # η·(Δ̄ + μ·m)
-        params[name] = torch.sub(theta, update)
+        update.add_(delta)  # Δ̄ + μ·m
+        update.mul_(lr_t)  # η·(Δ̄ + μ·m)
+        params[name] = torch.sub(theta, update, out=update)  # θ − η·(Δ̄ + μ·m), into the update's memory
         buffers[name] = buf
     return TrainingState(epoch=state.epoch + 1, params=params, momentum=buffers)
 

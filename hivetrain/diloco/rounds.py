@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -164,6 +164,7 @@ class RoundOutcome:
     result: RoundResult | None = None
     sent: list[torch.Tensor] | None = None
     update_norm: float = 0.0
+    timings_s: dict[str, float] = field(default_factory=dict)  # "outer_step", "state_hash": seconds of the commit
 
 
 def expected_peers(records: list[PeerRecord], my_peer_id: str, epoch: int, now: float, stale_after_s: float):
@@ -354,13 +355,17 @@ class RoundRunner:
             )
             if policy.action == "apply":
                 assert result is not None
+                started = time.perf_counter()
                 if local is None:
                     new_state = outer_step(state, result.tensors, diloco.outer_lr, diloco.outer_momentum)
                 else:
                     theta = {name: t.clone() for name, t in zip(local.params, result.tensors, strict=True)}
                     new_state = TrainingState(epoch=local.epoch, params=theta, momentum=local.momentum)
+                applied = time.perf_counter()
+                new_hash = new_state.state_hash()
+                timings = {"outer_step": applied - started, "state_hash": time.perf_counter() - applied}
                 norm = self._remember_norm(result.tensors)
-                return RoundOutcome(policy, attempt, new_state, new_state.state_hash(), result, list(sent), norm)
+                return RoundOutcome(policy, attempt, new_state, new_hash, result, list(sent), norm, timings)
             if result is not None or failure:  # a failed attempt, or a round of one we may not apply
                 self.rounds_failed += 1
                 reason = failure or policy.reason

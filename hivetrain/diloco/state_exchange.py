@@ -56,6 +56,7 @@ class StateExchange:
         faults: the fault injector (a hostile donor replaces our server).
         membership: an invite-only run's roster (we serve and adopt members only); None = an open run.
         state: our current state (what the server serves; its shapes size the θ sketch).
+        known_hash: the ``state_hash()`` we already computed for a state, or None (``StateServer``'s).
         evaluate: eval loss of a state (None: ours) on our held-out windows (a downloaded state's loss check).
         stop: set when the trainer stops (waits end early).
         emit: writes a metrics event (``PeerReport.emit``).
@@ -74,6 +75,7 @@ class StateExchange:
         membership: MemberRoster | None,
         *,
         state: Callable[[], TrainingState],
+        known_hash: Callable[[TrainingState], str | None] | None = None,
         evaluate: Callable[[TrainingState | None], float],
         stop: threading.Event,
         emit: Callable[..., None],
@@ -88,7 +90,9 @@ class StateExchange:
         self.join_check = JoinCheck(max_wait_s=options.record_ttl_s)  # moshpit/gossip downloads (``join_check``)
         served = faults.check(
             HookPoint.DILOCO_STATE_SERVER,
-            server=StateServer(state, faults=faults, max_downloaders=config.diloco.max_downloaders),
+            server=StateServer(
+                state, faults=faults, max_downloaders=config.diloco.max_downloaders, known_hash=known_hash
+            ),
             get_state=state,
             faults=faults,
         )

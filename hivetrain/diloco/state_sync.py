@@ -94,6 +94,9 @@ class StateServer:
             gets ``{"error": "busy: ..."}`` and its stream is closed: the joiner drops this donor for that download
             (``state_fetch``: a donor error, not a ban) and takes the chunks from the others, so a flash crowd spreads
             over every holder instead of queueing at the fastest. Manifests are always served (cheap).
+        known_hash: returns the owner's ``state_hash()`` of a state it already hashed, or None: a snapshot's manifest
+            then hashes its chunks only, not the whole state a second time (one sha256 pass per served epoch saved,
+            ~4 ms per million parameters on one core). None = hash every snapshot here.
 
     Attributes:
         admits: set for an invite-only run (``peers.membership.MemberRoster.admits``): a stream from a peer that is
@@ -111,12 +114,14 @@ class StateServer:
         keep_epochs: int = 3,
         idle_timeout_s: float = 30.0,
         max_downloaders: int = 0,
+        known_hash: Callable[[TrainingState], str | None] | None = None,
     ):
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4:
             raise ValueError(f"chunk_bytes must be a multiple of 4 in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
         if keep_epochs < 1 or idle_timeout_s <= 0 or max_downloaders < 0:
             raise ValueError("keep_epochs must be >= 1, idle_timeout_s > 0 and max_downloaders >= 0")
         self.get_state = get_state
+        self.known_hash = known_hash
         self.chunk_bytes = chunk_bytes
         self.faults = faults
         self.keep_epochs = min(keep_epochs, MAX_RECENT)
@@ -162,7 +167,8 @@ class StateServer:
             for snapshot in todo:
                 state = snapshot.state
                 segments = state_segments(state)
-                manifest = build_manifest(state.epoch, state.state_hash(), segments, self.chunk_bytes)
+                state_hash = (self.known_hash(state) if self.known_hash is not None else None) or state.state_hash()
+                manifest = build_manifest(state.epoch, state_hash, segments, self.chunk_bytes)
                 with self._lock:
                     snapshot.segments, snapshot.manifest = segments, manifest
         with self._lock:

@@ -82,7 +82,7 @@ class DilocoTrainer:
         self.options, self.faults = options, faults
         self.duty = duty if duty is not None else DutyCycle(options.duty_cycle, pause_file=options.pause_file)
         self.state = TrainingState.from_model(model)
-        self.stats = TrainerStats()
+        self.stats = TrainerStats(compile_s=getattr(getattr(phases, "inner", None), "compile_s", 0.0))
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
         self._stop = threading.Event()
@@ -324,7 +324,7 @@ class DilocoTrainer:
         The start point is θ, or with a round in flight (overlap) ``BackgroundRound.start_state``.
         """
         start = self.background.start_state(self.state)
-        load_into_model(start, self.model)
+        self.stats.timed("load", load_into_model, start, self.model)
         h, epoch = self.config.diloco.inner_steps, self.state.epoch
         phase_epoch = self._phase_epoch()  # the round our pseudo-gradient goes to
         self.phases.begin(phase_epoch)
@@ -363,7 +363,8 @@ class DilocoTrainer:
         )
         if result.num_samples == 0 and self._pending is not None and self._pending.epoch >= phase_epoch:
             return self._pending  # a phase of no step adds nothing to what we still carry for this round
-        fresh = Contribution(pseudo_gradient(start, self.model), result.num_samples, phase_epoch)
+        delta = self.stats.timed("pseudo_gradient", pseudo_gradient, start, self.model)
+        fresh = Contribution(delta, result.num_samples, phase_epoch)
         self._pending = self._carry(self._pending, fresh)
         return self._pending
 
@@ -415,7 +416,11 @@ class DilocoTrainer:
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
         eval_every = self.config.diloco.eval_every
-        eval_loss = self._evaluate() if eval_every and self.state.epoch % eval_every == 0 else None
+        eval_loss = (
+            self.stats.timed("evaluate", self._evaluate) if eval_every and self.state.epoch % eval_every == 0 else None
+        )
+        for part, seconds in outcome.timings_s.items():
+            self.stats.add_overhead(part, seconds)
         self.report.emit(
             "outer_step",
             group_size=len(result.group),
@@ -427,6 +432,7 @@ class DilocoTrainer:
             attempts=outcome.attempts,
             update_norm=outcome.update_norm,  # ‖Δ̄‖₂ applied (moshpit/gossip: ‖θ_new − θ_old‖₂; update_bound)
             witnessed=[list(entry) for entry in self.report.witnessed[1]],  # others' samples we vouch for (credit)
+            overhead_s=self.stats.step_overhead(outcome.timings_s, evaluated=eval_loss is not None),
         )
         return policy.action
 

@@ -273,6 +273,21 @@ def test_snapshots_are_references_and_bounded():
     assert len(snapshots) == 3 and all(s.state is t for s, t in zip(snapshots, states[3:], strict=True))
 
 
+def test_a_hash_the_owner_already_computed_is_not_computed_again(monkeypatch):
+    """The trainer hashes every new state; its server takes that hash for the manifest instead of a second pass."""
+    states = [_state(e, seed=e, n=1000) for e in range(2)]
+    known = {id(states[0]): states[0].state_hash()}
+    current = [states[0]]
+    server = StateServer(lambda: current[0], chunk_bytes=4096, known_hash=lambda s: known.get(id(s)))
+    hashed = []
+    original = TrainingState.state_hash
+    monkeypatch.setattr(TrainingState, "state_hash", lambda self: hashed.append(self.epoch) or original(self))
+    (snapshot,) = server._manifests()
+    assert hashed == [] and snapshot.manifest.state_hash == known[id(states[0])]
+    current[0] = states[1]  # a state the owner has no hash for: hashed here
+    assert [s.manifest.state_hash for s in server._manifests()][-1] == original(states[1]) and hashed == [1]
+
+
 @pytest.mark.slow
 def test_a_state_modified_in_place_after_hashing_is_not_served(make_node, loop):
     nodes = _swarm(make_node, loop, 3)

@@ -139,3 +139,11 @@ def test_peers_that_compile_their_inner_step_end_bit_identical_and_loss_falls(tm
     for name in ("peer0", "peer1"):
         log = (out / f"{name}.log").read_text()
         assert "compiled" in log and "compiling the inner step took" in log, log[-2000:]
+        # the outer step's parts outside the all-reduce, per step and per run (issue 24 item 2)
+        peer = json.loads((out / f"{name}.json").read_text())
+        assert peer["compile_s"] > 0
+        parts = peer["outer_overhead_s"]
+        assert {"pseudo_gradient", "outer_step", "state_hash", "evaluate", "load"} <= set(parts), parts
+        assert all(0 < seconds < 30 for seconds in parts.values()), parts
+        for step in (e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"):
+            assert set(step["overhead_s"]) == {"pseudo_gradient", "outer_step", "state_hash", "evaluate"}, step
