@@ -260,6 +260,33 @@ class RunModel(NamedTuple):
     fingerprint: str
 
 
+def set_activation_checkpointing(model: PreTrainedModel, enabled: bool) -> None:
+    """Turn activation checkpointing on or off (``DilocoConfig.activation_checkpointing``): in train mode each decoder
+    layer keeps only its input and recomputes its activations in the backward pass (``transformers``' gradient
+    checkpointing over non-reentrant ``torch.utils.checkpoint``; Chen et al. 2016, "Training Deep Nets with Sublinear
+    Memory Cost"). Evaluation (eval mode, no gradients) is unaffected.
+
+    Raises:
+        ValueError: ``enabled`` for a model class that does not support it (the message names the setting to change).
+    """
+    if not enabled:
+        if is_activation_checkpointing(model):
+            model.activation_checkpointing_disable()
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} does not support activation checkpointing: set diloco.activation_checkpointing "
+            "= 'off' (and a smaller data.batch_size if memory is short)"
+        )
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # a KV cache is for generation; with checkpointing transformers warns on every call
+
+
+def is_activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether ``set_activation_checkpointing`` turned it on for ``model`` (False for a model without the feature)."""
+    return bool(getattr(model, "is_activation_checkpointing", False))
+
+
 def build_run_model(
     run_config: RunConfig,
     vocab_size: int,

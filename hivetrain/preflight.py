@@ -24,6 +24,10 @@ precision, once more in fp32 for the loss and once for their gradient. Measured 
 ``small`` preset at 8 x 256 tokens: 255 vs 258 MiB in fp32, 190 vs 183 MiB under bf16 autocast; a GPT-NeoX layer
 (GELU MLP) saves less, so its estimate is high (214 vs 134 MiB fp32). A documented approximation: ``check_memory`` keeps
 a margin (default 15%) for the allocator and workspaces.
+
+With activation checkpointing (``diloco.activation_checkpointing``) each layer keeps only its fp32 input ``b·s·h``
+across the forward pass; the backward pass recomputes one layer at a time, so one layer's full activations are live
+at once, plus the logits as before. "auto" turns it on when the run fits only with it (``run_preflight``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class MemoryEstimate:
     device_type: str
     microbatch: int
     seq_len: int
+    activation_checkpointing: bool = False
 
     @property
     def device_bytes(self) -> int:
@@ -81,7 +86,11 @@ class MemoryEstimate:
             ("gradients", self.gradients_bytes),
             ("AdamW state", self.optimizer_bytes),
             ("autocast weight copies", self.autocast_weights_bytes),
-            (f"activations at {self.microbatch} x {self.seq_len} tokens", self.activations_bytes),
+            (
+                f"activations at {self.microbatch} x {self.seq_len} tokens"
+                + (" (checkpointed)" if self.activation_checkpointing else ""),
+                self.activations_bytes,
+            ),
             ("θ + outer momentum + pseudo-gradient (host)", self.outer_state_bytes),
         ]
         unit, scale = ("GiB", GIB) if max(size for _, size in parts) >= GIB else ("MiB", 2**20)
@@ -96,6 +105,7 @@ def estimate_memory(
     seq_len: int,
     device_type: str,
     half_precision: bool,
+    activation_checkpointing: bool = False,
 ) -> MemoryEstimate:
     """Bytes to train a model of ``num_parameters`` on ``microbatch`` windows of ``seq_len`` tokens (module docstring).
 
@@ -107,6 +117,7 @@ def estimate_memory(
         seq_len: tokens per window.
         device_type: "cuda" or "cpu" (any other device is treated like "cuda": memory of its own).
         half_precision: inner steps under bf16/fp16 autocast (activations 2 bytes, weight copies 2N).
+        activation_checkpointing: layers keep only their input; one layer's activations are recomputed at a time.
 
     Raises:
         ValueError: a non-positive size, or a config without ``hidden_size``/``num_hidden_layers``/``vocab_size``.
@@ -124,7 +135,12 @@ def estimate_memory(
     mlp = int(getattr(model_config, "intermediate_size", None) or 4 * hidden)
     act_bytes = 2 if half_precision else 4  # the compute precision's bytes per value
     tokens = microbatch * seq_len
-    activations = layers * tokens * (10 * hidden * 4 + 4 * mlp * act_bytes) + tokens * vocab * (act_bytes + 4 + 4)
+    layer = tokens * (10 * hidden * 4 + 4 * mlp * act_bytes)  # what one layer keeps for its backward pass
+    logits = tokens * vocab * (act_bytes + 4 + 4)
+    if activation_checkpointing:  # every layer's fp32 input, and one layer recomputed at a time
+        activations = layers * tokens * hidden * 4 + layer + logits
+    else:
+        activations = layers * layer + logits
     return MemoryEstimate(
         num_parameters=num_parameters,
         parameters_bytes=4 * num_parameters,
@@ -136,15 +152,18 @@ def estimate_memory(
         device_type="cpu" if device_type == "cpu" else "cuda",
         microbatch=microbatch,
         seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
     )
 
 
 @dataclass(frozen=True)
 class PreflightDecision:
-    """ok: whether the run fits; reason: for people (the log and the refusal message)."""
+    """ok: whether the run fits; reason: for people (the log and the refusal message); activation_checkpointing:
+    whether the run is to train with it (``run_preflight``'s choice for "auto")."""
 
     ok: bool
     reason: str
+    activation_checkpointing: bool = False
 
 
 def check_memory(
@@ -173,8 +192,9 @@ def check_memory(
         )
     head = f"{estimate.num_parameters / 1e6:.1f}M parameters ({estimate.breakdown()}; margin {margin:.2f}x)"
     if not short:
-        return PreflightDecision(True, f"memory preflight ok: {head}")
-    advice = [
+        return PreflightDecision(True, f"memory preflight ok: {head}", estimate.activation_checkpointing)
+    advice = [] if estimate.activation_checkpointing else ["diloco.activation_checkpointing = 'on'"]
+    advice += [
         f"a smaller microbatch: lower data.batch_size (now {estimate.microbatch}; activations are "
         f"{estimate.activations_bytes / GIB:.2f} GiB and scale with it) and raise diloco.grad_accum_steps (now "
         f"{grad_accum_steps}) to keep the samples per inner step",
@@ -187,6 +207,7 @@ def check_memory(
     return PreflightDecision(
         False,
         f"not enough memory to train: needs {' and '.join(short)} for {head}. Options: " + "; ".join(advice),
+        estimate.activation_checkpointing,
     )
 
 
@@ -236,11 +257,12 @@ def run_preflight(
     """Estimate, read free memory (unless ``free`` = (device bytes, host bytes) is given) and decide.
 
     Args:
-        run_config: a RunConfig; ``data.batch_size``, ``data.seq_len``, ``diloco.precision`` and
-            ``diloco.grad_accum_steps`` are read.
+        run_config: a RunConfig; ``data.batch_size``, ``data.seq_len``, ``diloco.precision``,
+            ``diloco.grad_accum_steps`` and ``diloco.activation_checkpointing`` are read.
 
     Returns:
-        The decision when it fits.
+        The decision when it fits, with ``activation_checkpointing`` set when the run is to use it: "on", or "auto"
+        when it fits only with it (the reason says so).
 
     Raises:
         InsufficientMemory: it does not fit; the message names the sizes and the options.
@@ -249,18 +271,30 @@ def run_preflight(
     diloco = run_config.diloco
     # the precision inner steps will use (the inner optimizer's own rule; native bf16 or not, both are half precision)
     precision = resolve_precision(getattr(diloco, "precision", "fp32"), device.type, native_bf16=True)
-    estimate = estimate_memory(
-        num_parameters,
-        model_config,
-        microbatch=run_config.data.batch_size,
-        seq_len=run_config.data.seq_len,
-        device_type=device.type,
-        half_precision=precision.autocast_dtype is not None,
-    )
+    mode = getattr(diloco, "activation_checkpointing", "off")
     free_device, free_host = free if free is not None else free_memory(device)
-    decision = check_memory(
-        estimate, free_device, free_host, margin=margin, grad_accum_steps=getattr(diloco, "grad_accum_steps", 1)
-    )
+
+    def decide(checkpointed: bool) -> PreflightDecision:
+        estimate = estimate_memory(
+            num_parameters,
+            model_config,
+            microbatch=run_config.data.batch_size,
+            seq_len=run_config.data.seq_len,
+            device_type=device.type,
+            half_precision=precision.autocast_dtype is not None,
+            activation_checkpointing=checkpointed,
+        )
+        accum = getattr(diloco, "grad_accum_steps", 1)
+        return check_memory(estimate, free_device, free_host, margin=margin, grad_accum_steps=accum)
+
+    decision = decide(mode == "on")
+    if not decision.ok and mode == "auto":
+        checkpointed = decide(True)
+        if checkpointed.ok:
+            without = decision.reason.split(". Options:")[0].removeprefix("not enough memory to train: ")
+            reason = f"{checkpointed.reason}; activation checkpointing on (without it the run needs {without})"
+            return PreflightDecision(True, reason, True)
+        decision = checkpointed  # its advice no longer names what is already applied
     if not decision.ok:
         raise InsufficientMemory(decision.reason)
     return decision

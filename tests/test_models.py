@@ -19,6 +19,7 @@ from hivetrain.model import (
     build_run_model,
     describe_run_model,
     model_fingerprint,
+    set_activation_checkpointing,
     weights_sha256,
 )
 from hivetrain.peers.records import PeerRecord, check_compatible
@@ -163,6 +164,67 @@ def test_preflight_refuses_with_the_options_named() -> None:
     assert run_preflight(run, config, num_parameters, torch.device("cuda"), free=(80 * GIB, 64 * GIB)).ok
     with pytest.raises(InsufficientMemory, match="GiB of host memory, 2.00 available"):
         run_preflight(run, config, num_parameters, torch.device("cpu"), free=(2 * GIB, 2 * GIB))
+
+
+def test_checkpointed_activations_keep_one_input_per_layer_and_one_layer_recomputed() -> None:
+    config = build_config("base", vocab_size=256, max_seq_len=1024)
+    kept = estimate_memory(150_000_000, config, microbatch=8, seq_len=1024, device_type="cuda", half_precision=True)
+    ckpt = estimate_memory(
+        150_000_000,
+        config,
+        microbatch=8,
+        seq_len=1024,
+        device_type="cuda",
+        half_precision=True,
+        activation_checkpointing=True,
+    )
+    tokens = 8 * 1024
+    layer, logits = tokens * (10 * 1024 * 4 + 4 * 2816 * 2), tokens * 256 * (2 + 8)
+    assert kept.activations_bytes == 12 * layer + logits
+    assert ckpt.activations_bytes == 12 * tokens * 1024 * 4 + layer + logits
+    assert ckpt.parameters_bytes == kept.parameters_bytes and "(checkpointed)" in ckpt.breakdown()
+
+
+def test_preflight_turns_activation_checkpointing_on_only_when_the_run_fits_with_it_alone() -> None:
+    def run(mode: str) -> RunConfig:
+        diloco = DilocoConfig(activation_checkpointing=mode)
+        return RunConfig(model="base", data=DataConfig(seq_len=1024, batch_size=16), diloco=diloco)
+
+    config, n = describe_run_model(run("auto"), 256)
+    cuda = torch.device("cuda")
+    roomy, tight, tiny = (80 * GIB, 64 * GIB), (8 * GIB, 64 * GIB), (2 * GIB, 64 * GIB)  # base at 16 x 1024, bf16
+    assert not run_preflight(run("auto"), config, n, cuda, free=roomy).activation_checkpointing
+    decision = run_preflight(run("auto"), config, n, cuda, free=tight)
+    assert decision.ok and decision.activation_checkpointing
+    assert (
+        "activation checkpointing on (without it the run needs" in decision.reason and "GiB of GPU" in decision.reason
+    )
+    assert run_preflight(run("on"), config, n, cuda, free=roomy).activation_checkpointing
+    with pytest.raises(InsufficientMemory, match="diloco.activation_checkpointing = 'on'"):
+        run_preflight(run("off"), config, n, cuda, free=tight)
+    with pytest.raises(InsufficientMemory) as refused:  # too small even checkpointed: the advice moves on
+        run_preflight(run("auto"), config, n, cuda, free=tiny)
+    assert "(checkpointed)" in str(refused.value) and "activation_checkpointing = 'on'" not in str(refused.value)
+
+
+def test_a_checkpointed_model_trains_bit_for_bit_like_the_plain_one() -> None:
+    """The backward pass recomputes each layer's forward pass: on the CPU in fp32 the same numbers, hence the same
+    gradients and parameters."""
+    from hivetrain.diloco.inner import InnerOptimizer
+    from tests.diloco.test_precision import stream, tiny_model
+
+    plain_model, ckpt_model = tiny_model(), tiny_model()
+    set_activation_checkpointing(ckpt_model, True)
+    assert ckpt_model.is_activation_checkpointing and not plain_model.is_activation_checkpointing
+    losses: list[list[float]] = [[], []]
+    for model, recorded in zip((plain_model, ckpt_model), losses, strict=True):
+        InnerOptimizer(model, DilocoConfig(warmup_steps=2)).run(
+            stream(8), 0, 6, lambda i, loss, r=recorded: r.append(loss)
+        )
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), ckpt_model.parameters(), strict=True))
+    set_activation_checkpointing(ckpt_model, False)
+    assert not ckpt_model.is_activation_checkpointing
 
 
 def test_resolve_device_names_the_fix_when_cuda_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -148,7 +148,7 @@ def run_follower(args: argparse.Namespace, ranks: NodeRanks) -> int:
     from hivetrain.config import RunConfig
     from hivetrain.data import load_corpus, stream_seed
     from hivetrain.diloco.builder import data_cursor_path
-    from hivetrain.model import build_run_model
+    from hivetrain.model import build_run_model, set_activation_checkpointing
 
     code, _, _ = ranks.recv_command()
     if code == CMD_STOP:
@@ -167,6 +167,7 @@ def run_follower(args: argparse.Namespace, ranks: NodeRanks) -> int:
             raise ValueError(
                 f"this rank's model fingerprint {fingerprint[:12]} differs from rank 0's {hello['fingerprint'][:12]}"
             )
+        set_activation_checkpointing(model, bool(hello.get("activation_checkpointing", False)))  # as rank 0 chose
         model.to(ranks.device)
         ok = True
     except Exception:  # noqa: BLE001 - reported to rank 0 through the ready flags, and logged here

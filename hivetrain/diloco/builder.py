@@ -106,15 +106,23 @@ def build_model(
         ValueError / FileNotFoundError: a model source that cannot be read, a vocab the model cannot hold, or a
             model too big for this device's memory (the preflight's message names the fix).
     """
-    from hivetrain.model import build_run_model, describe_run_model
+    from hivetrain.model import build_run_model, describe_run_model, set_activation_checkpointing
     from hivetrain.preflight import run_preflight
 
     model_config, num_parameters = describe_run_model(config, vocab_size, model_path)  # meta: no memory
+    checkpointed = config.diloco.activation_checkpointing == "on"
     if check_memory:
-        logger.info("%s", run_preflight(config, model_config, num_parameters, device).reason)
+        decision = run_preflight(config, model_config, num_parameters, device)
+        logger.info("%s", decision.reason)
+        checkpointed = decision.activation_checkpointing
     else:
         logger.info("memory preflight skipped")
     _, model, fingerprint = build_run_model(config, vocab_size, model_path=model_path)
+    set_activation_checkpointing(model, checkpointed)
+    if checkpointed:
+        logger.info(
+            "activation checkpointing on (diloco.activation_checkpointing = %r)", config.diloco.activation_checkpointing
+        )
     return model.to(device), fingerprint
 
 
@@ -169,7 +177,11 @@ def build_phases(
                 f"more than averaging.max_samples_per_round ({bound}) allows one peer: use fewer ranks, or a run with "
                 'diloco.schedule = "swarm" or a larger bound'
             )
-        node_ranks.hello({"config": config.to_dict(), "peer_id": peer_id, "fingerprint": fingerprint})
+        from hivetrain.model import is_activation_checkpointing
+
+        checkpointed = is_activation_checkpointing(model)  # rank 0's preflight chose for every rank
+        hello = {"config": config.to_dict(), "peer_id": peer_id, "fingerprint": fingerprint}
+        node_ranks.hello({**hello, "activation_checkpointing": checkpointed})
         inner = NodeInner(node_ranks.inner_optimizer(node_ranks.wrap(model), diloco), node_ranks, model)
     return PhaseRunner(inner, batches, plan, duty, peer_id, samples_per_step=per_step)
 

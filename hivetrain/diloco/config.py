@@ -86,6 +86,12 @@ class DilocoConfig:
             first inner phase (its seconds are logged): tens of seconds, less when inductor's cache holds the graph.
             Peers that compile and peers that do not hold bit-identical shared state (only the averaged
             pseudo-gradient touches it).
+        activation_checkpointing: keep only each decoder layer's input for the backward pass and recompute the
+            rest there (``transformers``' gradient checkpointing, non-reentrant): activations shrink by about the
+            layer count (``hivetrain.preflight``), for one more forward pass per step (~1/3 more compute). "auto"
+            (default): on only when the memory preflight finds the run does not fit the device without it and does
+            with it (logged); off with ``--skip-memory-check``. "on": always. "off": never. The numerics are the
+            same either way (the recomputation repeats the forward pass exactly).
     """
 
     inner_steps: int = Field(default=50, ge=1, le=1_000_000)
@@ -107,6 +113,7 @@ class DilocoConfig:
     max_carried_phases: int = Field(default=4, ge=1, le=64)
     max_downloaders: int = Field(default=MAX_DOWNLOADERS_DEFAULT, ge=0, le=4096)
     compile: Literal["auto", "on", "off"] = "auto"
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
 
     def samples_per_inner_step(self, batch_size: int) -> int:
         """Samples (windows) one inner step trains on: ``batch_size`` (``data.batch_size``) * ``grad_accum_steps``."""
