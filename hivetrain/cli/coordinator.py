@@ -32,6 +32,7 @@ from hivetrain.peers.node import BootstrapFailed, start_node
 from hivetrain.peers.reaper import start_reaper
 
 logger = logging.getLogger("hivetrain.coordinator")
+FOLLOWER_DIR = ".follower"  # under --checkpoint-dir: the follower's state files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         _warn_missing_data(config)
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
-    node = loop = dashboard = metrics = None
+    node = loop = dashboard = metrics = follower = None
     try:
         if args.metrics_file:
             try:
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         start_reaper()
         node = _start_with_known_peers(ncfg, args)
         policy = _guard_admission(node, config)
-        follower, observer, loop = None, None, None
+        observer = None
         from hivetrain.coordinator.dashboard import RunInfo, summarize_config
         from hivetrain.coordinator.observer import SwarmObserver
         from hivetrain.peers.loop import LoopThread
@@ -95,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         # a pipeline's state lives in its stages' servers; moshpit/gossip peers hold no common state to follow
         if not args.no_state and not config.pipelined and config.averaging.exact_average:
             on_event = (lambda event: metrics.write(json.dumps(event) + "\n")) if metrics is not None else None
-            follower = _make_follower(args, config, node, loop, fingerprint, on_event)
+            try:
+                follower = _make_follower(args, config, node, loop, fingerprint, on_event)
+            except ValueError as exc:  # the disk cannot hold the state: named with its fixes
+                return fail(str(exc), EXIT_BAD_INPUT)
         num_parameters = sum(t.numel() for t in follower.reference.params.values()) if follower else 0
         observer = SwarmObserver(
             RunInfo(
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             node.shutdown()
         if metrics is not None:
             metrics.close()
+        _remove_follower_dir(args, follower)
 
 
 def _serve_link_checks(node, loop, run_id: str, credit_table) -> None:
@@ -282,16 +287,43 @@ def _start_with_known_peers(ncfg, args):
     return start_node(ncfg)
 
 
+INITIAL_STATE_MAX_BYTES = 2**30
+"""The coordinator builds θ₀ itself (and measures the run's first step from it) only when building it takes at most
+this much memory (12 bytes per parameter: the fp32 model, θ and zero momentum: ~89M parameters) and half of what
+the machine has free; a bigger run's coordinator takes its first state from the trainers' quorum."""
+
+
 def _make_follower(args, config, node, loop, fingerprint, on_event=None):
+    """The state follower: states on disk (``state_file``) under ``--checkpoint-dir``/.follower or a temporary
+    directory, so the coordinator never needs the model's memory (issue 24).
+
+    Raises:
+        ValueError: the disk cannot hold two copies of the state (one held, one downloading); names the need, the
+            free space and the fixes.
+    """
     from hivetrain.coordinator.checkpoint import CheckpointStore
     from hivetrain.coordinator.follower import FollowerOptions, StateFollower
     from hivetrain.data import vocab_size_of
     from hivetrain.diloco.state import TrainingState
+    from hivetrain.diloco.state_file import meta_reference
     from hivetrain.model import build_run_model
+    from hivetrain.preflight import _available_host_bytes
 
-    model = build_run_model(config, vocab_size_of(config.data)).model
-    initial = TrainingState.from_model(model)
-    del model
+    vocab = vocab_size_of(config.data)
+    reference = meta_reference(build_run_model(config, vocab, meta=True).model)
+    num_params = sum(t.numel() for t in reference.params.values())
+    work_dir = _follower_dir(args, 16 * num_params)  # 8 bytes per parameter per state, two states
+    initial, build_bytes = None, 12 * num_params
+    if build_bytes <= min(INITIAL_STATE_MAX_BYTES, _available_host_bytes() // 2):
+        model = build_run_model(config, vocab).model
+        initial = TrainingState.from_model(model)
+        del model
+    else:
+        logger.info(
+            "θ₀ of this model (%.2fB parameters) is not built here (%.1f GB of memory): the coordinator takes its "
+            "first state from the trainers' quorum and holds states on disk in %s",
+            num_params / 1e9, build_bytes / 1e9, work_dir,
+        )  # fmt: skip
     store = CheckpointStore(Path(args.checkpoint_dir), keep_last=args.keep_checkpoints) if args.checkpoint_dir else None
     follower = StateFollower(
         node,
@@ -309,12 +341,52 @@ def _make_follower(args, config, node, loop, fingerprint, on_event=None):
             step_min_history=config.averaging.update_norm_min_history,
         ),
         on_event=on_event,
+        reference=reference,
+        work_dir=work_dir,
     )
+    del initial
     restored = follower.restore()
     if restored is not None:
         print(f"restored checkpoint of epoch {restored}", flush=True)
     follower.register()
     return follower
+
+
+def _follower_dir(args, need_bytes: int) -> Path:
+    """Where the follower keeps its state files: ``--checkpoint-dir``/.follower (checkpoints are hard links to them),
+    else a new temporary directory (removed by ``_remove_follower_dir``).
+
+    Raises:
+        ValueError: its file system has less than ``need_bytes`` free.
+    """
+    import shutil
+    import tempfile
+
+    if args.checkpoint_dir:
+        path = Path(args.checkpoint_dir) / FOLLOWER_DIR
+        path.mkdir(exist_ok=True)
+        where, fix = f"--checkpoint-dir {args.checkpoint_dir}", "free space there or choose another --checkpoint-dir"
+    else:
+        path = Path(tempfile.mkdtemp(prefix="hivetrain-follower-"))
+        where, fix = f"the temporary directory {path.parent}", "point TMPDIR at a larger disk"
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        if not args.checkpoint_dir:
+            shutil.rmtree(path, ignore_errors=True)
+        raise ValueError(
+            f"{where}: {free / 1e9:.1f} GB free, the coordinator's copy of this run's state needs "
+            f"{need_bytes / 1e9:.1f} GB (θ and outer momentum, one state held and one downloading; each checkpoint "
+            f"kept adds half that): {fix}, or run with --no-state (no state copy, no checkpoints)"
+        )
+    return path
+
+
+def _remove_follower_dir(args, follower) -> None:
+    """Remove the follower's temporary directory (kept under ``--checkpoint-dir``: its files are the checkpoints')."""
+    import shutil
+
+    if follower is not None and follower.work_dir is not None and not args.checkpoint_dir:
+        shutil.rmtree(follower.work_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,13 @@ from hivetrain.coordinator.checkpoint_format import (
     fsync_dir,
     fsync_file,
     load_checkpoint,
+    load_checkpoint_file,
     read_manifest,
     sha256_file,
     verify_checkpoint,
 )
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import StateFile
 from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 
 __all__ = [
@@ -131,14 +133,18 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ writing
 
-    def save(self, state: TrainingState, run_config: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    def save(
+        self, state: TrainingState | StateFile, run_config: dict[str, Any], extra: dict[str, Any] | None = None
+    ) -> Path:
         """Write ``state`` as ``root/epoch-{state.epoch:06d}/`` atomically, then prune.
 
         Saving an epoch that already has a checkpoint replaces it (the old one is moved aside first, so the
         previous epochs stay loadable throughout).
 
         Args:
-            state: θ and momentum (fp32 CPU) at ``state.epoch``.
+            state: θ and momentum (fp32 CPU) at ``state.epoch``, in memory, or on disk (``state_file.StateFile``,
+                checked finite when it was made): its file becomes the checkpoint's state file, hard-linked when it
+                is on the same file system (no byte copied), else copied a piece at a time.
             run_config: the run's config as a JSON-serialisable dict (``RunConfig.to_dict()``), stored verbatim.
             extra: JSON-serialisable extras stored in the manifest; ``extra["model_fingerprint"]`` (str) is lifted
                 to the manifest's top level.
@@ -152,7 +158,7 @@ class CheckpointStore:
             TimeoutError: another writer held the lock for ``lock_timeout_s``.
             OSError: the disk write failed (no partial checkpoint becomes visible).
         """
-        for name, tensor in state.to_flat_dict().items():
+        for name, tensor in state.to_flat_dict().items() if isinstance(state, TrainingState) else ():
             if not torch.isfinite(tensor).all():
                 raise ValueError(f"refusing to checkpoint epoch {state.epoch}: {name} contains NaN or Inf")
         extra = dict(extra or {})
@@ -190,22 +196,27 @@ class CheckpointStore:
     def _write_into(
         self,
         tmp: Path,
-        state: TrainingState,
+        state: TrainingState | StateFile,
         run_config: dict[str, Any],
         fingerprint: str | None,
         extra: dict[str, Any],
     ) -> None:
         state_path = tmp / STATE_FILE
-        save_file(
-            state.to_flat_dict(), str(state_path), metadata={"format": "hivetrain-state", "epoch": str(state.epoch)}
-        )
+        if isinstance(state, StateFile):
+            _place_state_file(state, state_path)
+            names = list(state.reference.params)
+        else:
+            save_file(
+                state.to_flat_dict(), str(state_path), metadata={"format": "hivetrain-state", "epoch": str(state.epoch)}
+            )
+            names = list(state.params)
         fsync_file(state_path)
         self.faults.check(HookPoint.CHECKPOINT_MID_WRITE, epoch=state.epoch, path=str(tmp))
         manifest = {
             "format": MANIFEST_FORMAT,
             "epoch": state.epoch,
             "state_hash": state.state_hash(),
-            "param_names": list(state.params),
+            "param_names": names,
             "model_fingerprint": fingerprint,
             "run_config": run_config,
             "extra": extra,
@@ -294,6 +305,20 @@ class CheckpointStore:
             return state, manifest
         return None
 
+    def load_latest_file(self, reference: TrainingState, dst: Path) -> tuple[StateFile, dict[str, Any]] | None:
+        """``load_latest`` into a state file at ``dst`` (``checkpoint_format.load_checkpoint_file``): the newest
+        checkpoint that passes every check, never more than a piece of it in memory; None when there is none.
+
+        Raises:
+            OSError: ``dst`` could not be written (a full disk).
+        """
+        for epoch, path in self._epoch_dirs():
+            try:
+                return load_checkpoint_file(path, reference, dst, expected_epoch=epoch)
+            except CheckpointInvalid as exc:
+                logger.warning("skipping checkpoint %s: %s", path, exc)
+        return None
+
     def list(self, verify: bool = True) -> list[CheckpointInfo]:
         """Every checkpoint directory, newest first, with its status.
 
@@ -337,6 +362,24 @@ class CheckpointStore:
 
 
 # ---------------------------------------------------------------------- filesystem helpers
+
+
+def _place_state_file(state: StateFile, dst: Path) -> None:
+    """Make ``dst`` hold ``state``'s file: a hard link to it if its path still names the same file on this file
+    system, else a copy read through its open descriptor, a piece at a time."""
+    try:
+        stat = os.stat(state.path)
+        if (stat.st_dev, stat.st_ino) == state.inode:
+            os.link(state.path, dst)
+            return
+    except OSError:
+        pass  # unlinked, replaced, or another file system: copy
+    with open(dst, "wb") as out:
+        out.write(state.header_bytes())
+        for piece in state.pieces(0, state.num_bytes()):
+            out.write(piece)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def _stat_key(path: Path) -> tuple[int, int, int]:

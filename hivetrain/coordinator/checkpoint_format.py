@@ -22,7 +22,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 
-from hivetrain.diloco.state import MOMENTUM_PREFIX, TrainingState
+from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import StateFile, StateFileInvalid, copy_state_file, state_hash_of_file
 
 STATE_FILE = "state.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -48,26 +49,67 @@ class CheckpointInvalid(Exception):
 
 
 def verify_checkpoint(path: Path, expected_epoch: int | None = None) -> dict[str, Any]:
-    """Fully check one checkpoint directory without a reference model; returns its manifest.
+    """Fully check one checkpoint directory without a reference model, one piece of the state at a time (a 7B run's
+    checkpoint is 56 GB: the dashboard lists them on a small machine); returns its manifest.
 
     Raises:
         CheckpointInvalid: with status "torn" or "tampered" and the reason.
     """
     manifest = read_manifest(path, expected_epoch, check_sizes=True)
-    flat = _load_verified_tensors(path, manifest)
-    names = manifest["param_names"]
+    _check_file_sha256(path, manifest)
     try:
-        state = TrainingState(
-            epoch=manifest["epoch"],
-            params={n: flat.pop(n) for n in names},
-            momentum={n: flat.pop(MOMENTUM_PREFIX + n) for n in names},
-        )
-    except (KeyError, ValueError) as exc:
-        raise CheckpointInvalid("tampered", f"tensors do not form a training state: {exc}") from None
-    if flat:
-        raise CheckpointInvalid("tampered", f"unexpected tensors {sorted(flat)[:3]}")
-    _check_hash(state, manifest)
+        actual, finite = state_hash_of_file(path / STATE_FILE, manifest["param_names"], manifest["epoch"])
+    except StateFileInvalid as exc:
+        raise CheckpointInvalid("tampered", f"tensors do not form a training state: {exc.reason}") from None
+    except OSError as exc:
+        raise CheckpointInvalid("torn", f"cannot read {STATE_FILE}: {exc.strerror or exc}") from None
+    if not finite:
+        raise CheckpointInvalid("tampered", f"{STATE_FILE} holds NaN or Inf")
+    if actual != manifest["state_hash"]:
+        raise CheckpointInvalid("tampered", f"state_hash {actual[:12]}… != manifest {manifest['state_hash'][:12]}…")
     return manifest
+
+
+def load_checkpoint_file(
+    path: Path, reference: TrainingState, dst: Path, expected_epoch: int | None = None
+) -> tuple[StateFile, dict[str, Any]]:
+    """Load and fully check one checkpoint directory into a state file at ``dst`` (``state_file``), never holding
+    more than a piece of the state in memory: ``load_checkpoint`` for a state larger than memory.
+
+    Args:
+        path: an ``epoch-N`` directory.
+        reference: names and shapes of the current model (``state_file.meta_reference``: no memory).
+        dst: the state file to write (removed again if the checkpoint fails a check).
+        expected_epoch: the epoch the directory name promises, if any.
+
+    Returns:
+        (state file, manifest).
+
+    Raises:
+        CheckpointInvalid: "torn", "tampered" or "incompatible" with the reason.
+        OSError: ``dst`` could not be written (a full disk).
+    """
+    manifest = read_manifest(path, expected_epoch, check_sizes=True)
+    if manifest["param_names"] != list(reference.params):
+        raise CheckpointInvalid("incompatible", "parameter names differ from the current model")
+    _check_file_sha256(path, manifest)
+    try:
+        state = copy_state_file(path / STATE_FILE, reference, manifest["epoch"], dst)
+    except StateFileInvalid as exc:
+        raise CheckpointInvalid("incompatible" if exc.other_model else "tampered", exc.reason) from None
+    if state.state_hash() != manifest["state_hash"]:
+        state.close()
+        dst.unlink(missing_ok=True)
+        actual = state.state_hash()
+        raise CheckpointInvalid("tampered", f"state_hash {actual[:12]}… != manifest {manifest['state_hash'][:12]}…")
+    return state, manifest
+
+
+def _check_file_sha256(path: Path, manifest: dict[str, Any]) -> None:
+    expected = manifest["files"][STATE_FILE]["sha256"]
+    actual = sha256_file(path / STATE_FILE)
+    if actual != expected:
+        raise CheckpointInvalid("tampered", f"{STATE_FILE} sha256 {actual[:12]}… != manifest {expected[:12]}…")
 
 
 def load_checkpoint(

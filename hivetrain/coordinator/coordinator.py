@@ -116,7 +116,7 @@ class Coordinator:
         if not publish_run_config(self.node.dht, self.node.owner_marker, record, self.options.config_ttl_s):
             logger.warning("no DHT node accepted the run config")
         if self.follower is not None:
-            epoch, state_hash = self.follower.current().epoch, self.follower.state_hash
+            epoch, state_hash = self.follower.epoch, self.follower.state_hash
         else:
             epoch, state_hash = max((r.epoch for r in self.records if r.role == "trainer"), default=0), ""
         me = PeerRecord(
@@ -151,7 +151,7 @@ class Coordinator:
             published = ours.run_started_at if ours is not None else None
             start = earliest_start([saved, published], now, quorum.max_clock_skew_s)
         if self.follower is not None:
-            start = start_for_epoch(start, self.follower.current().epoch, now, quorum.min_epoch_s)
+            start = start_for_epoch(start, self.follower.epoch, now, quorum.min_epoch_s)
         if start != self.run_started_at:
             self.run_started_at = start
             if path is not None:
@@ -194,11 +194,11 @@ class Coordinator:
         assert self.follower is not None
         while not self._stop.wait(min(2.0, self.options.refresh_interval_s)):
             try:
-                records, before = self.records, self.follower.current().epoch
+                records, before = self.records, self.follower.epoch
                 if self._at_the_end(records):  # trainers linger only until our record shows their last epoch
                     records = self._read_records()
                 self.follower.step(records)
-                if self.follower.current().epoch != before:
+                if self.follower.epoch != before:
                     self.publish()  # our epoch (and the checkpoint it stands for) reaches the trainers at once
                 if self.observer is not None:
                     self.observer.set_checkpoints(self.follower.checkpoint_rows(), self.follower.checkpoints_written)
@@ -231,7 +231,7 @@ class Coordinator:
         last = self.config.diloco.outer_steps
         assert self.follower is not None
         newest = max((r.epoch for r in records if r.role == "trainer"), default=0)
-        return bool(last) and newest >= last - 1 and self.follower.current().epoch < last
+        return bool(last) and newest >= last - 1 and self.follower.epoch < last
 
     def stop(self) -> None:
         self._stop.set()

@@ -6,6 +6,11 @@ it only if its hash is the one the trainers published. It then serves that state
 limited to busy peers as donors) and saves a checkpoint every ``checkpoint_every`` epochs. On restart it loads its
 newest complete checkpoint and catches up from the peers.
 
+States live on disk when a work directory is given (``state_file``: the CLI always gives one), so the coordinator
+of a 7B run holds a few MB of the state in memory at a time, never the state: downloads are written into a file,
+hashed from it, served from it and hard-linked into checkpoints. Without θ₀ of its own (a model too big to build
+here, ``initial=None``) the first state it holds is the one the trainers' quorum publishes.
+
 It follows on evidence (``diloco/sync_policy.decide_sync`` with the quorum rule of ``peers/quorum.py``), never on one
 claim among others: by default a strict majority of the live trainers, even a majority of one (``FollowerOptions``);
 trainers whose epochs the run's age rules out are banned for a while and ignored.
@@ -16,14 +21,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.dashboard import CheckpointRow
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import StateFile, write_state_file
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
 from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, published_hashes
 from hivetrain.diloco.update_bound import UpdateNorms
@@ -75,32 +83,66 @@ class FollowerOptions:
             raise ValueError("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
 
 
+State = TrainingState | StateFile
+
+
 class StateFollower:
-    """Keeps ``state`` equal to the swarm's newest committed state; thread-safe reads via ``current()``."""
+    """Keeps ``state`` equal to the swarm's newest committed state; thread-safe reads via ``current()``.
+
+    Args:
+        initial: θ₀ with zero momentum, or None (no state until the first download).
+        store: where checkpoints go, or None.
+        run_config: the run's config dict (stored in checkpoints; ``diloco.outer_steps`` marks the last epoch).
+        fingerprint: the run model's fingerprint: records of another model are ignored.
+        on_event: called with a dict per state the follower adopts or refuses and per checkpoint it writes
+            (``event``: "state_downloaded" / "state_refused" / "checkpoint_saved", with ``epoch``, ``time`` (unix s)
+            and ``state_hash`` / ``reason``), on the follower's thread; it must not raise (the coordinator's
+            ``--metrics-file`` appends them as JSON lines).
+        reference: names and shapes of the model (``state_file.meta_reference``); default ``initial``.
+        work_dir: keep every state on disk in this directory (``state_file.StateFile``); None = in memory. Files
+            named ``state-*.safetensors`` there are the follower's: those left by an earlier process are removed.
+
+    Raises:
+        ValueError: neither ``initial`` nor ``reference`` given.
+        OSError: ``initial`` could not be written to ``work_dir``.
+    """
+
+    KEEP_FILES = 4
+    """State files kept on disk under their names: the state server's 3 snapshots and the one before them. An older
+    file is unlinked; its bytes stay readable by whoever still holds it (a joiner's download in flight)."""
 
     def __init__(
         self,
         node: PeerNode,
         loop: LoopThread,
         run_id: str,
-        initial: TrainingState,
+        initial: TrainingState | None,
         store: CheckpointStore | None,
         run_config: dict,
         fingerprint: str,
         options: FollowerOptions = FollowerOptions(),
         on_event: Callable[[dict], None] | None = None,
+        *,
+        reference: TrainingState | None = None,
+        work_dir: Path | None = None,
     ):
-        """``on_event``: called with a dict per state the follower adopts or refuses and per checkpoint it writes
-        (``event``: "state_downloaded" / "state_refused" / "checkpoint_saved", with ``epoch``, ``time`` (unix s)
-        and ``state_hash`` / ``reason``), on the follower's thread; it must not raise (the coordinator's
-        ``--metrics-file`` appends them as JSON lines)."""
         self.on_event = on_event or (lambda event: None)
         self.node, self.loop, self.run_id, self.store = node, loop, run_id, store
         # every record of the run, read afresh (the coordinator replaces it with its read of every shard)
         self.read_records: Callable[[], list[PeerRecord]] = lambda: fetch_records(node.dht, run_id)
         self.run_config, self.fingerprint, self.options = run_config, fingerprint, options
-        self.reference = initial
-        self._state, self._hash = initial, initial.state_hash()
+        reference = reference if reference is not None else initial
+        if reference is None:
+            raise ValueError("StateFollower needs the initial state or a reference of the model's shapes")
+        self.reference: TrainingState = reference
+        self.work_dir, self._files, self._next_file = work_dir, deque(), 0
+        if work_dir is not None:
+            for stale in Path(work_dir).glob("state-*.safetensors"):
+                stale.unlink(missing_ok=True)
+        state: State | None = initial
+        if initial is not None and work_dir is not None:
+            state = self._keep_file(write_state_file(initial, self._new_path(), reference))
+        self._state, self._hash = state, state.state_hash() if state is not None else ""
         self._lock = threading.Lock()
         self.server = StateServer(self.current)
         self.checkpoints_written = 0
@@ -108,28 +150,56 @@ class StateFollower:
         self.bans = BanList()
         self.steps = UpdateNorms(options.step_window)  # ‖θ_{e+1} − θ_e‖ of the epochs we followed
 
+    def _new_path(self) -> Path:
+        assert self.work_dir is not None
+        self._next_file += 1
+        return Path(self.work_dir) / f"state-{self._next_file:06d}.safetensors"
+
+    def _keep_file(self, state: State) -> State:
+        """Track a state file; unlink the names of those past ``KEEP_FILES`` (their bytes live while referenced)."""
+        if isinstance(state, StateFile):
+            self._files.append(state.path)
+            while len(self._files) > self.KEEP_FILES:
+                self._files.popleft().unlink(missing_ok=True)
+        return state
+
     def restore(self) -> int | None:
-        """Load the newest complete checkpoint, if any. Returns its epoch."""
+        """Load the newest complete checkpoint, if any. Returns its epoch.
+
+        Raises:
+            OSError: the state file could not be written to ``work_dir`` (a full disk).
+        """
         if self.store is None:
             return None
-        loaded = self.store.load_latest(self.reference)
+        if self.work_dir is not None:
+            path = self._new_path()
+            loaded = self.store.load_latest_file(self.reference, path)
+        else:
+            loaded = self.store.load_latest(self.reference)
         if loaded is None:
             return None
         state, manifest = loaded
-        self._set(state)
+        self._set(self._keep_file(state))
         logger.info("restored checkpoint of epoch %d (%s)", state.epoch, manifest.get("state_hash", "")[:12])
         return state.epoch
 
-    def current(self) -> TrainingState:
+    def current(self) -> State | None:
+        """The state we hold (None before the first, without θ₀)."""
         with self._lock:
             return self._state
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the state we hold; 0 while we hold none."""
+        state = self.current()
+        return state.epoch if state is not None else 0
 
     @property
     def state_hash(self) -> str:
         with self._lock:
             return self._hash
 
-    def _set(self, state: TrainingState) -> None:
+    def _set(self, state: State) -> None:
         digest = state.state_hash()
         with self._lock:
             self._state, self._hash = state, digest
@@ -147,7 +217,7 @@ class StateFollower:
         state, now = self.current(), get_dht_time()
         decision = decide_sync(
             self.node.peer_id,
-            state.epoch,
+            state.epoch if state is not None else -1,  # none held: the trainers' θ₀ is ahead of us
             self.state_hash,
             trainers,
             now,
@@ -169,11 +239,15 @@ class StateFollower:
                         self._fresh_hashes,
                         self.reference,
                         self.options.download_timeout_s,
+                        into=self._new_path() if self.work_dir is not None else None,
                     ),
                     timeout_s=self.options.download_timeout_s * 4,
                 )
             except (StateDownloadFailed, TimeoutError, ValueError) as exc:
                 logger.warning("state download failed: %s", exc)
+                return f"download failed: {exc}"
+            except OSError as exc:  # the state file: a full disk
+                logger.warning("state download failed: cannot write %s: %s", self.work_dir, exc.strerror or exc)
                 return f"download failed: {exc}"
             unchecked = unchecked_adoption(state, new, self.steps, self.options)
             ok, why = step_check(state, new, self.steps, self.options)
@@ -182,10 +256,14 @@ class StateFollower:
                     self.bans.ban(peer_id, now, reason=f"served an unbounded step: {why}")
                 logger.warning("refused epoch %d from %s: %s", new.epoch, ", ".join(decision.donors), why)
                 self._emit("state_refused", new.epoch, reason=why, donors=list(decision.donors))
+                if isinstance(new, StateFile):
+                    new.close()
+                    new.path.unlink(missing_ok=True)
                 return f"refused epoch {new.epoch}: {why}"
             if unchecked:
+                logger.warning("adopting epoch %d unchecked: %s", new.epoch, unchecked)
                 self._keep_before(state, f"epoch {new.epoch} adopted unchecked: {unchecked}")
-            self._set(new)
+            self._set(self._keep_file(new))
             self.downloads += 1
             did = f"downloaded epoch {new.epoch} ({decision.reason})"
             logger.info("%s", did)
@@ -193,10 +271,10 @@ class StateFollower:
         self._maybe_checkpoint()
         return did
 
-    def _keep_before(self, state: TrainingState, reason: str) -> None:
+    def _keep_before(self, state: State | None, reason: str) -> None:
         """Checkpoint ``state`` (if it is not yet) and protect that checkpoint from pruning: the run can go back to it
         if what we adopt next was poisoned. Never raises (a full disk must not stop the follower)."""
-        if self.store is None or state.epoch == 0:
+        if self.store is None or state is None or state.epoch == 0:
             return
         try:
             if not any(c.epoch == state.epoch and c.status == "ok" for c in self.store.list(verify=False)):
@@ -223,7 +301,9 @@ class StateFollower:
         state = self.current()
         every = self.options.checkpoint_every
         last = int((self.run_config.get("diloco") or {}).get("outer_steps") or 0)
-        if self.store is None or not every or state.epoch == 0 or (state.epoch % every and state.epoch != last):
+        if self.store is None or not every or state is None or state.epoch == 0:
+            return
+        if state.epoch % every and state.epoch != last:
             return
         if any(c.epoch == state.epoch and c.status == "ok" for c in self.store.list(verify=False)):
             return
@@ -241,11 +321,14 @@ class StateFollower:
         return [CheckpointRow(c.epoch, c.created_at, c.status, c.reason) for c in self.store.list(verify=True)]
 
 
-def unchecked_adoption(current: TrainingState, new: TrainingState, steps: UpdateNorms, options: FollowerOptions) -> str:
-    """Why moving from ``current`` to ``new`` is more than a step the coordinator can check ("" = it is one): no
-    step history for ``step_check`` past the run's start (a restart: we hold an epoch we did not follow step by
-    step), or another state at our own epoch (a fork resolved by the quorum). Before such an adoption the
-    coordinator keeps a checkpoint of ``current`` out of pruning's reach (``CheckpointStore.protect``)."""
+def unchecked_adoption(current: State | None, new: State, steps: UpdateNorms, options: FollowerOptions) -> str:
+    """Why moving from ``current`` to ``new`` is more than a step the coordinator can check ("" = it is one): we hold
+    no state to measure from (no θ₀ of our own), no step history for ``step_check`` past the run's start (a restart:
+    we hold an epoch we did not follow step by step), or another state at our own epoch (a fork resolved by the
+    quorum). Before such an adoption the coordinator keeps a checkpoint of ``current`` out of pruning's reach
+    (``CheckpointStore.protect``)."""
+    if current is None:
+        return "we hold no state of our own to measure its step from (the quorum's state is taken as it is)"
     if new.epoch == current.epoch:
         return f"it replaces our state of epoch {current.epoch} (a fork resolved)"
     known, needed = len(steps.history), options.step_min_history
@@ -254,12 +337,13 @@ def unchecked_adoption(current: TrainingState, new: TrainingState, steps: Update
     return ""
 
 
-def step_check(
-    current: TrainingState, new: TrainingState, steps: UpdateNorms, options: FollowerOptions
-) -> tuple[bool, str]:
+def step_check(current: State | None, new: State, steps: UpdateNorms, options: FollowerOptions) -> tuple[bool, str]:
     """May the coordinator move from ``current`` to ``new``? ``update_bound.step_check`` with the follower's bound
     (``options.max_step_ratio``, ``options.step_min_history``); on yes the per-epoch step is added to ``steps``.
 
     A state one outer step from ours moves θ by one averaged update; random weights move it by the norm of θ itself,
-    orders of magnitude more. The coordinator trains nothing and holds no data, so this is its check."""
+    orders of magnitude more. The coordinator trains nothing and holds no data, so this is its check. With no state
+    of our own there is no step to measure: yes (``unchecked_adoption`` says so)."""
+    if current is None:
+        return True, "no state of our own to measure the step from"
     return bound_step(current, new, steps, options.max_step_ratio, options.step_min_history)

@@ -56,7 +56,7 @@ class TrainingState:
         for group, tensors in (("param", self.params), ("momentum", self.momentum)):
             for name, tensor in tensors.items():
                 digest.update(f"{group}:{name}:{tuple(tensor.shape)}".encode())
-                digest.update(tensor.contiguous().view(torch.uint8).numpy())  # the buffer itself: no copy
+                digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
         return digest.hexdigest()
 
     def to_flat_dict(self) -> dict[str, torch.Tensor]:

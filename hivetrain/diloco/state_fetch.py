@@ -33,10 +33,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hivemind.p2p import P2P
 
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import StateFile, StateFileWriter
 from hivetrain.diloco.state_offers import collect_offers, open_stream
 from hivetrain.diloco.state_routing import (
     Attempt,
@@ -90,7 +92,7 @@ class FetchResult:
         manifests_refuted: manifests that claimed the published hash and proved false.
     """
 
-    state: TrainingState | None = None
+    state: TrainingState | StateFile | None = None
     bad_donors: dict[str, str] = field(default_factory=dict)
     dropped_donors: dict[str, str] = field(default_factory=dict)
     bytes_from: dict[str, int] = field(default_factory=dict)
@@ -287,8 +289,12 @@ class _GroupDownload:
         return "ok", b"".join(pieces)
 
 
-def _assemble(buffer: bytearray, manifest: Manifest, reference: TrainingState) -> TrainingState | None:
+def _assemble(
+    buffer: bytearray | StateFileWriter, manifest: Manifest, reference: TrainingState
+) -> TrainingState | StateFile | None:
     """The state in ``buffer`` if its hash is the manifest's (off the event loop: hashes the whole state)."""
+    if isinstance(buffer, StateFileWriter):
+        return buffer.finish(manifest.epoch, manifest.state_hash)
     try:
         state = unflatten(buffer, manifest.epoch, reference)
     except ValueError:
@@ -308,6 +314,7 @@ async def fetch_state(
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
     admits: Callable[[str], bool] | None = None,
+    into: Path | None = None,
 ) -> FetchResult:
     """Download the newest state whose hash peers published, routing around donors that lie, fail or crawl.
 
@@ -325,6 +332,9 @@ async def fetch_state(
         rng: breaks ties between manifests offered by as many donors, and orders donors.
         admits: whether a donor is a member of the run (``peers.membership.MemberRoster.admits``); non-members are
             never asked (listed in ``dropped_donors``). None = an open run.
+        into: download into this file (``state_file.StateFileWriter``) instead of memory: ``FetchResult.state`` is
+            then a ``StateFile`` and the download holds a few chunks in memory, not the state (the coordinator of a
+            model larger than its memory). The file is removed if the download fails.
 
     Returns:
         FetchResult with the verified state and a report per donor. The whole call is bounded by the caller (each
@@ -375,7 +385,21 @@ async def fetch_state(
         raise StateDownloadFailed(
             f"none of {len(donors)} donor(s) offered a state whose hash peers published", result.bad_donors
         )
-    buffer, have, have_chunk_bytes = bytearray(num_bytes), {}, None
+    buffer: bytearray | StateFileWriter
+    buffer = StateFileWriter(into, reference) if into is not None else bytearray(num_bytes)
+    try:
+        return await _fetch_candidates(
+            p2p, protocol, candidates, buffer, reference, result, timeout_s, config, faults, clock
+        )
+    finally:
+        if isinstance(buffer, StateFileWriter) and result.state is None:
+            buffer.abandon()
+
+
+async def _fetch_candidates(p2p, protocol, candidates, buffer, reference, result, timeout_s, config, faults, clock):
+    """Try the ranked manifests in turn into ``buffer`` (``fetch_state``'s steps 2 and 3)."""
+    loop = asyncio.get_running_loop()
+    have, have_chunk_bytes = {}, None
     for candidate in candidates:
         manifest = candidate.manifest
         members = [d for d in candidate.donors if d not in result.bad_donors and d not in result.dropped_donors]
@@ -384,7 +408,7 @@ async def fetch_state(
         if manifest.chunk_bytes != have_chunk_bytes:
             have, have_chunk_bytes = {}, manifest.chunk_bytes
         logger.info(
-            "downloading epoch %d state (%.1f MB) from %d donor(s)", manifest.epoch, num_bytes / 1e6, len(members)
+            "downloading epoch %d state (%.1f MB) from %d donor(s)", manifest.epoch, len(buffer) / 1e6, len(members)
         )
         group = _GroupDownload(
             p2p, protocol, candidate, members, buffer, have, result, timeout_s, config, faults, clock
@@ -420,11 +444,14 @@ async def download_state(
     config: FetchConfig | None = None,
     on_bad_donor: Callable[[str, str], None] | None = None,
     admits: Callable[[str], bool] | None = None,
-) -> TrainingState:
+    into: Path | None = None,
+) -> TrainingState | StateFile:
     """``fetch_state`` returning only the state; ``on_bad_donor(peer_id, reason)`` is called for every donor that
     lied (on success and on failure) so the caller can ban it. Same arguments and errors as ``fetch_state``."""
     try:
-        result = await fetch_state(p2p, run_id, donors, expected, reference, timeout_s, faults, config, admits=admits)
+        result = await fetch_state(
+            p2p, run_id, donors, expected, reference, timeout_s, faults, config, admits=admits, into=into
+        )
     except StateDownloadFailed as exc:
         for donor, reason in exc.bad_donors.items():
             if on_bad_donor is not None:

@@ -32,6 +32,7 @@ from hivemind.p2p import P2P
 
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_fetch import FetchConfig, FetchResult, StateDownloadFailed, download_state, fetch_state
+from hivetrain.diloco.state_file import StateFile
 from hivetrain.diloco.state_wire import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -68,9 +69,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Snapshot:
-    state: TrainingState
-    segments: list[memoryview] | None = None
+    state: TrainingState | StateFile
+    read: Callable[[int, int], bytes] | None = None  # bytes [start, end) of the flat state
     manifest: Manifest | None = None
+
+
+def _reader(state: TrainingState | StateFile) -> Callable[[int, int], bytes]:
+    """Reads bytes ``[start, end)`` of ``state``'s flat layout: views of the tensors in memory, ``pread`` on disk."""
+    if isinstance(state, StateFile):
+        return state.read_range
+    segments = state_segments(state)
+    return lambda start, end: read_range(segments, start, end)
 
 
 class StateServer:
@@ -81,9 +90,12 @@ class StateServer:
     parameter; 2 GB for a 124M-parameter model with the default 3) plus 64 bytes of hashes per chunk, and one chunk
     copy per request in flight. The previous design kept 2 full copies, the same bytes for one epoch less.
 
+    A state on disk (``state_file.StateFile``, the coordinator's follower of a big model) is served the same way, each
+    chunk read from the file when it is requested; its manifest costs one pass over the file.
+
     Args:
-        get_state: returns the current committed state (or None while the peer has none to share). Called on every
-            meta request and by ``observe``; must be cheap (return a reference).
+        get_state: returns the current committed state (or None while the peer has none to share), in memory or on
+            disk. Called on every meta request and by ``observe``; must be cheap (return a reference).
         chunk_bytes: chunk size of downloads, bytes, in ``[MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]``, a multiple of 4.
         faults: hook ``state.before_serve`` fires before each meta reply with ``epoch`` and ``meta`` (the reply
             map, which a ``call`` fault may rewrite, as a hostile donor would).
@@ -108,7 +120,7 @@ class StateServer:
 
     def __init__(
         self,
-        get_state: Callable[[], TrainingState | None],
+        get_state: Callable[[], TrainingState | StateFile | None],
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         faults: FaultInjector = NO_FAULTS,
         keep_epochs: int = 3,
@@ -166,11 +178,11 @@ class StateServer:
                 todo = [s for s in self._recent if s.manifest is None]
             for snapshot in todo:
                 state = snapshot.state
-                segments = state_segments(state)
+                read = _reader(state)
                 state_hash = (self.known_hash(state) if self.known_hash is not None else None) or state.state_hash()
-                manifest = build_manifest(state.epoch, state_hash, segments, self.chunk_bytes)
+                manifest = build_manifest(state.epoch, state_hash, read, state.num_bytes(), self.chunk_bytes)
                 with self._lock:
-                    snapshot.segments, snapshot.manifest = segments, manifest
+                    snapshot.read, snapshot.manifest = read, manifest
         with self._lock:
             return [s for s in self._recent if s.manifest is not None]
 
@@ -184,9 +196,9 @@ class StateServer:
 
     def _payload(self, snapshot: _Snapshot, index: int) -> bytes | None:
         """Chunk ``index`` read from the snapshot's tensors and hashed again; None if its bytes changed."""
-        assert snapshot.manifest is not None and snapshot.segments is not None
+        assert snapshot.manifest is not None and snapshot.read is not None
         start, end = snapshot.manifest.chunk_range(index)
-        data = read_range(snapshot.segments, start, end)
+        data = snapshot.read(start, end)
         if hashlib.sha256(data).hexdigest() != snapshot.manifest.chunk_hashes[index]:
             with self._lock:
                 if snapshot in self._recent:

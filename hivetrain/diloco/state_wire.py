@@ -18,7 +18,7 @@ import hashlib
 import math
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -177,11 +177,13 @@ class Manifest:
         }
 
 
-def build_manifest(epoch: int, state_hash: str, segments: Sequence[memoryview], chunk_bytes: int) -> Manifest:
-    """Hash the flat state chunk by chunk (one pass, one chunk copied at a time)."""
-    num_bytes = sum(len(s) for s in segments)
+def build_manifest(
+    epoch: int, state_hash: str, read: Callable[[int, int], bytes], num_bytes: int, chunk_bytes: int
+) -> Manifest:
+    """Hash the flat state of ``num_bytes`` bytes chunk by chunk, reading bytes ``[start, end)`` with
+    ``read(start, end)`` (one pass, one chunk in memory at a time)."""
     hashes = tuple(
-        hashlib.sha256(read_range(segments, start, min(start + chunk_bytes, num_bytes))).hexdigest()
+        hashlib.sha256(read(start, min(start + chunk_bytes, num_bytes))).hexdigest()
         for start in range(0, num_bytes, chunk_bytes)
     )
     return Manifest(epoch, state_hash, num_bytes, chunk_bytes, hashes)

@@ -26,9 +26,11 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import StateFile, theta_pieces
 
 NORM_CHUNK_ELEMENTS = 1 << 20  # elements converted to fp64 at a time (8 MiB of scratch memory)
 
@@ -102,16 +104,26 @@ class UpdateNorms:
             self._norms.append(float(norm))
 
 
-def step_norm(old: TrainingState, new: TrainingState) -> float:
+def step_norm(old: TrainingState | StateFile, new: TrainingState | StateFile) -> float:
     """‖θ_new − θ_old‖₂ per epoch between two states of one model (fp64 accumulation; ``new.epoch == old.epoch``, a
-    fork resolved, counts as one epoch). The unit the per-epoch step histories (``step_check``) hold."""
+    fork resolved, counts as one epoch). The unit the per-epoch step histories (``step_check``) hold.
+
+    States on disk (``state_file.StateFile``, the coordinator's follower) are read a piece at a time, in flat order
+    (the sum's order differs from the in-memory one's by fp64 rounding, 1e-16 relative)."""
     jumped = max(1, new.epoch - old.epoch)
-    return l2_norm(torch.sub(new.params[n], old.params[n]) for n in old.params) / jumped
+    if isinstance(old, TrainingState) and isinstance(new, TrainingState):
+        return l2_norm(torch.sub(new.params[n], old.params[n]) for n in old.params) / jumped
+    partials = []
+    for a, b in zip(theta_pieces(old), theta_pieces(new), strict=True):
+        diff = (b - a).astype(np.float64)  # the difference in fp32, as torch.sub gives it in memory
+        partials.append(float(np.dot(diff, diff)))
+    total = math.fsum(partials)
+    return (math.sqrt(total) if math.isfinite(total) else math.inf) / jumped
 
 
 def step_check(
-    current: TrainingState,
-    new: TrainingState,
+    current: TrainingState | StateFile,
+    new: TrainingState | StateFile,
     steps: UpdateNorms,
     max_ratio: float,
     min_history: int,

@@ -27,13 +27,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from hivetrain.diloco.drift import ParamSketcher
 from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
 from hivetrain.diloco.state import TrainingState
-from hivetrain.diloco.state_wire import build_manifest, state_segments
+from hivetrain.diloco.state_wire import build_manifest, read_range, state_segments
 from hivetrain.model import PRESETS, build_config, build_model, evaluate
 
 MAIN_THREAD = ("pseudo_gradient", "outer_step", "state_hash", "load", "evaluate")
@@ -75,7 +76,9 @@ def measure(model: torch.nn.Module, args) -> dict[str, float]:
         "state_hash": new_state.state_hash,
         "load": lambda: load_into_model(new_state, model),
         "sketch": lambda: sketcher.sketch(new_state.params),
-        "manifest": lambda: build_manifest(1, "0" * 64, state_segments(new_state), 4 << 20),
+        "manifest": lambda: build_manifest(
+            1, "0" * 64, partial(read_range, state_segments(new_state)), new_state.num_bytes(), 4 << 20
+        ),
     }
     if args.preset:
         vocab = model.config.vocab_size

@@ -136,6 +136,66 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(
     assert any("epoch-000002" in r.getMessage() and reason_part in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    "corrupt, reason_part",
+    [
+        (_truncate, "truncated"),
+        (_flip, "sha256"),
+        (_remove_manifest, "no manifest"),
+        (_wrong_state_hash, "state_hash"),
+        (_flip_and_reforge_file_hash, "state_hash"),
+    ],
+)
+def test_a_damaged_checkpoint_loaded_onto_disk_falls_back_to_the_previous(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, corrupt, reason_part: str
+) -> None:
+    """The follower of a model larger than memory restores through ``load_latest_file``: the same checks, the same
+    fallback, and the state file of a refused checkpoint is not left behind."""
+    store = CheckpointStore(tmp_path / "ck", keep_last=3)
+    store.save(make_state(1), RUN_CONFIG, {})
+    corrupt(store.save(make_state(2), RUN_CONFIG, {}))
+    with caplog.at_level(logging.WARNING, logger="hivetrain.coordinator.checkpoint"):
+        loaded = store.load_latest_file(meta_of(make_state(0)), tmp_path / "state.safetensors")
+    assert loaded is not None
+    assert_bit_identical(loaded[0].to_state(), make_state(1))
+    assert any("epoch-000002" in r.getMessage() and reason_part in r.getMessage() for r in caplog.records)
+
+
+def meta_of(state: TrainingState) -> TrainingState:
+    params = {n: torch.empty(t.shape, device="meta") for n, t in state.params.items()}
+    return TrainingState(0, params, {n: torch.empty_like(t) for n, t in params.items()})
+
+
+def test_a_state_on_disk_is_checkpointed_as_a_hard_link_and_loads_in_memory_too(tmp_path: Path) -> None:
+    from hivetrain.diloco.state_file import write_state_file
+
+    store = CheckpointStore(tmp_path / "ck", keep_last=2)
+    state = make_state(6)
+    on_disk = write_state_file(state, tmp_path / "s.safetensors", meta_of(state))
+    path = store.save(on_disk, RUN_CONFIG, {})
+    assert (path / STATE_FILE).stat().st_ino == (tmp_path / "s.safetensors").stat().st_ino  # no byte copied
+    loaded = store.load_latest(make_state(0))  # the in-memory loader reads it as any checkpoint
+    assert loaded is not None and loaded[1]["param_names"] == list(state.params)
+    assert_bit_identical(loaded[0], state)
+    assert store.list()[0].status == "ok"
+
+    (tmp_path / "s.safetensors").unlink()  # the follower dropped the path: the next save copies from the descriptor
+    store.save(write_state_file(make_state(7), tmp_path / "t.safetensors", meta_of(state)), RUN_CONFIG, {})
+    unlinked = write_state_file(make_state(8), tmp_path / "u.safetensors", meta_of(state))
+    (tmp_path / "u.safetensors").unlink()
+    store.save(unlinked, RUN_CONFIG, {})
+    assert_bit_identical(store.load_latest(make_state(0))[0], make_state(8))
+    assert [c.status for c in store.list()] == ["ok", "ok"]
+
+
+def test_a_checkpoint_of_another_model_is_incompatible_on_disk_too(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ck", keep_last=2)
+    store.save(make_state(4), RUN_CONFIG, {})
+    other = TrainingState(epoch=0, params={"w": torch.zeros(3)}, momentum={"w": torch.zeros(3)})
+    assert store.load_latest_file(meta_of(other), tmp_path / "s.safetensors") is None
+    assert not (tmp_path / "s.safetensors").exists()
+
+
 def test_checkpoint_of_another_model_is_incompatible(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep_last=2)
     store.save(make_state(4), RUN_CONFIG, {})

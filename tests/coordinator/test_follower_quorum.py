@@ -132,3 +132,69 @@ def test_each_adopted_state_and_checkpoint_is_an_event_with_its_epoch(tmp_path):
     follower.step([rec("a", 2), rec("b", 2)])
     assert [(e["event"], e["epoch"]) for e in events] == [("state_downloaded", 2), ("checkpoint_saved", 2)]
     assert events[0]["state_hash"] == state(2).state_hash() and events[0]["reason"]
+
+
+# ---- issue 24: states on disk, no θ₀ of our own ---------------------------------------------------------------------
+
+
+def meta() -> TrainingState:
+    return TrainingState(0, {"w": torch.empty(2, device="meta")}, {"w": torch.empty(2, device="meta")})
+
+
+class DiskLoop(FakeLoop):
+    """``FakeLoop`` for a follower with a work directory: the state it hands back is written where the download was
+    told to write it (``into``), as ``fetch_state`` does."""
+
+    def run(self, coro, timeout_s):
+        from hivetrain.diloco.state_file import write_state_file
+
+        into = coro.cr_frame.f_locals["into"]
+        assert into is not None, "a follower with a work directory downloads into a file"
+        return write_state_file(super().run(coro, timeout_s), into, meta())
+
+
+def test_a_follower_without_theta0_takes_the_quorums_and_keeps_every_state_on_disk(tmp_path):
+    """The coordinator of a model too big to build holds no θ₀: it publishes epoch 0 with no hash, downloads the
+    trainers' θ₀ by quorum, follows each step with its bound, checkpoints by hard link, and keeps a few files."""
+    from hivetrain.coordinator.checkpoint import CheckpointStore
+    from hivetrain.diloco.state_file import StateFile
+
+    store, work = CheckpointStore(tmp_path / "ck", keep_last=2), tmp_path / "work"
+    work.mkdir()
+    (work / "state-000009.safetensors").write_bytes(b"left by a killed coordinator")
+    node = SimpleNamespace(peer_id="coord", dht=None)
+    loop = DiskLoop({"a": 0, "b": 0})
+    follower = StateFollower(node, loop, "r", None, store, {}, "f", FollowerOptions(checkpoint_every=1),
+                             reference=meta(), work_dir=work)  # fmt: skip
+    follower._p2p = None
+    assert follower.current() is None and follower.epoch == 0 and follower.state_hash == ""
+    assert not (work / "state-000009.safetensors").exists()
+    assert follower.step([rec("a", 0), rec("b", 0)]).startswith("downloaded epoch 0")
+    for epoch in range(1, 8):
+        loop.epochs = {"a": epoch, "b": epoch}
+        assert follower.step([rec("a", epoch), rec("b", epoch)]).startswith(f"downloaded epoch {epoch}")
+        held = follower.current()
+        assert isinstance(held, StateFile) and held.state_hash() == state(epoch).state_hash()
+    assert len(follower.steps.history) == 7  # every step from θ₀ on was measured
+    assert len(list(work.glob("state-*.safetensors"))) == StateFollower.KEEP_FILES
+    newest = store.list()[0]
+    assert newest.epoch == 7 and newest.status == "ok"
+    assert (newest.path / "state.safetensors").stat().st_ino == held.inode[1]
+
+    restarted = StateFollower(node, DiskLoop({}), "r", None, store, {}, "f", FollowerOptions(),
+                              reference=meta(), work_dir=work)  # fmt: skip
+    assert restarted.restore() == 7 and restarted.state_hash == state(7).state_hash()
+
+
+def test_a_refused_download_leaves_no_file_behind(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    node = SimpleNamespace(peer_id="coord", dht=None)
+    loop = DiskLoop({"a": 1, "b": 1})
+    follower = StateFollower(node, loop, "r", state(0), None, {}, "f", FollowerOptions(step_min_history=0),
+                             reference=meta(), work_dir=work)  # fmt: skip
+    follower._p2p = None
+    follower.steps.add(1e-6)  # the run's steps are tiny: θ₀ -> θ₁ (w += 1) is far beyond them
+    assert follower.step([rec("a", 1), rec("b", 1)]).startswith("refused epoch 1")
+    assert [p.name for p in work.glob("state-*.safetensors")] == ["state-000001.safetensors"]  # θ₀ only
+    assert follower.epoch == 0

@@ -4,6 +4,7 @@ import asyncio
 import math
 import random
 import struct
+from functools import partial
 
 import numpy as np
 import pytest
@@ -154,7 +155,9 @@ def test_ties_between_manifests_are_broken_at_random_not_by_peer_id():
 
 def _meta(**over):
     state = _state()
-    message = build_manifest(3, state.state_hash(), state_segments(state), CHUNK).to_message()
+    message = build_manifest(
+        3, state.state_hash(), partial(read_range, state_segments(state)), state.num_bytes(), CHUNK
+    ).to_message()
     message.update(over)
     return message, layout_num_bytes(state)
 

@@ -327,3 +327,37 @@ def test_a_long_download_logs_its_progress_with_rate_and_time_left(make_node, lo
     shares = [float(line.split("%")[0].rsplit(" ", 1)[1]) for line in lines]
     assert shares == sorted(shares) and 0 < shares[0] and shares[-1] < 100
     assert all(" MB/s, " in line and ("s left" in line or "no rate yet" in line) for line in lines)
+
+
+@pytest.mark.slow
+def test_a_state_on_disk_is_served_and_downloaded_into_a_file_chunk_by_chunk(make_node, loop, tmp_path):
+    """Issue 24 item 4: the coordinator of a model larger than its memory serves its state from a file and downloads
+    the next one into a file; a joiner holding the state in memory gets the same bytes from it."""
+    from hivetrain.diloco.state_file import StateFile, write_state_file
+
+    donor = make_node(name="d0")
+    coordinator = make_node(donor.visible_maddrs(), name="c")
+    joiner = make_node(donor.visible_maddrs(), name="j")
+    good = _state(4, seed=5)
+    _serve(loop, donor, good)
+    meta = TrainingState(0, {k: torch.empty(v.shape, device="meta") for k, v in good.params.items()},
+                         {k: torch.empty(v.shape, device="meta") for k, v in good.params.items()})  # fmt: skip
+    p2p = loop.run(coordinator.dht.replicate_p2p(), 30)
+    expected = {4: good.state_hash()}
+    got = loop.run(download_state(p2p, "run", [donor.peer_id], expected, meta, 10, into=tmp_path / "s.safetensors"), 60)
+    assert isinstance(got, StateFile) and got.state_hash() == good.state_hash() and got.epoch == 4
+
+    served = _serve(loop, coordinator, got)
+    again = loop.run(download_state(loop.run(joiner.dht.replicate_p2p(), 30), "run", [coordinator.peer_id],
+                                    expected, _state(0, seed=9), 10), 60)  # fmt: skip
+    assert isinstance(again, TrainingState) and again.state_hash() == good.state_hash()
+    assert served.bytes_served == good.num_bytes()
+
+    # a donor whose manifest claims the published hash for other bytes: every chunk is written, the whole file is
+    # hashed, refuted, and removed
+    liar = write_state_file(_state(4, seed=6), tmp_path / "liar.safetensors")
+    faults, fault = lie_about_hash(good.state_hash())
+    _register(loop, joiner, Liar(lambda: liar, chunk_bytes=CHUNK, faults=faults))
+    with pytest.raises(StateDownloadFailed, match="1 bad"):
+        loop.run(download_state(p2p, "run", [joiner.peer_id], expected, meta, 10, into=tmp_path / "x.safetensors"), 60)
+    assert fault.fired >= 1 and not (tmp_path / "x.safetensors").exists()  # a failed download leaves no file
