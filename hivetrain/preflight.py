@@ -300,9 +300,52 @@ def run_preflight(
     return decision
 
 
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The preflight's estimate of the training device's memory against the peak measured during the first inner
+    phase (``torch.cuda.max_memory_allocated``; issue 24: "the preflight's estimate vs measured peak memory logged").
+    Bytes."""
+
+    estimated_bytes: int
+    peak_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Measured over estimated (1.0 = exact; the preflight refuses runs over free memory / ``DEFAULT_MARGIN``)."""
+        return self.peak_bytes / max(self.estimated_bytes, 1)
+
+    @property
+    def reason(self) -> str:
+        return (
+            f"memory: measured peak {self.peak_bytes / 2**30:.2f} GiB on the device in the first inner phase, "
+            f"the preflight estimated {self.estimated_bytes / 2**30:.2f} GiB ({self.ratio - 1:+.0%})"
+        )
+
+
+def check_estimate(
+    model: torch.nn.Module, microbatch: int, seq_len: int, device_type: str, half_precision: bool, peak_bytes: int
+) -> MemoryCheck:
+    """``estimate_memory`` of the model as it trains (its parameters, activation checkpointing on or off) against a
+    measured peak (``peak_bytes``)."""
+    from hivetrain.model import count_parameters, is_activation_checkpointing
+
+    estimate = estimate_memory(
+        count_parameters(model),
+        model.config,
+        microbatch=microbatch,
+        seq_len=seq_len,
+        device_type=device_type,
+        half_precision=half_precision,
+        activation_checkpointing=is_activation_checkpointing(model),
+    )
+    return MemoryCheck(estimate.device_bytes, peak_bytes)
+
+
 __all__ = [
     "InsufficientMemory",
+    "MemoryCheck",
     "MemoryEstimate",
+    "check_estimate",
     "PreflightDecision",
     "check_memory",
     "estimate_memory",

@@ -431,10 +431,20 @@ def _write_summary(
             part: seconds / max(stat("rounds_committed"), 1) for part, seconds in stat("outer_overhead_s", {}).items()
         },
         "compile_s": stat("compile_s", 0.0),
+        # CUDA: the preflight's estimate of device memory and the peak measured in the first inner phase, bytes
+        **_memory_figures(trainer),
         "final_eval_loss": stat("last_eval_loss", None),
         "num_parameters": sum(p.numel() for p in trainer.model.parameters()) if trainer is not None else 0,
     }
     Path(path).write_text(json.dumps(summary, indent=2))
+
+
+def _memory_figures(trainer) -> dict[str, int]:
+    """``preflight_device_bytes`` and ``peak_device_bytes`` of a CUDA peer (``InnerOptimizer.memory``); none on CPU."""
+    memory = getattr(getattr(getattr(trainer, "phases", None), "inner", None), "memory", None)
+    if memory is None:
+        return {}
+    return {"preflight_device_bytes": memory.estimated_bytes, "peak_device_bytes": memory.peak_bytes}
 
 
 if __name__ == "__main__":

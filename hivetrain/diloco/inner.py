@@ -35,11 +35,15 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
 from hivetrain.diloco.config import DilocoConfig
+
+if TYPE_CHECKING:
+    from hivetrain.preflight import MemoryCheck
 from hivetrain.model import lm_loss
 
 logger = logging.getLogger(__name__)
@@ -213,6 +217,7 @@ class InnerOptimizer:
         self.compiled = resolve_compile(config.compile, device.type)
         self._loss = torch.compile(self._forward_loss, dynamic=False) if self.compiled else self._forward_loss
         self.compile_s = 0.0  # seconds ``warm_up`` spent compiling
+        self.memory: MemoryCheck | None = None  # CUDA: the preflight's estimate vs the first phase's measured peak
         logger.info(
             "inner steps in %s on %s, %d microbatch(es) per step, %s AdamW, %s",
             self.precision.name,
@@ -221,6 +226,20 @@ class InnerOptimizer:
             "fused" if self.fused else "multi-tensor",
             "compiled" if self.compiled else "eager",
         )
+
+    def _check_memory(self, device: torch.device, microbatch: int, seq_len: int) -> None:
+        """Log the preflight's estimate against the peak the device held in this (first) phase; never raises (a
+        model without a transformers config has no estimate)."""
+        from hivetrain.preflight import check_estimate
+
+        try:
+            peak = torch.cuda.max_memory_allocated(device)
+            half = self.precision.autocast_dtype is not None
+            self.memory = check_estimate(self.model, microbatch, seq_len, device.type, half, peak)
+        except (AttributeError, ValueError) as exc:
+            logger.info("memory: measured peak not compared with the preflight (%s)", exc)
+            return
+        logger.info("%s", self.memory.reason)
 
     @property
     def deferred_reads(self) -> bool:
@@ -385,6 +404,8 @@ class InnerOptimizer:
                 report(*pending)
         finally:
             self.optimizer.__dict__.pop("found_inf", None)  # only our deferred steps set it
+        if device.type == "cuda" and self.memory is None and steps:
+            self._check_memory(device, samples // (steps * accum), tokens // max(samples, 1))
         if skipped:
             self.num_skipped_steps += skipped
             logger.warning(

@@ -11,7 +11,7 @@ import torch
 
 from hivetrain.diloco.config import DilocoConfig
 from hivetrain.diloco.inner import InnerOptimizer, resolve_compile
-from tests.diloco.test_precision import stream, tiny_model
+from tests.diloco.test_precision import T, stream, tiny_model
 
 STEPS = 12
 
@@ -146,3 +146,26 @@ def test_a_compiled_inner_step_trains_like_the_eager_one_and_warm_up_changes_not
         eager_losses,
         compiled_losses,
     )
+
+
+def test_the_first_phase_on_cuda_compares_the_preflights_estimate_with_the_measured_peak(monkeypatch):
+    """Issue 24 item 3: the preflight's estimate vs measured peak memory, logged and in the peer's summary. The CPU
+    measures no device peak (the host's memory is the whole process's): nothing is compared there; the CUDA branch is
+    driven here with a stand-in for ``torch.cuda.max_memory_allocated``."""
+    from hivetrain.cli.join_swarm import _memory_figures
+    from hivetrain.model import count_parameters
+    from hivetrain.preflight import estimate_memory
+
+    model = tiny_model()
+    inner = InnerOptimizer(model, DilocoConfig(precision="bf16"))
+    run_steps(inner, steps=2)
+    assert inner.memory is None  # CPU: nothing measured
+    estimated = estimate_memory(count_parameters(model), model.config, microbatch=8, seq_len=T, device_type="cuda",
+                                half_precision=True).device_bytes  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: int(estimated * 1.1))
+    inner._check_memory(torch.device("cuda"), microbatch=8, seq_len=T)
+    assert inner.memory.estimated_bytes == estimated and inner.memory.ratio == pytest.approx(1.1, rel=1e-6)
+    assert "+10%" in inner.memory.reason and "measured peak" in inner.memory.reason
+    trainer = type("Trainer", (), {"phases": type("Phases", (), {"inner": inner})()})()
+    assert _memory_figures(trainer) == {"preflight_device_bytes": estimated, "peak_device_bytes": int(estimated * 1.1)}
+    assert _memory_figures(None) == {}
