@@ -26,7 +26,7 @@ from hivetrain.cli.common import (
     setup_logging,
 )
 from hivetrain.config import load_run_config
-from hivetrain.coordinator.coordinator import Coordinator, CoordinatorOptions, run_fingerprint
+from hivetrain.coordinator.coordinator import Coordinator, CoordinatorOptions
 from hivetrain.model import public_model_name
 from hivetrain.peers.node import BootstrapFailed, start_node
 from hivetrain.peers.reaper import start_reaper
@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint_dir:  # now, not at the first checkpoint: the run clock is saved there from the start
             _make_checkpoint_dir(Path(args.checkpoint_dir))
         # the model against the tokenizer (vocabulary, positions) and a pretrained start's weights, before any node
-        fingerprint = run_fingerprint(config)
+        run_model = _meta_run_model(config)  # shapes only: no memory, whatever the model's size
+        fingerprint = run_model.fingerprint
+        follows = not args.no_state and not config.pipelined and config.averaging.exact_average
+        if follows:  # the disk must hold the state the follower keeps, before anything starts
+            _check_disk(args, 16 * sum(p.numel() for p in run_model.model.parameters()))
         _warn_missing_data(config)
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
@@ -94,12 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
         loop = LoopThread()
         # a pipeline's state lives in its stages' servers; moshpit/gossip peers hold no common state to follow
-        if not args.no_state and not config.pipelined and config.averaging.exact_average:
+        if follows:
             on_event = (lambda event: metrics.write(json.dumps(event) + "\n")) if metrics is not None else None
-            try:
-                follower = _make_follower(args, config, node, loop, fingerprint, on_event)
-            except ValueError as exc:  # the disk cannot hold the state: named with its fixes
-                return fail(str(exc), EXIT_BAD_INPUT)
+            follower = _make_follower(args, config, node, loop, run_model, on_event)
         num_parameters = sum(t.numel() for t in follower.reference.params.values()) if follower else 0
         observer = SwarmObserver(
             RunInfo(
@@ -293,14 +294,18 @@ this much memory (12 bytes per parameter: the fp32 model, θ and zero momentum: 
 the machine has free; a bigger run's coordinator takes its first state from the trainers' quorum."""
 
 
-def _make_follower(args, config, node, loop, fingerprint, on_event=None):
-    """The state follower: states on disk (``state_file``) under ``--checkpoint-dir``/.follower or a temporary
-    directory, so the coordinator never needs the model's memory (issue 24).
+def _meta_run_model(config):
+    """The run's model on the meta device (``hivetrain.model.RunModel``): fingerprint, names and shapes; a
+    pretrained start's weights are read once to hash them."""
+    from hivetrain.data import vocab_size_of
+    from hivetrain.model import build_run_model
 
-    Raises:
-        ValueError: the disk cannot hold two copies of the state (one held, one downloading); names the need, the
-            free space and the fixes.
-    """
+    return build_run_model(config, vocab_size_of(config.data), meta=True)
+
+
+def _make_follower(args, config, node, loop, run_model, on_event=None):
+    """The state follower: states on disk (``state_file``) under ``--checkpoint-dir``/.follower or a temporary
+    directory, so the coordinator never needs the model's memory (issue 24). ``run_model``: ``_meta_run_model``."""
     from hivetrain.coordinator.checkpoint import CheckpointStore
     from hivetrain.coordinator.follower import FollowerOptions, StateFollower
     from hivetrain.data import vocab_size_of
@@ -309,13 +314,13 @@ def _make_follower(args, config, node, loop, fingerprint, on_event=None):
     from hivetrain.model import build_run_model
     from hivetrain.preflight import _available_host_bytes
 
-    vocab = vocab_size_of(config.data)
-    reference = meta_reference(build_run_model(config, vocab, meta=True).model)
+    fingerprint = run_model.fingerprint
+    reference = meta_reference(run_model.model)
     num_params = sum(t.numel() for t in reference.params.values())
-    work_dir = _follower_dir(args, 16 * num_params)  # 8 bytes per parameter per state, two states
+    work_dir = _follower_dir(args)
     initial, build_bytes = None, 12 * num_params
     if build_bytes <= min(INITIAL_STATE_MAX_BYTES, _available_host_bytes() // 2):
-        model = build_run_model(config, vocab).model
+        model = build_run_model(config, vocab_size_of(config.data)).model
         initial = TrainingState.from_model(model)
         del model
     else:
@@ -352,33 +357,41 @@ def _make_follower(args, config, node, loop, fingerprint, on_event=None):
     return follower
 
 
-def _follower_dir(args, need_bytes: int) -> Path:
+def _follower_dir(args) -> Path:
     """Where the follower keeps its state files: ``--checkpoint-dir``/.follower (checkpoints are hard links to them),
-    else a new temporary directory (removed by ``_remove_follower_dir``).
-
-    Raises:
-        ValueError: its file system has less than ``need_bytes`` free.
-    """
-    import shutil
+    else a new temporary directory (removed by ``_remove_follower_dir``)."""
     import tempfile
 
     if args.checkpoint_dir:
         path = Path(args.checkpoint_dir) / FOLLOWER_DIR
         path.mkdir(exist_ok=True)
+        return path
+    return Path(tempfile.mkdtemp(prefix="hivetrain-follower-"))
+
+
+def _check_disk(args, need_bytes: int) -> None:
+    """Whether the follower's disk (``--checkpoint-dir``, created by now, else the temporary directory) has
+    ``need_bytes`` free.
+
+    Raises:
+        ValueError: it has less; names the need, the free space and the fixes.
+    """
+    import shutil
+    import tempfile
+
+    if args.checkpoint_dir:
+        path = Path(args.checkpoint_dir)
         where, fix = f"--checkpoint-dir {args.checkpoint_dir}", "free space there or choose another --checkpoint-dir"
     else:
-        path = Path(tempfile.mkdtemp(prefix="hivetrain-follower-"))
-        where, fix = f"the temporary directory {path.parent}", "point TMPDIR at a larger disk"
+        path = Path(tempfile.gettempdir())
+        where, fix = f"the temporary directory {path}", "point TMPDIR at a larger disk"
     free = shutil.disk_usage(path).free
     if free < need_bytes:
-        if not args.checkpoint_dir:
-            shutil.rmtree(path, ignore_errors=True)
         raise ValueError(
             f"{where}: {free / 1e9:.1f} GB free, the coordinator's copy of this run's state needs "
             f"{need_bytes / 1e9:.1f} GB (θ and outer momentum, one state held and one downloading; each checkpoint "
             f"kept adds half that): {fix}, or run with --no-state (no state copy, no checkpoints)"
         )
-    return path
 
 
 def _remove_follower_dir(args, follower) -> None:

@@ -195,9 +195,15 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout_s
         while not address_file.exists():
             if not self.coordinator.alive() or time.monotonic() > deadline:
+                log = self.coordinator.log_path.read_text()
+                refusals = [line.removeprefix("error: ") for line in log.splitlines() if line.startswith("error: ")]
+                if refusals:  # it said why (a bad config, a disk too small): that is the message
+                    raise RuntimeError(
+                        f"the coordinator refused to start: {refusals[-1]} (log: {self.coordinator.log_path})"
+                    )
+                why = "exited" if not self.coordinator.alive() else f"no address after {timeout_s:.0f} s"
                 raise RuntimeError(
-                    f"coordinator did not start; see {self.coordinator.log_path}:\n"
-                    + self.coordinator.log_path.read_text()[-2000:]
+                    f"coordinator did not start ({why}); see {self.coordinator.log_path}:\n{log[-2000:]}"
                 )
             time.sleep(0.2)
         self.address = address_file.read_text().split()[0]

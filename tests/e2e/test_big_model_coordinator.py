@@ -18,6 +18,7 @@ from hivetrain.coordinator.checkpoint_format import verify_checkpoint
 from hivetrain.coordinator.coordinator import run_fingerprint
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_sync import StateServer
+from hivetrain.localswarm.launcher import LocalSwarm
 from hivetrain.model import build_run_model
 from hivetrain.peers.loop import LoopThread
 from hivetrain.peers.records import PeerRecord, publish_record
@@ -141,4 +142,11 @@ def test_a_coordinator_whose_disk_cannot_hold_the_state_says_so_in_seconds(tmp_p
     assert len(errors) == 1, proc.stderr[-3000:]
     assert f"--checkpoint-dir {tmp_path / 'ckpt'}" in errors[0] and "GB free" in errors[0]
     assert f"needs {need / 1e9:.1f} GB" in errors[0] and "--no-state" in errors[0]
+    assert "DHT node" not in proc.stderr  # refused before anything started
     assert time.monotonic() - started < 120
+    swarm = LocalSwarm(tmp_path / "swarm", path, threads_per_peer=1)  # local-swarm says the same, not "did not start"
+    try:
+        with pytest.raises(RuntimeError, match="the coordinator refused to start: .* GB free, .* --no-state"):
+            swarm.start_coordinator(timeout_s=240)
+    finally:
+        swarm.close(grace_s=5)
