@@ -31,8 +31,10 @@ from hivemind.utils import get_dht_time
 from hivetrain.coordinator.checkpoint import CheckpointStore
 from hivetrain.coordinator.dashboard import CheckpointRow
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_fetch import download_bound_s
 from hivetrain.diloco.state_file import StateFile, write_state_file
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state
+from hivetrain.diloco.state_wire import layout_num_bytes
 from hivetrain.diloco.sync_policy import SyncTrust, decide_sync, published_hashes
 from hivetrain.diloco.update_bound import UpdateNorms
 from hivetrain.diloco.update_bound import step_check as bound_step
@@ -241,7 +243,7 @@ class StateFollower:
                         self.options.download_timeout_s,
                         into=self._new_path() if self.work_dir is not None else None,
                     ),
-                    timeout_s=self.options.download_timeout_s * 4,
+                    timeout_s=download_bound_s(self.options.download_timeout_s, layout_num_bytes(self.reference)),
                 )
             except (StateDownloadFailed, TimeoutError, ValueError) as exc:
                 logger.warning("state download failed: %s", exc)

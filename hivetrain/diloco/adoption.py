@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from hivetrain.diloco.drift import ParamSketcher
 from hivetrain.diloco.join_check import JoinCheck
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_fetch import download_bound_s
 from hivetrain.diloco.state_sync import StateDownloadFailed, download_state
+from hivetrain.diloco.state_wire import layout_num_bytes
 from hivetrain.diloco.sync_policy import SyncDecision, download_hashes, download_short, loss_check
 from hivetrain.diloco.update_bound import UpdateNorms, step_norm, update_bound
 from hivetrain.faults import FaultInjector
@@ -73,7 +75,8 @@ class StateAdopter:
             while we download).
         claims: returns what the given peers' current records claim, epoch -> sha256 (a fresh DHT read; probes).
         evaluate: mean eval loss (nats per token) of a state on our held-out windows; None = our current state.
-        timeout_s: one download's network timeout, seconds (the whole call is bounded by 4x).
+        timeout_s: one download's network timeout, seconds (the whole call is bounded by ``download_bound_s``: 4x,
+            plus the state at 1 MiB/s).
         faults: the fault injector (state download hook points).
         admits: whether a donor is a member of the run (invite-only runs); None = an open run.
         join_check: the moshpit/gossip sketch check; None with exact (butterfly) averaging.
@@ -148,7 +151,7 @@ class StateAdopter:
                     on_bad_donor=lambda peer, reason: bad.append(peer),
                     admits=self.admits,
                 ),
-                timeout_s=self.timeout_s * 4,
+                timeout_s=download_bound_s(self.timeout_s, layout_num_bytes(ours)),
             )
         except (StateDownloadFailed, TimeoutError, ValueError) as exc:
             return Adoption(None, str(exc), ((tuple(bad), manifest_liars),))

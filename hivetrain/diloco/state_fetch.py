@@ -62,10 +62,21 @@ from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 
 logger = logging.getLogger(__name__)
 
+WHOLE_DOWNLOAD_FLOOR_BYTES_PER_S = 2**20
+"""A whole download may average no less than this (1 MiB/s, 8 Mbit/s) on top of its 4 network timeouts
+(``download_bound_s``): each chunk has its own deadlines (``state_routing``), the whole call only a cap."""
 PROGRESS_EVERY_S = 5.0
 """Seconds between progress lines of a download (bytes, rate, ETA): a GB-sized state takes minutes on a home link."""
 READ_BYTES = 256 * 2**10
 Expected = dict[int, str] | Callable[[], dict[int, str]]
+
+
+def download_bound_s(timeout_s: float, num_bytes: int) -> float:
+    """Seconds a caller gives one whole state download of ``num_bytes`` (our model's flat state): 4 network timeouts
+    plus the state at ``WHOLE_DOWNLOAD_FLOOR_BYTES_PER_S``. A flat 4 x ``timeout_s`` (120 s by default) could never
+    fetch a 1.2 GB state (the ``base`` preset) over a home link below 80 Mbit/s; a download that makes progress is
+    kept going by its chunks' deadlines, and this bounds one that crawls."""
+    return 4 * timeout_s + num_bytes / WHOLE_DOWNLOAD_FLOOR_BYTES_PER_S
 
 
 class StateDownloadFailed(RuntimeError):

@@ -178,6 +178,9 @@ def test_a_state_on_disk_is_checkpointed_as_a_hard_link_and_loads_in_memory_too(
     assert loaded is not None and loaded[1]["param_names"] == list(state.params)
     assert_bit_identical(loaded[0], state)
     assert store.list()[0].status == "ok"
+    restored, _ = store.load_latest_file(meta_of(state), tmp_path / "r.safetensors")  # a restart: linked, only read
+    assert (tmp_path / "r.safetensors").stat().st_ino == (path / STATE_FILE).stat().st_ino
+    assert restored.state_hash() == state.state_hash()
 
     (tmp_path / "s.safetensors").unlink()  # the follower dropped the path: the next save copies from the descriptor
     store.save(write_state_file(make_state(7), tmp_path / "t.safetensors", meta_of(state)), RUN_CONFIG, {})

@@ -257,3 +257,14 @@ def test_config_rejects_nonsense():
         FetchConfig(max_copies=0)
     with pytest.raises(ValueError):
         FetchConfig(poll_s=10.0, stall_timeout_s=5.0)
+
+
+def test_a_whole_download_is_given_time_for_its_size_not_a_flat_two_minutes():
+    """Issue 24: 4 x 30 s could never fetch the ``base`` preset's 1.2 GB state below 80 Mbit/s; the bound now adds
+    the state at 1 MiB/s, and a small state keeps the old bound."""
+    from hivetrain.diloco.state_fetch import download_bound_s
+
+    assert download_bound_s(30.0, 0) == 120.0
+    base = 154_700_000 * 8  # θ and momentum, fp32
+    assert download_bound_s(30.0, base) > base / (20e6 / 8)  # a 20 Mbit/s link gets the whole state through
+    assert download_bound_s(30.0, 56 * 10**9) < 16 * 3600  # a 7B state is still bounded (a crawl is cut)
