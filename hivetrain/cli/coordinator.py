@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         fingerprint = run_model.fingerprint
         follows = not args.no_state and not config.pipelined and config.averaging.exact_average
         if follows:  # the disk must hold the state the follower keeps, before anything starts
-            _check_disk(args, 16 * sum(p.numel() for p in run_model.model.parameters()))
+            _check_disk(args, 8 * sum(p.numel() for p in run_model.model.parameters()))
         _warn_missing_data(config)
     except (ValueError, FileNotFoundError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
@@ -369,12 +369,14 @@ def _follower_dir(args) -> Path:
     return Path(tempfile.mkdtemp(prefix="hivetrain-follower-"))
 
 
-def _check_disk(args, need_bytes: int) -> None:
-    """Whether the follower's disk (``--checkpoint-dir``, created by now, else the temporary directory) has
-    ``need_bytes`` free.
+def _check_disk(args, state_bytes: int) -> None:
+    """Whether the follower's disk (``--checkpoint-dir``, created by now, else the temporary directory) holds what the
+    follower keeps: the 2 epochs its state server serves and the next state downloading, 3 x ``state_bytes`` (θ and
+    outer momentum, 8 bytes per parameter); each kept checkpoint adds one more (warned, not refused: a run may end
+    before it keeps them all, and pruning frees the oldest).
 
     Raises:
-        ValueError: it has less; names the need, the free space and the fixes.
+        ValueError: less than 3 states fit; names the need, the free space and the fixes.
     """
     import shutil
     import tempfile
@@ -385,13 +387,20 @@ def _check_disk(args, need_bytes: int) -> None:
     else:
         path = Path(tempfile.gettempdir())
         where, fix = f"the temporary directory {path}", "point TMPDIR at a larger disk"
-    free = shutil.disk_usage(path).free
-    if free < need_bytes:
+    free, need = shutil.disk_usage(path).free, 3 * state_bytes
+    if free < need:
         raise ValueError(
-            f"{where}: {free / 1e9:.1f} GB free, the coordinator's copy of this run's state needs "
-            f"{need_bytes / 1e9:.1f} GB (θ and outer momentum, one state held and one downloading; each checkpoint "
-            f"kept adds half that): {fix}, or run with --no-state (no state copy, no checkpoints)"
+            f"{where}: {free / 1e9:.1f} GB free, the coordinator's copy of this run's state needs {need / 1e9:.1f} GB "
+            f"(θ and outer momentum, {state_bytes / 1e9:.1f} GB a state: two served, one downloading; each checkpoint "
+            f"kept adds one): {fix}, or run with --no-state (no state copy, no checkpoints)"
         )
+    with_checkpoints = need + (args.keep_checkpoints * state_bytes if args.checkpoint_dir else 0)
+    if free < with_checkpoints:
+        logger.warning(
+            "%s: %.1f GB free; %d checkpoints kept of %.1f GB each will need %.1f GB in all: lower "
+            "--keep-checkpoints or free space before they fill the disk",
+            where, free / 1e9, args.keep_checkpoints, state_bytes / 1e9, with_checkpoints / 1e9,
+        )  # fmt: skip
 
 
 def _remove_follower_dir(args, follower) -> None:

@@ -440,11 +440,15 @@ def _write_summary(
 
 
 def _memory_figures(trainer) -> dict[str, int]:
-    """``preflight_device_bytes`` and ``peak_device_bytes`` of a CUDA peer (``InnerOptimizer.memory``); none on CPU."""
+    """``peak_rss_bytes`` (this process's peak resident memory: on a CPU peer the training's too), and on a CUDA
+    peer ``preflight_device_bytes`` and ``peak_device_bytes`` (``InnerOptimizer.memory``)."""
+    import resource
+
+    figures = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     memory = getattr(getattr(getattr(trainer, "phases", None), "inner", None), "memory", None)
-    if memory is None:
-        return {}
-    return {"preflight_device_bytes": memory.estimated_bytes, "peak_device_bytes": memory.peak_bytes}
+    if memory is not None:
+        figures |= {"preflight_device_bytes": memory.estimated_bytes, "peak_device_bytes": memory.peak_bytes}
+    return figures
 
 
 if __name__ == "__main__":

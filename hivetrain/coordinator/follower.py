@@ -109,9 +109,12 @@ class StateFollower:
         OSError: ``initial`` could not be written to ``work_dir``.
     """
 
-    KEEP_FILES = 4
-    """State files kept on disk under their names: the state server's 3 snapshots and the one before them. An older
-    file is unlinked; its bytes stay readable by whoever still holds it (a joiner's download in flight)."""
+    SERVED_EPOCHS_ON_DISK = 2
+    """Epochs the state server serves when states are on disk: the current one and the one before (a joiner whose
+    download began one epoch ago can finish it). With the next state downloading, 3 states' worth of disk."""
+    KEEP_FILES = 1
+    """State files kept under their names: the current one. An older file is unlinked at once; its bytes stay
+    readable, and on disk, for as long as the state server serves it (an open descriptor), then are freed."""
 
     def __init__(
         self,
@@ -146,7 +149,7 @@ class StateFollower:
             state = self._keep_file(write_state_file(initial, self._new_path(), reference))
         self._state, self._hash = state, state.state_hash() if state is not None else ""
         self._lock = threading.Lock()
-        self.server = StateServer(self.current)
+        self.server = StateServer(self.current, keep_epochs=self.SERVED_EPOCHS_ON_DISK if work_dir is not None else 3)
         self.checkpoints_written = 0
         self.downloads = 0
         self.bans = BanList()

@@ -175,8 +175,12 @@ def test_a_follower_without_theta0_takes_the_quorums_and_keeps_every_state_on_di
         assert follower.step([rec("a", epoch), rec("b", epoch)]).startswith(f"downloaded epoch {epoch}")
         held = follower.current()
         assert isinstance(held, StateFile) and held.state_hash() == state(epoch).state_hash()
+        follower.server.observe()  # as a joiner's manifest request does
     assert len(follower.steps.history) == 7  # every step from θ₀ on was measured
-    assert len(list(work.glob("state-*.safetensors"))) == StateFollower.KEEP_FILES
+    assert [p.name for p in work.glob("state-*.safetensors")] == ["state-000008.safetensors"]  # the current only
+    previous = follower.server._recent[0].state  # served still: its name is gone, its bytes are not
+    assert [s.state.epoch for s in follower.server._recent] == [6, 7] and not previous.path.exists()
+    assert previous.to_state().state_hash() == state(6).state_hash()
     newest = store.list()[0]
     assert newest.epoch == 7 and newest.status == "ok"
     assert (newest.path / "state.safetensors").stat().st_ino == held.inode[1]
