@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -359,14 +360,30 @@ def _make_follower(args, config, node, loop, run_model, on_event=None):
 
 def _follower_dir(args) -> Path:
     """Where the follower keeps its state files: ``--checkpoint-dir``/.follower (checkpoints are hard links to them),
-    else a new temporary directory (removed by ``_remove_follower_dir``)."""
+    else a new temporary directory ``hivetrain-follower-<pid>-*`` (removed by ``_remove_follower_dir``; one left by a
+    coordinator that was killed is removed here once no process has its pid: it may hold gigabytes)."""
+    import shutil
     import tempfile
 
     if args.checkpoint_dir:
         path = Path(args.checkpoint_dir) / FOLLOWER_DIR
         path.mkdir(exist_ok=True)
         return path
-    return Path(tempfile.mkdtemp(prefix="hivetrain-follower-"))
+    for stale in Path(tempfile.gettempdir()).glob("hivetrain-follower-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"hivetrain-follower-{os.getpid()}-"))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _check_disk(args, state_bytes: int) -> None:

@@ -202,3 +202,23 @@ def test_a_refused_download_leaves_no_file_behind(tmp_path):
     assert follower.step([rec("a", 1), rec("b", 1)]).startswith("refused epoch 1")
     assert [p.name for p in work.glob("state-*.safetensors")] == ["state-000001.safetensors"]  # θ₀ only
     assert follower.epoch == 0
+
+
+def test_a_killed_coordinators_temporary_state_directory_is_removed_by_the_next(tmp_path, monkeypatch):
+    """Without --checkpoint-dir the follower's states live in a temporary directory named with the coordinator's pid;
+    one left by a coordinator that was killed (gigabytes for a big model) goes at the next start, a live one stays."""
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    from hivetrain.cli.coordinator import _follower_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    dead, live = tmp_path / f"hivetrain-follower-{pid_max + 1}-ab", tmp_path / f"hivetrain-follower-{os.getpid()}-cd"
+    for stale in (dead, live):
+        stale.mkdir()
+        (stale / "state-000001.safetensors").write_bytes(b"x")
+    made = _follower_dir(SimpleNamespace(checkpoint_dir=None))
+    assert not dead.exists() and live.exists() and made.parent == tmp_path
+    assert made.name.startswith(f"hivetrain-follower-{os.getpid()}-")
