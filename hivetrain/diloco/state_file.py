@@ -9,12 +9,13 @@ the flat state is byte ``data_offset + i`` of the file. The header's metadata ho
 header is padded with spaces to a width that fits any epoch, so a file can be written before its epoch is known
 (a download) and its header rewritten in place at the end.
 
-Memory: every operation holds at most one piece (``PIECE_BYTES``) of the state, never the state; the page cache
+Memory: every operation holds a piece (``PIECE_BYTES``) of the state at a time, two for a step between two states,
+never the state (``StateFile.to_state`` excepted: for states that fit); the page cache
 holds what the kernel likes, and gives it back under pressure (reads and writes are ``pread``/``pwrite``, not a
 mapping, so none of it counts in this process's RSS).
 
 A ``StateFile`` exists only for bytes that were checked: written by us from a finite ``TrainingState``, or finished
-by a ``StateFileWriter`` / opened with ``open_state_file`` after a pass that hashed every byte and found every value
+by a ``StateFileWriter`` or made by ``copy_state_file`` after a pass that hashed every byte and found every value
 finite. Files are never modified after that; a ``StateFile`` keeps its file descriptor open, so the bytes stay
 readable when the follower unlinks the path of a state it no longer needs (the state server may still be serving it)
 and the disk space comes back when the last reference is dropped.
