@@ -218,6 +218,7 @@ class InnerOptimizer:
         self._loss = torch.compile(self._forward_loss, dynamic=False) if self.compiled else self._forward_loss
         self.compile_s = 0.0  # seconds ``warm_up`` spent compiling
         self.memory: MemoryCheck | None = None  # CUDA: the preflight's estimate vs the first phase's measured peak
+        self._memory_checked = False  # once per process, whatever the outcome
         logger.info(
             "inner steps in %s on %s, %d microbatch(es) per step, %s AdamW, %s",
             self.precision.name,
@@ -232,6 +233,7 @@ class InnerOptimizer:
         model without a transformers config has no estimate)."""
         from hivetrain.preflight import check_estimate
 
+        self._memory_checked = True
         try:
             peak = torch.cuda.max_memory_allocated(device)
             half = self.precision.autocast_dtype is not None
@@ -404,7 +406,7 @@ class InnerOptimizer:
                 report(*pending)
         finally:
             self.optimizer.__dict__.pop("found_inf", None)  # only our deferred steps set it
-        if device.type == "cuda" and self.memory is None and steps:
+        if device.type == "cuda" and not self._memory_checked and steps:
             self._check_memory(device, samples // (steps * accum), tokens // max(samples, 1))
         if skipped:
             self.num_skipped_steps += skipped
