@@ -53,10 +53,11 @@ class StateFileInvalid(ValueError):
         self.reason, self.other_model = reason, other_model
 
 
-def meta_reference(model: torch.nn.Module) -> TrainingState:
-    """A state with ``model``'s parameter names and shapes on the meta device: what every size and name is checked
-    against, holding no memory (``model`` itself may be on the meta device)."""
-    params = {n: torch.empty(p.shape, dtype=torch.float32, device="meta") for n, p in model.named_parameters()}
+def meta_reference(source: torch.nn.Module | TrainingState) -> TrainingState:
+    """A state with the parameter names and shapes of ``source`` (a model, itself possibly on the meta device, or a
+    state) on the meta device: what every size and name is checked against, holding no memory."""
+    named = source.params.items() if isinstance(source, TrainingState) else source.named_parameters()
+    params = {n: torch.empty(p.shape, dtype=torch.float32, device="meta") for n, p in named}
     return TrainingState(0, params, {n: torch.empty_like(t) for n, t in params.items()})
 
 
@@ -258,11 +259,20 @@ class StateFileWriter:
 def _hash_flat(read, reference: TrainingState, epoch: int) -> tuple[str, bool]:
     """(``TrainingState.state_hash()``, every value finite) of a flat state read as ``read(start, end)``, one piece
     at a time."""
+    spans = {name: (shape, start, end) for name, shape, start, end in _spans(reference)}
+    return _hash_spans(read, list(reference.params), spans, epoch)
+
+
+def _hash_spans(
+    read, names: list[str], spans: dict[str, tuple[tuple[int, ...], int, int]], epoch: int
+) -> tuple[str, bool]:
+    """``TrainingState.state_hash()`` (the same bytes in the same order) and whether every value is finite, of the
+    parameters ``names`` and their momentum whose bytes lie at ``spans`` (flat name -> (shape, start, end)), read as
+    ``read(start, end)`` one piece at a time."""
     digest = hashlib.sha256(f"epoch={epoch}".encode())
     finite = True
-    spans = {name: (shape, start, end) for name, shape, start, end in _spans(reference)}
     for group, prefix in (("param", ""), ("momentum", MOMENTUM_PREFIX)):
-        for name in reference.params:
+        for name in names:
             shape, start, end = spans[prefix + name]
             digest.update(f"{group}:{name}:{shape}".encode())
             for offset in range(start, end, PIECE_BYTES):
@@ -388,18 +398,11 @@ def state_hash_of_file(src: Path, reference_names: list[str], epoch: int) -> tup
         wanted = set(reference_names) | {MOMENTUM_PREFIX + n for n in reference_names}
         if set(entries) != wanted:
             raise StateFileInvalid("tensors do not form a training state of the listed parameters")
-        digest, finite = hashlib.sha256(f"epoch={epoch}".encode()), True
-        for group, prefix in (("param", ""), ("momentum", MOMENTUM_PREFIX)):
-            for name in reference_names:
-                shape, start, end = entries[prefix + name]
-                if group == "momentum" and shape != entries[name][0]:
-                    raise StateFileInvalid(f"{name}: momentum shape {shape} != parameter shape {entries[name][0]}")
-                digest.update(f"{group}:{name}:{shape}".encode())
-                for offset in range(start, end, PIECE_BYTES):
-                    piece = _pread(fd, data_offset + offset, min(PIECE_BYTES, end - offset))
-                    digest.update(piece)
-                    finite = finite and bool(np.isfinite(np.frombuffer(piece, dtype="<f4")).all())
-        return digest.hexdigest(), finite
+        for name in reference_names:
+            if entries[MOMENTUM_PREFIX + name][0] != entries[name][0]:
+                momentum, param = entries[MOMENTUM_PREFIX + name][0], entries[name][0]
+                raise StateFileInvalid(f"{name}: momentum shape {momentum} != parameter shape {param}")
+        return _hash_spans(lambda s, e: _pread(fd, data_offset + s, e - s), reference_names, entries, epoch)
     finally:
         os.close(fd)
 

@@ -15,6 +15,7 @@ import torch
 
 from hivetrain.coordinator.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointStore
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import meta_reference
 from hivetrain.faults import Fault, FaultInjected, FaultInjector
 
 RUN_CONFIG = {"run_id": "ckpt-test", "model": "tiny", "seed": 3, "diloco": {"inner_steps": 5}}
@@ -155,15 +156,10 @@ def test_a_damaged_checkpoint_loaded_onto_disk_falls_back_to_the_previous(
     store.save(make_state(1), RUN_CONFIG, {})
     corrupt(store.save(make_state(2), RUN_CONFIG, {}))
     with caplog.at_level(logging.WARNING, logger="hivetrain.coordinator.checkpoint"):
-        loaded = store.load_latest_file(meta_of(make_state(0)), tmp_path / "state.safetensors")
+        loaded = store.load_latest_file(meta_reference(make_state(0)), tmp_path / "state.safetensors")
     assert loaded is not None
     assert_bit_identical(loaded[0].to_state(), make_state(1))
     assert any("epoch-000002" in r.getMessage() and reason_part in r.getMessage() for r in caplog.records)
-
-
-def meta_of(state: TrainingState) -> TrainingState:
-    params = {n: torch.empty(t.shape, device="meta") for n, t in state.params.items()}
-    return TrainingState(0, params, {n: torch.empty_like(t) for n, t in params.items()})
 
 
 def test_a_state_on_disk_is_checkpointed_as_a_hard_link_and_loads_in_memory_too(tmp_path: Path) -> None:
@@ -171,20 +167,22 @@ def test_a_state_on_disk_is_checkpointed_as_a_hard_link_and_loads_in_memory_too(
 
     store = CheckpointStore(tmp_path / "ck", keep_last=2)
     state = make_state(6)
-    on_disk = write_state_file(state, tmp_path / "s.safetensors", meta_of(state))
+    on_disk = write_state_file(state, tmp_path / "s.safetensors", meta_reference(state))
     path = store.save(on_disk, RUN_CONFIG, {})
     assert (path / STATE_FILE).stat().st_ino == (tmp_path / "s.safetensors").stat().st_ino  # no byte copied
     loaded = store.load_latest(make_state(0))  # the in-memory loader reads it as any checkpoint
     assert loaded is not None and loaded[1]["param_names"] == list(state.params)
     assert_bit_identical(loaded[0], state)
     assert store.list()[0].status == "ok"
-    restored, _ = store.load_latest_file(meta_of(state), tmp_path / "r.safetensors")  # a restart: linked, only read
+    restored, _ = store.load_latest_file(
+        meta_reference(state), tmp_path / "r.safetensors"
+    )  # a restart: linked, only read
     assert (tmp_path / "r.safetensors").stat().st_ino == (path / STATE_FILE).stat().st_ino
     assert restored.state_hash() == state.state_hash()
 
     (tmp_path / "s.safetensors").unlink()  # the follower dropped the path: the next save copies from the descriptor
-    store.save(write_state_file(make_state(7), tmp_path / "t.safetensors", meta_of(state)), RUN_CONFIG, {})
-    unlinked = write_state_file(make_state(8), tmp_path / "u.safetensors", meta_of(state))
+    store.save(write_state_file(make_state(7), tmp_path / "t.safetensors", meta_reference(state)), RUN_CONFIG, {})
+    unlinked = write_state_file(make_state(8), tmp_path / "u.safetensors", meta_reference(state))
     (tmp_path / "u.safetensors").unlink()
     store.save(unlinked, RUN_CONFIG, {})
     assert_bit_identical(store.load_latest(make_state(0))[0], make_state(8))
@@ -195,7 +193,7 @@ def test_a_checkpoint_of_another_model_is_incompatible_on_disk_too(tmp_path: Pat
     store = CheckpointStore(tmp_path / "ck", keep_last=2)
     store.save(make_state(4), RUN_CONFIG, {})
     other = TrainingState(epoch=0, params={"w": torch.zeros(3)}, momentum={"w": torch.zeros(3)})
-    assert store.load_latest_file(meta_of(other), tmp_path / "s.safetensors") is None
+    assert store.load_latest_file(meta_reference(other), tmp_path / "s.safetensors") is None
     assert not (tmp_path / "s.safetensors").exists()
 
 

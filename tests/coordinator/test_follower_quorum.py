@@ -138,7 +138,9 @@ def test_each_adopted_state_and_checkpoint_is_an_event_with_its_epoch(tmp_path):
 
 
 def meta() -> TrainingState:
-    return TrainingState(0, {"w": torch.empty(2, device="meta")}, {"w": torch.empty(2, device="meta")})
+    from hivetrain.diloco.state_file import meta_reference
+
+    return meta_reference(state(0))
 
 
 class DiskLoop(FakeLoop):

@@ -37,15 +37,8 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(state_file, "PIECE_BYTES", 4096)
 
 
-def _meta(state):
-    """Names and shapes of ``state``'s model on the meta device (what the coordinator holds)."""
-    params = {k: torch.empty(v.shape, device="meta") for k, v in state.params.items()}
-    return TrainingState(0, params, {k: torch.empty_like(v) for k, v in params.items()})
-
-
 def test_a_state_written_to_disk_reads_back_the_same_bytes_hash_and_tensors(tmp_path):
     state = _state(7, seed=1)
-    reference = TrainingState(0, dict(state.params), dict(state.momentum))
     written = write_state_file(state, tmp_path / "s.safetensors")
     assert written.state_hash() == state.state_hash()
     assert written.read_range(0, written.num_bytes()) == flatten(state)
@@ -55,7 +48,6 @@ def test_a_state_written_to_disk_reads_back_the_same_bytes_hash_and_tensors(tmp_
     plain = load_file(str(tmp_path / "s.safetensors"))  # a standard safetensors file
     assert set(plain) == set(state.to_flat_dict())
     assert all(torch.equal(plain[k], v) for k, v in state.to_flat_dict().items())
-    assert written.reference is state and reference.params.keys() == written.reference.params.keys()
 
 
 def test_a_meta_reference_holds_names_and_shapes_and_no_memory():
@@ -63,12 +55,16 @@ def test_a_meta_reference_holds_names_and_shapes_and_no_memory():
     ref = meta_reference(model)
     assert list(ref.params) == ["weight", "bias"] and ref.params["weight"].shape == (3, 4)
     assert all(t.device.type == "meta" for t in ref.to_flat_dict().values())
+    state = _state(0, seed=0)
+    assert {k: v.shape for k, v in meta_reference(state).params.items()} == {
+        k: v.shape for k, v in state.params.items()
+    }
 
 
 def test_a_writer_takes_chunks_in_any_order_and_checks_the_hash_and_every_value(tmp_path):
     state = _state(3, seed=2)
     flat = flatten(state)
-    writer = StateFileWriter(tmp_path / "d.safetensors", _meta(state))
+    writer = StateFileWriter(tmp_path / "d.safetensors", meta_reference(state))
     chunks = list(range(0, len(flat), 10_000))
     for start in reversed(chunks):
         writer[start : min(start + 10_000, len(flat))] = flat[start : start + 10_000]
@@ -79,20 +75,20 @@ def test_a_writer_takes_chunks_in_any_order_and_checks_the_hash_and_every_value(
 
     nan = bytearray(flat)
     nan[40:44] = struct.pack("<f", math.nan)
-    bad = StateFileWriter(tmp_path / "n.safetensors", _meta(state))
+    bad = StateFileWriter(tmp_path / "n.safetensors", meta_reference(state))
     bad[0 : len(nan)] = bytes(nan)
     assert bad.finish(3, None) is None  # a NaN is never a state, whatever its hash
     bad.abandon()
     assert not (tmp_path / "n.safetensors").exists()
     with pytest.raises(ValueError, match="outside"):
-        writer2 = StateFileWriter(tmp_path / "o.safetensors", _meta(state))
+        writer2 = StateFileWriter(tmp_path / "o.safetensors", meta_reference(state))
         writer2[len(flat) - 4 : len(flat) + 4] = b"x" * 8
 
 
 def test_a_checkpoint_in_safetensors_own_order_is_copied_into_the_state_layout(tmp_path):
     state = _state(5, seed=3)
     save_file(state.to_flat_dict(), str(tmp_path / "ck.safetensors"))  # sorted by name, not our order
-    copied = copy_state_file(tmp_path / "ck.safetensors", _meta(state), 5, tmp_path / "c.safetensors")
+    copied = copy_state_file(tmp_path / "ck.safetensors", meta_reference(state), 5, tmp_path / "c.safetensors")
     assert copied.state_hash() == state.state_hash()
     assert copied.read_range(0, copied.num_bytes()) == flatten(state)
     digest, finite = state_hash_of_file(tmp_path / "ck.safetensors", list(state.params), 5)
@@ -102,14 +98,14 @@ def test_a_checkpoint_in_safetensors_own_order_is_copied_into_the_state_layout(t
 def test_a_state_of_another_model_is_told_from_a_corrupt_file(tmp_path):
     state = _state(5, seed=3)
     save_file(state.to_flat_dict(), str(tmp_path / "ck.safetensors"))
-    other = _meta(_state(0, seed=4, n=100))
+    other = meta_reference(_state(0, seed=4, n=100))
     with pytest.raises(StateFileInvalid) as raised:
         copy_state_file(tmp_path / "ck.safetensors", other, 5, tmp_path / "c.safetensors")
     assert raised.value.other_model and not (tmp_path / "c.safetensors").exists()
     raw = bytearray((tmp_path / "ck.safetensors").read_bytes())
     (tmp_path / "short.safetensors").write_bytes(bytes(raw[:-8]))  # the data no longer tiles the section
     with pytest.raises(StateFileInvalid) as raised:
-        copy_state_file(tmp_path / "short.safetensors", _meta(state), 5, tmp_path / "c.safetensors")
+        copy_state_file(tmp_path / "short.safetensors", meta_reference(state), 5, tmp_path / "c.safetensors")
     assert not raised.value.other_model and "cover" in raised.value.reason
 
 
@@ -175,10 +171,10 @@ def test_every_read_holds_one_piece_not_the_state(tmp_path, monkeypatch):
     monkeypatch.setattr(state_file.os, "pwrite", lambda fd, data, off: sizes.append(len(data)) or pwrite(fd, data, off))
     state = _state(1, seed=8)
     save_file(state.to_flat_dict(), str(tmp_path / "ck.safetensors"))
-    copied = copy_state_file(tmp_path / "ck.safetensors", _meta(state), 1, tmp_path / "c.safetensors")
+    copied = copy_state_file(tmp_path / "ck.safetensors", meta_reference(state), 1, tmp_path / "c.safetensors")
     written = write_state_file(state, tmp_path / "w.safetensors")
     step_norm(copied, written)
-    header = 8 + state_file.header_width(_meta(state))
+    header = 8 + state_file.header_width(meta_reference(state))
     assert state.num_bytes() > 50 * 4096 and max(sizes) <= max(4096, header)
 
 

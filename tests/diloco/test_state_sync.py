@@ -333,15 +333,14 @@ def test_a_long_download_logs_its_progress_with_rate_and_time_left(make_node, lo
 def test_a_state_on_disk_is_served_and_downloaded_into_a_file_chunk_by_chunk(make_node, loop, tmp_path):
     """Issue 24 item 4: the coordinator of a model larger than its memory serves its state from a file and downloads
     the next one into a file; a joiner holding the state in memory gets the same bytes from it."""
-    from hivetrain.diloco.state_file import StateFile, write_state_file
+    from hivetrain.diloco.state_file import StateFile, meta_reference, write_state_file
 
     donor = make_node(name="d0")
     coordinator = make_node(donor.visible_maddrs(), name="c")
     joiner = make_node(donor.visible_maddrs(), name="j")
     good = _state(4, seed=5)
     _serve(loop, donor, good)
-    meta = TrainingState(0, {k: torch.empty(v.shape, device="meta") for k, v in good.params.items()},
-                         {k: torch.empty(v.shape, device="meta") for k, v in good.params.items()})  # fmt: skip
+    meta = meta_reference(good)
     p2p = loop.run(coordinator.dht.replicate_p2p(), 30)
     expected = {4: good.state_hash()}
     got = loop.run(download_state(p2p, "run", [donor.peer_id], expected, meta, 10, into=tmp_path / "s.safetensors"), 60)
