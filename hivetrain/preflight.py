@@ -25,6 +25,12 @@ precision, once more in fp32 for the loss and once for their gradient. Measured 
 (GELU MLP) saves less, so its estimate is high (214 vs 134 MiB fp32). A documented approximation: ``check_memory`` keeps
 a margin (default 15%) for the allocator and workspaces.
 
+A multi-GPU node with ``--node-sharding fsdp`` (``diloco/node_shard.py``) divides parameters, gradients and AdamW
+state by its N ranks (16N/N per rank) and adds what FSDP2 holds unsharded at once: the root unit's parameters and the
+two largest layers' (``node_shard.gathered_parameters``), in the compute precision, and their fp32 gradients before the
+reduce-scatter; no autocast weight copies (FSDP2 gathers the parameters in bf16 itself). Rank 0 keeps a full host copy
+of the model for the outer step (4N more host memory).
+
 With activation checkpointing (``diloco.activation_checkpointing``) each layer keeps only its fp32 input ``b·s·h``
 across the forward pass; the backward pass recomputes one layer at a time, so one layer's full activations are live
 at once, plus the logits as before. "auto" turns it on when the run fits only with it (``run_preflight``).
@@ -62,6 +68,8 @@ class MemoryEstimate:
     microbatch: int
     seq_len: int
     activation_checkpointing: bool = False
+    shards: int = 1  # FSDP: the node's ranks sharing parameters, gradients and AdamW state (1: not sharded)
+    host_model_bytes: int = 0  # FSDP: rank 0's unsharded host copy of the model
 
     @property
     def device_bytes(self) -> int:
@@ -77,7 +85,7 @@ class MemoryEstimate:
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory: θ, outer momentum and pseudo-gradient, plus the device's share on a CPU peer."""
-        return self.outer_state_bytes + (self.device_bytes if self.device_type == "cpu" else 0)
+        return self.outer_state_bytes + self.host_model_bytes + (self.device_bytes if self.device_type == "cpu" else 0)
 
     def breakdown(self) -> str:
         """One line: each part in GiB (MiB for a model whose parts are all under 1 GiB)."""
@@ -92,7 +100,10 @@ class MemoryEstimate:
                 self.activations_bytes,
             ),
             ("θ + outer momentum + pseudo-gradient (host)", self.outer_state_bytes),
+            ("host model copy", self.host_model_bytes),
         ]
+        if self.shards > 1:
+            parts[0] = (f"parameters (1/{self.shards} shard + gathered layers)", self.parameters_bytes)
         unit, scale = ("GiB", GIB) if max(size for _, size in parts) >= GIB else ("MiB", 2**20)
         return ", ".join(f"{name} {size / scale:.2f}" for name, size in parts if size) + f" {unit}"
 
@@ -106,6 +117,8 @@ def estimate_memory(
     device_type: str,
     half_precision: bool,
     activation_checkpointing: bool = False,
+    shards: int = 1,
+    gathered_parameters: int = 0,
 ) -> MemoryEstimate:
     """Bytes to train a model of ``num_parameters`` on ``microbatch`` windows of ``seq_len`` tokens (module docstring).
 
@@ -118,10 +131,14 @@ def estimate_memory(
         device_type: "cuda" or "cpu" (any other device is treated like "cuda": memory of its own).
         half_precision: inner steps under bf16/fp16 autocast (activations 2 bytes, weight copies 2N).
         activation_checkpointing: layers keep only their input; one layer's activations are recomputed at a time.
+        shards: FSDP: the node's ranks (each holds 1/shards of parameters, gradients and AdamW state); 1: whole.
+        gathered_parameters: FSDP: parameters held unsharded at once (``node_shard.gathered_parameters``).
 
     Raises:
         ValueError: a non-positive size, or a config without ``hidden_size``/``num_hidden_layers``/``vocab_size``.
     """
+    if shards < 1 or gathered_parameters < 0:
+        raise ValueError(f"shards ({shards}) must be >= 1 and gathered_parameters ({gathered_parameters}) >= 0")
     if num_parameters <= 0 or microbatch <= 0 or seq_len <= 0:
         raise ValueError(
             f"num_parameters ({num_parameters}), microbatch ({microbatch}), seq_len ({seq_len}) must be > 0"
@@ -141,14 +158,18 @@ def estimate_memory(
         activations = layers * tokens * hidden * 4 + layer + logits
     else:
         activations = layers * layer + logits
+    shard = -(-num_parameters // shards)  # parameters per rank (dim-0 chunks: at most this many)
+    sharded = shards > 1
     return MemoryEstimate(
         num_parameters=num_parameters,
-        parameters_bytes=4 * num_parameters,
-        gradients_bytes=4 * num_parameters,
-        optimizer_bytes=8 * num_parameters,
-        autocast_weights_bytes=2 * num_parameters if half_precision else 0,
+        parameters_bytes=4 * shard + (act_bytes * gathered_parameters if sharded else 0),
+        gradients_bytes=4 * shard + (4 * gathered_parameters if sharded else 0),
+        optimizer_bytes=8 * shard,
+        autocast_weights_bytes=2 * num_parameters if half_precision and not sharded else 0,
         activations_bytes=activations,
         outer_state_bytes=12 * num_parameters,
+        host_model_bytes=4 * num_parameters if sharded else 0,
+        shards=shards,
         device_type="cpu" if device_type == "cpu" else "cuda",
         microbatch=microbatch,
         seq_len=seq_len,
@@ -201,6 +222,13 @@ def check_memory(
         "a smaller model (run config `model`)",
     ]
     if estimate.device_type == "cuda":
+        if estimate.shards == 1:
+            advice.append(
+                "a node of several GPUs sharding the model: torchrun --nproc-per-node N -m hivetrain.cli.join_swarm "
+                "... --node-sharding fsdp (each GPU holds 1/N of the parameters, gradients and AdamW state)"
+            )
+        else:
+            advice.append(f"more GPUs in the node (now {estimate.shards}: --nproc-per-node)")
         advice.append("θ, the outer momentum and the pseudo-gradient already live in CPU memory (offloaded)")
         advice.append("or --device cpu")
     advice.append("or --skip-memory-check if you know the estimate is too high")
@@ -253,12 +281,17 @@ def run_preflight(
     *,
     free: tuple[int, int] | None = None,
     margin: float = DEFAULT_MARGIN,
+    shards: int = 1,
+    gathered_parameters: int = 0,
+    activation_checkpointing: str | None = None,
 ) -> PreflightDecision:
     """Estimate, read free memory (unless ``free`` = (device bytes, host bytes) is given) and decide.
 
     Args:
         run_config: a RunConfig; ``data.batch_size``, ``data.seq_len``, ``diloco.precision``,
             ``diloco.grad_accum_steps`` and ``diloco.activation_checkpointing`` are read.
+        shards, gathered_parameters: an FSDP node's sharding (``estimate_memory``); 1, 0: not sharded.
+        activation_checkpointing: "off", "on" or "auto" in place of the run's setting (None: the run's).
 
     Returns:
         The decision when it fits, with ``activation_checkpointing`` set when the run is to use it: "on", or "auto"
@@ -271,7 +304,7 @@ def run_preflight(
     diloco = run_config.diloco
     # the precision inner steps will use (the inner optimizer's own rule; native bf16 or not, both are half precision)
     precision = resolve_precision(getattr(diloco, "precision", "fp32"), device.type, native_bf16=True)
-    mode = getattr(diloco, "activation_checkpointing", "off")
+    mode = activation_checkpointing or getattr(diloco, "activation_checkpointing", "off")
     free_device, free_host = free if free is not None else free_memory(device)
 
     def decide(checkpointed: bool) -> PreflightDecision:
@@ -283,6 +316,8 @@ def run_preflight(
             device_type=device.type,
             half_precision=precision.autocast_dtype is not None,
             activation_checkpointing=checkpointed,
+            shards=shards,
+            gathered_parameters=gathered_parameters,
         )
         accum = getattr(diloco, "grad_accum_steps", 1)
         return check_memory(estimate, free_device, free_host, margin=margin, grad_accum_steps=accum)
@@ -323,10 +358,17 @@ class MemoryCheck:
 
 
 def check_estimate(
-    model: torch.nn.Module, microbatch: int, seq_len: int, device_type: str, half_precision: bool, peak_bytes: int
+    model: torch.nn.Module,
+    microbatch: int,
+    seq_len: int,
+    device_type: str,
+    half_precision: bool,
+    peak_bytes: int,
+    shards: int = 1,
+    gathered_parameters: int = 0,
 ) -> MemoryCheck:
-    """``estimate_memory`` of the model as it trains (its parameters, activation checkpointing on or off) against a
-    measured peak (``peak_bytes``)."""
+    """``estimate_memory`` of the model as it trains (its parameters, activation checkpointing on or off, FSDP's
+    ``shards`` and ``gathered_parameters``) against a measured peak (``peak_bytes``)."""
     from hivetrain.model import count_parameters, is_activation_checkpointing
 
     estimate = estimate_memory(
@@ -337,6 +379,8 @@ def check_estimate(
         device_type=device_type,
         half_precision=half_precision,
         activation_checkpointing=is_activation_checkpointing(model),
+        shards=shards,
+        gathered_parameters=gathered_parameters,
     )
     return MemoryCheck(estimate.device_bytes, peak_bytes)
 

@@ -173,6 +173,14 @@ def join_swarm_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     parser.add_argument(
+        "--node-sharding",
+        choices=["auto", "ddp", "fsdp"],
+        default="auto",
+        help="under torchrun --nproc-per-node N: ddp = every rank holds the whole model; fsdp = each holds 1/N of the "
+        "parameters, gradients and AdamW state (FSDP2), for a model that does not fit one GPU; auto = fsdp on GPUs "
+        "when the memory preflight finds the model does not fit one whole, else ddp",
+    )
+    parser.add_argument(
         "--model-path",
         default=None,
         metavar="PATH",

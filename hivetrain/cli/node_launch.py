@@ -126,6 +126,7 @@ def run_node(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             ranks.start_keepalive()
             try:
+                ranks.sharding = args.node_sharding  # as asked; the builder settles "auto"
                 return join_swarm.main(argv, node_ranks=ranks)
             finally:
                 ranks.stop_keepalive()
@@ -162,31 +163,39 @@ def run_follower(args: argparse.Namespace, ranks: NodeRanks) -> int:
         config = RunConfig.from_dict(hello["config"])
         cursor = data_cursor_path(args.identity_path, config.run_id)  # rank 0's; ours is beside it
         corpus = load_corpus(config.data, cursor_path=cursor.with_suffix(f".rank{ranks.rank}.json") if cursor else None)
-        _, model, fingerprint = build_run_model(config, corpus.vocab_size, model_path=args.model_path)
+        sharded = hello.get("sharding") == "fsdp"  # FSDP: only shapes here; rank 0 scatters θ at each phase start
+        _, model, fingerprint = build_run_model(config, corpus.vocab_size, model_path=args.model_path, meta=sharded)
         if fingerprint != hello["fingerprint"]:
             raise ValueError(
                 f"this rank's model fingerprint {fingerprint[:12]} differs from rank 0's {hello['fingerprint'][:12]}"
             )
         set_activation_checkpointing(model, bool(hello.get("activation_checkpointing", False)))  # as rank 0 chose
-        model.to(ranks.device)
+        if not sharded:
+            model.to(ranks.device)
         ok = True
     except Exception:  # noqa: BLE001 - reported to rank 0 through the ready flags, and logged here
         logger.exception("node rank %d could not build the run's model", ranks.rank)
-        ok = False
+        ok, sharded = False, False
     if ranks.gather_ready(ok):
         return 1 if not ok else 0  # rank 0 gives up on the node
-    ddp = ranks.wrap(model)
-    inner = ranks.inner_optimizer(ddp, config.diloco)
+    if sharded:
+        ranks.sharding = "fsdp"
+        model = ranks.shard(model, None, config.diloco)
+        inner = ranks.inner_optimizer(model, config.diloco)
+    else:
+        inner = ranks.inner_optimizer(ranks.wrap(model), config.diloco)
     batches = corpus.train_batches(
         config.data.seq_len, config.data.batch_size, stream_seed(config.seed, ranks.stream_name(hello["peer_id"]))
     )
     stats = follow(ranks, inner, batches, model)
     logger.info(
-        "node rank %d: %d phases, %d inner steps, %d aborted, %d diverged",
+        "node rank %d: %d phases, %d inner steps, %d aborted, %d diverged, %d evaluations (%s)",
         ranks.rank,
         len(stats.phases),
         sum(s for _, s in stats.phases),
         stats.aborted,
         stats.diverged,
+        stats.evaluations,
+        ranks.sharding,
     )
     return 0

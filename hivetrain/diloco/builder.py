@@ -22,6 +22,7 @@ from hivetrain.data import Corpus, load_corpus, stream_seed
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.inner import InnerOptimizer
 from hivetrain.diloco.node_ranks import NodeInner, NodeRanks
+from hivetrain.diloco.node_shard import SHARDINGS, gathered_parameters, param_dtype, shard_units
 from hivetrain.diloco.options import TrainerOptions
 from hivetrain.diloco.phase import PhaseRunner
 from hivetrain.diloco.schedule import PhasePlan
@@ -97,22 +98,40 @@ def build_model(
     *,
     model_path: str | None = None,
     check_memory: bool = True,
+    node_ranks: NodeRanks | None = None,
 ) -> tuple[torch.nn.Module, str]:
     """(model on ``device``, fingerprint) of the run's θ₀, after the memory preflight (``hivetrain.preflight``:
     the model described on the meta device first, so a model too big for this machine is refused before any memory
     is taken).
 
+    A multi-rank node's rank 0 (``node_ranks``) also settles how the node trains (``node_ranks.sharding``, set here):
+    "ddp" as asked, "fsdp" as asked, or for "auto" FSDP only on CUDA when the model does not fit one GPU whole
+    (``_node_sharding``). Under FSDP the model returned stays on the CPU: it is the trainer's host copy, and the
+    ranks train a sharded one (``NodeRanks.shard``).
+
     Raises:
-        ValueError / FileNotFoundError: a model source that cannot be read, a vocab the model cannot hold, or a
-            model too big for this device's memory (the preflight's message names the fix).
+        ValueError / FileNotFoundError: a model source that cannot be read, a vocab the model cannot hold, a model
+            too big for this device's memory (the preflight's message names the fix), or FSDP with fp16.
     """
     from hivetrain.model import build_run_model, describe_run_model, set_activation_checkpointing
     from hivetrain.preflight import run_preflight
 
     model_config, num_parameters = describe_run_model(config, vocab_size, model_path)  # meta: no memory
     checkpointed = config.diloco.activation_checkpointing == "on"
+    sharding, gathered = "ddp", 0
+    if node_ranks is not None:
+        meta = build_run_model(config, vocab_size, model_path=model_path, meta=True).model  # shapes only
+        sharding = _node_sharding(config, model_config, meta, device, node_ranks, check_memory)
+        node_ranks.sharding = sharding
+        logger.info(
+            "node of %d ranks: %s", node_ranks.world_size, "FSDP (sharded model)" if sharding == "fsdp" else "DDP"
+        )
+        gathered = gathered_parameters(meta) if sharding == "fsdp" else 0
     if check_memory:
-        decision = run_preflight(config, model_config, num_parameters, device)
+        shards = node_ranks.world_size if sharding == "fsdp" else 1
+        decision = run_preflight(
+            config, model_config, num_parameters, device, shards=shards, gathered_parameters=gathered
+        )
         logger.info("%s", decision.reason)
         checkpointed = decision.activation_checkpointing
     else:
@@ -123,7 +142,41 @@ def build_model(
         logger.info(
             "activation checkpointing on (diloco.activation_checkpointing = %r)", config.diloco.activation_checkpointing
         )
-    return model.to(device), fingerprint
+    return (model if sharding == "fsdp" else model.to(device)), fingerprint
+
+
+def _node_sharding(
+    config: RunConfig, model_config, meta: torch.nn.Module, device: torch.device, ranks: NodeRanks, check_memory: bool
+) -> str:
+    """How a node trains: ``ranks.sharding`` as asked ("ddp", "fsdp"), or for "auto" "fsdp" on CUDA when the
+    preflight finds the model does not fit one GPU whole without activation checkpointing (FSDP's intra-node
+    gathers cost less than recomputing every layer), else "ddp" (CPU nodes: always, unless asked).
+
+    Raises:
+        ValueError: an unknown setting, or "fsdp" with fp16 (``node_shard.param_dtype``).
+    """
+    from hivetrain.diloco.inner import cuda_native_bf16, resolve_precision
+    from hivetrain.model import count_parameters
+    from hivetrain.preflight import InsufficientMemory, run_preflight
+
+    requested = ranks.sharding
+    if requested not in SHARDINGS:
+        raise ValueError(f"--node-sharding {requested!r}: choose one of {', '.join(SHARDINGS)}")
+    sharding = requested
+    if requested == "auto":
+        sharding = "ddp"
+        if device.type == "cuda" and ranks.world_size > 1 and check_memory:
+            mode = "on" if config.diloco.activation_checkpointing == "on" else "off"
+            try:
+                run_preflight(config, model_config, count_parameters(meta), device, activation_checkpointing=mode)
+            except InsufficientMemory as exc:
+                logger.info("the model does not fit one GPU whole (%s): sharding it over the node", str(exc)[:300])
+                sharding = "fsdp"
+    if sharding == "fsdp":
+        precision = resolve_precision(config.diloco.precision, device.type, cuda_native_bf16(device))
+        param_dtype(precision.autocast_dtype)  # fp16 refused before any rank starts sharding
+        shard_units(meta)  # a model without repeated layers is refused here too
+    return sharding
 
 
 def build_phases(
@@ -135,6 +188,7 @@ def build_phases(
     options: TrainerOptions,
     node_ranks: NodeRanks | None = None,
     fingerprint: str = "",
+    model_path: str | None = None,
 ) -> PhaseRunner:
     """The inner phase runner: AdamW inner steps on this peer's data stream, ended by the run's schedule.
 
@@ -181,8 +235,16 @@ def build_phases(
 
         checkpointed = is_activation_checkpointing(model)  # rank 0's preflight chose for every rank
         hello = {"config": config.to_dict(), "peer_id": peer_id, "fingerprint": fingerprint}
-        node_ranks.hello({**hello, "activation_checkpointing": checkpointed})
-        inner = NodeInner(node_ranks.inner_optimizer(node_ranks.wrap(model), diloco), node_ranks, model)
+        node_ranks.hello({**hello, "activation_checkpointing": checkpointed, "sharding": node_ranks.sharding})
+        if node_ranks.sharding == "fsdp":
+            from hivetrain.model import build_run_model, set_activation_checkpointing
+
+            meta = build_run_model(config, corpus.vocab_size, model_path=model_path, meta=True).model
+            set_activation_checkpointing(meta, checkpointed)
+            sharded = node_ranks.shard(meta, model, diloco)
+            inner = NodeInner(node_ranks.inner_optimizer(sharded, diloco), node_ranks, model, sharded)
+        else:
+            inner = NodeInner(node_ranks.inner_optimizer(node_ranks.wrap(model), diloco), node_ranks, model)
     return PhaseRunner(inner, batches, plan, duty, peer_id, samples_per_step=per_step)
 
 
@@ -237,7 +299,7 @@ def build_peer(
     device = torch.device(device)
     corpus = corpus if corpus is not None else load_corpus(config.data, cursor_path=cursor_path)
     model, fingerprint = build_model(
-        config, corpus.vocab_size, device, model_path=model_path, check_memory=check_memory
+        config, corpus.vocab_size, device, model_path=model_path, check_memory=check_memory, node_ranks=node_ranks
     )
     refuse_other_models(node.dht, config.run_id, node.peer_id, fingerprint, config.model)
     logger.info(
@@ -262,7 +324,9 @@ def build_peer(
     try:
         averager.start()
         averager.wait_ready(timeout_s=AVERAGER_READY_TIMEOUT_S)
-        phases = build_phases(config, model, corpus, node.peer_id, duty, options, node_ranks, fingerprint)
+        phases = build_phases(config, model, corpus, node.peer_id, duty, options, node_ranks, fingerprint, model_path)
+        node_inner = getattr(phases, "inner", None)
+        node_inner = node_inner if isinstance(node_inner, NodeInner) else None
         trainer = DilocoTrainer(
             node,
             loop,
@@ -277,6 +341,7 @@ def build_peer(
             on_event=on_event,
             duty=duty,
             membership=membership,
+            evaluate_model=node_inner.evaluate_model if node_inner is not None else None,
         )
     except BaseException:
         averager.shutdown(timeout_s=3.0)

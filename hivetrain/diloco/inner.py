@@ -173,6 +173,8 @@ class InnerOptimizer:
         deferred_reads: read each step's loss one step late and skip a non-finite step on the device (module
             docstring); needs fused AdamW and no gradient scaler or multi-rank agreement (``agree_finite``). None = on
             whenever those hold on CUDA.
+        autocast: run the forward pass under ``torch.autocast`` in the precision's dtype (default). False: the model
+            casts its own compute (an FSDP2 node's ``MixedPrecisionPolicy``, ``node_shard``).
 
     Raises:
         ValueError: a parameter is not fp32, ``config.precision`` cannot run on the model's device
@@ -186,6 +188,7 @@ class InnerOptimizer:
         *,
         fused: bool | None = None,
         deferred_reads: bool | None = None,
+        autocast: bool = True,
     ):
         for name, p in model.named_parameters():
             if p.dtype != torch.float32:
@@ -196,6 +199,10 @@ class InnerOptimizer:
         device = next(model.parameters()).device
         self.model = model
         self.config = config
+        self._autocast = autocast
+        # the share of the parameters, gradients and AdamW state this process holds (FSDP: 1/ranks) and the
+        # parameters it gathers at once: what the preflight's estimate was made for (``_check_memory``)
+        self.shards, self.gathered_parameters = 1, 0
         self.precision = resolve_precision(config.precision, device.type, cuda_native_bf16(device))
         self.fused = device.type == "cuda" if fused is None else fused
         self.optimizer = torch.optim.AdamW(
@@ -237,7 +244,9 @@ class InnerOptimizer:
         try:
             peak = torch.cuda.max_memory_allocated(device)
             half = self.precision.autocast_dtype is not None
-            self.memory = check_estimate(self.model, microbatch, seq_len, device.type, half, peak)
+            self.memory = check_estimate(
+                self.model, microbatch, seq_len, device.type, half, peak, self.shards, self.gathered_parameters
+            )
         except (AttributeError, ValueError) as exc:
             logger.info("memory: measured peak not compared with the preflight (%s)", exc)
             return
@@ -254,7 +263,7 @@ class InnerOptimizer:
     def _forward_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of a (B, T+1) int64 batch, in the step's precision (what ``torch.compile``
         compiles): an fp32 scalar, nats per token."""
-        with self.precision.autocast():
+        with self.precision.autocast() if self._autocast else contextlib.nullcontext():
             return lm_loss(self.model, batch)  # lm_loss takes the cross-entropy in fp32
 
     def warm_up(self, batch_size: int, seq_len: int) -> float:

@@ -1,7 +1,9 @@
 """A multi-GPU (or multi-process) node as ONE DiLoCo peer: ``torchrun --nproc-per-node N -m hivetrain.cli.join_swarm``.
 
 The N local ranks train data-parallel with PyTorch's own ``DistributedDataParallel`` (its gradient all-reduce is the
-only collective on the gradients: after every inner step all ranks hold the same parameters and AdamW state). Rank 0
+only collective on the gradients: after every inner step all ranks hold the same parameters and AdamW state), or, for
+a model that does not fit one GPU, with FSDP2 (``--node-sharding``; ``node_shard``: each rank holds 1/N of the
+parameters, gradients and AdamW state, rank 0 a full host copy for the outer step). Rank 0
 alone is the swarm peer: it runs the whole ``DilocoTrainer`` (DHT node, records, state downloads, averaging rounds,
 evaluation) and claims the node's sample count, N times its own (every rank trains on as many windows per inner step).
 The other ranks ("followers", ``follow``) only run inner steps; each reads its own data stream
@@ -14,7 +16,8 @@ tensors whatever the backend of the default group, which carries the model: gloo
    unpickled). Each follower builds the corpus and the model (from the run's seed or this machine's model files) and
    every rank reports whether it is ready (``all_gather`` of one int); rank 0 raises ``NodeRanksFailed`` naming the
    ranks that are not (their own log says why: a missing file, another fingerprint). All ranks then wrap the model in
-   DDP (which broadcasts rank 0's parameters and buffers).
+   DDP (which broadcasts rank 0's parameters and buffers), or, when HELLO says ``"sharding": "fsdp"``, shard the
+   model built on the meta device (``NodeRanks.shard``: FSDP2, rank 0's buffers broadcast).
 2. ``PHASE(first_step, max_steps)``: rank 0 broadcasts the phase's start point θ (every parameter, from rank 0's model:
    after an outer step or a state download this is how the new θ reaches the ranks), then all ranks run
    ``InnerOptimizer.run``. After every inner step rank 0 broadcasts its decision (``CONTINUE``, ``END`` or ``ABORT``):
@@ -22,8 +25,13 @@ tensors whatever the backend of the default group, which carries the model: gloo
    followers run exactly as many inner steps. A non-finite loss on any rank is agreed on before the backward pass
    (``all_finite``: one all-reduce per microbatch), so all ranks raise ``FloatingPointError`` together and rank 0's
    trainer discards the phase as a single-process peer does; the AdamW state stays finite on every rank.
-3. ``STOP``: rank 0 leaves (finished, interrupted, failed between phases): followers return 0.
-4. ``KEEPALIVE`` / ``STEP_WAIT``: while the followers wait for a command (rank 0 averaging, downloading state,
+   Under FSDP (``--node-sharding fsdp``, ``node_shard``) θ is scattered from rank 0's host model into every rank's
+   shards instead, and a phase that ends (``END``, or out of steps) ends with every rank gathering the parameters
+   so rank 0's host model holds θ_local; an aborted or diverged phase gathers nothing.
+3. ``EVAL`` (FSDP only): rank 0 broadcasts its held-out windows and the θ to evaluate; every rank evaluates a share
+   on its shards and the loss sums are all-reduced (with DDP rank 0 evaluates alone, and sends nothing).
+4. ``STOP``: rank 0 leaves (finished, interrupted, failed between phases): followers return 0.
+5. ``KEEPALIVE`` / ``STEP_WAIT``: while the followers wait for a command (rank 0 averaging, downloading state,
    evaluating) or a decision (rank 0 paused by its duty cycle, ``--pause-file`` or SIGUSR1), a thread of rank 0 sends
    one every ``KEEPALIVE_INTERVAL_S`` (10 s), so a wait of any length is not a timeout.
 
@@ -63,7 +71,7 @@ from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
 
 logger = logging.getLogger(__name__)
 
-CMD_HELLO, CMD_PHASE, CMD_STOP, CMD_KEEPALIVE = 1, 2, 3, 4  # commands (rank 0 -> followers, between phases)
+CMD_HELLO, CMD_PHASE, CMD_STOP, CMD_KEEPALIVE, CMD_EVAL = 1, 2, 3, 4, 5  # commands (rank 0 -> followers)
 STEP_CONTINUE, STEP_END, STEP_ABORT, STEP_WAIT = 0, 1, 2, 3  # decisions (rank 0 -> followers, after every inner step)
 DEFAULT_TIMEOUT_S = 1800.0
 KEEPALIVE_INTERVAL_S = 10.0
@@ -86,12 +94,15 @@ class NodeRanks:
         rank, world_size: this process's rank and the number of ranks (``cli.node_launch.NodeEnv``).
         control: the gloo process group the control messages travel on (``dist.new_group(backend="gloo")``).
         device: where this rank's model lives (``cuda:LOCAL_RANK`` or cpu).
+        sharding: "ddp" (every rank holds the whole model) or "fsdp" (``node_shard``: each rank a 1/N shard); rank
+            0 decides (``builder.build_model``) and sends it in HELLO.
     """
 
     rank: int
     world_size: int
     control: object
     device: torch.device
+    sharding: str = "ddp"
     broken: bool = False  # rank 0: a collective is left half done; send nothing more
     # rank 0: what the followers block on now ("command", "decision"; "" = a collective with us): the keepalive
     # thread fills that wait with CMD_KEEPALIVE / STEP_WAIT; every control message is sent under the lock
@@ -202,6 +213,43 @@ class NodeRanks:
             for p in model.parameters():
                 dist.broadcast(p.data, 0)
 
+    def phase_start(self, model: torch.nn.Module, sharded: torch.nn.Module | None) -> None:
+        """θ from rank 0 into every rank's training model: DDP, ``broadcast_params(model)``; FSDP, rank 0's
+        ``model`` (the host model; followers pass their sharded model, ignored) scattered into ``sharded``."""
+        if sharded is None:
+            self.broadcast_params(model)
+        else:
+            from hivetrain.diloco.node_shard import scatter_params
+
+            scatter_params(sharded, model if self.rank == 0 else None)
+
+    def phase_end(self, model: torch.nn.Module, sharded: torch.nn.Module | None) -> None:
+        """FSDP: every rank's shards gathered into rank 0's host ``model`` (θ_local), a collective; DDP: nothing
+        (rank 0's model already holds θ_local)."""
+        if sharded is not None:
+            from hivetrain.diloco.node_shard import gather_params
+
+            gather_params(sharded, model if self.rank == 0 else None)
+
+    def evaluate(self, sharded: torch.nn.Module, windows_NT: torch.Tensor | None, model: torch.nn.Module | None):
+        """FSDP: the eval loss of rank 0's host ``model`` θ on rank 0's (N, T+1) int64 ``windows_NT``, every rank
+        evaluating a share (``node_shard.evaluate_sharded``). Rank 0 sends ``CMD_EVAL`` first; followers call it
+        with None, None after receiving it (``follow``). Returns the loss (nats per token) on every rank."""
+        from hivetrain.diloco.node_shard import evaluate_sharded, scatter_params
+
+        if self.rank == 0:
+            assert windows_NT is not None
+            shape = torch.tensor(windows_NT.shape, dtype=torch.int64)
+            windows = windows_NT.to(torch.int64).contiguous()
+        else:
+            shape = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(shape, 0, group=self.control)
+        if self.rank != 0:
+            windows = torch.empty(tuple(shape.tolist()), dtype=torch.int64)
+        dist.broadcast(windows, 0, group=self.control)
+        scatter_params(sharded, model if self.rank == 0 else None)
+        return evaluate_sharded(sharded, windows, self.control)
+
     def send_decision(self, code: int) -> None:
         assert self.rank == 0
         self._bcast([code])
@@ -225,9 +273,32 @@ class NodeRanks:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
-    def inner_optimizer(self, ddp: torch.nn.Module, config) -> InnerOptimizer:
-        """An ``InnerOptimizer`` over the DDP model that agrees on non-finite losses with the other ranks."""
-        inner = InnerOptimizer(ddp, config)
+    def shard(self, meta_model: torch.nn.Module, host_model: torch.nn.Module | None, config) -> torch.nn.Module:
+        """FSDP: ``meta_model`` (the run's model on the meta device) sharded over the node's ranks on
+        ``self.device`` (``node_shard.shard_model``), its buffers rank 0's ``host_model``'s (followers: None). A
+        collective: every rank calls it once, after HELLO. Its parameters receive θ at each phase start.
+
+        Raises:
+            ValueError: the run's precision is fp16 on this device (``node_shard.param_dtype``).
+        """
+        from hivetrain.diloco.inner import cuda_native_bf16, resolve_precision
+        from hivetrain.diloco.node_shard import broadcast_buffers, param_dtype, shard_model
+
+        precision = resolve_precision(config.precision, self.device.type, cuda_native_bf16(self.device))
+        sharded = shard_model(meta_model, self.device, param_dtype(precision.autocast_dtype))
+        broadcast_buffers(sharded, host_model if self.rank == 0 else None)
+        return sharded
+
+    def inner_optimizer(self, model: torch.nn.Module, config) -> InnerOptimizer:
+        """An ``InnerOptimizer`` over the DDP (or FSDP) model that agrees on non-finite losses with the other ranks.
+        Under FSDP the model casts its own compute (``MixedPrecisionPolicy``: no autocast) and is not compiled (the
+        compiled FSDP step is not measured yet; "on" is logged as overridden)."""
+        if self.sharding == "fsdp":
+            if config.compile == "on":
+                logger.warning("diloco.compile = 'on' is ignored under --node-sharding fsdp: inner steps run eager")
+            inner = InnerOptimizer(model, replace(config, compile="off"), autocast=False)
+        else:
+            inner = InnerOptimizer(model, config)
         inner.agree_finite = self.all_finite
         return inner
 
@@ -254,14 +325,39 @@ class NodeInner:
     schedule's decision after every step (``should_end`` sees the node's samples: N times rank 0's) and returns the
     node's result (samples and tokens times N). Any other attribute is the wrapped optimizer's.
 
+    Under FSDP (``sharded`` given) the phase starts by scattering θ from ``model`` (the host model) into the shards
+    and ends by gathering θ_local back into it; ``evaluate_model`` evaluates on the shards with every rank.
+
     Args:
-        inner: an ``InnerOptimizer`` over the DDP-wrapped model (``NodeRanks.inner_optimizer``).
+        inner: an ``InnerOptimizer`` over the DDP-wrapped (or sharded) model (``NodeRanks.inner_optimizer``).
         ranks: rank 0's end of the protocol.
-        model: the unwrapped model (the trainer loads θ into it before each phase).
+        model: the unwrapped model the trainer loads θ into before each phase and reads θ_local from after it (FSDP:
+            an unsharded host copy).
+        sharded: FSDP: rank 0's sharded model (``NodeRanks.shard``); None with DDP.
     """
 
-    def __init__(self, inner: InnerOptimizer, ranks: NodeRanks, model: torch.nn.Module):
-        self.inner, self.ranks, self.model = inner, ranks, model
+    def __init__(
+        self, inner: InnerOptimizer, ranks: NodeRanks, model: torch.nn.Module, sharded: torch.nn.Module | None = None
+    ):
+        self.inner, self.ranks, self.model, self.sharded = inner, ranks, model, sharded
+
+    def evaluate_model(self, model: torch.nn.Module, windows_NT: torch.Tensor) -> float:
+        """``hivetrain.model.evaluate``'s loss of ``model`` (rank 0's host model, holding the θ to evaluate) on
+        ``windows_NT``: with DDP on rank 0 alone; with FSDP on the shards, every rank taking part (``CMD_EVAL``).
+        Raises ``NodeRanksFailed`` if the node is broken; a failure inside the collectives breaks it."""
+        from hivetrain.model import evaluate
+
+        if self.sharded is None:
+            return evaluate(model, windows_NT)
+        if self.ranks.broken:
+            raise NodeRanksFailed("the node's ranks are out of step after a failed collective; restart the node")
+        try:
+            with self.ranks._sending("command"):
+                self.ranks.send_command(CMD_EVAL)
+                return self.ranks.evaluate(self.sharded, windows_NT, model)
+        except BaseException:
+            self.ranks.broken = True
+            raise
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -285,7 +381,7 @@ class NodeInner:
         ranks, n = self.ranks, self.ranks.world_size
         with ranks._sending(""):  # from here on the followers are in the phase's collectives with us
             ranks.send_command(CMD_PHASE, first_step, num_steps)
-            ranks.broadcast_params(self.model)
+            ranks.phase_start(self.model, self.sharded)
         pending = False  # a step is done and the followers wait for its decision
 
         def step_done(i: int, loss: float) -> None:
@@ -299,7 +395,7 @@ class NodeInner:
         def decide(num_steps_done: int, num_samples: int) -> bool:
             nonlocal pending
             end = should_end(num_steps_done, num_samples * n) if should_end is not None else False
-            with ranks._sending("command" if end else ""):
+            with ranks._sending("command" if end and self.sharded is None else ""):  # FSDP: the gathers come next
                 ranks.send_decision(STEP_END if end else STEP_CONTINUE)
             pending = False
             return end
@@ -321,6 +417,11 @@ class NodeInner:
                 abort()
             else:
                 ranks.broken = True
+            raise
+        try:
+            ranks.phase_end(self.model, self.sharded)  # FSDP: θ_local gathered from the shards
+        except BaseException:
+            ranks.broken = True
             raise
         ranks.followers_wait_for("command")  # the phase ended on every rank (END, or out of steps)
         return replace(result, num_samples=result.num_samples * n, num_tokens=result.num_tokens * n)
@@ -371,11 +472,13 @@ class _HeldSignals:
 
 @dataclass
 class FollowerStats:
-    """What a follower did: (first_step, inner steps run) per phase, and phases that were aborted or diverged."""
+    """What a follower did: (first_step, inner steps run) per phase, phases that were aborted or diverged, and (FSDP)
+    evaluations it took part in."""
 
     phases: list[tuple[int, int]] = field(default_factory=list)
     aborted: int = 0
     diverged: int = 0
+    evaluations: int = 0  # FSDP: evaluations rank 0 ran with us
 
 
 def follow(
@@ -391,7 +494,7 @@ def follow(
         ranks: this follower's end of the protocol.
         inner: an ``InnerOptimizer`` over the DDP-wrapped model (``NodeRanks.inner_optimizer``).
         batches: this rank's (B, T+1) int64 windows.
-        model: the unwrapped model (receives θ at each phase start).
+        model: the unwrapped model (receives θ at each phase start); FSDP: the sharded model (``NodeRanks.shard``).
         on_phase: optional callback(model) right after θ arrived (tests).
 
     Raises:
@@ -399,13 +502,18 @@ def follow(
         NodeRanksFailed: an unknown command (ranks of different hivetrain versions).
     """
     stats = FollowerStats()
+    sharded = model if ranks.sharding == "fsdp" else None
     while True:
         code, first_step, max_steps = ranks.recv_command()
         if code == CMD_STOP:
             return stats
+        if code == CMD_EVAL and sharded is not None:
+            ranks.evaluate(sharded, None, None)
+            stats.evaluations += 1
+            continue
         if code != CMD_PHASE:
             raise NodeRanksFailed(f"unexpected node command {code} (are all ranks the same hivetrain version?)")
-        ranks.broadcast_params(model)
+        ranks.phase_start(model, sharded)
         if on_phase is not None:
             on_phase(model)
 
@@ -424,4 +532,5 @@ def follow(
             logger.warning("inner phase diverged on the node (all ranks discard it): %s", exc)
             stats.diverged += 1
             continue
+        ranks.phase_end(model, sharded)
         stats.phases.append((first_step, result.num_steps))

@@ -76,8 +76,12 @@ class DilocoTrainer:
         on_event: Callable[[dict], None] | None = None,
         duty: DutyCycle | None = None,
         membership: MemberRoster | None = None,
+        evaluate_model: Callable[[torch.nn.Module, torch.Tensor], float] | None = None,
     ):
         self.node, self.loop, self.config, self.model = node, loop, config, model
+        # (model holding θ, (N, T+1) windows) -> eval loss: ``hivetrain.model.evaluate``, or an FSDP node's (its ranks
+        # evaluate the shards: ``NodeInner.evaluate_model``)
+        self._evaluate_model = evaluate_model or evaluate
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
         self.options, self.faults = options, faults
         self.duty = duty if duty is not None else DutyCycle(options.duty_cycle, pause_file=options.pause_file)
@@ -487,7 +491,7 @@ class DilocoTrainer:
         """Eval loss of ``state`` (default: ours, recorded in the stats) on our held-out windows; the model is left
         holding our own θ either way."""
         load_into_model(state or self.state, self.model)
-        loss = evaluate(self.model, self.eval_windows)
+        loss = self._evaluate_model(self.model, self.eval_windows)
         if state is None:
             self.stats.last_eval_loss = loss
         else:
