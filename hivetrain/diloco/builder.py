@@ -145,6 +145,51 @@ def build_model(
     return (model if sharding == "fsdp" else model.to(device)), fingerprint
 
 
+def eval_in_background(
+    config: RunConfig,
+    vocab_size: int,
+    device: torch.device,
+    model_path: str | None,
+    check_memory: bool,
+    node_ranks: NodeRanks | None,
+) -> bool:
+    """Whether this peer evaluates off the critical path (``eval_worker``): ``diloco.eval_overlap`` as resolved for
+    the device (not in an FSDP node), and for "auto" on CUDA only if the preflight, with one more fp32 copy of the
+    parameters on the device (the replica), still finds the run fits as it would without it (the same activation
+    checkpointing choice). Called before the model takes device memory. Logs its choice."""
+    from hivetrain.diloco.eval_worker import resolve_eval_overlap
+
+    requested = config.diloco.eval_overlap
+    sharded = node_ranks is not None and node_ranks.sharding == "fsdp"  # "auto" may still become fsdp: checked below
+    if not resolve_eval_overlap(requested, device.type, sharded):
+        return False
+    if node_ranks is not None and node_ranks.sharding != "ddp":
+        logger.info("evaluations run between phases (a node that may shard its model evaluates with every rank)")
+        return False
+    if requested == "auto" and device.type == "cuda":
+        if not check_memory:
+            logger.info("evaluations run between phases (no memory preflight to size a background replica)")
+            return False
+        from hivetrain.model import describe_run_model
+        from hivetrain.preflight import DEFAULT_MARGIN, InsufficientMemory, free_memory, run_preflight
+
+        model_config, n = describe_run_model(config, vocab_size, model_path)
+        free_device, free_host = free_memory(device)
+        try:
+            alone = run_preflight(config, model_config, n, device, free=(free_device, free_host))
+            with_replica = run_preflight(
+                config, model_config, n, device, free=(int(free_device - 4 * n * DEFAULT_MARGIN), free_host)
+            )
+        except InsufficientMemory:
+            logger.info("evaluations run between phases (no room on the device for a background replica)")
+            return False
+        if with_replica.activation_checkpointing != alone.activation_checkpointing:
+            logger.info("evaluations run between phases (a background replica would force activation checkpointing)")
+            return False
+    logger.info("evaluations run in the background, on a replica of the model (diloco.eval_overlap = %r)", requested)
+    return True
+
+
 def _node_sharding(
     config: RunConfig, model_config, meta: torch.nn.Module, device: torch.device, ranks: NodeRanks, check_memory: bool
 ) -> str:
@@ -298,6 +343,7 @@ def build_peer(
 
     device = torch.device(device)
     corpus = corpus if corpus is not None else load_corpus(config.data, cursor_path=cursor_path)
+    background_eval = eval_in_background(config, corpus.vocab_size, device, model_path, check_memory, node_ranks)
     model, fingerprint = build_model(
         config, corpus.vocab_size, device, model_path=model_path, check_memory=check_memory, node_ranks=node_ranks
     )
@@ -342,6 +388,7 @@ def build_peer(
             duty=duty,
             membership=membership,
             evaluate_model=node_inner.evaluate_model if node_inner is not None else None,
+            eval_in_background=background_eval,
         )
     except BaseException:
         averager.shutdown(timeout_s=3.0)

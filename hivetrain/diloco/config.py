@@ -92,6 +92,12 @@ class DilocoConfig:
             (default): on only when the memory preflight finds the run does not fit the device without it and does
             with it (logged); off with ``--skip-memory-check``. "on": always. "off": never. The numerics are the
             same either way (the recomputation repeats the forward pass exactly).
+        eval_overlap: where the evaluation after an outer step runs (``diloco/eval_worker.py``). "auto" (default):
+            on CUDA on a thread of its own, on a replica of the model (one more fp32 copy of the parameters on the
+            GPU) and its own CUDA stream, while the next inner phase trains, reported as an ``eval`` event per
+            epoch; on CPUs on the trainer's thread between phases (a CPU evaluation takes the cores the inner steps
+            use: overlapping only moves the time). "on": in the background on any device. "off": never. An FSDP
+            node always evaluates between phases (its evaluation is a collective of all ranks).
     """
 
     inner_steps: int = Field(default=50, ge=1, le=1_000_000)
@@ -114,6 +120,7 @@ class DilocoConfig:
     max_downloaders: int = Field(default=MAX_DOWNLOADERS_DEFAULT, ge=0, le=4096)
     compile: Literal["auto", "on", "off"] = "auto"
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    eval_overlap: Literal["auto", "on", "off"] = "auto"
 
     def samples_per_inner_step(self, batch_size: int) -> int:
         """Samples (windows) one inner step trains on: ``batch_size`` (``data.batch_size``) * ``grad_accum_steps``."""

@@ -26,6 +26,7 @@ from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.credit import witnesses_for
 from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
+from hivetrain.diloco.eval_worker import BackgroundEval, EvalResult
 from hivetrain.diloco.evidence import Evidence
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
@@ -45,6 +46,8 @@ from hivetrain.peers.node import PeerNode
 from hivetrain.peers.records import live_records
 
 logger = logging.getLogger(__name__)
+
+EVAL_CLOSE_TIMEOUT_S = 120.0  # a background evaluation still running when the peer stops: at most this long
 
 
 class DilocoTrainer:
@@ -77,6 +80,7 @@ class DilocoTrainer:
         duty: DutyCycle | None = None,
         membership: MemberRoster | None = None,
         evaluate_model: Callable[[torch.nn.Module, torch.Tensor], float] | None = None,
+        eval_in_background: bool = False,
     ):
         self.node, self.loop, self.config, self.model = node, loop, config, model
         # (model holding θ, (N, T+1) windows) -> eval loss: ``hivetrain.model.evaluate``, or an FSDP node's (its ranks
@@ -89,6 +93,8 @@ class DilocoTrainer:
         self.stats = TrainerStats(compile_s=getattr(getattr(phases, "inner", None), "compile_s", 0.0))
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
+        self._eval_bg: BackgroundEval | None = None  # evaluations off the critical path (``eval_worker``), in run()
+        self._eval_overlap = eval_in_background  # ``builder.eval_in_background``
         self._stop = threading.Event()
         self._committed_epoch = -1  # the epoch our last own commit brought us to (its round's members expect us next)
         self._exact_average = config.averaging.exact_average
@@ -247,6 +253,11 @@ class DilocoTrainer:
         self.exchange.start(p2p)
         self.view.start(p2p)
         self.report.emit("start", eval_loss=self._evaluate(), data_address=self.averager.data_address)
+        if self._eval_overlap:
+            try:
+                self._eval_bg = BackgroundEval(self.model, self._evaluate_model, self.eval_windows)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:  # the replica did not fit after all
+                logger.warning("evaluating between phases: no room for a background replica of the model (%s)", exc)
         try:
             while not self._stop.is_set() and not self._done():
                 self.view.check_alive(self.options.dht_lost_after_s)
@@ -288,6 +299,8 @@ class DilocoTrainer:
                 self._discard(self._pending.samples, "the peer stopped before sending them")
                 self._pending = None
             self.exchange.close(cancel=self._stop.is_set())
+        if self._eval_bg is not None:
+            self._report_evals(self._eval_bg.close(timeout_s=EVAL_CLOSE_TIMEOUT_S))
         self.report.emit("finish", eval_loss=self._evaluate())
         self._stop.set()
         self.view.stop()
@@ -420,9 +433,11 @@ class DilocoTrainer:
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
         eval_every = self.config.diloco.eval_every
-        eval_loss = (
-            self.stats.timed("evaluate", self._evaluate) if eval_every and self.state.epoch % eval_every == 0 else None
-        )
+        eval_loss = None
+        if eval_every and self.state.epoch % eval_every == 0:
+            if self._eval_bg is None or not self._eval_bg.submit(self.state):
+                eval_loss = self.stats.timed("evaluate", self._evaluate)
+        self._report_evals()
         for part, seconds in outcome.timings_s.items():
             self.stats.add_overhead(part, seconds)
         self.report.emit(
@@ -486,6 +501,15 @@ class DilocoTrainer:
         self.stats.samples_discarded += samples
         logger.warning("discarding %d computed samples: %s", samples, reason)
         self.report.emit("samples_discarded", samples=samples, reason=reason)
+
+    def _report_evals(self, results: list[EvalResult] | None = None) -> None:
+        """Background evaluations finished since the last call (or ``results``): an ``eval`` event each, for its
+        epoch, and the newest loss in our stats (and record)."""
+        if self._eval_bg is None:
+            return
+        for result in self._eval_bg.drain() if results is None else results:
+            self.stats.last_eval_loss = result.loss
+            self.report.emit("eval", epoch=result.epoch, eval_loss=result.loss, eval_s=round(result.seconds, 6))
 
     def _evaluate(self, state: TrainingState | None = None) -> float:
         """Eval loss of ``state`` (default: ours, recorded in the stats) on our held-out windows; the model is left
