@@ -10,7 +10,12 @@ What is counted (N trainable parameters, fp32 unless said):
 - on the training device: parameters 4N, gradients 4N, AdamW's two moments 8N; under bf16/fp16 autocast, the
   half-precision copies of the weights autocast caches 2N; and the activations autograd keeps for one microbatch;
 - in host memory (θ and the outer state always stay fp32 on the CPU): θ 4N, the outer momentum 4N and the
-  pseudo-gradient being averaged 4N.
+  pseudo-gradient being averaged 4N; the averaging round's buffers 12N (the flat contribution and the result, kept
+  between rounds, and the parts in flight); the outer step's new θ and momentum beside the old 8N; the older states
+  the state server keeps for joiners and the coordinator, 8N each (``SERVED_EPOCHS`` - 1 of them: 16N); and the peer
+  process itself, 512 MiB (Python, torch, transformers, the DHT client). Measured on CPU (dev/LOG.md, 2026-12-02
+  session 34): a 57M-parameter llama's peers peaked at 4.20-4.30 GiB of RSS when this list held only the first three
+  parts (an estimate of 1.97 GiB).
 
 On a CPU peer both lists share the same memory. Activations are what autograd keeps for the backward pass, counted
 per layer in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
@@ -44,9 +49,11 @@ from typing import Any
 import torch
 
 from hivetrain.diloco.inner import resolve_precision
+from hivetrain.diloco.state import SERVED_EPOCHS
 
 GIB = 2**30
 DEFAULT_MARGIN = 1.15
+PROCESS_BYTES = 512 * 2**20  # a peer process before any model: 0.45 GiB of RSS measured (dev/LOG.md, session 33)
 
 
 class InsufficientMemory(ValueError):
@@ -70,6 +77,10 @@ class MemoryEstimate:
     activation_checkpointing: bool = False
     shards: int = 1  # FSDP: the node's ranks sharing parameters, gradients and AdamW state (1: not sharded)
     host_model_bytes: int = 0  # FSDP: rank 0's unsharded host copy of the model
+    round_bytes: int = 0  # the averaging round's flat contribution, result and parts in flight
+    commit_bytes: int = 0  # the outer step's new θ and momentum, beside the old
+    served_bytes: int = 0  # older states kept for joiners (``SERVED_EPOCHS`` - 1)
+    process_bytes: int = 0  # the peer process itself
 
     @property
     def device_bytes(self) -> int:
@@ -85,7 +96,9 @@ class MemoryEstimate:
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory: θ, outer momentum and pseudo-gradient, plus the device's share on a CPU peer."""
-        return self.outer_state_bytes + self.host_model_bytes + (self.device_bytes if self.device_type == "cpu" else 0)
+        own = self.outer_state_bytes + self.host_model_bytes + self.round_bytes + self.commit_bytes
+        own += self.served_bytes + self.process_bytes
+        return own + (self.device_bytes if self.device_type == "cpu" else 0)
 
     def breakdown(self) -> str:
         """One line: each part in GiB (MiB for a model whose parts are all under 1 GiB)."""
@@ -101,6 +114,10 @@ class MemoryEstimate:
             ),
             ("θ + outer momentum + pseudo-gradient (host)", self.outer_state_bytes),
             ("host model copy", self.host_model_bytes),
+            ("averaging round buffers", self.round_bytes),
+            ("the outer step's new θ + momentum", self.commit_bytes),
+            (f"{SERVED_EPOCHS - 1} earlier states served to joiners", self.served_bytes),
+            ("the peer process", self.process_bytes),
         ]
         if self.shards > 1:
             parts[0] = (f"parameters (1/{self.shards} shard + gathered layers)", self.parameters_bytes)
@@ -169,6 +186,10 @@ def estimate_memory(
         activations_bytes=activations,
         outer_state_bytes=12 * num_parameters,
         host_model_bytes=4 * num_parameters if sharded else 0,
+        round_bytes=12 * num_parameters,
+        commit_bytes=8 * num_parameters,
+        served_bytes=8 * num_parameters * (SERVED_EPOCHS - 1),
+        process_bytes=PROCESS_BYTES,
         shards=shards,
         device_type="cpu" if device_type == "cpu" else "cuda",
         microbatch=microbatch,

@@ -23,7 +23,14 @@ from hivetrain.model import (
     weights_sha256,
 )
 from hivetrain.peers.records import PeerRecord, check_compatible
-from hivetrain.preflight import GIB, InsufficientMemory, estimate_memory, resolve_device, run_preflight
+from hivetrain.preflight import (
+    GIB,
+    PROCESS_BYTES,
+    InsufficientMemory,
+    estimate_memory,
+    resolve_device,
+    run_preflight,
+)
 
 SEQ_LEN = 32
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -146,9 +153,13 @@ def test_memory_estimate_counts_the_documented_parts() -> None:
     tokens = 8 * 1024
     expected = 12 * tokens * (10 * 1024 * 4 + 4 * 2816 * 2) + tokens * 256 * (2 + 8)
     assert est.activations_bytes == expected
-    assert est.host_bytes == 12 * n  # θ, momentum and pseudo-gradient stay on the CPU
+    # on the CPU: θ, momentum and pseudo-gradient 12N, the round's buffers 12N, the outer step's new θ and momentum 8N,
+    # the 2 older states the state server keeps 16N, and the process itself
+    host = 48 * n + PROCESS_BYTES
+    assert (est.round_bytes, est.commit_bytes, est.served_bytes) == (12 * n, 8 * n, 16 * n)
+    assert est.host_bytes == host
     cpu = estimate_memory(n, config, microbatch=8, seq_len=1024, device_type="cpu", half_precision=False)
-    assert cpu.host_bytes == cpu.device_bytes + 12 * n and cpu.autocast_weights_bytes == 0
+    assert cpu.host_bytes == cpu.device_bytes + host and cpu.autocast_weights_bytes == 0
 
 
 def test_preflight_refuses_with_the_options_named() -> None:

@@ -415,6 +415,9 @@ class InnerOptimizer:
                 report(*pending)
         finally:
             self.optimizer.__dict__.pop("found_inf", None)  # only our deferred steps set it
+            # the gradients are not needed between phases: their 4 bytes per parameter go back to the averaging round
+            # and the outer step (host memory on a CPU peer; the evaluation replica's room on a GPU)
+            self.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda" and not self._memory_checked and steps:
             self._check_memory(device, samples // (steps * accum), tokens // max(samples, 1))
         if skipped:

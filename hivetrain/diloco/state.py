@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 
 MOMENTUM_PREFIX = "outer_momentum."
+# states a trainer's state server keeps for joiners (``state_sync.StateServer``), the current one included: the
+# memory preflight counts the older ones (8 bytes per parameter each)
+SERVED_EPOCHS = 3
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
-from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state import SERVED_EPOCHS, TrainingState
 from hivetrain.diloco.state_fetch import FetchConfig, FetchResult, StateDownloadFailed, download_state, fetch_state
 from hivetrain.diloco.state_file import StateFile
 from hivetrain.diloco.state_wire import (
@@ -123,7 +123,7 @@ class StateServer:
         get_state: Callable[[], TrainingState | StateFile | None],
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         faults: FaultInjector = NO_FAULTS,
-        keep_epochs: int = 3,
+        keep_epochs: int = SERVED_EPOCHS,
         idle_timeout_s: float = 30.0,
         max_downloaders: int = 0,
         known_hash: Callable[[TrainingState], str | None] | None = None,
