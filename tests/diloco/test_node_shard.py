@@ -8,6 +8,7 @@ starts from rank 0's θ again; evaluation on the shards with both ranks equals a
 Plus the pure parts: shard units, the parameters gathered at once, the preflight's sharded estimate.
 """
 
+import dataclasses
 import datetime
 
 import pytest
@@ -171,3 +172,53 @@ def test_the_sharded_estimate_divides_the_states_and_adds_the_gathered_layers():
     assert "1/4 shard" in sharded.breakdown()
     with pytest.raises(ValueError, match="shards"):
         estimate_memory(n, config, shards=0, **kwargs)
+
+
+BF16 = dataclasses.replace(CONFIG, precision="bf16", grad_accum_steps=1)
+
+
+def _bf16_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
+    )
+    try:
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        ranks = NodeRanks(rank, world_size, control, torch.device("cpu"), sharding="fsdp")
+        host = tiny_model(seed=0) if rank == 0 else None
+        sharded = ranks.shard(_meta_tiny(), host, BF16)
+        seen: set = set()
+        # the layer's weights as it computes: bf16 only if FSDP2 gathered them so (autocast would cast fp32 weights)
+        sharded.model.layers[0].mlp.register_forward_hook(lambda m, args, out: seen.add(m.gate_proj.weight.dtype))
+        inner = ranks.inner_optimizer(sharded, BF16)
+        out: dict = {}
+        if rank == 0:
+            start = flat(host)
+            losses: list[float] = []
+            NodeInner(inner, ranks, host, sharded).run(stream(0), 0, 30, lambda i, loss: losses.append(loss), None)
+            out.update(losses=losses, start=start, params=flat(host))
+            ranks.stop()
+        else:
+            follow(ranks, inner, stream(1), sharded)
+        out["compute"] = sorted(str(d) for d in seen)
+        out["param_dtypes"] = sorted({str(p.dtype) for p in sharded.parameters()})
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_node_computes_in_bf16_through_fsdp_and_keeps_fp32_shards(tmp_path):
+    forkserver.context()
+    mp.start_processes(
+        _bf16_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="forkserver"
+    )
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    for r in (r0, r1):
+        assert r["compute"] == ["torch.bfloat16"]  # FSDP2 gathered the layer's parameters in bf16
+        assert r["param_dtypes"] == ["torch.float32"]  # the shards, their gradients and AdamW stay fp32
+    losses = r0["losses"]
+    assert len(losses) == 30 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert torch.isfinite(r0["params"]).all() and not torch.equal(r0["params"], r0["start"])
