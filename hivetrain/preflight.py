@@ -12,8 +12,9 @@ What is counted (N trainable parameters, fp32 unless said):
 - in host memory (θ and the outer state always stay fp32 on the CPU): θ 4N, the outer momentum 4N and the
   pseudo-gradient being averaged 4N; the averaging round's buffers 12N (the flat contribution and the result, kept
   between rounds, and the parts in flight); the outer step's new θ and momentum beside the old 8N; the older states
-  the state server keeps for joiners and the coordinator, 8N each (``SERVED_EPOCHS`` - 1 of them: 16N); and the peer
-  process itself, 512 MiB (Python, torch, transformers, the DHT client). Measured on CPU (dev/LOG.md, 2026-12-02
+  the state server keeps for joiners and the coordinator, 8N each (``SERVED_EPOCHS`` - 1 of them: 16N); with
+  ``diloco.overlap = "eager"`` the previous average and our previous pseudo-gradient, 8N; and the peer process itself,
+  512 MiB (Python, torch, transformers, the DHT client). Measured on CPU (dev/LOG.md, 2026-12-02
   session 34): a 57M-parameter llama's peers peaked at 4.20-4.30 GiB of RSS when this list held only the first three
   parts (an estimate of 1.97 GiB).
 
@@ -80,6 +81,7 @@ class MemoryEstimate:
     round_bytes: int = 0  # the averaging round's flat contribution, result and parts in flight
     commit_bytes: int = 0  # the outer step's new θ and momentum, beside the old
     served_bytes: int = 0  # older states kept for joiners (``SERVED_EPOCHS`` - 1)
+    overlap_bytes: int = 0  # eager overlap: the previous average and our previous pseudo-gradient
     process_bytes: int = 0  # the peer process itself
 
     @property
@@ -97,7 +99,7 @@ class MemoryEstimate:
     def host_bytes(self) -> int:
         """Bytes of host memory: θ, outer momentum and pseudo-gradient, plus the device's share on a CPU peer."""
         own = self.outer_state_bytes + self.host_model_bytes + self.round_bytes + self.commit_bytes
-        own += self.served_bytes + self.process_bytes
+        own += self.served_bytes + self.overlap_bytes + self.process_bytes
         return own + (self.device_bytes if self.device_type == "cpu" else 0)
 
     def breakdown(self) -> str:
@@ -117,6 +119,7 @@ class MemoryEstimate:
             ("averaging round buffers", self.round_bytes),
             ("the outer step's new θ + momentum", self.commit_bytes),
             (f"{SERVED_EPOCHS - 1} earlier states served to joiners", self.served_bytes),
+            ("eager overlap's previous average + pseudo-gradient", self.overlap_bytes),
             ("the peer process", self.process_bytes),
         ]
         if self.shards > 1:
@@ -136,6 +139,7 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     shards: int = 1,
     gathered_parameters: int = 0,
+    overlap: str = "off",
 ) -> MemoryEstimate:
     """Bytes to train a model of ``num_parameters`` on ``microbatch`` windows of ``seq_len`` tokens (module docstring).
 
@@ -150,6 +154,7 @@ def estimate_memory(
         activation_checkpointing: layers keep only their input; one layer's activations are recomputed at a time.
         shards: FSDP: the node's ranks (each holds 1/shards of parameters, gradients and AdamW state); 1: whole.
         gathered_parameters: FSDP: parameters held unsharded at once (``node_shard.gathered_parameters``).
+        overlap: ``diloco.overlap`` ("eager" keeps two more fp32 copies of the parameters on the host).
 
     Raises:
         ValueError: a non-positive size, or a config without ``hidden_size``/``num_hidden_layers``/``vocab_size``.
@@ -189,6 +194,7 @@ def estimate_memory(
         round_bytes=12 * num_parameters,
         commit_bytes=8 * num_parameters,
         served_bytes=8 * num_parameters * (SERVED_EPOCHS - 1),
+        overlap_bytes=8 * num_parameters if overlap == "eager" else 0,
         process_bytes=PROCESS_BYTES,
         shards=shards,
         device_type="cpu" if device_type == "cpu" else "cuda",
@@ -339,6 +345,7 @@ def run_preflight(
             activation_checkpointing=checkpointed,
             shards=shards,
             gathered_parameters=gathered_parameters,
+            overlap=getattr(diloco, "overlap", "off"),
         )
         accum = getattr(diloco, "grad_accum_steps", 1)
         return check_memory(estimate, free_device, free_host, margin=margin, grad_accum_steps=accum)

@@ -160,6 +160,10 @@ def test_memory_estimate_counts_the_documented_parts() -> None:
     assert est.host_bytes == host
     cpu = estimate_memory(n, config, microbatch=8, seq_len=1024, device_type="cpu", half_precision=False)
     assert cpu.host_bytes == cpu.device_bytes + host and cpu.autocast_weights_bytes == 0
+    eager = estimate_memory(
+        n, config, microbatch=8, seq_len=1024, device_type="cuda", half_precision=True, overlap="eager"
+    )
+    assert eager.host_bytes == host + 8 * n  # the previous average and our previous pseudo-gradient
 
 
 def test_preflight_refuses_with_the_options_named() -> None:
