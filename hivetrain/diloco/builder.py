@@ -152,19 +152,18 @@ def eval_in_background(
     model_path: str | None,
     check_memory: bool,
     node_ranks: NodeRanks | None,
+    free: tuple[int, int] | None = None,
 ) -> bool:
     """Whether this peer evaluates off the critical path (``eval_worker``): ``diloco.eval_overlap`` as resolved for
     the device (not in an FSDP node), and for "auto" on CUDA only if the preflight, with one more fp32 copy of the
     parameters on the device (the replica), still finds the run fits as it would without it (the same activation
-    checkpointing choice). Called before the model takes device memory. Logs its choice."""
+    checkpointing choice), with ``free`` = (device, host) bytes free before the model took any (default: read now).
+    A node's rank 0 calls it after the builder settled the node's sharding. Logs its choice."""
     from hivetrain.diloco.eval_worker import resolve_eval_overlap
 
     requested = config.diloco.eval_overlap
-    sharded = node_ranks is not None and node_ranks.sharding == "fsdp"  # "auto" may still become fsdp: checked below
+    sharded = node_ranks is not None and node_ranks.sharding == "fsdp"
     if not resolve_eval_overlap(requested, device.type, sharded):
-        return False
-    if node_ranks is not None and node_ranks.sharding != "ddp":
-        logger.info("evaluations run between phases (a node that may shard its model evaluates with every rank)")
         return False
     if requested == "auto" and device.type == "cuda":
         if not check_memory:
@@ -174,7 +173,7 @@ def eval_in_background(
         from hivetrain.preflight import DEFAULT_MARGIN, InsufficientMemory, free_memory, run_preflight
 
         model_config, n = describe_run_model(config, vocab_size, model_path)
-        free_device, free_host = free_memory(device)
+        free_device, free_host = free if free is not None else free_memory(device)
         try:
             alone = run_preflight(config, model_config, n, device, free=(free_device, free_host))
             with_replica = run_preflight(
@@ -343,11 +342,16 @@ def build_peer(
 
     device = torch.device(device)
     corpus = corpus if corpus is not None else load_corpus(config.data, cursor_path=cursor_path)
-    background_eval = eval_in_background(config, corpus.vocab_size, device, model_path, check_memory, node_ranks)
+    from hivetrain.preflight import free_memory
+
+    free_before = free_memory(device) if device.type == "cuda" else None  # before the model takes any of it
     model, fingerprint = build_model(
         config, corpus.vocab_size, device, model_path=model_path, check_memory=check_memory, node_ranks=node_ranks
     )
     refuse_other_models(node.dht, config.run_id, node.peer_id, fingerprint, config.model)
+    background_eval = eval_in_background(
+        config, corpus.vocab_size, device, model_path, check_memory, node_ranks, free=free_before
+    )
     logger.info(
         "peer %s joined run %r (model %s, %s) at %s",
         node.peer_id,
