@@ -12,10 +12,16 @@ run, a 256-id tokenizer that maps id i to byte i both ways (``byte_tokenizer``):
 
 A checkpoint is verified (sha256, safetensors, state hash; see ``checkpoint.py``) before anything is exported, and
 the directory appears atomically (written under a temporary name, then renamed).
+
+Memory: a checkpoint is exported a piece at a time (``_write_weights``: θ's bytes copied from the checkpoint's state
+file into ``model.safetensors`` 8 MiB at a time, the model described on the meta device), so the machine that hosts
+a run's coordinator can export a model larger than its memory (a 7B checkpoint: 56 GB on disk, 28 GB exported). A
+``TrainingState`` given directly is in memory already and goes through ``transformers``' ``save_pretrained``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -27,17 +33,14 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from hivetrain.coordinator.checkpoint import (
-    MANIFEST_FILE,
-    STATE_FILE,
-    CheckpointInvalid,
-    CheckpointStore,
-    load_checkpoint,
-)
+from hivetrain.coordinator.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointInvalid, CheckpointStore
+from hivetrain.coordinator.checkpoint_format import verify_checkpoint
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import PIECE_BYTES, StateFileInvalid, read_safetensors_header
 from hivetrain.model import (
     PRESETS,
     ModelSource,
+    _meta_model,
     build_config,
     build_model,
     load_model_config,
@@ -48,6 +51,7 @@ from hivetrain.model import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 1024
+WEIGHTS_FILE = "model.safetensors"
 _EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -92,34 +96,48 @@ def export_transformers(
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--force) to replace it")
     run_config: dict[str, Any] = {}
     manifest: dict[str, Any] = {}
+    hf_model: PreTrainedModel | None = None
     if isinstance(source, TrainingState):
         state = source
+        epoch, state_hash = state.epoch, state.state_hash()
+        vocab_size = state.params[_EMBEDDING].shape[0] if _EMBEDDING in state.params else None
+        config, model_source = _resolve_config(model, vocab_size, run_config, max_seq_len)
+        hf_model = _model_with_params(config, state)
+        described: torch.nn.Module = hf_model
     else:
-        state, manifest = _load_source(Path(source), model)
+        checkpoint, manifest = _verified_checkpoint(Path(source))
         run_config = manifest.get("run_config") or {}
-    vocab_size = state.params[_EMBEDDING].shape[0] if _EMBEDDING in state.params else None
-    config, source = _resolve_config(model, vocab_size, run_config, max_seq_len)
-    hf_model = _model_with_params(config, state)
+        epoch, state_hash = int(manifest["epoch"]), str(manifest["state_hash"])
+        vocab_size = _header_vocab_size(checkpoint / STATE_FILE)
+        config, model_source = _resolve_config(model, vocab_size, run_config, max_seq_len)
+        described = _meta_model(config)
+        _check_fits(config, described, manifest["param_names"], checkpoint / STATE_FILE)
     expected = manifest.get("model_fingerprint")
-    if expected and source is not None and source_fingerprint(source, config, hf_model) != expected:
+    if expected and model_source is not None and source_fingerprint(model_source, config, described) != expected:
         raise ValueError(
             "the rebuilt model's fingerprint differs from the checkpoint's; pass the model (--model: preset or "
             "this machine's copy of the run's model files) and --max-seq-len the run used"
         )
     hf_tokenizer = _tokenizer(tokenizer, run_config)
-    if len(hf_tokenizer) > hf_model.config.vocab_size:
+    if len(hf_tokenizer) > config.vocab_size:
         raise ValueError(
-            f"the tokenizer has {len(hf_tokenizer)} ids but the model's vocabulary is {hf_model.config.vocab_size}; "
+            f"the tokenizer has {len(hf_tokenizer)} ids but the model's vocabulary is {config.vocab_size}; "
             "pass the tokenizer the run trained with (--tokenizer)"
         )
+    num_parameters = sum(p.numel() for p in described.parameters())
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf_model.save_pretrained(tmp, safe_serialization=True)
+        if hf_model is not None:
+            hf_model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            tmp.mkdir()
+            _write_weights(checkpoint / STATE_FILE, described, tmp / WEIGHTS_FILE)
+            _save_configs(config, described, tmp)
         hf_tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(_readme(config, state, manifest, hf_tokenizer))
+        (tmp / "README.md").write_text(_readme(config, epoch, state_hash, num_parameters, manifest, hf_tokenizer))
         umask = os.umask(0)
         os.umask(umask)
         for path in tmp.iterdir():  # readable as any file this user writes (safetensors wrote the weights 0600)
@@ -130,47 +148,98 @@ def export_transformers(
         tmp.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("exported epoch %d (%s) to %s", state.epoch, state.state_hash()[:16], out_dir)
+    logger.info("exported epoch %d (%s) to %s", epoch, state_hash[:16], out_dir)
     planned = int((run_config.get("diloco") or {}).get("outer_steps") or 0)
-    if planned > state.epoch:
+    if planned > epoch:
         logger.warning(
             "epoch %d is the newest checkpoint here, but the run was set for %d outer steps: if it got further, its "
             "coordinator did not save the rest (see its log)",
-            state.epoch,
+            epoch,
             planned,
         )
     return out_dir
 
 
-def _load_source(path: Path, model: str | PretrainedConfig | None) -> tuple[TrainingState, dict[str, Any]]:
-    """(state, manifest) of a checkpoint directory or of the newest valid checkpoint under a store root.
+def _verified_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
+    """(directory, manifest) of a checkpoint directory, or of the newest checkpoint under a store root that passes
+    every check (``verify_checkpoint``: read a piece at a time; skipped ones are logged with the reason).
 
-    The tensors are checked against the run config's model, or ``model`` when it is a path (this machine's copy of
-    the run's model files)."""
+    Raises:
+        FileNotFoundError: ``path`` is no directory, or holds no valid checkpoint.
+        CheckpointInvalid: ``path`` is a checkpoint directory that fails a check.
+    """
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
-    is_checkpoint = (path / MANIFEST_FILE).exists() or (path / STATE_FILE).exists()
-    candidate = path
-    if not is_checkpoint:
-        newest = next((c for c in CheckpointStore(path, keep_last=1).list(verify=False) if c.status == "ok"), None)
-        if newest is None:
-            raise FileNotFoundError(f"{path} holds no complete checkpoint")
-        candidate = newest.path
+    if (path / MANIFEST_FILE).exists() or (path / STATE_FILE).exists():
+        return path, verify_checkpoint(path)
+    listed = [c for c in CheckpointStore(path, keep_last=1).list(verify=False) if c.status == "ok"]
+    if not listed:
+        raise FileNotFoundError(f"{path} holds no complete checkpoint")
+    for candidate in listed:
+        try:
+            return candidate.path, verify_checkpoint(candidate.path, expected_epoch=candidate.epoch)
+        except CheckpointInvalid as exc:
+            logger.warning("skipping checkpoint %s: %s", candidate.path, exc)
+    raise FileNotFoundError(f"{path} holds no valid checkpoint (see the warnings above)")
+
+
+def _check_fits(config: PretrainedConfig, meta: torch.nn.Module, names: list[str], state_path: Path) -> None:
+    """θ in the checkpoint has exactly the (meta) model's parameter names and shapes.
+
+    Raises:
+        ValueError: it does not (names the first differences).
+    """
+    fd = os.open(state_path, os.O_RDONLY)
     try:
-        run_config = json.loads((candidate / MANIFEST_FILE).read_text()).get("run_config")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointInvalid("torn", f"{candidate / MANIFEST_FILE}: {exc}") from None
-    run_config = run_config if isinstance(run_config, dict) else {}
-    # A reference model built from the run config gives the names and shapes the loaded tensors must have.
-    reference_model = model if isinstance(model, str) and model not in PRESETS else None
-    config, _ = _resolve_config(reference_model, _header_vocab_size(candidate / STATE_FILE), run_config, None)
-    reference = TrainingState.from_model(build_model(config, seed=0))
-    if is_checkpoint:
-        return load_checkpoint(path, reference)
-    loaded = CheckpointStore(path, keep_last=1).load_latest(reference)
-    if loaded is None:
-        raise FileNotFoundError(f"{path} holds no valid checkpoint (see the warnings above)")
-    return loaded
+        _, entries = read_safetensors_header(fd, os.fstat(fd).st_size)
+    except StateFileInvalid as exc:
+        raise CheckpointInvalid("tampered", f"{STATE_FILE}: {exc.reason}") from None
+    finally:
+        os.close(fd)
+    expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+    got = {n: entries[n][0] for n in names if n in entries}
+    if expected != got or list(expected) != names:
+        diff = sorted(set(expected.items()) ^ set(got.items()))[:3] or "the order of the parameters"
+        raise ValueError(f"θ does not fit the {config.model_type} config: differing (name, shape) {diff}")
+
+
+def _write_weights(state_path: Path, meta: torch.nn.Module, dst: Path) -> None:
+    """``model.safetensors`` of θ (fp32, the model's parameter names in its order, ``{"format": "pt"}`` metadata as
+    ``transformers`` writes and expects), its bytes copied from the checkpoint's state file ``PIECE_BYTES`` at a time.
+    The outer momentum stays behind."""
+    src = os.open(state_path, os.O_RDONLY)
+    try:
+        data_start, entries = read_safetensors_header(src, os.fstat(src).st_size)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, p in meta.named_parameters():
+            size = p.numel() * 4
+            header[name] = {"dtype": "F32", "shape": list(p.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        with open(dst, "wb") as out:
+            out.write(len(blob).to_bytes(8, "little") + blob)
+            for name, _ in meta.named_parameters():
+                _, start, end = entries[name]
+                for piece in range(start, end, PIECE_BYTES):
+                    out.write(os.pread(src, min(PIECE_BYTES, end - piece), data_start + piece))
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        os.close(src)
+
+
+def _save_configs(config: PretrainedConfig, meta: torch.nn.Module, out_dir: Path) -> None:
+    """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them for the model."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(config)
+    config.architectures = [type(meta).__name__]
+    config.dtype = torch.float32
+    config.save_pretrained(out_dir)
+    if getattr(meta, "can_generate", lambda: False)():
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
 
 
 def _header_vocab_size(state_path: Path) -> int | None:
@@ -262,7 +331,12 @@ def _model_with_params(config: PretrainedConfig, state: TrainingState) -> PreTra
 
 
 def _readme(
-    config: PretrainedConfig, state: TrainingState, manifest: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig,
+    epoch: int,
+    state_hash: str,
+    num_parameters: int,
+    manifest: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase,
 ) -> str:
     run = manifest.get("run_config") or {}
     tokenizer_path = (run.get("data") or {}).get("tokenizer") or ""
@@ -274,8 +348,8 @@ def _readme(
         else f"The run's tokenizer ({tokenizer_path or 'given to export'}), {len(tokenizer)} ids, is in this directory."
     )
     return (
-        f"# hivetrain export: run `{run.get('run_id', 'unknown')}`, epoch {state.epoch}\n\n"
-        f"{config.model_type} causal LM ({sum(t.numel() for t in state.params.values()):,} parameters, fp32), "
+        f"# hivetrain export: run `{run.get('run_id', 'unknown')}`, epoch {epoch}\n\n"
+        f"{config.model_type} causal LM ({num_parameters:,} parameters, fp32), "
         "trained with\nDiLoCo by hivetrain volunteers. Only θ is exported (no optimizer or outer momentum).\n\n"
         "## Tokenizer\n\n"
         f"{about_tokenizer}\n\n"
@@ -287,7 +361,7 @@ def _readme(
         "```\n\n"
         "or `hivetrain generate THIS_DIRECTORY --prompt 'def main'`.\n\n"
         "## Provenance\n\n"
-        f"- state hash (θ + momentum): `{state.state_hash()}`\n"
+        f"- state hash (θ + momentum): `{state_hash}`\n"
         f"- model fingerprint: `{manifest.get('model_fingerprint') or 'n/a'}`\n"
         f"- max sequence length: {getattr(config, 'max_position_embeddings', 'n/a')} tokens\n"
     )

@@ -126,3 +126,27 @@ def test_generate_stops_at_the_models_positions_and_refuses_a_prompt_that_fills_
     assert text.startswith(prompt) and "generating 22 tokens, not 100" in caplog.text
     with pytest.raises(ValueError, match=f"reads at most {SEQ_LEN}"):
         generate(out, "x" * SEQ_LEN, max_new_tokens=1)
+
+
+def test_a_checkpoint_streamed_piece_by_piece_exports_what_save_pretrained_writes(
+    tmp_path: Path, trained: tuple[TrainingState, str]
+) -> None:
+    state, fingerprint = trained
+    ckpt = CheckpointStore(tmp_path / "ckpt", keep_last=1).save(state, RUN_CONFIG, {"model_fingerprint": fingerprint})
+    streamed = export_transformers(ckpt, None, tmp_path / "streamed")  # a piece at a time from the state file
+    in_memory = export_transformers(state, "tiny", tmp_path / "in-memory", max_seq_len=SEQ_LEN)  # save_pretrained
+    assert sorted(p.name for p in streamed.iterdir()) == sorted(p.name for p in in_memory.iterdir())
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((streamed / name).read_text()) == json.loads((in_memory / name).read_text()), name
+    with safe_open(str(streamed / "model.safetensors"), framework="pt") as a:
+        with safe_open(str(in_memory / "model.safetensors"), framework="pt") as b:
+            assert a.metadata() == b.metadata() == {"format": "pt"}
+            assert set(a.keys()) == set(b.keys()) == set(state.params)  # θ only
+            for key in b.keys():
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    readme = (streamed / "README.md").read_text()
+    n = sum(t.numel() for t in state.params.values())
+    assert f"epoch {state.epoch}" in readme and state.state_hash() in readme and fingerprint in readme
+    assert (
+        f"({n:,} parameters, fp32)" in readme and f"({n:,} parameters, fp32)" in (in_memory / "README.md").read_text()
+    )

@@ -54,6 +54,39 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
 
 
+# the export's peak resident memory after its imports and at its end (VmHWM: ru_maxrss would count the forked pytest)
+_EXPORT = """
+import os, sys
+from hivetrain.cli.export import main
+hwm = lambda: next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+before = hwm()
+rc = main(sys.argv[1:])
+print("RSS", before, hwm())
+sys.exit(rc)
+"""
+
+
+def _export_within_memory(checkpoints, out, state: TrainingState) -> None:
+    """``hivetrain export`` of the checkpoint (θ: 610 MB) holds a small part of it in memory at any time, and the
+    exported weights are θ's."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXPORT, str(checkpoints), "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    before, peak = (int(x) for x in done.stdout.split("RSS ")[-1].split()[:2])
+    theta = state.num_bytes() // 2
+    figures = f"export: peak RSS {peak / 1e6:.0f} MB ({before / 1e6:.0f} MB after its imports), θ {theta / 1e6:.0f} MB"
+    print(figures)
+    assert peak - before < theta / 8, figures
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(state.params)
+        for name in list(state.params)[:3] + list(state.params)[-2:]:
+            assert torch.equal(f.get_tensor(name), state.params[name]), name
+
+
 @pytest.mark.slow
 def test_a_coordinator_follows_and_checkpoints_a_state_larger_than_its_peak_memory(tmp_path, make_node):
     """Two trainers (DHT nodes of this test, serving a 152M-parameter state: 1.2 GB of θ and momentum) publish
@@ -116,6 +149,7 @@ def test_a_coordinator_follows_and_checkpoints_a_state_larger_than_its_peak_memo
         assert peak < state.num_bytes() / 2 and peak - started_rss < state.num_bytes() / 8, figures
         log = "".join(output)
         assert "is not built here" in log and "adopting epoch 1 unchecked" in log, log[-3000:]
+        _export_within_memory(checkpoints, tmp_path / "exported", state)
     finally:
         stop.set()
         _stop(proc)
