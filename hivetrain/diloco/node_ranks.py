@@ -109,6 +109,7 @@ class NodeRanks:
     _followers_wait: str = field(default="command", repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _keepalive: tuple[threading.Thread, threading.Event] | None = field(default=None, repr=False)
+    _gathered: int = field(default=0, repr=False)  # FSDP: parameters gathered at once (``node_shard``)
 
     # ---- messages ---------------------------------------------------------------------------------------------
     def _bcast(self, values: list[int]) -> list[int]:
@@ -282,9 +283,10 @@ class NodeRanks:
             ValueError: the run's precision is fp16 on this device (``node_shard.param_dtype``).
         """
         from hivetrain.diloco.inner import cuda_native_bf16, resolve_precision
-        from hivetrain.diloco.node_shard import broadcast_buffers, param_dtype, shard_model
+        from hivetrain.diloco.node_shard import broadcast_buffers, gathered_parameters, param_dtype, shard_model
 
         precision = resolve_precision(config.precision, self.device.type, cuda_native_bf16(self.device))
+        self._gathered = gathered_parameters(meta_model)  # for the memory check after the first phase
         sharded = shard_model(meta_model, self.device, param_dtype(precision.autocast_dtype))
         broadcast_buffers(sharded, host_model if self.rank == 0 else None)
         return sharded
@@ -297,7 +299,7 @@ class NodeRanks:
             if config.compile == "on":
                 logger.warning("diloco.compile = 'on' is ignored under --node-sharding fsdp: inner steps run eager")
             inner = InnerOptimizer(model, replace(config, compile="off"), autocast=False)
-        else:
+            inner.shards, inner.gathered_parameters = self.world_size, self._gathered
             inner = InnerOptimizer(model, config)
         inner.agree_finite = self.all_finite
         return inner
