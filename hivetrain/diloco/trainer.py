@@ -90,6 +90,10 @@ class DilocoTrainer:
         self.options, self.faults = options, faults
         self.duty = duty if duty is not None else DutyCycle(options.duty_cycle, pause_file=options.pause_file)
         self.state = TrainingState.from_model(model)
+        logger.info(
+            "θ, the outer momentum and the pseudo-gradient live in host memory (fp32, %.2f GiB each)",
+            self.state.num_bytes() / 2 / 2**30,
+        )
         self.stats = TrainerStats(compile_s=getattr(getattr(phases, "inner", None), "compile_s", 0.0))
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
         self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
