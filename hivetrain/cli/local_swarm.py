@@ -221,15 +221,17 @@ def main(argv: list[str] | None = None) -> int:
 
         def poll() -> None:
             for peer in swarm.peers:
-                events = [e for e in read_events(peer.metrics_path) if e["event"] == "outer_step"]
-                if len(events) > seen.get(peer.name, 0):
-                    seen[peer.name] = len(events)
-                    e = events[-1]
+                events = [e for e in read_events(peer.metrics_path) if e["event"] in ("outer_step", "eval")]
+                for e in events[seen.get(peer.name, 0) :]:
+                    if e["event"] == "eval":  # an evaluation that ran beside the next phase (diloco.eval_overlap)
+                        console.print(f"{peer.name}: epoch {e['epoch']}  eval loss {e['eval_loss']:.3f} (background)")
+                        continue
                     loss = f"{e['eval_loss']:.3f}" if e.get("eval_loss") is not None else "-"
                     console.print(
                         f"{peer.name}: epoch {e['epoch']}  eval loss {loss}  group {e['group_size']}  "
                         f"state {e['state_hash'][:10]}  (+{time.time() - started:.0f}s)"
                     )
+                seen[peer.name] = len(events)
 
         finished = swarm.wait_peers(args.timeout, poll=poll)
         poll()
