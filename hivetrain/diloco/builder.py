@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 AVERAGER_READY_TIMEOUT_S = 30.0
+EVAL_BATCH = 16  # windows per forward pass of an evaluation (``hivetrain.model.evaluate``'s default)
 
 
 def data_cursor_path(identity_path: str | None, run_id: str) -> Path | None:
@@ -156,9 +157,11 @@ def eval_in_background(
 ) -> bool:
     """Whether this peer evaluates off the critical path (``eval_worker``): ``diloco.eval_overlap`` as resolved for
     the device (not in an FSDP node), and for "auto" on CUDA only if the preflight, with one more fp32 copy of the
-    parameters on the device (the replica), still finds the run fits as it would without it (the same activation
-    checkpointing choice), with ``free`` = (device, host) bytes free before the model took any (default: read now).
-    A node's rank 0 calls it after the builder settled the node's sharding. Logs its choice."""
+    parameters on the device (the replica) and what an evaluation holds at once beside training (16 windows' logits
+    in fp32, twice: the model's output and the loss's copy; one layer's activations), still finds the run fits as it
+    would without it (the same activation checkpointing choice), with ``free`` = (device, host) bytes free before
+    the model took any (default: read now). A node's rank 0 calls it after the builder settled the node's sharding.
+    Logs its choice."""
     from hivetrain.diloco.eval_worker import resolve_eval_overlap
 
     requested = config.diloco.eval_overlap
@@ -174,11 +177,14 @@ def eval_in_background(
 
         model_config, n = describe_run_model(config, vocab_size, model_path)
         free_device, free_host = free if free is not None else free_memory(device)
+        tokens = EVAL_BATCH * config.data.seq_len
+        hidden = int(getattr(model_config, "hidden_size", 0) or 0)
+        mlp = int(getattr(model_config, "intermediate_size", 0) or 4 * hidden)
+        evaluation = tokens * (8 * int(model_config.vocab_size) + 4 * (4 * hidden + 3 * mlp))
+        replica = int((4 * n + evaluation) * DEFAULT_MARGIN)
         try:
             alone = run_preflight(config, model_config, n, device, free=(free_device, free_host))
-            with_replica = run_preflight(
-                config, model_config, n, device, free=(int(free_device - 4 * n * DEFAULT_MARGIN), free_host)
-            )
+            with_replica = run_preflight(config, model_config, n, device, free=(free_device - replica, free_host))
         except InsufficientMemory:
             logger.info("evaluations run between phases (no room on the device for a background replica)")
             return False
