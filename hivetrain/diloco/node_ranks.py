@@ -247,7 +247,8 @@ class NodeRanks:
         dist.broadcast(shape, 0, group=self.control)
         if self.rank != 0:
             windows = torch.empty(tuple(shape.tolist()), dtype=torch.int64)
-        dist.broadcast(windows, 0, group=self.control)
+        if windows.numel():  # a run without eval windows evaluates nothing (loss 0.0, as ``evaluate``)
+            dist.broadcast(windows, 0, group=self.control)
         scatter_params(sharded, model if self.rank == 0 else None)
         return evaluate_sharded(sharded, windows, self.control)
 
