@@ -5,7 +5,8 @@ only as a host copy and the ranks training 1/2 shards each. Checked: each rank h
 phase's θ reaches the shards and θ_local comes back whole into rank 0's host model; the node trains as one process on
 the union of both ranks' batches (allclose in fp32, as DDP); an aborted phase gathers nothing and the next phase
 starts from rank 0's θ again; evaluation on the shards with both ranks equals a plain evaluation of the host model;
-bf16 runs through FSDP2's mixed-precision policy (bf16 weights as a layer computes, fp32 shards). Plus the pure parts: shard units, the parameters gathered at once, the preflight's sharded estimate.
+bf16 runs through FSDP2's mixed-precision policy (bf16 weights as a layer computes, fp32 shards). Plus the pure
+parts: shard units, the parameters gathered at once, the preflight's sharded estimate.
 """
 
 import dataclasses
