@@ -301,6 +301,7 @@ class NodeRanks:
                 logger.warning("diloco.compile = 'on' is ignored under --node-sharding fsdp: inner steps run eager")
             inner = InnerOptimizer(model, replace(config, compile="off"), autocast=False)
             inner.shards, inner.gathered_parameters = self.world_size, self._gathered
+        else:
             inner = InnerOptimizer(model, config)
         inner.agree_finite = self.all_finite
         return inner

@@ -203,6 +203,7 @@ def _bf16_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         else:
             follow(ranks, inner, stream(1), sharded)
         out["compute"] = sorted(str(d) for d in seen)
+        out["optimizer"] = (inner.shards, inner.gathered_parameters > 0, inner._autocast)
         out["param_dtypes"] = sorted({str(p.dtype) for p in sharded.parameters()})
         torch.save(out, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -220,6 +221,7 @@ def test_a_sharded_node_computes_in_bf16_through_fsdp_and_keeps_fp32_shards(tmp_
     for r in (r0, r1):
         assert r["compute"] == ["torch.bfloat16"]  # FSDP2 gathered the layer's parameters in bf16
         assert r["param_dtypes"] == ["torch.float32"]  # the shards, their gradients and AdamW stay fp32
+        assert r["optimizer"] == (2, True, False)  # sized for its shard, and no autocast beside FSDP's own casts
     losses = r0["losses"]
     assert len(losses) == 30 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     assert torch.isfinite(r0["params"]).all() and not torch.equal(r0["params"], r0["start"])
