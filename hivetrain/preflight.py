@@ -14,9 +14,9 @@ What is counted (N trainable parameters, fp32 unless said):
   between rounds, and the parts in flight); the outer step's new θ and momentum beside the old 8N; the older states
   the state server keeps for joiners and the coordinator, 8N each (``SERVED_EPOCHS`` - 1 of them: 16N); with
   ``diloco.overlap = "eager"`` the previous average and our previous pseudo-gradient, 8N; and the peer process itself,
-  512 MiB (Python, torch, transformers, the DHT client). Measured on CPU (dev/LOG.md, 2026-12-02
-  session 34): a 57M-parameter llama's peers peaked at 4.20-4.30 GiB of RSS when this list held only the first three
-  parts (an estimate of 1.97 GiB).
+  512 MiB (Python, torch, transformers, the DHT client). Measured on CPU (dev/LOG.md, 2026-12-02 session 34): a
+  57M-parameter llama's peers plateaued at 4,507 MiB of RSS; this list estimates 4,492 MiB (with only its first three
+  parts it estimated 1.97 GiB).
 
 On a CPU peer both lists share the same memory. Activations are what autograd keeps for the backward pass, counted
 per layer in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
@@ -97,7 +97,9 @@ class MemoryEstimate:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of host memory: θ, outer momentum and pseudo-gradient, plus the device's share on a CPU peer."""
+        """Bytes of host memory: θ, outer momentum and pseudo-gradient, the round's buffers, the commit, the served
+        states, eager overlap's copies, an FSDP node's host model and the process, plus the device's share on a CPU
+        peer."""
         own = self.outer_state_bytes + self.host_model_bytes + self.round_bytes + self.commit_bytes
         own += self.served_bytes + self.overlap_bytes + self.process_bytes
         return own + (self.device_bytes if self.device_type == "cpu" else 0)
