@@ -105,7 +105,7 @@ def export_transformers(
         hf_model = _model_with_params(config, state)
         described: torch.nn.Module = hf_model
     else:
-        checkpoint, manifest = _verified_checkpoint(Path(source))
+        checkpoint, manifest, verified = _verified_checkpoint(Path(source))
         run_config = manifest.get("run_config") or {}
         epoch, state_hash = int(manifest["epoch"]), str(manifest["state_hash"])
         vocab_size = _header_vocab_size(checkpoint / STATE_FILE)
@@ -134,7 +134,7 @@ def export_transformers(
             hf_model.save_pretrained(tmp, safe_serialization=True)
         else:
             tmp.mkdir()
-            _write_weights(checkpoint / STATE_FILE, described, tmp / WEIGHTS_FILE)
+            _write_weights(checkpoint / STATE_FILE, described, tmp / WEIGHTS_FILE, verified)
             _save_configs(config, described, tmp)
         hf_tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(_readme(config, epoch, state_hash, num_parameters, manifest, hf_tokenizer))
@@ -160,9 +160,14 @@ def export_transformers(
     return out_dir
 
 
-def _verified_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
-    """(directory, manifest) of a checkpoint directory, or of the newest checkpoint under a store root that passes
-    every check (``verify_checkpoint``: read a piece at a time; skipped ones are logged with the reason).
+def _file_identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _verified_checkpoint(path: Path) -> tuple[Path, dict[str, Any], tuple[int, int, int, int] | None]:
+    """(directory, manifest, the state file's identity when verified) of a checkpoint directory, or of the newest
+    checkpoint under a store root that passes every check (``verify_checkpoint``: read a piece at a time; skipped ones
+    are logged with the reason). The identity lets the copy check that it reads the file that was verified.
 
     Raises:
         FileNotFoundError: ``path`` is no directory, or holds no valid checkpoint.
@@ -171,13 +176,20 @@ def _verified_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
     if (path / MANIFEST_FILE).exists() or (path / STATE_FILE).exists():
-        return path, verify_checkpoint(path)
+        try:
+            identity = _file_identity(os.stat(path / STATE_FILE))
+        except FileNotFoundError:
+            identity = None  # verify_checkpoint says what is missing
+        return path, verify_checkpoint(path), identity
     listed = [c for c in CheckpointStore(path, keep_last=1).list(verify=False) if c.status == "ok"]
     if not listed:
         raise FileNotFoundError(f"{path} holds no complete checkpoint")
     for candidate in listed:
         try:
-            return candidate.path, verify_checkpoint(candidate.path, expected_epoch=candidate.epoch)
+            identity = _file_identity(os.stat(candidate.path / STATE_FILE))
+            return candidate.path, verify_checkpoint(candidate.path, expected_epoch=candidate.epoch), identity
+        except FileNotFoundError as exc:  # pruned by its coordinator meanwhile
+            logger.warning("skipping checkpoint %s: %s", candidate.path, exc)
         except CheckpointInvalid as exc:
             logger.warning("skipping checkpoint %s: %s", candidate.path, exc)
     raise FileNotFoundError(f"{path} holds no valid checkpoint (see the warnings above)")
@@ -203,12 +215,23 @@ def _check_fits(config: PretrainedConfig, meta: torch.nn.Module, names: list[str
         raise ValueError(f"θ does not fit the {config.model_type} config: differing (name, shape) {diff}")
 
 
-def _write_weights(state_path: Path, meta: torch.nn.Module, dst: Path) -> None:
+def _write_weights(
+    state_path: Path, meta: torch.nn.Module, dst: Path, verified: tuple[int, int, int, int] | None = None
+) -> None:
     """``model.safetensors`` of θ (fp32, the model's parameter names in its order, ``{"format": "pt"}`` metadata as
     ``transformers`` writes and expects), its bytes copied from the checkpoint's state file ``PIECE_BYTES`` at a time.
-    The outer momentum stays behind."""
+    The outer momentum stays behind.
+
+    Raises:
+        CheckpointInvalid: ("torn") the state file is not the one ``verified`` describes (its coordinator replaced
+            it since): export again.
+    """
     src = os.open(state_path, os.O_RDONLY)
     try:
+        if verified is not None and _file_identity(os.fstat(src)) != verified:
+            raise CheckpointInvalid(
+                "torn", f"{state_path} changed after it was verified (being rewritten?): export again"
+            )
         data_start, entries = read_safetensors_header(src, os.fstat(src).st_size)
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0

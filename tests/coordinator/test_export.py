@@ -150,3 +150,25 @@ def test_a_checkpoint_streamed_piece_by_piece_exports_what_save_pretrained_write
     assert (
         f"({n:,} parameters, fp32)" in readme and f"({n:,} parameters, fp32)" in (in_memory / "README.md").read_text()
     )
+
+
+def test_a_state_file_replaced_after_verification_is_not_exported(
+    tmp_path: Path, trained: tuple[TrainingState, str], monkeypatch
+) -> None:
+    import hivetrain.coordinator.export as export
+
+    state, fingerprint = trained
+    ckpt = CheckpointStore(tmp_path / "ckpt", keep_last=1).save(state, RUN_CONFIG, {"model_fingerprint": fingerprint})
+    verified = export._verified_checkpoint
+
+    def then_rewritten(path):  # the coordinator saves the epoch again between the check and the copy
+        found = verified(path)
+        data = (ckpt / STATE_FILE).read_bytes()
+        (ckpt / STATE_FILE).unlink()
+        (ckpt / STATE_FILE).write_bytes(data)
+        return found
+
+    monkeypatch.setattr(export, "_verified_checkpoint", then_rewritten)
+    with pytest.raises(export.CheckpointInvalid, match="changed after it was verified"):
+        export_transformers(ckpt, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
