@@ -38,7 +38,7 @@ tensors whatever the backend of the default group, which carries the model: gloo
 What happens if a rank dies or hangs:
 - Rank 0 stops mid-phase (Ctrl+C, SIGTERM, a lost DHT, the trainer stopping): it broadcasts ``ABORT`` at the end of
   the inner step (the phase is discarded), later ``STOP``. SIGINT and SIGTERM are held back during an inner phase and
-  take effect at the next step boundary (``_HeldSignals``), so an interrupted rank 0 never leaves a collective half
+  take effect at the next step boundary (``HeldSignals``), so an interrupted rank 0 never leaves a collective half
   done.
 - Rank 0 fails inside an inner step (an exception between two collectives, e.g. out of memory): the followers are
   blocked in a collective that will never complete, so rank 0 marks the node broken, sends nothing more and tears
@@ -58,8 +58,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -67,6 +65,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from hivetrain.diloco.held_signals import HeldSignals
 from hivetrain.diloco.inner import InnerOptimizer, InnerPhaseResult
 
 logger = logging.getLogger(__name__)
@@ -378,10 +377,10 @@ class NodeInner:
         broken (an earlier phase failed inside an inner step)."""
         if self.ranks.broken:
             raise NodeRanksFailed("the node's ranks are out of step after a failed inner step; restart the node")
-        with _HeldSignals() as held:  # Ctrl+C mid-step would leave the followers inside a collective
+        with HeldSignals() as held:  # Ctrl+C mid-step would leave the followers inside a collective
             return self._run(held, batches, first_step, num_steps, on_step, should_end)
 
-    def _run(self, held: _HeldSignals, batches, first_step, num_steps, on_step, should_end) -> InnerPhaseResult:
+    def _run(self, held: HeldSignals, batches, first_step, num_steps, on_step, should_end) -> InnerPhaseResult:
         ranks, n = self.ranks, self.ranks.world_size
         with ranks._sending(""):  # from here on the followers are in the phase's collectives with us
             ranks.send_command(CMD_PHASE, first_step, num_steps)
@@ -429,49 +428,6 @@ class NodeInner:
             raise
         ranks.followers_wait_for("command")  # the phase ended on every rank (END, or out of steps)
         return replace(result, num_samples=result.num_samples * n, num_tokens=result.num_tokens * n)
-
-
-class _HeldSignals:
-    """Holds SIGINT and SIGTERM back while rank 0 is between two collectives of an inner phase; ``deliver()`` (at a
-    step boundary, where the followers can be sent ABORT) and leaving the block run the held signal's own handler
-    (join-swarm's raises ``Interrupted``; the default SIGTERM ends the process). A no-op off the main thread, where
-    Python cannot set signal handlers."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __enter__(self) -> _HeldSignals:
-        self.held: list[tuple[int, object]] = []
-        self.previous: dict[int, object] = {}
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._hold) for sig in self.SIGNALS}
-        return self
-
-    def _hold(self, signum: int, frame) -> None:
-        self.held.append((signum, frame))
-
-    def _restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous = {}
-
-    def deliver(self) -> None:
-        """If a signal was held: restore the handlers and run the first held signal's (which may raise)."""
-        if not self.held:
-            return
-        previous = dict(self.previous)
-        self._restore()
-        signum, frame = self.held[0]
-        self.held = []
-        handler = previous.get(signum, signal.SIG_DFL)
-        if callable(handler):
-            handler(signum, frame)
-        elif handler == signal.SIG_DFL:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-    def __exit__(self, *exc) -> None:
-        self.deliver()
-        self._restore()
 
 
 @dataclass

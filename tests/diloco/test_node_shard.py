@@ -9,6 +9,7 @@ bf16 runs through FSDP2's mixed-precision policy (bf16 weights as a layer comput
 parts: shard units, the parameters gathered at once, the preflight's sharded estimate.
 """
 
+import contextlib
 import dataclasses
 import datetime
 
@@ -39,9 +40,12 @@ def _windows() -> torch.Tensor:
     return torch.cat([next(stream(7)) for _ in range(5)])  # 10 windows: 1 batch of 16 -> rank 1 repeats it
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+@contextlib.contextmanager
+def _sharded_node(rank: int, world_size: int, port: int, config):
+    """This rank of a gloo node with the tiny model sharded: (ranks, rank 0's host model or None, sharded model); the
+    process groups are torn down on leaving."""
     torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=60)
+    timeout = datetime.timedelta(seconds=60)  # a protocol bug fails the test instead of hanging it
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
     )
@@ -49,7 +53,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         control = dist.new_group(backend="gloo", timeout=timeout)
         ranks = NodeRanks(rank, world_size, control, torch.device("cpu"), sharding="fsdp")
         host = tiny_model(seed=0) if rank == 0 else None
-        sharded = ranks.shard(_meta_tiny(), host, CONFIG)
+        yield ranks, host, ranks.shard(_meta_tiny(), host, config)
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    with _sharded_node(rank, world_size, port, CONFIG) as (ranks, host, sharded):
         out: dict = {"local_rows": [p.to_local().shape[0] for p in sharded.parameters()]}
         out["global_rows"] = [p.shape[0] for p in sharded.parameters()]
         inner = ranks.inner_optimizer(sharded, CONFIG)
@@ -88,8 +98,6 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             stats = follow(ranks, inner, batches, sharded)
             out.update(phases=stats.phases, aborted=stats.aborted, evaluations=stats.evaluations)
         torch.save(out, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def single_process_reference() -> torch.Tensor:
@@ -179,16 +187,7 @@ BF16 = dataclasses.replace(CONFIG, precision="bf16", grad_accum_steps=1)
 
 
 def _bf16_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=60)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
-    )
-    try:
-        control = dist.new_group(backend="gloo", timeout=timeout)
-        ranks = NodeRanks(rank, world_size, control, torch.device("cpu"), sharding="fsdp")
-        host = tiny_model(seed=0) if rank == 0 else None
-        sharded = ranks.shard(_meta_tiny(), host, BF16)
+    with _sharded_node(rank, world_size, port, BF16) as (ranks, host, sharded):
         seen: set = set()
         # the layer's weights as it computes: bf16 only if FSDP2 gathered them so (autocast would cast fp32 weights)
         sharded.model.layers[0].mlp.register_forward_hook(lambda m, args, out: seen.add(m.gate_proj.weight.dtype))
@@ -206,8 +205,6 @@ def _bf16_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         out["optimizer"] = (inner.shards, inner.gathered_parameters > 0, inner._autocast)
         out["param_dtypes"] = sorted({str(p.dtype) for p in sharded.parameters()})
         torch.save(out, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
