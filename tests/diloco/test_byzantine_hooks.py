@@ -120,6 +120,27 @@ def test_an_epoch_liar_serves_random_weights_and_publishes_their_hash_at_a_far_e
     assert published.state_hash == lie.state_hash() and published.peer_id == "liar"
 
 
+def test_a_hash_liar_claims_its_epoch_with_a_hash_sorting_first_and_rebuilds_the_lie_at_each_epoch():
+    faults = FaultInjector()
+    arm_byzantine("hash_liar", faults, environ={})
+    honest = {"state": _state(epoch=3)}
+    get_state = lambda: honest["state"]  # noqa: E731 - the trainer's current state, as its hook offers it
+    offered = StateServer(get_state, faults=faults)
+    server = faults.check(HookPoint.DILOCO_STATE_SERVER, server=offered, get_state=get_state, faults=faults)["server"]
+    hashes = []
+    for epoch in (3, 4):
+        honest["state"] = _state(epoch)
+        lie = server.get_state()
+        record = faults.check(HookPoint.DILOCO_RECORD, record=peer_record("liar", epoch=epoch, state_hash="h"))
+        published = record["record"]
+        # its own, current epoch; the hash of the random state it serves, which sorts above any honest hash but 1/256
+        assert lie.epoch == published.epoch == epoch and published.state_hash == lie.state_hash()
+        assert published.state_hash.startswith("ff") and lie.params.keys() == honest["state"].params.keys()
+        assert not any(torch.equal(lie.params[n], p) for n, p in honest["state"].params.items())
+        hashes.append(published.state_hash)
+    assert hashes[0] != hashes[1]
+
+
 def _wire(mode):
     """Hit ``averaging.before_send`` as allreduce does; returns (our flat vector, frames) as the mode left them."""
     faults = FaultInjector()
