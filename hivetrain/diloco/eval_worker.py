@@ -143,3 +143,77 @@ class BackgroundEval:
                 return
             with self._lock:
                 self._results.append(EvalResult(state.epoch, loss, time.perf_counter() - t0))
+
+
+class Evaluations:
+    """Every evaluation a trainer runs, on its thread or in the background (``BackgroundEval``): the trainer's own θ
+    at start, after its outer steps and at finish, and a candidate state's loss for the sync policy.
+
+    Args:
+        model: the peer's model; it is left holding the trainer's own θ after every call.
+        evaluate: (model holding θ, (N, T+1) int64 windows) -> eval loss in nats per token: ``hivetrain.model.
+            evaluate``, or an FSDP node's (its ranks evaluate the shards: ``NodeInner.evaluate_model``).
+        windows_NT: the held-out windows, (N, T+1) int64.
+        stats: the trainer's counters (``last_eval_loss``, the ``evaluate`` part's time).
+        emit: the trainer's event sink: one ``eval`` event per background result, for its epoch.
+        background: evaluate after outer steps on a replica (``builder.eval_in_background``), from ``start``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        evaluate: Callable[[torch.nn.Module, torch.Tensor], float],
+        windows_NT: torch.Tensor,
+        stats,
+        emit: Callable[..., None],
+        background: bool,
+    ):
+        self.model, self.evaluate, self.windows = model, evaluate, windows_NT
+        self.stats, self.emit, self._background = stats, emit, background
+        self.worker: BackgroundEval | None = None
+
+    def start(self) -> None:
+        """Start the background worker if asked; a replica that does not fit after all leaves evaluation on the
+        trainer's thread (logged)."""
+        if self._background:
+            try:
+                self.worker = BackgroundEval(self.model, self.evaluate, self.windows)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                logger.warning("evaluating between phases: no room for a background replica of the model (%s)", exc)
+
+    def loss(self, own: TrainingState, candidate: TrainingState | None = None) -> float:
+        """Eval loss of ``candidate`` (default: ``own``, then recorded in the stats) on the windows, on this thread;
+        the model is left holding ``own``."""
+        from hivetrain.diloco.outer import load_into_model
+
+        load_into_model(candidate or own, self.model)
+        loss = self.evaluate(self.model, self.windows)
+        if candidate is None:
+            self.stats.last_eval_loss = loss
+        else:
+            load_into_model(own, self.model)
+        return loss
+
+    def after_outer_step(self, own: TrainingState, due: bool) -> float | None:
+        """After an outer step: if ``due`` (``diloco.eval_every``), hand ``own`` to the worker, or evaluate it here
+        when there is none (or it failed) and return the loss (None when handed over or not due); then report the
+        background results finished so far."""
+        loss = None
+        if due and (self.worker is None or not self.worker.submit(own)):
+            loss = self.stats.timed("evaluate", self.loss, own)
+        self.report()
+        return loss
+
+    def report(self, results: list[EvalResult] | None = None) -> None:
+        """Background evaluations finished since the last call (or ``results``): an ``eval`` event each, for its
+        epoch, and the newest loss in the stats (and so in our record)."""
+        if self.worker is None:
+            return
+        for result in self.worker.drain() if results is None else results:
+            self.stats.last_eval_loss = result.loss
+            self.emit("eval", epoch=result.epoch, eval_loss=result.loss, eval_s=round(result.seconds, 6))
+
+    def close(self, timeout_s: float) -> None:
+        """Wait for the background evaluations (at most ``timeout_s`` seconds) and report them."""
+        if self.worker is not None:
+            self.report(self.worker.close(timeout_s=timeout_s))

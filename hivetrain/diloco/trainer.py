@@ -26,7 +26,7 @@ from hivetrain.diloco.background import BackgroundRound
 from hivetrain.diloco.credit import witnesses_for
 from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
-from hivetrain.diloco.eval_worker import BackgroundEval, EvalResult
+from hivetrain.diloco.eval_worker import Evaluations
 from hivetrain.diloco.evidence import Evidence
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
 from hivetrain.diloco.outer import load_into_model, pseudo_gradient
@@ -83,9 +83,6 @@ class DilocoTrainer:
         eval_in_background: bool = False,
     ):
         self.node, self.loop, self.config, self.model = node, loop, config, model
-        # (model holding θ, (N, T+1) windows) -> eval loss: ``hivetrain.model.evaluate``, or an FSDP node's (its ranks
-        # evaluate the shards: ``NodeInner.evaluate_model``)
-        self._evaluate_model = evaluate_model or evaluate
         self.corpus, self.averager, self.fingerprint = corpus, averager, fingerprint
         self.options, self.faults = options, faults
         self.duty = duty if duty is not None else DutyCycle(options.duty_cycle, pause_file=options.pause_file)
@@ -96,9 +93,6 @@ class DilocoTrainer:
         )
         self.stats = TrainerStats(compile_s=getattr(getattr(phases, "inner", None), "compile_s", 0.0))
         self._hash_cache: tuple[TrainingState, str] = (self.state, self.state.state_hash())
-        self.eval_windows = corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows)
-        self._eval_bg: BackgroundEval | None = None  # evaluations off the critical path (``eval_worker``), in run()
-        self._eval_overlap = eval_in_background  # ``builder.eval_in_background``
         self._stop = threading.Event()
         self._committed_epoch = -1  # the epoch our last own commit brought us to (its round's members expect us next)
         self._exact_average = config.averaging.exact_average
@@ -120,6 +114,14 @@ class DilocoTrainer:
             state_hash=lambda: self.state_hash,
             records=lambda: self.view.records,
             shard_bits=lambda: self.view.shard_bits,
+        )
+        self.evals = Evaluations(  # on this thread, or after outer steps in the background (``eval_worker``)
+            model,
+            evaluate_model or evaluate,
+            corpus.eval_windows(config.data.seq_len, config.data.num_eval_windows),
+            self.stats,
+            self.report.emit,
+            eval_in_background,  # ``builder.eval_in_background``
         )
         # what the swarm's records are weighed with (sync_policy): the quorum rule, the run's coordinator, our bans
         self.evidence = Evidence(
@@ -157,7 +159,7 @@ class DilocoTrainer:
             faults,
             membership,
             state=lambda: self.state,
-            evaluate=self._evaluate,
+            evaluate=lambda state=None: self.evals.loss(self.state, state),
             stop=self._stop,
             emit=self.report.emit,
         )
@@ -256,12 +258,8 @@ class DilocoTrainer:
         p2p = self.loop.run(self.node.dht.replicate_p2p(), timeout_s=30)
         self.exchange.start(p2p)
         self.view.start(p2p)
-        self.report.emit("start", eval_loss=self._evaluate(), data_address=self.averager.data_address)
-        if self._eval_overlap:
-            try:
-                self._eval_bg = BackgroundEval(self.model, self._evaluate_model, self.eval_windows)
-            except (torch.OutOfMemoryError, RuntimeError) as exc:  # the replica did not fit after all
-                logger.warning("evaluating between phases: no room for a background replica of the model (%s)", exc)
+        self.report.emit("start", eval_loss=self.evals.loss(self.state), data_address=self.averager.data_address)
+        self.evals.start()
         try:
             while not self._stop.is_set() and not self._done():
                 self.view.check_alive(self.options.dht_lost_after_s)
@@ -303,9 +301,8 @@ class DilocoTrainer:
                 self._discard(self._pending.samples, "the peer stopped before sending them")
                 self._pending = None
             self.exchange.close(cancel=self._stop.is_set())
-        if self._eval_bg is not None:
-            self._report_evals(self._eval_bg.close(timeout_s=EVAL_CLOSE_TIMEOUT_S))
-        self.report.emit("finish", eval_loss=self._evaluate())
+        self.evals.close(timeout_s=EVAL_CLOSE_TIMEOUT_S)
+        self.report.emit("finish", eval_loss=self.evals.loss(self.state))
         self._stop.set()
         self.view.stop()
         self.view.publish()
@@ -437,11 +434,7 @@ class DilocoTrainer:
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
         eval_every = self.config.diloco.eval_every
-        eval_loss = None
-        if eval_every and self.state.epoch % eval_every == 0:
-            if self._eval_bg is None or not self._eval_bg.submit(self.state):
-                eval_loss = self.stats.timed("evaluate", self._evaluate)
-        self._report_evals()
+        eval_loss = self.evals.after_outer_step(self.state, bool(eval_every and self.state.epoch % eval_every == 0))
         for part, seconds in outcome.timings_s.items():
             self.stats.add_overhead(part, seconds)
         self.report.emit(
@@ -505,23 +498,3 @@ class DilocoTrainer:
         self.stats.samples_discarded += samples
         logger.warning("discarding %d computed samples: %s", samples, reason)
         self.report.emit("samples_discarded", samples=samples, reason=reason)
-
-    def _report_evals(self, results: list[EvalResult] | None = None) -> None:
-        """Background evaluations finished since the last call (or ``results``): an ``eval`` event each, for its
-        epoch, and the newest loss in our stats (and record)."""
-        if self._eval_bg is None:
-            return
-        for result in self._eval_bg.drain() if results is None else results:
-            self.stats.last_eval_loss = result.loss
-            self.report.emit("eval", epoch=result.epoch, eval_loss=result.loss, eval_s=round(result.seconds, 6))
-
-    def _evaluate(self, state: TrainingState | None = None) -> float:
-        """Eval loss of ``state`` (default: ours, recorded in the stats) on our held-out windows; the model is left
-        holding our own θ either way."""
-        load_into_model(state or self.state, self.model)
-        loss = self._evaluate_model(self.model, self.eval_windows)
-        if state is None:
-            self.stats.last_eval_loss = loss
-        else:
-            load_into_model(self.state, self.model)
-        return loss
