@@ -18,7 +18,10 @@ seconds are ``warmup_s``), MFU (model FLOPs per token, 6N + 12·L·d·T as in Pa
 bf16 peak: known GPUs by name, else ``--peak-tflops``; none on a CPU), peak device memory (CUDA), and each arm's ratio
 to ``compiled-fused`` and to ``plain``. Arms run in rounds (``--repeats``), so they share the machine's load; the
 median is reported, with the spread over rounds ((max - min) / median). On a CPU, time at least a few seconds per
-arm (``--steps 200`` for tiny): 40 steps of tiny gave ratios 0.88-1.14 run to run.
+arm (``--steps 200`` for tiny): 40 steps of tiny gave ratios 0.88-1.14 run to run. ``--compile-backend aot_eager``
+(CI's smoke) traces the compiled arm without inductor's code generation: 27.7 s of the CPU smoke's run was inductor
+compiling tiny with a cold cache (its code generation is tested by ``tests/diloco/test_inner_speed.py`` and the
+compiled e2e swarm).
 
 Examples:
     .venv/bin/python scripts/bench/inner_loop.py --preset tiny --steps 20 --json          # CPU smoke (CI)
@@ -82,10 +85,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_loop(model, device, precision, batches, steps, *, fused: bool, compiled: bool) -> tuple[float, float]:
-    """(warm-up seconds, timed seconds) of a hand-written loop; ``steps`` = (warm-up steps, timed steps)."""
+def plain_loop(
+    model, device, precision, batches, steps, *, fused: bool, compiled: bool, backend: str = "inductor"
+) -> tuple[float, float]:
+    """(warm-up seconds, timed seconds) of a hand-written loop; ``steps`` = (warm-up steps, timed steps); ``backend``:
+    ``torch.compile``'s, when ``compiled``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=fused or None)
-    forward = torch.compile(model) if compiled else model
+    forward = torch.compile(model, backend=backend) if compiled else model
     stream = cycle(batches)
     losses = []
 
@@ -143,7 +149,14 @@ def run_arm(arm, args, device, precision, batches) -> dict:
         warmup_s, timed_s = hivetrain_loop(model, device, batches, steps, compile_mode=mode)
     else:
         warmup_s, timed_s = plain_loop(
-            model, device, precision, batches, steps, fused=arm != "plain", compiled=arm == "compiled-fused"
+            model,
+            device,
+            precision,
+            batches,
+            steps,
+            fused=arm != "plain",
+            compiled=arm == "compiled-fused",
+            backend=args.compile_backend,
         )
     tokens_per_s = args.steps * args.batch_size * args.seq_len / timed_s
     peak = peak_flops(device, args.peak_tflops)
@@ -169,11 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1, ...")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the device's bf16 peak (MFU); 0 = by name")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object too")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of the compiled-fused arm (default inductor, what a good loop uses; aot_eager "
+        "traces the same graphs without generating kernels: a smoke run's compile path in seconds)",
+    )
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown or not arms:
         parser.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
+    backends = torch.compiler.list_backends(exclude_tags=())
+    if args.compile_backend not in backends:
+        parser.error(f"--compile-backend {args.compile_backend!r}: choose from {', '.join(backends)}")
     if min(args.batch_size, args.seq_len, args.steps, args.repeats) < 1 or args.warmup_steps < 0:
         parser.error("--batch-size, --seq-len, --steps and --repeats must be positive, --warmup-steps >= 0")
     if args.device == "auto":

@@ -15,6 +15,9 @@ from hivetrain.model import build_config, build_model  # noqa: E402
 @pytest.mark.slow  # the compiled arm runs inductor, which starts the C++ compiler
 def test_every_arm_trains_and_is_reported_beside_the_compiled_loop(capsys):
     args = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "4", "--warmup-steps", "2"]
+    # aot_eager: the compiled arm is traced by dynamo and AOTAutograd without inductor's ~25 s of code generation on
+    # a cold cache (inductor on the CPU is tested in tests/diloco/test_inner_speed.py and the compiled e2e swarm)
+    args += ["--compile-backend", "aot_eager"]
     assert inner_loop.main([*args, "--json", "--peak-tflops", "1"]) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
@@ -44,3 +47,7 @@ def test_bad_arguments_are_refused_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         inner_loop.main(["--device", "gpu0"])
     assert "not a torch device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        inner_loop.main(["--compile-backend", "warp-drive"])
+    err = capsys.readouterr().err
+    assert "warp-drive" in err and "inductor" in err  # the choices are named
