@@ -70,7 +70,18 @@ def test_smoke_scenario_passes(name, tmp_path):
         # sketches (a swarm too small for their median: the rule for 1-2 sketches), banned it
         events = read_events(tmp_path / "peer3.jsonl")
         refused = [e for e in events if e["event"] == "state_download_failed" and "sketches" in e["reason"]]
-        assert refused and any(e["event"] == "peers_banned" for e in events)
+        # what the joiner did, and when the others reached each epoch: which state a failure had it download
+        story = [
+            (round(e["time"], 1), e["event"], e["epoch"], e.get("reason", e.get("peers", "")))
+            for e in events
+            if e["event"] in ("start", "state_downloaded", "state_download_failed", "peers_banned")
+        ] + [
+            (round(e["time"], 1), f"{peer} outer_step", e["epoch"], "")
+            for peer in ("peer0", "peer1", "peer2")
+            for e in read_events(tmp_path / f"{peer}.jsonl")
+            if e["event"] == "outer_step"
+        ]
+        assert refused and any(e["event"] == "peers_banned" for e in events), sorted(story)
         assert any(e["event"] == "state_downloaded" for e in events)  # then an honest state (no_unverified_state)
     if name == "cpu-starve":  # peer2 ran ~20% of each second from its start to its exit, yet committed every epoch
         starve = report["faults"][0]["starve"]
