@@ -12,7 +12,7 @@ import inner_loop  # noqa: E402 - a bench script, not part of the package
 from hivetrain.model import build_config, build_model  # noqa: E402
 
 
-@pytest.mark.slow  # the compiled arm runs inductor, which starts the C++ compiler
+@pytest.mark.slow  # every arm trains, and the compiled one is traced first: ~10 s
 def test_every_arm_trains_and_is_reported_beside_the_compiled_loop(capsys):
     args = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "4", "--warmup-steps", "2"]
     # aot_eager: the compiled arm is traced by dynamo and AOTAutograd without inductor's ~25 s of code generation on
