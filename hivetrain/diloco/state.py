@@ -8,6 +8,7 @@ contiguous, on the CPU, in the model's ``named_parameters()`` order.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,19 @@ class TrainingState:
 
         Equal hashes mean bit-identical θ and momentum.
         """
-        digest = hashlib.sha256(f"epoch={self.epoch}".encode())
+        digest = hashlib.sha256()
+        for piece in self.hashed_pieces():
+            digest.update(piece)
+        return digest.hexdigest()
+
+    def hashed_pieces(self) -> Iterator[bytes | memoryview]:
+        """What ``state_hash`` reads, in order: the epoch, then per tensor (θ, then momentum) its name and shape and
+        its raw bytes (a view of the buffer itself, no copy)."""
+        yield f"epoch={self.epoch}".encode()
         for group, tensors in (("param", self.params), ("momentum", self.momentum)):
             for name, tensor in tensors.items():
-                digest.update(f"{group}:{name}:{tuple(tensor.shape)}".encode())
-                digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
-        return digest.hexdigest()
+                yield f"{group}:{name}:{tuple(tensor.shape)}".encode()
+                yield tensor.contiguous().view(-1).view(torch.uint8).numpy().data
 
     def to_flat_dict(self) -> dict[str, torch.Tensor]:
         """One name -> tensor dict (momentum names prefixed) for safetensors files and state downloads."""

@@ -51,7 +51,6 @@ Admission mode (issue 12 item 6):
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
 import threading
@@ -209,9 +208,10 @@ class _LieState:
 class _CurrentLie(_LieState):
     """The state a ``hash_liar`` claims and serves: random weights at the epoch its honest state is at, rebuilt at
     each new epoch, with a nonce in one momentum element drawn until the state's hash starts with "ff" (about 256
-    tries). Each try hashes only the last tensor ``TrainingState.state_hash`` reads, from a copy of the digest of
-    everything before it: drawing whole states took 7 s per epoch for the tiny model, and a liar whose record lagged
-    its epoch by that long was no donor for a joiner that read the records meanwhile (CI, stop 46)."""
+    tries). Each try hashes only the last tensor ``TrainingState.state_hash`` reads (``hashed_pieces``), from a copy
+    of the digest of everything before it: drawing whole states took 7 s per epoch for the tiny model, and a liar
+    whose record lagged its epoch by that long was no donor for a joiner that read the records meanwhile (CI, stop
+    46)."""
 
     def get(self) -> tuple[TrainingState, str] | None:
         with self._lock:
@@ -234,27 +234,21 @@ class _CurrentLie(_LieState):
 
 def _hash_sorting_first(state: TrainingState, prefix: str = "ff") -> str:
     """Set a nonce in the first element of ``state``'s last momentum tensor until ``state.state_hash()`` starts with
-    ``prefix``; returns that hash. Hashes as ``state_hash`` does (checked against it at the end)."""
-    *_, (last_name, last) = state.momentum.items()
-    head = hashlib.sha256(f"epoch={state.epoch}".encode())
-    for group, tensors in (("param", state.params), ("momentum", state.momentum)):
-        for name, tensor in tensors.items():
-            if group == "momentum" and name == last_name:
-                break
-            head.update(f"{group}:{name}:{tuple(tensor.shape)}".encode())
-            head.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-    head.update(f"momentum:{last_name}:{tuple(last.shape)}".encode())
-    flat = last.view(-1)
-    for nonce in itertools.count(1):
+    ``prefix``; returns that hash. Each try hashes only that tensor's bytes, the last of ``hashed_pieces``, from a copy
+    of the digest of every piece before it."""
+    *_, (_, last) = state.momentum.items()
+    *head_pieces, _ = state.hashed_pieces()
+    head = hashlib.sha256()
+    for piece in head_pieces:
+        head.update(piece)
+    flat, nonce, found = last.view(-1), 0, ""
+    while not found.startswith(prefix):
+        nonce += 1
         flat[0] = float(nonce)
         digest = head.copy()
         digest.update(flat.view(torch.uint8).numpy())
-        if digest.hexdigest().startswith(prefix):
-            break
-    whole = state.state_hash()
-    if not whole.startswith(prefix):
-        raise RuntimeError("TrainingState.state_hash no longer hashes as _hash_sorting_first assumes")
-    return whole
+        found = digest.hexdigest()
+    return found
 
 
 class _AheadLie(_LieState):
