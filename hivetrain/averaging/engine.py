@@ -300,7 +300,13 @@ class GroupAverager:
         return frozenset(r.peer_id for r in self.bans.active(time.time()))
 
     def _match(
-        self, round_key: str, target: int, deadline: float, expected: ExpectedPeers, patience_s: float
+        self,
+        round_key: str,
+        target: int,
+        deadline: float,
+        expected: ExpectedPeers,
+        patience_s: float,
+        tolerant_rows: int = 0,
     ) -> tuple[GroupDeclaration, X25519PrivateKey, frozenset[str]]:
         cfg = self.config
         secret = X25519PrivateKey.generate()
@@ -324,6 +330,7 @@ class GroupAverager:
             banned=banned,
             expected=expected,
             patience_s=patience_s,
+            tolerant_rows=tolerant_rows,
         )
         if decision.action != "joined" or decision.declaration is None:
             closed = frozenset(decision.declaration.member_ids() if decision.declaration is not None else ())
@@ -378,10 +385,15 @@ class GroupAverager:
         out = self._outputs
         out.prepare(flat.numel())  # a free kept buffer, or a new one touched while we wait on the DHT
         self.server.note_committed(f"e{epoch}", "", committed=False)  # at this round key again: not done with it
-        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected, patience_s)
+        cfg = self.config
+        # a round that goes on without members that fail stays the epoch's while it may still commit without them
+        tolerant_rows = cfg.target_group_size if cfg.drop_failed else 0  # (``matchmaking.over_because``)
+        decl, secret, banned = self._match(f"e{epoch}", MAX_MEMBERS, deadline, expected, patience_s, tolerant_rows)
         ids = decl.member_ids()
         if accept is not None and len(ids) > 1:  # ranked against our epoch's other declarations, read meanwhile
-            checks, groups = accept, self.matchmaker.epoch_groups(decl, self.config.round_timeout_s)
+            rules = {"tolerant_rows": tolerant_rows, "min_group_size": cfg.min_group_size}
+            groups = self.matchmaker.epoch_groups(decl, cfg.round_timeout_s, **rules)
+            checks = accept
             accept = lambda x, group: checks(x, group, epoch_groups=groups())  # noqa: E731
         if len(ids) == 1:
             refusal = accept(flat, tuple(ids)) if accept is not None else ""

@@ -339,19 +339,19 @@ class Matchmaker:
         timeout_s = max(5.0, 10 * self.poll_interval_s)
         return self._merge(round_key, self._collect(self._start_read(round_key), round_key, timeout_s))
 
-    def epoch_groups(self, decl: GroupDeclaration, ttl_s: float) -> Callable[[], EpochGroups]:
+    def epoch_groups(self, decl: GroupDeclaration, ttl_s: float, **rules: int) -> Callable[[], EpochGroups]:
         """What a member's ``accept`` ranks its round against (``matchmaking.EpochGroups``): ``decl``'s members and the
-        other live declarations of its round key (``ttl_s``: the round timeout, after which a declaration is over).
-        A DHT read starts now, while the round runs; the returned function ranks what it found with what we already
-        knew, waiting at most ``EPOCH_GROUPS_WAIT_S`` for a read still in flight (a slow read must not hold our
-        vote past the round's commit timeout)."""
+        other live declarations of its round key (``ttl_s``, ``rules``: ``rival_groups``' ``declaration_ttl_s``,
+        ``tolerant_rows`` and ``min_group_size``). A DHT read starts now, while the round runs; the returned function
+        ranks what it found with what we already knew, waiting at most ``EPOCH_GROUPS_WAIT_S`` for a read still in
+        flight (a slow read must not hold our vote past the round's commit timeout)."""
         future = self._start_read(decl.round_key)
 
         def read() -> EpochGroups:
             entries, declarations = self._merge(
                 decl.round_key, self._collect(future, decl.round_key, EPOCH_GROUPS_WAIT_S)
             )
-            rivals = rival_groups(decl, entries, declarations, self.dht_clock(), ttl_s)
+            rivals = rival_groups(decl, entries, declarations, self.dht_clock(), ttl_s, **rules)
             return EpochGroups(frozenset(decl.member_ids()), rivals)
 
         return read
@@ -374,15 +374,16 @@ class Matchmaker:
         banned: frozenset[str] = frozenset(),
         expected: ExpectedPeers = frozenset(),
         patience_s: float = 0.0,
+        tolerant_rows: int = 0,
     ) -> tuple[Decision, str]:
         """Announce ``me``, then decide on every push and DHT read until a decision other than "wait" (or the call
         deadline, ``time.monotonic()``).
 
         Args:
             me: our signed entry (``make_entry``).
-            target_group_size, min_group_size, banned, expected, patience_s: as in ``decide``; ``expected`` may be a
-                function, asked before every decision (``base.Averager.average``). Raises TypeError if it returns
-                anything but a frozenset of peer ids.
+            target_group_size, min_group_size, banned, expected, patience_s, tolerant_rows: as in ``decide``;
+                ``expected`` may be a function, asked before every decision (``base.Averager.average``). Raises
+                TypeError if it returns anything but a frozenset of peer ids.
             ttl_s: our entry and declaration live this long in the DHT, seconds; also ``decide``'s
                 ``declaration_ttl_s`` (the round timeout: a declaration older than that is over).
             deadline_monotonic: the call gives up at this ``time.monotonic()``.
@@ -441,6 +442,7 @@ class Matchmaker:
                 banned=banned | gone,
                 expected=expected_now,
                 patience_s=patience_s,
+                tolerant_rows=tolerant_rows,
             )
             # A window closes on what the DHT showed after it closed: a view read before the deadline (a slow DHT under
             # load) may lack peers that announced in time, and would leave them out of the group (or split it).
@@ -459,8 +461,7 @@ class Matchmaker:
                 self._hints = decision.declaration.members
                 return decision, decision.reason
             # A verdict that the epoch's group formed without us stands only on a DHT view read after we announced:
-            # the declarations we remember from earlier attempts come without the newer entries of their members
-            # that may show their round over (then it blocks nobody).
+            # declarations remembered from earlier attempts lack their members' newer entries that may show them over.
             unproven = decision.action in ("late", "not_in_group") and seen_as_of_dht < me.announced_at
             if decision.action not in ("wait", "declare") and not unproven:
                 if announce_at is None:

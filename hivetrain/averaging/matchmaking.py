@@ -34,12 +34,15 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the on
    216,630 "late" verdicts in 4 outer steps, dev/LOG.md 2026-11-26 session 8); a follower whose leader declares
    nothing fails with ``no_group`` after the group's close (or its last member's arrival) + ``declare_grace_s``, or,
    when the leader is an expected live trainer, once the leader's entry or ours reaches its deadline.
-5. A declaration whose round is over blocks nobody (``over_because``): once one of its members announced a newer
-   session at this round key (its call with that group ended: the round failed, or it would be at the next round
-   key), or once it is older than the round timeout. Without this rule a group that was declared and then failed
-   (a member paused, crashed or cut off) answered every later attempt of a peer it does not list with ``late``
-   for as long as anyone remembered it, and the epoch livelocked. A group that committed moves its members to the
-   next round key: they never announce here again, so a latecomer is still told ``late`` and resyncs.
+5. A declaration whose round is over blocks nobody (``over_because``): once its members that announced a newer
+   session at this round key (their call with that group ended: the round failed for them, or they would be at the
+   next round key) leave it no way to commit (one of them for an all-or-nothing round; for a round that goes on
+   without members that fail, ``drop_failed``, no strict majority left, or in the two-stage grid a row without one
+   or every column with a member gone), or once it is older than the round timeout. Without this rule a group
+   that was declared and then failed (a member paused, crashed or cut off) answered every later attempt of a peer
+   it does not list with ``late`` for as long as anyone remembered it, and the epoch livelocked. A group that
+   committed moves its members to the next round key: they never announce here again, so a latecomer is still told
+   ``late`` and resyncs; so is a member dropped from a round that may still commit (``not_in_group``).
 
 The same signed records also travel directly between data ports (``matchmaker.Matchmaker``): followers push their
 entry to the expected leader, the leader pushes its declaration to the followers. They only speed things up (a group
@@ -54,10 +57,12 @@ does. Nothing read from the DHT is unpickled: values are msgpack dicts validated
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from hivetrain.averaging.agreement import quorate
 from hivetrain.averaging.group_records import (
     MAX_MEMBERS,
     GroupDeclaration,
@@ -69,6 +74,7 @@ from hivetrain.averaging.group_records import (
     verify_declaration,
     verify_entry,
 )
+from hivetrain.averaging.groups import hierarchy
 
 __all__ = [
     "MAX_MEMBERS",
@@ -130,20 +136,74 @@ def _newest_sessions(
     return newest
 
 
-def over_because(decl: GroupDeclaration, newest: dict[str, float], now: float, declaration_ttl_s: float) -> str:
-    """Why the round of ``decl`` is certainly over (committed or failed), or "" if it may still be running.
+def over_because(
+    decl: GroupDeclaration,
+    newest: dict[str, float],
+    now: float,
+    declaration_ttl_s: float,
+    *,
+    tolerant_rows: int = 0,
+    min_group_size: int = 1,
+) -> str:
+    """Why the round of ``decl`` is certainly over (committed or failed), or "" if it may still be running (pure).
 
-    A round is over when one of its members has announced a newer entry at this round key (a member averages once
-    per round key and call, so its newer session means its call with ``decl`` ended; had ``decl`` committed, the
-    member would be at the next round key), or when ``decl`` is older than ``declaration_ttl_s`` (every member's
-    call ended by then, and its DHT record expired). Comparing a member's two entries uses one clock: no skew.
+    A member that announced a newer entry at this round key than the one ``decl`` lists has left the round (a member
+    averages once per round key and call, so its newer session means its call with ``decl`` ended; had ``decl``
+    committed, the member would be at the next round key). Comparing a member's two entries uses one clock: no skew.
+
+    - ``tolerant_rows`` = 0 (the round is all-or-nothing: ``averaging.drop_failed`` off, moshpit, gossip): one member
+      that left ends the round.
+    - ``tolerant_rows`` = k >= 1 (butterfly with ``drop_failed``, rows of at most k = ``averaging.target_group_size``):
+      the round goes on without members that fail, so it is over only once the members that left leave it no way to
+      commit. One group (``decl`` holds k members or fewer): the others are no longer a strict majority
+      (``agreement.quorate``). The two-stage grid (``groups.hierarchy`` of ``decl``'s members, seeded by its round id,
+      as ``hierarchical.two_stage`` cuts it): a row lost its strict majority (every column needs every row's mean), or
+      every column has a member that left (columns are all-or-nothing). Until then a latecomer is told "late" and
+      follows the round's result, and so is a member that was dropped from it and announced again: without this,
+      such a member ended the declaration for everyone while the others were committing, and it and the latecomers
+      declared a rival round of the same epoch (in the simulation of 1,000 peers with 1 h sessions, 579 peers' pseudo-
+      gradients were then refused as outweighed; dev/LOG.md, 2026-12-01 session 30).
+
+    Either way ``decl`` is over once older than ``declaration_ttl_s`` (every member's call ended by then, and its DHT
+    record expired), so a round whose survivors all crashed blocks its round key for at most that long.
     """
-    for m in decl.members:
-        if newest.get(m.peer_id, m.announced_at) > m.announced_at:
-            return f"{m.peer_id} announced again after it"
+    left = frozenset(m.peer_id for m in decl.members if newest.get(m.peer_id, m.announced_at) > m.announced_at)
+    if left:
+        why = _no_way_to_commit(decl, left, tolerant_rows, min_group_size)
+        if why:
+            return why
     if now - decl.declared_at > declaration_ttl_s:
         return f"declared {now - decl.declared_at:.1f}s ago (> {declaration_ttl_s:g}s)"
     return ""
+
+
+def _no_way_to_commit(decl: GroupDeclaration, left: frozenset[str], tolerant_rows: int, min_group_size: int) -> str:
+    """``over_because``'s rule for the members that announced again (``left``, not empty); "" while ``decl``'s round
+    may still commit without them."""
+    some = sorted(left)[0]
+    if tolerant_rows < 1:
+        return f"{some} announced again after it"
+    ids = decl.member_ids()
+    if len(ids) <= tolerant_rows:
+        if quorate(len(ids) - len(left & set(ids)), len(ids), min_group_size):
+            return ""
+        return f"{len(left)} of its {len(ids)} members announced again (no strict majority left)"
+    rows, columns = _grid(tuple(sorted(ids)), tolerant_rows, decl.round_id)
+    for row in rows:
+        gone = len(left.intersection(row))
+        if gone and not quorate(len(row) - gone, len(row), min_group_size):
+            return f"{gone} of a row of {len(row)} announced again (the row has no strict majority left)"
+    if all(left.intersection(col) for col in columns):
+        return f"every one of its {len(columns)} columns has a member that announced again ({len(left)} in all)"
+    return ""
+
+
+@functools.lru_cache(maxsize=64)
+def _grid(ids: tuple[str, ...], max_group_size: int, seed: str) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """``groups.hierarchy`` as tuples, cached: ``decide`` asks at every poll while a member of a grid declaration has
+    announced again."""
+    rows, columns = hierarchy(ids, max_group_size, seed)
+    return tuple(map(tuple, rows)), tuple(map(tuple, columns))
 
 
 @dataclass(frozen=True)
@@ -180,16 +240,20 @@ def rival_groups(
     declarations: Iterable[GroupDeclaration],
     now: float,
     declaration_ttl_s: float,
+    *,
+    tolerant_rows: int = 0,
+    min_group_size: int = 1,
 ) -> tuple[frozenset[str], ...]:
     """The member IDs of the other live declarations of ``ours``' round key (two members or more; pure): an epoch with
     more ready peers than ``MAX_MEMBERS`` forms several, of which one commits (``EpochGroups``).
-    A declaration whose round is over (``over_because``) is no rival."""
+    A declaration whose round is over (``over_because``, with ``tolerant_rows`` and ``min_group_size``) is no rival."""
     declarations = [d for d in declarations if d.round_key == ours.round_key and d.round_id != ours.round_id]
     newest = _newest_sessions(ours.round_key, list(entries), [*declarations, ours])
+    rules = {"tolerant_rows": tolerant_rows, "min_group_size": min_group_size}
     return tuple(
         frozenset(d.member_ids())
         for d in declarations
-        if len(d.members) > 1 and not over_because(d, newest, now, declaration_ttl_s)
+        if len(d.members) > 1 and not over_because(d, newest, now, declaration_ttl_s, **rules)
     )
 
 
@@ -206,6 +270,7 @@ def decide(
     banned: frozenset[str] = frozenset(),
     expected: frozenset[str] = frozenset(),
     patience_s: float = 0.0,
+    tolerant_rows: int = 0,
 ) -> Decision:
     """Decide the next matchmaking step of ``me`` from what it has read (pure: no I/O, no clock).
 
@@ -230,13 +295,22 @@ def decide(
         patience_s: while an expected peer is missing, the window closes this long past the group deadline, seconds
             (``declare_grace_s`` if that is longer): the caller's estimate of how long a missing peer may still need,
             e.g. one inner step of the slowest expected peer still computing (``diloco.rounds.patience_for``).
+        tolerant_rows: the declared rounds go on without members that fail, in rows of at most this many
+            (``averaging.target_group_size`` for butterfly with ``averaging.drop_failed``); 0 = all-or-nothing rounds.
+            ``over_because`` then keeps a declaration live while it may still commit without the members that
+            announced again, and one of those members (us, in an earlier session) is told "not_in_group": the round
+            that dropped us may commit, so we follow its result (``diloco.sync_policy.decide_sync``) instead of
+            declaring a rival round of the same epoch. We "wait" instead while another of its members that has not
+            announced again is in ``expected`` (the round may have failed for it too: it comes back here, or moves on
+            to the next epoch, or goes stale), at most until the declaration's ``declaration_ttl_s``.
 
     Returns:
         The decision, with a human-readable reason.
     """
     entries, declarations = list(entries), list(declarations)
     newest = _newest_sessions(me.round_key, [*entries, me], declarations)
-    over = {id(d): over_because(d, newest, now, declaration_ttl_s) for d in declarations}
+    rules = {"tolerant_rows": tolerant_rows, "min_group_size": min_group_size}
+    over = {id(d): over_because(d, newest, now, declaration_ttl_s, **rules) for d in declarations}
     live = [d for d in declarations if not over[id(d)]]
     # Entries are single-use sessions: one listed by any declaration, over or not, was matched (its owner joined that
     # group, or another that listed it, or gave up) and never forms another group.
@@ -249,6 +323,21 @@ def decide(
         for d in declarations:  # our session was declared into a round that is already over: waiting would time out
             if d.includes(me):
                 return Decision("no_group", f"the group of {d.leader} that lists us is over: {over[id(d)]}")
+    # An earlier session of ours is in a round that may still commit without us (it dropped us, or our call with it
+    # ended; ``tolerant_rows``): that round is the epoch's, so we follow its result rather than declare another ...
+    # unless it failed for its other members too: while one that has not announced again is still expected here (not
+    # moved on to the next epoch, not gone), we wait; its new entry ends the round (``over_because``) and we re-form
+    # with it. Without the wait the first member back from a round that failed for all was told "not_in_group" and
+    # never met the others (``averaging.before_commit`` fault on a loaded machine, dev/LOG.md 2026-12-02).
+    for d in live:
+        if len(d.members) > 1 and me.peer_id in d.member_ids():
+            still = {m.peer_id for m in d.members if newest.get(m.peer_id, m.announced_at) <= m.announced_at}
+            pending = sorted((still & expected) - banned - {me.peer_id})
+            if pending:
+                why = f"the round of {d.leader} that listed our earlier session: {pending[0]} may still come back"
+                return Decision("wait", why)
+            why = f"the round of {d.leader} that listed our earlier session may still commit without us"
+            return Decision("not_in_group", why, declaration=d)
     # A live window closed without us: after we announced (its leader did not see us in time), or before (we are late
     # for a group that formed). Either way the epoch's group formed without us: fail fast so the caller resyncs.
     # ("full" groups leave room for a next group; a lone peer's window, whenever it closed, is no group to be late

@@ -280,7 +280,7 @@ class GroupRounds:
         if decl is not None:
             key = self.engine.keys[epoch]
             rivals = rival_groups(decl, key.entries.values(), key.declarations, self.sim.env.now,
-                                  self.avg.round_timeout_s)  # fmt: skip
+                                  self.avg.round_timeout_s, **self.engine.over_rules)  # fmt: skip
             groups = EpochGroups(frozenset(decl.member_ids()), rivals)
         ok, _ = group_holds_the_epoch(
             st.peer_ids[me], epoch, [st.peer_ids[int(s)] for s in contributors], records,

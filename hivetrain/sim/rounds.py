@@ -41,6 +41,7 @@ from hivetrain.averaging.matchmaking import (
     ReadyEntry,
     decide,
     make_round_id,
+    over_because,
 )
 from hivetrain.averaging.reduce import part_codec
 from hivetrain.diloco.round_policy import RoundView, decide_after_round
@@ -86,6 +87,11 @@ class RoundEngine:
         self.shared = SharedCalls(sim)  # which peers share one decision call (``sim.sharing``)
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg)
         self.groups = GroupRounds(self)
+        # ``matchmaking.over_because``'s rules, as ``averaging.engine`` passes them: butterfly rounds go on without
+        # members that fail (``drop_failed``), in rows of at most ``target_group_size``
+        tolerant = self.avg.drop_failed and self.avg.exact_average
+        self.over_rules = {"tolerant_rows": self.avg.target_group_size if tolerant else 0,
+                           "min_group_size": self.avg.min_group_size}  # fmt: skip
 
     def check_round_fits(self) -> None:
         """Refuse a scenario whose rounds cannot finish: the all-reduce of the starting swarm's first declaration
@@ -159,12 +165,13 @@ class RoundEngine:
     def decide_fresh(self, key: RoundKey, slots: list[int], now: float) -> dict[int, Decision]:
         """``decide`` for peers that have just announced together at ``key`` (their entries are stored).
 
-        Shared call. Every caller's fresh entry is stored, so each caller sees the same entries and declarations;
-        a declaration that lists a caller (an older session of it) is over for all of them (``over_because``: its
-        member announced again), so no live declaration lists any caller, and no declaration lists their fresh
-        sessions. ``decide`` then reads of the caller only its ``announced_at`` (the same for all) and whether it is
-        the smallest-id candidate (the leader: "declare", "too_small" or a "leading" wait). Hence every caller but
-        the one with the smallest id gets the answer of the one with the largest id: two calls stand for them all.
+        Shared call. Every caller's fresh entry is stored, so each caller sees the same entries and declarations,
+        and no declaration lists their fresh sessions. A declaration that lists a caller (an older session of it)
+        may still be live (``over_because``: a round that goes on without members that fail is over only once those
+        that announced again leave it no way to commit); such callers are decided alone (``_listed_live``). Of the
+        others ``decide`` reads only their ``announced_at`` (the same for all) and whether one is the smallest-id
+        candidate (the leader: "declare", "too_small" or a "leading" wait). Hence every caller but the one with the
+        smallest id gets the answer of the one with the largest id: two calls stand for them all.
         The expected peers (``diloco.rounds.expected_peers``, as every real caller passes them) are read through
         the caller only by whether it is one of them (the "several groups" count leaves the caller out), so callers
         in and out of that set are shared separately. (A caller listed with an entry announced at ``now`` itself
@@ -172,6 +179,7 @@ class RoundEngine:
         equal individual calls.
         """
         same_instant = {m.peer_id for d in key.declarations for m in d.members if m.announced_at >= now}
+        same_instant |= self._listed_live(key, now)
         ids = self.sim.state.peer_ids
         expected, patience = self._expected(key, slots[0], now)
         sharable = sorted((s for s in slots if ids[s] not in same_instant), key=lambda s: ids[s])
@@ -187,6 +195,21 @@ class RoundEngine:
             if slot not in out:
                 out[slot] = self._decide(key, key.waiting[slot], now, expected, patience)
         return out
+
+    def _listed_live(self, key: RoundKey, now: float) -> set[str]:
+        """The members of ``key``'s declarations that may still commit (``over_because`` on every entry stored at the
+        key, as each caller of ``decide_fresh`` reads them). While the network is split a side reads fewer entries,
+        so fewer members that announced again: then every member of a declaration counts."""
+        if not self.over_rules["tolerant_rows"] or not key.declarations:
+            return set()
+        newest = {} if self.sim.views is not None else {p: e.announced_at for p, e in key.entries.items()}
+        ttl_s = self.avg.round_timeout_s
+        return {
+            m.peer_id
+            for d in key.declarations
+            if len(d.members) > 1 and not over_because(d, newest, now, ttl_s, **self.over_rules)
+            for m in d.members
+        }
 
     def _expected(self, key: RoundKey, slot: int, now: float) -> tuple[frozenset[str], float]:
         """The peers every caller at ``key`` on ``slot``'s side expects (``expected_peers`` with nobody left out:
@@ -246,7 +269,7 @@ class RoundEngine:
         d = decide(me, entries, declarations, now, target_group_size=self.max_members,
                    min_group_size=self.avg.min_group_size, declare_grace_s=self._grace_s(key),
                    declaration_ttl_s=self.avg.round_timeout_s, banned=gone, expected=expected,
-                   patience_s=patience_s)  # fmt: skip
+                   patience_s=patience_s, tolerant_rows=self.over_rules["tolerant_rows"])  # fmt: skip
         self.sim.metrics.count("decide." + d.action)
         return d
 

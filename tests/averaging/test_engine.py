@@ -210,6 +210,26 @@ def test_a_stalled_member_is_dropped_within_the_part_timeout(make_averagers, poi
         assert all(r.reason in ("peer_failed", "timeout") for r in results[:2]), results
 
 
+def test_a_dropped_member_that_comes_back_follows_the_round_that_dropped_it(make_averagers) -> None:
+    """A stalled member dropped from a round of 3 comes back to the same epoch while its declaration may still be the
+    epoch's (2 of 3 left: a strict majority). Its new attempt fails "not_in_group" naming that round's members, whose
+    result it follows (``RoundFailed.closed_without_us``), instead of averaging alone or with latecomers: a rival
+    round of the epoch (``matchmaking.over_because``; with the rule of before, it committed a solo step here)."""
+    staller = FaultInjector()
+    staller.arm(Fault("averaging.before_send", "sleep", seconds=4.0))
+    avgs = make_averagers(
+        3, AveragingConfig(target_group_size=3, drop_failed=True, **FAST), faults=[None, None, staller]
+    )
+    inputs = _inputs(3)
+    results = run_threads([lambda i=i: avgs[i].average(inputs[i], 1.0, 0, 30.0) for i in range(3)], timeout_s=40)
+    assert [type(r) for r in results] == [RoundResult, RoundResult, RoundFailed], results
+    started = time.monotonic()
+    again = run_threads([lambda: avgs[2].average(inputs[2], 1.0, 0, 20.0)], timeout_s=30)[0]
+    assert isinstance(again, RoundFailed) and again.reason == "not_in_group", again
+    assert again.closed_without_us == frozenset(a.node.peer_id for a in avgs), again.closed_without_us
+    assert time.monotonic() - started < FAST["matchmaking_time_s"] + 3.0  # told at its first read, not at a window
+
+
 def test_a_member_whose_have_reached_one_survivor_only_costs_them_nothing_but_its_part(make_averagers) -> None:
     """The victim dies while its HAVE frames leave: the first survivor gets it, the second does not. Both must agree
     on the contributors and commit in the same call, the first's slice holding the victim's part (reduced before it
