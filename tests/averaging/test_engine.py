@@ -230,6 +230,35 @@ def test_a_dropped_member_that_comes_back_follows_the_round_that_dropped_it(make
     assert time.monotonic() - started < FAST["matchmaking_time_s"] + 3.0  # told at its first read, not at a window
 
 
+def test_a_dropped_member_waits_while_its_round_mates_are_expected_and_follows_once_they_moved_on(
+    make_averagers,
+) -> None:
+    """As above, but the staller's new attempt passes the trainer's live expected peers: while its round-mates still
+    count as expected at the epoch (their records have not shown the commit yet), the round may have failed for them
+    too, so it waits (``matchmaking.decide``); once they leave the expected set (moved on to the next epoch) it is
+    told "not_in_group" naming that round. Without the wait it was told so at once; without the follow it would wait
+    to its deadline."""
+    staller = FaultInjector()
+    staller.arm(Fault("averaging.before_send", "sleep", seconds=4.0))
+    avgs = make_averagers(
+        3, AveragingConfig(target_group_size=3, drop_failed=True, **FAST), faults=[None, None, staller]
+    )
+    inputs = _inputs(3)
+    results = run_threads([lambda i=i: avgs[i].average(inputs[i], 1.0, 0, 30.0) for i in range(3)], timeout_s=40)
+    assert [type(r) for r in results] == [RoundResult, RoundResult, RoundFailed], results
+    mates = frozenset(a.node.peer_id for a in avgs[:2])
+    moved_on_at = time.monotonic() + 4.0  # their next heartbeat shows the next epoch
+
+    def expected() -> frozenset[str]:
+        return mates if time.monotonic() < moved_on_at else frozenset()
+
+    again = run_threads([lambda: avgs[2].average(inputs[2], 1.0, 0, 20.0, expected)], timeout_s=30)[0]
+    told_at = time.monotonic()
+    assert isinstance(again, RoundFailed) and again.reason == "not_in_group", again
+    assert again.closed_without_us == frozenset(a.node.peer_id for a in avgs), again.closed_without_us
+    assert moved_on_at <= told_at < moved_on_at + FAST["matchmaking_time_s"] + 3.0, told_at - moved_on_at
+
+
 def test_a_member_whose_have_reached_one_survivor_only_costs_them_nothing_but_its_part(make_averagers) -> None:
     """The victim dies while its HAVE frames leave: the first survivor gets it, the second does not. Both must agree
     on the contributors and commit in the same call, the first's slice holding the victim's part (reduced before it
