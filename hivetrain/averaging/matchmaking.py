@@ -326,9 +326,10 @@ def decide(
     # An earlier session of ours is in a round that may still commit without us (it dropped us, or our call with it
     # ended; ``tolerant_rows``): that round is the epoch's, so we follow its result rather than declare another ...
     # unless it failed for its other members too: while one that has not announced again is still expected here (not
-    # moved on to the next epoch, not gone), we wait; its new entry ends the round (``over_because``) and we re-form
-    # with it. Without the wait the first member back from a round that failed for all was told "not_in_group" and
-    # never met the others (``averaging.before_commit`` fault on a loaded machine, dev/LOG.md 2026-12-02).
+    # moved on to the next epoch, not gone), we wait; once enough of them announce again the round is over
+    # (``over_because``) and we re-form with them. Without the wait the first member back from a round that failed
+    # for all was told "not_in_group" and never met the others (``averaging.before_commit`` fault on a loaded
+    # machine, dev/LOG.md 2026-12-02).
     for d in live:
         if len(d.members) > 1 and me.peer_id in d.member_ids():
             still = {m.peer_id for m in d.members if newest.get(m.peer_id, m.announced_at) <= m.announced_at}
