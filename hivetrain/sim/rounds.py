@@ -87,8 +87,7 @@ class RoundEngine:
         self.shared = SharedCalls(sim)  # which peers share one decision call (``sim.sharing``)
         self.wire_bytes = wire_bytes(sim.sc.sim.model_bytes, self.avg)
         self.groups = GroupRounds(self)
-        # ``matchmaking.over_because``'s rules, as ``averaging.engine`` passes them: butterfly rounds go on without
-        # members that fail (``drop_failed``), in rows of at most ``target_group_size``
+        # ``over_because``'s rules as ``averaging.engine`` passes them (butterfly, ``drop_failed``: rows of target size)
         tolerant = self.avg.drop_failed and self.avg.exact_average
         self.over_rules = {"tolerant_rows": self.avg.target_group_size if tolerant else 0,
                            "min_group_size": self.avg.min_group_size}  # fmt: skip
@@ -166,17 +165,15 @@ class RoundEngine:
         """``decide`` for peers that have just announced together at ``key`` (their entries are stored).
 
         Shared call. Every caller's fresh entry is stored, so each caller sees the same entries and declarations,
-        and no declaration lists their fresh sessions. A declaration that lists a caller (an older session of it)
-        may still be live (``over_because``: a round that goes on without members that fail is over only once those
-        that announced again leave it no way to commit); such callers are decided alone (``_listed_live``). Of the
-        others ``decide`` reads only their ``announced_at`` (the same for all) and whether one is the smallest-id
-        candidate (the leader: "declare", "too_small" or a "leading" wait). Hence every caller but the one with the
-        smallest id gets the answer of the one with the largest id: two calls stand for them all.
+        and no declaration lists their fresh sessions. A caller listed (an older session) by a declaration that may
+        still commit (``over_because``) is decided alone (``_listed_live``). Of the others ``decide`` reads only
+        their ``announced_at`` (the same for all) and whether one is the smallest-id candidate (the leader:
+        "declare", "too_small" or a "leading" wait). Hence every caller but the one with the smallest id gets the
+        answer of the one with the largest id: two calls stand for them all.
         The expected peers (``diloco.rounds.expected_peers``, as every real caller passes them) are read through
         the caller only by whether it is one of them (the "several groups" count leaves the caller out), so callers
         in and out of that set are shared separately. (A caller listed with an entry announced at ``now`` itself
-        would break the argument: it is decided alone.) ``tests/sim/test_sharing.py`` checks the shared answers
-        equal individual calls.
+        would break the argument: it is decided alone.) ``tests/sim/test_sharing.py`` checks them against single calls.
         """
         same_instant = {m.peer_id for d in key.declarations for m in d.members if m.announced_at >= now}
         same_instant |= self._listed_live(key, now)
@@ -203,11 +200,10 @@ class RoundEngine:
         if not self.over_rules["tolerant_rows"] or not key.declarations:
             return set()
         newest = {} if self.sim.views is not None else {p: e.announced_at for p, e in key.entries.items()}
-        ttl_s = self.avg.round_timeout_s
         return {
             m.peer_id
             for d in key.declarations
-            if len(d.members) > 1 and not over_because(d, newest, now, ttl_s, **self.over_rules)
+            if len(d.members) > 1 and not over_because(d, newest, now, self.avg.round_timeout_s, **self.over_rules)
             for m in d.members
         }
 

@@ -210,11 +210,9 @@ def test_a_stalled_member_is_dropped_within_the_part_timeout(make_averagers, poi
         assert all(r.reason in ("peer_failed", "timeout") for r in results[:2]), results
 
 
-def test_a_dropped_member_that_comes_back_follows_the_round_that_dropped_it(make_averagers) -> None:
-    """A stalled member dropped from a round of 3 comes back to the same epoch while its declaration may still be the
-    epoch's (2 of 3 left: a strict majority). Its new attempt fails "not_in_group" naming that round's members, whose
-    result it follows (``RoundFailed.closed_without_us``), instead of averaging alone or with latecomers: a rival
-    round of the epoch (``matchmaking.over_because``; with the rule of before, it committed a solo step here)."""
+def _drop_a_staller(make_averagers) -> tuple[list, list]:
+    """3 averagers, ``drop_failed``: the third stalls 4 s at ``before_send`` of epoch 0's round, which the other two
+    commit without it. Returns the averagers and their inputs."""
     staller = FaultInjector()
     staller.arm(Fault("averaging.before_send", "sleep", seconds=4.0))
     avgs = make_averagers(
@@ -223,6 +221,15 @@ def test_a_dropped_member_that_comes_back_follows_the_round_that_dropped_it(make
     inputs = _inputs(3)
     results = run_threads([lambda i=i: avgs[i].average(inputs[i], 1.0, 0, 30.0) for i in range(3)], timeout_s=40)
     assert [type(r) for r in results] == [RoundResult, RoundResult, RoundFailed], results
+    return avgs, inputs
+
+
+def test_a_dropped_member_that_comes_back_follows_the_round_that_dropped_it(make_averagers) -> None:
+    """A stalled member dropped from a round of 3 comes back to the same epoch while its declaration may still be the
+    epoch's (2 of 3 left: a strict majority). Its new attempt fails "not_in_group" naming that round's members, whose
+    result it follows (``RoundFailed.closed_without_us``), instead of averaging alone or with latecomers: a rival
+    round of the epoch (``matchmaking.over_because``; with the rule of before, it committed a solo step here)."""
+    avgs, inputs = _drop_a_staller(make_averagers)
     started = time.monotonic()
     again = run_threads([lambda: avgs[2].average(inputs[2], 1.0, 0, 20.0)], timeout_s=30)[0]
     assert isinstance(again, RoundFailed) and again.reason == "not_in_group", again
@@ -238,14 +245,7 @@ def test_a_dropped_member_waits_while_its_round_mates_are_expected_and_follows_o
     too, so it waits (``matchmaking.decide``); once they leave the expected set (moved on to the next epoch) it is
     told "not_in_group" naming that round. Without the wait it was told so at once; without the follow it would wait
     to its deadline."""
-    staller = FaultInjector()
-    staller.arm(Fault("averaging.before_send", "sleep", seconds=4.0))
-    avgs = make_averagers(
-        3, AveragingConfig(target_group_size=3, drop_failed=True, **FAST), faults=[None, None, staller]
-    )
-    inputs = _inputs(3)
-    results = run_threads([lambda i=i: avgs[i].average(inputs[i], 1.0, 0, 30.0) for i in range(3)], timeout_s=40)
-    assert [type(r) for r in results] == [RoundResult, RoundResult, RoundFailed], results
+    avgs, inputs = _drop_a_staller(make_averagers)
     mates = frozenset(a.node.peer_id for a in avgs[:2])
     moved_on_at = time.monotonic() + 4.0  # their next heartbeat shows the next epoch
 
