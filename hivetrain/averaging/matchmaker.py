@@ -20,6 +20,8 @@ from hivetrain.averaging.group_records import (
     GroupDeclaration,
     ReadyEntry,
     make_round_id,
+    named_peers,
+    relay_targets,
     sign_declaration,
     sign_entry,
     verify_declaration,
@@ -44,12 +46,6 @@ LATENCY_FACTOR = 3.0  # windows and graces last at least this many DHT latencies
 WITHDRAW_AFTER_S = 1e-3  # a withdrawn entry expires this much later than the entry (a next one comes later), seconds
 
 
-def _named_peers(record: ReadyEntry | GroupDeclaration) -> list[str]:
-    if isinstance(record, ReadyEntry):
-        return [record.peer_id]
-    return [record.leader, *(m.peer_id for m in record.members)]
-
-
 class Matchmaker:
     """Runs ``decide`` on what the DHT and our data port bring: announce, read, push, declare.
 
@@ -59,7 +55,8 @@ class Matchmaker:
     - a follower pushes its signed entry to the peer it expects to lead: before its first DHT read, the smallest
       members of its previous group (the same peers usually average every epoch), then whoever ``decide`` names;
       the leader so declares ("full", "complete") when the last member arrives, not at its next DHT poll;
-    - the leader pushes its signed declaration to the followers;
+    - the leader pushes its signed declaration to the followers down a tree (``group_records.relay_targets``: each
+      member passes it on to at most ``DECLARATION_FANOUT`` others, so nobody uploads it O(group) times);
     - each push and each finished DHT read wakes ``match``, which decides from the union of its last DHT read and
       the pushed records at once; DHT reads (one get of one key per poll) run in the background.
 
@@ -205,10 +202,7 @@ class Matchmaker:
             reason="full" if closed_by == "full" else "window",
         )
         decl = sign_declaration(self.prefix, decl, self.node.identity.private_key)
-        self._remember(decl)  # a retry of this round key must see these entries as consumed, DHT or not
-        raw = decl.model_dump()
-        if self.push is not None:  # followers hear it at once instead of at their next DHT poll
-            self.push("group", raw, [m for m in members if m.peer_id != me.peer_id])
+        self._remember(decl)  # consumed entries for a retry, DHT or not; followers hear it at once (``_remember``)
         self._store(decl, decl.declared_at + ttl_s, b"group")  # for latecomers and followers the push missed
         return decl
 
@@ -216,7 +210,7 @@ class Matchmaker:
     def _admitted(self, record: ReadyEntry | GroupDeclaration) -> bool:
         """In a run that requires membership, whether every peer ``record`` names is a member (asked each time:
         tokens expire). A non-member's records are expected there: logged once per peer, not as invalid."""
-        outsider = "" if self.admits is None else next((p for p in _named_peers(record) if not self.admits(p)), "")
+        outsider = "" if self.admits is None else next((p for p in named_peers(record) if not self.admits(p)), "")
         if outsider and outsider not in self._told and len(self._told) < 1024:
             self._told.add(outsider)
             logger.info("ignoring matchmaking records naming %s: not a member of this run", outsider)
@@ -253,15 +247,20 @@ class Matchmaker:
         return True
 
     def _remember(self, decl: GroupDeclaration) -> None:
-        """Keep a verified declaration (at most ``MAX_PUSHED`` per round key and round keys) and wake ``match``."""
+        """Keep a verified declaration (at most ``MAX_PUSHED`` per round key and round keys) and wake ``match``.
+        A new one that lists us goes on down its relay tree (``group_records.relay_targets``): as its leader we push
+        it to our first ``DECLARATION_FANOUT`` members, as a member to our children, however it reached us."""
         with self._lock:
             known = self._decls.setdefault(decl.round_key, [])
-            if decl not in known:
+            new = decl not in known
+            if new:
                 known.append(decl)
                 del known[:-MAX_PUSHED]
             while len(self._decls) > MAX_PUSHED:  # forget the oldest round keys
                 del self._decls[next(iter(self._decls))]
             self._wake.set()
+        if new and self.push is not None and (targets := relay_targets(decl, self.node.peer_id)):
+            self.push("group", decl.model_dump(), targets)
 
     def offer_entry(self, raw: object) -> bool:
         """A ready entry pushed to us by a peer that expects us to lead (any thread). Kept if valid and signed by its
