@@ -1,5 +1,7 @@
 """Run config validation, corpus handling and model presets."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,3 +88,14 @@ def test_overlap_needs_the_butterfly_strategy():
             {"diloco": {"overlap": "eager"}, "averaging": {"strategy": "moshpit", "target_group_size": 2}}
         )
     assert RunConfig.from_dict({"diloco": {"overlap": "eager"}}).diloco.overlap == "eager"
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
+def test_every_shipped_config_loads(name):
+    """A config in ``configs/`` that users copy passes its own validation, and a lossy codec in one comes with error
+    feedback (without it, what the codec drops is lost for good)."""
+    config = load_run_config(CONFIGS / name)
+    assert config.run_id and config.averaging.error_feedback == (config.averaging.compression != "none")
