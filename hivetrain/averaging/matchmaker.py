@@ -6,8 +6,8 @@ every pushed record until a group is joined or the attempt fails.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -16,26 +16,28 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from hivetrain.averaging.base import ExpectedPeers
+from hivetrain.averaging.decl_store import (
+    INLINE_BYTES,
+    DeclarationFetcher,
+    DeclarationRef,
+    chunk_key,
+    declaration_bytes,
+    split_declaration,
+)
 from hivetrain.averaging.group_records import (
     GroupDeclaration,
     ReadyEntry,
     make_round_id,
-    named_peers,
-    relay_targets,
     sign_declaration,
     sign_entry,
-    verify_declaration,
-    verify_entry,
 )
 from hivetrain.averaging.matchmaking import ClosedBy, Decision, EpochGroups, decide, rival_groups
+from hivetrain.averaging.record_book import RecordBook
 from hivetrain.averaging.transport import refuses_connections
 from hivetrain.peers.records import parse_signed
 
 logger = logging.getLogger(__name__)
 
-MAX_PUSHED = 64  # pushed declarations remembered per round key, and round keys remembered
-MAX_PUSHED_ENTRIES = 1024  # pushed ready entries remembered per round key (the latest per peer)
-MAX_VERIFIED = 4096  # signature checks remembered
 FAST_POLL_S = 0.02  # DHT polling period while a declaration is imminent, seconds
 FAST_LEAD_S = 1.0  # a prospective leader polls fast for this long after announcing, seconds
 HINT_FANOUT = 2  # we push our entry to this many of the smallest members of our previous group
@@ -46,7 +48,7 @@ LATENCY_FACTOR = 3.0  # windows and graces last at least this many DHT latencies
 WITHDRAW_AFTER_S = 1e-3  # a withdrawn entry expires this much later than the entry (a next one comes later), seconds
 
 
-class Matchmaker:
+class Matchmaker(RecordBook):
     """Runs ``decide`` on what the DHT and our data port bring: announce, read, push, declare.
 
     A DHT read takes ~5-20 ms on loopback (more under load), so the records also travel directly between data ports
@@ -79,19 +81,13 @@ class Matchmaker:
         """``dht_clock()``: the DHT's time, seconds (hivemind's ``get_dht_time``): entries' announce times, windows and
         declarations use it. Tests freeze it to prove that a group closed without waiting out its window.
         ``read_bytes_per_s``: the reads' budget, bytes per second (class docstring; inf = none), > 0."""
+        super().__init__(prefix, push=push, admits=admits, peer_id=lambda: node.peer_id)
         self.read_bytes_per_s, self._read_bytes = read_bytes_per_s, 0  # _read_bytes: size of our last read
-        self.node, self.prefix, self.push = node, prefix, push
-        self.dht_clock = dht_clock
-        self.admits = admits  # peer id -> member of the run? (None: open run); non-members' records are dropped
-        self._told: set[str] = set()
+        self.node, self.dht_clock = node, dht_clock
         self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
-        self._decls: dict[str, list[GroupDeclaration]] = {}  # round key -> verified declarations: ours, pushed, read
-        self._entries: dict[str, dict[str, ReadyEntry]] = {}  # round key -> peer id -> latest pushed entry
-        self._verified: dict[object, bool] = {}  # record -> whether its signatures verify
         self._hints: tuple[ReadyEntry, ...] = ()  # our previous group, by peer id
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # recent DHT read / store durations, seconds
+        self._fetcher = DeclarationFetcher(getattr(node, "dht", None), self._found)  # large declarations' chunks
 
     def _key(self, round_key: str) -> str:
         return f"{self.prefix}.{round_key}.mm"
@@ -180,10 +176,16 @@ class Matchmaker:
         gone = sign_entry(self.prefix, gone, self.node.identity.private_key)
         return self._store(gone, entry.announced_at + ttl_s + WITHDRAW_AFTER_S, b"ready")
 
-    def _store(self, record: ReadyEntry | GroupDeclaration, expiration: float, kind: bytes):
-        """Start storing ``record`` under its round key's DHT key and our ``kind`` subkey; returns the DHT's future."""
-        key, value = self._key(record.round_key), record.model_dump()
-        return self.node.dht.store(key, value, expiration, subkey=self._subkey(kind), return_future=True)
+    def _store(self, record, expiration: float, kind: bytes, key: str = ""):
+        """Start storing ``record`` under ``key`` (its round key's DHT key) and our ``kind`` subkey; a declaration
+        larger than ``decl_store.INLINE_BYTES`` goes in chunks and a reference to them. Returns the DHT's future."""
+        key = key or self._key(record.round_key)
+        if isinstance(record, GroupDeclaration) and len(declaration_bytes(record)) > INLINE_BYTES:
+            ref, chunks = split_declaration(record)
+            for c in chunks:
+                self._store(c, expiration, b"chunk", chunk_key(key, ref.round_id, c.index))
+            record = ref
+        return self.node.dht.store(key, record.model_dump(), expiration, subkey=self._subkey(kind), return_future=True)
 
     def declare(
         self, me: ReadyEntry, members: tuple[ReadyEntry, ...], closed_by: ClosedBy, ttl_s: float
@@ -205,94 +207,6 @@ class Matchmaker:
         self._remember(decl)  # consumed entries for a retry, DHT or not; followers hear it at once (``_remember``)
         self._store(decl, decl.declared_at + ttl_s, b"group")  # for latecomers and followers the push missed
         return decl
-
-    # ---- verified records ---------------------------------------------------------------------------------------
-    def _admitted(self, record: ReadyEntry | GroupDeclaration) -> bool:
-        """In a run that requires membership, whether every peer ``record`` names is a member (asked each time:
-        tokens expire). A non-member's records are expected there: logged once per peer, not as invalid."""
-        outsider = "" if self.admits is None else next((p for p in named_peers(record) if not self.admits(p)), "")
-        if outsider and outsider not in self._told and len(self._told) < 1024:
-            self._told.add(outsider)
-            logger.info("ignoring matchmaking records naming %s: not a member of this run", outsider)
-        return not outsider
-
-    def _verify(self, record: ReadyEntry | GroupDeclaration) -> bool:
-        """Signature check, remembered (records are frozen and hashable; polls see the same ones again)."""
-        with self._lock:
-            known = self._verified.get(record)
-        if known is not None:
-            return known
-        if isinstance(record, ReadyEntry):
-            ok = verify_entry(self.prefix, record)
-        else:
-            ok = verify_declaration(self.prefix, record, lambda _, m: self._verify(m))
-        with self._lock:
-            self._verified[record] = ok
-            while len(self._verified) > MAX_VERIFIED:
-                del self._verified[next(iter(self._verified))]
-        return ok
-
-    def offer(self, raw: object) -> bool:
-        """A declaration pushed to us over the data plane (any thread). Kept if valid and signed; returns that."""
-        try:
-            decl = GroupDeclaration.model_validate(raw)
-        except ValueError:
-            return False
-        if not self._admitted(decl):
-            return False
-        if not self._verify(decl):
-            logger.warning("dropping a pushed group declaration that does not verify (leader %s)", decl.leader)
-            return False
-        self._remember(decl)
-        return True
-
-    def _remember(self, decl: GroupDeclaration) -> None:
-        """Keep a verified declaration (at most ``MAX_PUSHED`` per round key and round keys) and wake ``match``.
-        A new one that lists us goes on down its relay tree (``group_records.relay_targets``): as its leader we push
-        it to our first ``DECLARATION_FANOUT`` members, as a member to our children, however it reached us."""
-        with self._lock:
-            known = self._decls.setdefault(decl.round_key, [])
-            new = decl not in known
-            if new:
-                known.append(decl)
-                del known[:-MAX_PUSHED]
-            while len(self._decls) > MAX_PUSHED:  # forget the oldest round keys
-                del self._decls[next(iter(self._decls))]
-            self._wake.set()
-        if new and self.push is not None and (targets := relay_targets(decl, self.node.peer_id)):
-            self.push("group", decl.model_dump(), targets)
-
-    def offer_entry(self, raw: object) -> bool:
-        """A ready entry pushed to us by a peer that expects us to lead (any thread). Kept if valid and signed by its
-        peer (the latest per peer, at most ``MAX_PUSHED_ENTRIES`` per round key); returns that."""
-        try:
-            entry = ReadyEntry.model_validate(raw)
-        except ValueError:
-            return False
-        if not self._admitted(entry):
-            return False
-        if not self._verify(entry):
-            logger.warning("dropping a pushed ready entry that does not verify (peer %s)", entry.peer_id)
-            return False
-        with self._lock:
-            by_peer = self._entries.setdefault(entry.round_key, {})
-            old = by_peer.get(entry.peer_id)
-            if old is None and len(by_peer) >= MAX_PUSHED_ENTRIES:
-                return False
-            if old is None or entry.announced_at > old.announced_at:
-                by_peer[entry.peer_id] = entry
-            while len(self._entries) > MAX_PUSHED:
-                del self._entries[next(iter(self._entries))]
-            self._wake.set()
-        return True
-
-    def _merge(self, round_key: str, entries: list[ReadyEntry]) -> tuple[list[ReadyEntry], list[GroupDeclaration]]:
-        """Entries the DHT showed plus those pushed to us (``decide`` keeps the latest per peer), and every
-        declaration we know of: read, pushed, or ours."""
-        with self._lock:
-            pushed_entries = list(self._entries.get(round_key, {}).values())
-            decls = list(self._decls.get(round_key, ()))
-        return entries + pushed_entries, decls
 
     # ---- DHT reads ----------------------------------------------------------------------------------------------
     def _start_read(self, round_key: str):
@@ -317,13 +231,21 @@ class Matchmaker:
         entries = []
         for subkey, item in found.value.items():
             kind = subkey.rsplit(b"|", 1)[-1] if isinstance(subkey, bytes) else b""
+            value = getattr(item, "value", None)
             schema, id_field = {b"ready": (ReadyEntry, "peer_id"), b"group": (GroupDeclaration, "leader")}.get(
                 kind, (None, "")
             )
-            record = parse_signed(subkey, getattr(item, "value", None), schema, id_field) if schema else None
-            if record is None or record.round_key != round_key:
+            schema = (
+                DeclarationRef
+                if schema is GroupDeclaration and isinstance(value, dict) and "sha256" in value
+                else schema
+            )
+            record = parse_signed(subkey, value, schema, id_field) if schema else None
+            if record is None or record.round_key != round_key or not self._admitted(record):
                 continue
-            if not self._admitted(record):
+            if isinstance(record, DeclarationRef):  # a large declaration: its chunks are read once, in the background
+                if not any(d.round_id == record.round_id for d in self._merge(round_key, [])[1]):
+                    self._fetcher.want(self._key(round_key), record)
                 continue
             if not self._verify(record):
                 logger.warning("dropping an invalid %s by %s", schema.__name__, getattr(record, id_field))
@@ -347,9 +269,10 @@ class Matchmaker:
         future = self._start_read(decl.round_key)
 
         def read() -> EpochGroups:
-            entries, declarations = self._merge(
-                decl.round_key, self._collect(future, decl.round_key, EPOCH_GROUPS_WAIT_S)
-            )
+            until = time.monotonic() + EPOCH_GROUPS_WAIT_S
+            entries = self._collect(future, decl.round_key, EPOCH_GROUPS_WAIT_S)
+            concurrent.futures.wait(self._fetcher.pending(decl.round_key), max(0.0, until - time.monotonic()))
+            entries, declarations = self._merge(decl.round_key, entries)
             rivals = rival_groups(decl, entries, declarations, self.dht_clock(), ttl_s, **rules)
             return EpochGroups(frozenset(decl.member_ids()), rivals)
 

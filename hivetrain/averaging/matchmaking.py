@@ -21,7 +21,8 @@ Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the on
    peers (a solo step beside a live trainer of the epoch is refused anyway, and each new attempt would
    only replace its entry; issue 22).
 3. The leader is the smallest peer id among the candidates. It stores a ``GroupDeclaration`` (signed: subkey = its
-   owner marker + ``b"|group"``) listing the members' signed entries. Followers accept only a declaration that
+   owner marker + ``b"|group"``) listing the members' signed entries (one of more than ~200 members by reference,
+   its chunks under keys of their own: ``decl_store``). Followers accept only a declaration that
    lists their own current session, signed by its leader, whose embedded entries all verify; with several, the one
    with the smallest leader id wins (the rare case of two leaders that did not see each other; if members then disagree,
    the data-plane handshake or the commit vote fails the round and the callers retry: a member that joined the other

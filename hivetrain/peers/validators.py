@@ -7,12 +7,12 @@ hostile node itself, and every dictionary that node returns is dropped whole by 
 dictionary's every subkey). What a record must satisfy (``check_record``, a pure function of the record and ``now``):
 
 - size: the serialized value is at most ``RecordBounds.max_*_bytes`` for its kind;
-- one record per peer per key: the subkey is the signer's ``[owner:...]`` marker (``|ready``/``|group`` appended for
-  matchmaking), so hivemind's ``RSASignatureValidator`` checked the signature, and the record's id field is the
-  signer's peer ID (a peer can neither speak for another nor hold two records under one key);
+- one record per peer per key: the subkey is the signer's ``[owner:...]`` marker (``|ready``/``|group``/``|chunk``
+  appended for matchmaking), so hivemind's ``RSASignatureValidator`` checked the signature, and the record's id field
+  is the signer's peer ID (a peer can neither speak for another nor hold two records under one key);
 - schema: the kind's pydantic model (``PeerRecord``, ``StageRecord``, ``RunConfigRecord``, ``ReadyEntry``,
-  ``GroupDeclaration``, the pipeline's ``TrainerReport`` and ``RebalanceReport``) accepts the value, and a
-  run-scoped record names the run of its key;
+  ``GroupDeclaration`` or its ``DeclarationRef`` and ``DeclarationChunk``, the pipeline's ``TrainerReport`` and
+  ``RebalanceReport``) accepts the value, and a run-scoped record names the run of its key;
 - time: the record's own timestamp (``updated_at``, ``published_at``, ``announced_at``, ``declared_at``) is at most
   ``max_clock_skew_s`` ahead of ``now``, its expiration at most the kind's TTL cap (plus the skew) ahead of ``now``,
   and at most that far after its timestamp (a record cannot claim to be older than its lifetime allows);
@@ -43,9 +43,9 @@ there must be its signer's shard: ``check_shard``), ``{run_id}.swarm.servers``, 
 ``{run_id}.swarm.rebalances`` for each run given (``RecordGuard(run_ids=...)`` or ``PeerNode.guard_run``). A node on
 older code does not know the last two keys and lets their records pass (signature checked by hivemind only): that is
 what lets newer peers add them without older ones dropping anything (``swarm/reports.py``). Matchmaking keys
-(``{prefix}.{round_key}.mm``) change every round, so matchmaking records are recognised by their subkey
-(``[owner:...]|ready`` or ``|group``) under any key. Anything else passes unchanged (other hivemind users of the
-same DHT).
+(``{prefix}.{round_key}.mm``, and a large declaration's chunk keys) change every round, so matchmaking records are
+recognised by their subkey (``[owner:...]|ready``, ``|group`` or ``|chunk``) under any key. Anything else passes
+unchanged (other hivemind users of the same DHT).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from pydantic import BaseModel
 
+from hivetrain.averaging.decl_store import CHUNK_BYTES, INLINE_BYTES, DeclarationChunk, DeclarationRef
 from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
 from hivetrain.peers.identity import peer_id_of_owner
 from hivetrain.peers.membership import AdmissionPolicy, decide_membership
@@ -72,11 +73,11 @@ from hivetrain.swarm.reports import RebalanceReport, TrainerReport, rebalances_k
 
 logger = logging.getLogger(__name__)
 
-RecordKind = Literal["peer", "stage", "run_config", "ready", "group", "trainer_report", "rebalance_report"]
+RecordKind = Literal["peer", "stage", "run_config", "ready", "group", "chunk", "trainer_report", "rebalance_report"]
 _RUN_SCOPED: tuple[RecordKind, ...] = ("peer", "stage", "trainer_report", "rebalance_report")
 
-_OWNER_RE = re.compile(rb"^\[owner:(.+)\](?:\|(ready|group))?$", re.DOTALL)
-_MATCHMAKING_TAILS = (b"]|ready", b"]|group")
+_OWNER_RE = re.compile(rb"^\[owner:(.+)\](?:\|(ready|group|chunk))?$", re.DOTALL)
+_MATCHMAKING_TAILS = (b"]|ready", b"]|group", b"]|chunk")
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ class RecordBounds:
         max_record_bytes: serialized size cap of a peer or stage record, and of a pipeline report.
         max_config_bytes: serialized size cap of the run config record.
         max_entry_bytes: serialized size cap of a matchmaking ready entry.
-        max_declaration_bytes: serialized size cap of a group declaration (each member's entry is embedded,
-            ~1 KiB each: 1 MiB holds ~1000 members; raise it with ``averaging.target_group_size``).
+        max_declaration_bytes: serialized size cap of a group declaration stored inline, or of its reference (a
+            declaration larger than ``decl_store.INLINE_BYTES``, ~200 members, is stored in chunks).
+        max_chunk_bytes: serialized size cap of one chunk of a declaration (``decl_store.CHUNK_BYTES`` of data).
 
     Raises:
         ValueError: a bound is not positive.
@@ -114,7 +116,8 @@ class RecordBounds:
     max_record_bytes: int = 16 * 1024
     max_config_bytes: int = 64 * 1024
     max_entry_bytes: int = 8 * 1024
-    max_declaration_bytes: int = 1 << 20
+    max_declaration_bytes: int = INLINE_BYTES + 16 * 1024
+    max_chunk_bytes: int = CHUNK_BYTES + 16 * 1024
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -133,6 +136,7 @@ class RecordBounds:
             "run_config": self.max_config_bytes,
             "ready": self.max_entry_bytes,
             "group": self.max_declaration_bytes,
+            "chunk": self.max_chunk_bytes,
         }[kind]
 
 
@@ -151,7 +155,8 @@ _SCHEMAS: dict[RecordKind, tuple[type[BaseModel], str, str]] = {  # kind -> (mod
     "stage": (StageRecord, "peer_id", "updated_at"),
     "run_config": (RunConfigRecord, "coordinator_id", "published_at"),
     "ready": (ReadyEntry, "peer_id", "announced_at"),
-    "group": (GroupDeclaration, "leader", "declared_at"),
+    "group": (GroupDeclaration, "leader", "declared_at"),  # or its ``DeclarationRef`` (``check_record``)
+    "chunk": (DeclarationChunk, "leader", "declared_at"),
     "trainer_report": (TrainerReport, "peer_id", "updated_at"),
     "rebalance_report": (RebalanceReport, "peer_id", "updated_at"),
 }
@@ -192,13 +197,16 @@ def check_record(
     if len(value_bytes) > cap:
         return Verdict(False, "size", f"{kind} record of {len(value_bytes)} bytes exceeds {cap} bytes")
     match = _OWNER_RE.match(subkey) if isinstance(subkey, bytes) else None
-    expected_tail = kind.encode() if kind in ("ready", "group") else None
+    expected_tail = kind.encode() if kind in ("ready", "group", "chunk") else None
     if match is None or match.group(2) != expected_tail:
         return Verdict(False, "subkey", f"{kind} record's subkey is not its signer's owner marker")
     model, id_field, stamp_field = _SCHEMAS[kind]
     try:
         signer = _signer_of(b"[owner:" + match.group(1) + b"]")
-        record = model.model_validate(MSGPackSerializer.loads(value_bytes))
+        value = MSGPackSerializer.loads(value_bytes)
+        if kind == "group" and isinstance(value, dict) and "sha256" in value:  # a large declaration's reference
+            model = DeclarationRef
+        record = model.model_validate(value)
     except Exception as exc:  # noqa: BLE001 - msgpack, the marker parse and pydantic raise several types
         return Verdict(False, "schema", f"malformed {kind} record: {type(exc).__name__}: {str(exc)[:200]}")
     if getattr(record, id_field) != signer:
@@ -226,7 +234,7 @@ def check_record(
         return Verdict(False, "time", f"deadline {record.deadline - stamp:.0f}s after announced_at (cap {ttl_cap:g}s)")
     if kind == "ready" and record.window_closes_at > max(record.deadline, stamp):
         return Verdict(False, "time", "window_closes_at is after the entry's deadline")
-    if kind == "group" and any(m.round_key != record.round_key for m in record.members):
+    if isinstance(record, GroupDeclaration) and any(m.round_key != record.round_key for m in record.members):
         return Verdict(False, "schema", "a member's entry is for another round key than the declaration")
     for name in _EPOCH_FIELDS.get(kind, ()):
         if getattr(record, name) > bounds.max_epoch:
@@ -325,7 +333,7 @@ class RecordGuard(RecordValidatorBase):
         if shard is not None:
             return "peer", shard[0]
         if record.subkey.endswith(_MATCHMAKING_TAILS) and b"[owner:" in record.subkey:
-            return ("ready" if record.subkey.endswith(b"|ready") else "group"), ""
+            return {b"y": "ready", b"p": "group", b"k": "chunk"}[record.subkey[-1:]], ""
         return None
 
     def check(self, record: DHTRecord) -> Verdict | None:

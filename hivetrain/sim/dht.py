@@ -1,7 +1,8 @@
 """The simulated DHT: the swarm's record board (one key, a subkey per peer) and operation/size accounting.
 
 What is stored is what hivetrain stores: ``PeerRecord`` under ``"{run_id}.peers"`` (``peers.records``), and per round
-key ``ReadyEntry`` and ``GroupDeclaration`` under ``"{prefix}.{round_key}.mm"`` (``averaging.matchmaking``). Their
+key ``ReadyEntry`` and ``GroupDeclaration`` under ``"{prefix}.{round_key}.mm"`` (``averaging.matchmaking``; a
+declaration of more than ~200 members by reference, its chunks under keys of their own: ``stored_declaration``). Their
 sizes are measured once from real instances serialised the way hivemind stores them (msgpack of the pydantic dump)
 plus the subkey a signed value carries (hivemind's ``RSASignatureValidator`` owner marker with a 2048-bit RSA public
 key, and the value's signature). The routing of a DHT get (log N hops) is not modelled: a get or store is one
@@ -19,10 +20,12 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
 
+from hivetrain.averaging import decl_store
 from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
 from hivetrain.peers import record_shards
 from hivetrain.peers.records import PeerRecord
@@ -97,6 +100,54 @@ def declaration_bytes(num_members: int) -> int:
     one = len(msgpack.packb(d.model_dump(), use_bin_type=True))
     per_member = len(msgpack.packb(e.model_dump(), use_bin_type=True))
     return one + (num_members - 1) * per_member + _owner_marker_bytes() + _SIGNATURE_BYTES
+
+
+class StoredDeclaration(NamedTuple):
+    """How a declaration is stored (``averaging.decl_store``), in bytes: its value under the round key (inline, or
+    its ``DeclarationRef``), its largest chunk's value, and what one reader reads (gets: ``chunks``) to assemble it
+    (0 for an inline one: read with the round key)."""
+
+    under_key: int
+    chunk: int = 0
+    fetch: int = 0
+    chunks: int = 0
+
+
+@functools.cache
+def stored_declaration(num_members: int) -> StoredDeclaration:
+    """How a declaration of ``num_members`` signed entries is stored (``StoredDeclaration``)."""
+    full = declaration_bytes(num_members)
+    raw = full - _owner_marker_bytes() - _SIGNATURE_BYTES
+    if raw <= decl_store.INLINE_BYTES:
+        return StoredDeclaration(full)
+    fields = {"leader": "Qm" + "x" * 44, "round_key": "e123", "round_id": "a" * 32, "declared_at": 1.7e9}
+    ref = decl_store.DeclarationRef(**fields, num_members=num_members, num_bytes=raw, sha256=b"h" * 32)
+    chunk = decl_store.DeclarationChunk(**fields, index=0, data=b"d" * decl_store.CHUNK_BYTES)
+    signed = _owner_marker_bytes() + _SIGNATURE_BYTES
+    ref_bytes = len(msgpack.packb(ref.model_dump(), use_bin_type=True)) + signed
+    chunk_bytes = len(msgpack.packb(chunk.model_dump(), use_bin_type=True)) + signed
+    fetch = raw + ref.num_chunks * (chunk_bytes - decl_store.CHUNK_BYTES)
+    return StoredDeclaration(ref_bytes, chunk_bytes, fetch, ref.num_chunks)
+
+
+@dataclass
+class RoundKey:
+    """What the DHT holds for one round key, and which slots wait on it."""
+
+    epoch: int
+    entries: dict[str, ReadyEntry] = field(default_factory=dict)  # peer id -> its newest entry (one DHT subkey each)
+    declarations: list[GroupDeclaration] = field(default_factory=list)
+    declarations_bytes: int = 0  # under the round key: inline declarations, references to the others
+    fetch: StoredDeclaration = StoredDeclaration(0)  # what a newcomer reads to assemble those stored by reference
+    waiting: dict[int, ReadyEntry] = field(default_factory=dict)
+
+    def declare(self, decl: GroupDeclaration) -> StoredDeclaration:
+        """Store ``decl``; returns how (``stored_declaration``)."""
+        self.declarations.append(decl)
+        stored = stored_declaration(len(decl.members))
+        self.declarations_bytes += stored.under_key
+        self.fetch = StoredDeclaration(0, 0, self.fetch.fetch + stored.fetch, self.fetch.chunks + stored.chunks)
+        return stored
 
 
 @dataclass

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +46,7 @@ from hivetrain.averaging.reduce import part_codec
 from hivetrain.diloco.round_policy import RoundView, decide_after_round
 from hivetrain.diloco.rounds import expected_peers, patience_for
 from hivetrain.sim import dht as simdht
+from hivetrain.sim.dht import RoundKey
 from hivetrain.sim.group_rounds import PREFIX, GroupRounds
 from hivetrain.sim.network import Transfer, download_cost
 from hivetrain.sim.sharing import SharedCalls
@@ -54,21 +54,6 @@ from hivetrain.sim.swarm_state import ABSENT, AVERAGING, READY
 
 if TYPE_CHECKING:
     from hivetrain.sim.dataparallel import DataParallelSim
-
-
-@dataclass
-class RoundKey:
-    """What the DHT holds for one round key, and which slots wait on it."""
-
-    epoch: int
-    entries: dict[str, ReadyEntry] = field(default_factory=dict)  # peer id -> its newest entry (one DHT subkey each)
-    declarations: list[GroupDeclaration] = field(default_factory=list)
-    declarations_bytes: int = 0
-    waiting: dict[int, ReadyEntry] = field(default_factory=dict)
-
-    def declare(self, decl: GroupDeclaration) -> None:
-        self.declarations.append(decl)
-        self.declarations_bytes += simdht.declaration_bytes(len(decl.members))
 
 
 class RoundEngine:
@@ -153,7 +138,9 @@ class RoundEngine:
             key.waiting[slot] = entry
             fresh[epoch].append(slot)
         self.sim.metrics.dht.ops(len(slots))
-        for epoch in fresh:
+        for epoch, new in fresh.items():  # a newcomer reads the declarations stored by reference once
+            fetch = self.keys[epoch].fetch
+            self.sim.metrics.dht.ops(len(new), fetch.chunks, fetch.fetch, "matchmaking.chunks")
             self._key_size(self.keys[epoch])
         return fresh
 
@@ -328,7 +315,12 @@ class RoundEngine:
                     round_id=make_round_id(PREFIX, f"e{epoch}", d.members), members=d.members,
                     declared_at=now, reason="full" if d.closed_by == "full" else "window", signature=b"s" * 256,
                 )  # fmt: skip
-                key.declare(decl)
+                stored = key.declare(decl)  # members have it pushed; other waiting peers read its chunks
+                if stored.chunk:
+                    members = {m.peer_id for m in d.members}
+                    others = sum(e.peer_id not in members for e in key.waiting.values())
+                    self.sim.metrics.dht.ops(others, stored.chunks, stored.fetch, "matchmaking.chunks")
+                    self.sim.metrics.dht.value_size("matchmaking.chunk", stored.chunk, now)
                 self._start_group(key, decl, now)
                 continue
             self._withdraw(key, slot)

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from hivetrain.averaging import matchmaker as matchmaker_module
+from hivetrain.averaging import record_book
 from hivetrain.averaging.group_records import DECLARATION_FANOUT, relay_targets
 from hivetrain.averaging.matchmaker import Matchmaker
 
@@ -91,7 +91,7 @@ def _holders(mms: list[Matchmaker], timeout_s: float = 10.0, want: int = 7) -> s
 
 def test_a_declaration_reaches_every_member_down_the_tree_and_each_push_happens_once(seven_keys, monkeypatch) -> None:
     """Fan-out 2 over 7 members: the leader pushes to members 1 and 2 only, they to 3-4 and 5-6."""
-    monkeypatch.setattr(matchmaker_module, "relay_targets", functools.partial(relay_targets, fanout=2))
+    monkeypatch.setattr(record_book, "relay_targets", functools.partial(relay_targets, fanout=2))
     mms, entries, pushes = _members(seven_keys, FakeDHT())
     decl = mms[0].declare(entries[0], entries, "full", TTL)
     assert _holders(mms) == set(range(7))
@@ -108,7 +108,7 @@ def test_the_child_of_a_dead_member_reads_the_declaration_from_the_dht_and_passe
 ) -> None:
     """Fan-out 1: a chain 0 -> 1 -> ... -> 6. Member 1 is gone, so nobody past it hears the push; member 2's next
     DHT poll finds the declaration, and it goes on down the chain from there."""
-    monkeypatch.setattr(matchmaker_module, "relay_targets", functools.partial(relay_targets, fanout=1))
+    monkeypatch.setattr(record_book, "relay_targets", functools.partial(relay_targets, fanout=1))
     mms, entries, pushes = _members(seven_keys, FakeDHT(), dead=frozenset({1}))
     mms[0].declare(entries[0], entries, "full", TTL)
     time.sleep(0.2)
