@@ -77,6 +77,10 @@ class GroupAverager:
             the DHT node's visible multiaddrs.
         admits: whether a peer ID is a member of the run (``peers.membership.MemberRoster.admits``): non-members'
             matchmaking records are ignored and their data-plane links refused. None = an open run.
+
+    Attribute ``record_levels``: a function giving the swarm's peer-record shard levels (default: level 0 only), set
+    by the DiLoCo trainer to its view's (``SwarmView.shard_levels``): our matchmaking entries go in the shards one
+    level coarser (``entry_shards``), so that no round key's DHT value grows with the swarm.
     """
 
     def __init__(
@@ -115,7 +119,9 @@ class GroupAverager:
             push=Pusher(timeout_s=config.connect_timeout_s),
             admits=admits,
             read_bytes_per_s=config.matchmaking_read_kib_s * 1024,
+            record_levels=lambda: self.record_levels(),
         )
+        self.record_levels: Callable[[], Sequence[int]] = lambda: (0,)
         ban_time_s = max(config.ban_time_s, 1.0)
         self.bans = BanList(BanConfig(ban_base_s=ban_time_s, ban_max_s=max(3600.0, ban_time_s)))
         self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)

@@ -24,6 +24,7 @@ from hivetrain.averaging.decl_store import (
     declaration_bytes,
     split_declaration,
 )
+from hivetrain.averaging.entry_shards import entry_key, entry_levels, read_keys
 from hivetrain.averaging.group_records import (
     GroupDeclaration,
     ReadyEntry,
@@ -46,6 +47,16 @@ ANNOUNCE_DELAY_S = 0.05  # a follower that told its likely leader uses the DHT o
 LATENCY_SAMPLES = 16  # DHT operations whose durations ``dht_latency_s`` looks at
 LATENCY_FACTOR = 3.0  # windows and graces last at least this many DHT latencies (a store, a read, and slack)
 WITHDRAW_AFTER_S = 1e-3  # a withdrawn entry expires this much later than the entry (a next one comes later), seconds
+
+
+class _Read:
+    """The gets of one matchmaking read (the round key's and its entry shards'): done when all are."""
+
+    def __init__(self, futures: list):
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
 
 
 class Matchmaker(RecordBook):
@@ -76,14 +87,16 @@ class Matchmaker(RecordBook):
 
     def __init__(
         self, node, prefix: str, *, poll_interval_s: float, declare_grace_s: float, push=None, admits=None,
-        dht_clock=get_dht_time, read_bytes_per_s: float = float("inf"),
+        dht_clock=get_dht_time, read_bytes_per_s: float = float("inf"), record_levels=lambda: (0,),
     ):  # fmt: skip
         """``dht_clock()``: the DHT's time, seconds (hivemind's ``get_dht_time``): entries' announce times, windows and
         declarations use it. Tests freeze it to prove that a group closed without waiting out its window.
-        ``read_bytes_per_s``: the reads' budget, bytes per second (class docstring; inf = none), > 0."""
+        ``read_bytes_per_s``: the reads' budget, bytes per second (class docstring; inf = none), > 0.
+        ``record_levels()``: the swarm's peer-record shard levels (``SwarmView.shard_levels``), asked at every
+        announce and read: our entries go in the shards one level coarser (``entry_shards``)."""
         super().__init__(prefix, push=push, admits=admits, peer_id=lambda: node.peer_id)
         self.read_bytes_per_s, self._read_bytes = read_bytes_per_s, 0  # _read_bytes: size of our last read
-        self.node, self.dht_clock = node, dht_clock
+        self.node, self.dht_clock, self.record_levels = node, dht_clock, record_levels
         self.poll_interval_s, self.declare_grace_s = poll_interval_s, declare_grace_s
         self._hints: tuple[ReadyEntry, ...] = ()  # our previous group, by peer id
         self._latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # recent DHT read / store durations, seconds
@@ -164,7 +177,7 @@ class Matchmaker(RecordBook):
         The expiration grows with ``announced_at``: a DHT node keeps, per subkey, the value that expires last, so our
         newer entry (or withdrawal) always replaces an older one, whatever each one's wait.
         """
-        return self._store(entry, entry.announced_at + ttl_s, b"ready")
+        return self._store_entry(entry, entry.announced_at + ttl_s)
 
     def withdraw(self, entry: ReadyEntry, ttl_s: float):
         """Replace our stored entry by a copy whose deadline has passed, which every peer's ``decide`` finds stale, so
@@ -174,7 +187,13 @@ class Matchmaker(RecordBook):
         Returns the DHT's future."""
         gone = entry.model_copy(update={"deadline": 0.0, "window_closes_at": 0.0})
         gone = sign_entry(self.prefix, gone, self.node.identity.private_key)
-        return self._store(gone, entry.announced_at + ttl_s + WITHDRAW_AFTER_S, b"ready")
+        return self._store_entry(gone, entry.announced_at + ttl_s + WITHDRAW_AFTER_S)
+
+    def _store_entry(self, entry: ReadyEntry, expiration: float):
+        """Store ``entry`` at each entry level in use (``entry_shards``); returns the current level's future."""
+        key = self._key(entry.round_key)
+        levels = entry_levels(self.record_levels())
+        return [self._store(entry, expiration, b"ready", entry_key(key, entry.peer_id, b)) for b in levels][0]
 
     def _store(self, record, expiration: float, kind: bytes, key: str = ""):
         """Start storing ``record`` under ``key`` (its round key's DHT key) and our ``kind`` subkey; a declaration
@@ -209,27 +228,31 @@ class Matchmaker(RecordBook):
         return decl
 
     # ---- DHT reads ----------------------------------------------------------------------------------------------
-    def _start_read(self, round_key: str):
-        future = self.node.dht.get(self._key(round_key), latest=True, return_future=True)
-        future.add_done_callback(lambda _: self._wake.set())
-        return future
+    def _start_read(self, round_key: str) -> _Read:
+        """Start one matchmaking read: gets of the round key and of its entry shards (``entry_shards.read_keys``)."""
+        keys = read_keys(self._key(round_key), entry_levels(self.record_levels()))
+        futures = [self.node.dht.get(k, latest=True, return_future=True) for k in keys]
+        for future in futures:
+            future.add_done_callback(lambda _: self._wake.set())
+        return _Read(futures)
 
-    def _collect(self, future, round_key: str, timeout_s: float) -> list[ReadyEntry]:
+    def _collect(self, read: _Read, round_key: str, timeout_s: float) -> list[ReadyEntry]:
         """The verified entries of a DHT read; its verified declarations are remembered (forged or malformed records
-        are dropped; a failed or unfinished read gives nothing)."""
-        try:
-            found = future.result(timeout=timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a failed poll is retried at the next interval
-            logger.debug("DHT read failed: %s", exc)
-            return []
-        items = found.value if found is not None and isinstance(found.value, dict) else {}
-        size = sum(len(MSGPackSerializer.dumps(getattr(item, "value", None))) for item in items.values())
+        are dropped; a failed or unfinished get of the read gives nothing)."""
+        items: list[tuple[object, object]] = []
+        deadline = time.monotonic() + timeout_s
+        for future in read.futures:
+            try:
+                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - a failed poll is retried at the next interval
+                logger.debug("DHT read failed: %s", exc)
+                continue
+            items += list(found.value.items()) if found is not None and isinstance(found.value, dict) else []
+        size = sum(len(MSGPackSerializer.dumps(getattr(item, "value", None))) for _, item in items)
         with self._lock:
             self._read_bytes = size
-        if not items:
-            return []
         entries = []
-        for subkey, item in found.value.items():
+        for subkey, item in items:
             kind = subkey.rsplit(b"|", 1)[-1] if isinstance(subkey, bytes) else b""
             value = getattr(item, "value", None)
             schema, id_field = {b"ready": (ReadyEntry, "peer_id"), b"group": (GroupDeclaration, "leader")}.get(

@@ -1,7 +1,7 @@
 """Agreeing on averaging groups over the DHT: signed readiness, a deterministic leader, a signed declaration.
 
-Protocol for one round key (e.g. ``"e12"`` = epoch 12), all records under the one DHT key ``{prefix}.{round_key}.mm``
-(one DHT get per poll reads both kinds):
+Protocol for one round key (e.g. ``"e12"`` = epoch 12), its records under the DHT key ``{prefix}.{round_key}.mm``
+(in a sharded swarm the entries go in shards of it, ``entry_shards``; one read per poll gets all):
 
 1. Every peer that calls ``average`` announces a ``ReadyEntry`` (DHT subkey = its owner marker + ``b"|ready"``, so
    every DHT node checks hivemind's RSA signature). The entry also carries its own RSA signature (``signature``

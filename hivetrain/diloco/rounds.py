@@ -246,6 +246,8 @@ class RoundRunner:
         note_closed_without_us: Callable[[int, frozenset[str]], None] = lambda epoch, members: None,
     ):
         self.peer_id, self.averager, self.view, self.config = peer_id, averager, view, config
+        if hasattr(averager, "record_levels"):  # ``GroupAverager``: our matchmaking entries in the swarm's shards
+            averager.record_levels = lambda: view.shard_levels
         self.faults, self.emit, self.stop = faults, emit, stop
         self.stale_after_s, self.dht_lost_after_s = stale_after_s, dht_lost_after_s
         self.trust, self.voted_wait_s = trust, voted_wait_s

@@ -148,6 +148,12 @@ class SwarmView:
             return self.plan.bits
 
     @property
+    def shard_levels(self) -> list[int]:
+        """The levels trainers publish at now: ours, and the previous one for a record TTL after a change."""
+        with self._lock:
+            return self.plan.levels(self.clock())
+
+    @property
     def view_ok(self) -> bool:
         """Whether the last read was real (see the module docstring)."""
         with self._lock:

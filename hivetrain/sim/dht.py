@@ -141,6 +141,14 @@ class RoundKey:
     fetch: StoredDeclaration = StoredDeclaration(0)  # what a newcomer reads to assemble those stored by reference
     waiting: dict[int, ReadyEntry] = field(default_factory=dict)
 
+    def largest_value(self, entry_level: int) -> int:
+        """The largest DHT value this round key's records make with entries at shard level ``entry_level``
+        (``averaging.entry_shards``): the round key's own (declarations; entries at level 0), or the fullest shard."""
+        if entry_level == 0 or not self.entries:
+            return len(self.entries) * entry_bytes() + self.declarations_bytes
+        fullest = int(shard_loads(list(self.entries), entry_level).max())
+        return max(self.declarations_bytes, fullest * entry_bytes())
+
     def declare(self, decl: GroupDeclaration) -> StoredDeclaration:
         """Store ``decl``; returns how (``stored_declaration``)."""
         self.declarations.append(decl)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hivetrain.averaging.config import AveragingConfig
+from hivetrain.averaging.entry_shards import entry_levels
 from hivetrain.averaging.matchmaking import (
     MAX_MEMBERS,
     Decision,
@@ -209,9 +210,14 @@ class RoundEngine:
             key.waiting.pop(slot, None)
 
     def _key_size(self, key: RoundKey) -> int:
+        """Bytes of one matchmaking read of ``key`` (the round key's value and its entry shards': ``entry_shards``);
+        its largest value goes to the peak."""
         size = len(key.entries) * simdht.entry_bytes() + key.declarations_bytes
-        self.sim.metrics.dht.value_size("matchmaking", size, self.sim.env.now)
+        self.sim.metrics.dht.value_size("matchmaking", key.largest_value(self._entry_level()), self.sim.env.now)
         return size
+
+    def _entry_level(self) -> int:
+        return entry_levels([self.sim.shard_bits])[0]
 
     def _reads_per_s(self, size: int) -> float:
         """Matchmaking reads per second of one waiting peer at a key of ``size`` bytes: one per poll interval, or
@@ -291,7 +297,9 @@ class RoundEngine:
                 continue
             size = self._key_size(key)
             polls = self.sim.sc.sim.tick_s * self._reads_per_s(size)
-            m.dht.ops(len(key.waiting), max(1, round(polls)), int(polls * size), "matchmaking")
+            level = self._entry_level()  # a read gets the round key and each entry shard
+            gets = max(1, round(polls)) * (1 + ((1 << level) if level else 0))
+            m.dht.ops(len(key.waiting), gets, int(polls * size), "matchmaking")
             for part in self._by_side(list(key.waiting)):  # each side of a split matches on its own
                 self._poll_key(key, part, now)
 
