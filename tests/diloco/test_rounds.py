@@ -375,3 +375,17 @@ def test_a_round_outranked_by_another_declaration_is_refused_and_follows_that_de
     assert "outside it" in run._accept(flat, ("a", "me"))  # 2 against b, c and d
     tied = EpochGroups(frozenset({"a", "me"}), (frozenset({"b", "c"}),))
     assert run._accept(flat, ("a", "me"), epoch_groups=tied) == ""
+
+
+def test_the_runner_gives_the_averager_the_views_shard_levels():
+    """A ``GroupAverager`` stores and reads its matchmaking entries at the swarm's record levels (``entry_shards``):
+    the runner hands it the view's, asked afresh at every call (a level change reaches the next announce)."""
+    avg = ScriptedAverager()
+    avg.record_levels = lambda: (0,)
+    view = FakeView([])
+    view.shard_levels = [4]
+    RoundRunner("me", avg, view, CONFIG, NO_FAULTS, lambda event, **f: None, threading.Event(), stale_after_s=30.0,
+                dht_lost_after_s=60.0)  # fmt: skip
+    assert list(avg.record_levels()) == [4]
+    view.shard_levels = [5, 4]
+    assert list(avg.record_levels()) == [5, 4]
