@@ -23,7 +23,7 @@ Plans (``--plan``):
   codecs   the tiny/400 DDP and DiLoCo H = 40 rows of "default" (H = 40 over its 3 settings), then each ``--codecs``
            arm at H = 40's best setting, 3 seeds: the learning-per-byte table of the wire formats (issue 25).
   codecs-long  the same at 1,200 steps (30 outer steps at H = 40; DDP at lr 2e-3, the 400-step choice), each codec
-           arm tuned over H = 40's best outer lr x {1, 1.5, 2}.
+           arm tuned over H = 40's best outer lr x {1, 1.5, 2, 3}.
 
 ``--json`` prints, as its last line, a JSON list with one object per row: arm, preset, steps, inner_steps,
 eval_loss (mean over seeds), eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties),
@@ -57,7 +57,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / 
 OUTER_GRID = tuple((lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.0, 0.5, 0.9))
 OVERLAP_GRID = ((1.0, 0.0), (0.7, 0.0), (0.5, 0.0), (0.3, 0.0))  # a one-epoch delay wants a smaller step, no momentum
 PLANS = ("quick", "default", "full", "codecs", "codecs-long")
-OUTER_LR_SCALES = (1.0, 1.5, 2.0)  # "codecs-long": a sparse update may want a larger outer step than fp32's
+OUTER_LR_SCALES = (1.0, 1.5, 2.0, 3.0)  # "codecs-long": a sparse update may want a larger outer step than fp32's
 
 
 @dataclass(frozen=True)
