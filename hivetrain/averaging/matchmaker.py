@@ -71,13 +71,14 @@ class Matchmaker(RecordBook):
     - the leader pushes its signed declaration to the followers down a tree (``group_records.relay_targets``: each
       member passes it on to at most ``DECLARATION_FANOUT`` others, so nobody uploads it O(group) times);
     - each push and each finished DHT read wakes ``match``, which decides from the union of its last DHT read and
-      the pushed records at once; DHT reads (one get of one key per poll) run in the background.
+      the pushed records at once; DHT reads (per poll, one get of the round key and one of each entry shard) run in the
+      background.
 
     DHT reads are spaced by their size: after a read of B bytes the next starts no sooner than B /
-    ``read_bytes_per_s`` (``averaging.matchmaking_read_kib_s``; the poll interval when longer). The key holds every
-    ready peer's entry: at 1,000 peers a read is ~2.6 MB, and a 0.1 s poll would take 26 MB/s of a waiting peer's
-    downlink. Pushes carry what is urgent; a read gap delays only a follower whose pushed declaration was lost (its
-    grace grows by the gap: ``grace_s``) or whose expected leader changed since its last read.
+    ``read_bytes_per_s`` (``averaging.matchmaking_read_kib_s``; the poll interval when longer). A read gets every
+    ready peer's entry: at 1,000 peers ~1.6 MB, and a 0.1 s poll would take 16 MB/s of a waiting peer's downlink.
+    Pushes carry what is urgent; a read gap delays only a follower whose pushed declaration was lost (its grace grows
+    by the gap: ``grace_s``) or whose expected leader changed since its last read.
 
     Pushed records are verified (signatures) before use, bounded in number, and only add what the DHT would show
     anyway; the DHT stays the source of truth for latecomers and for pushes that were lost. Someone flooding our
