@@ -107,10 +107,12 @@ class SwarmState:
     def start_phase(self, slot: int, epoch: int, now: float) -> None:
         """Begin an inner phase computing a pseudo-gradient for round key ``epoch``; its first step starts at ``now``
         (which may lie ahead: the peer counts as training with 0 steps done until then). With ``speed_jitter`` the
-        phase runs at a fresh speed around the peer's own."""
+        phase runs at a fresh speed around the peer's own. Its round starts afresh: attempts and the call deadline
+        count from its next announce (the trainer's ``RoundRunner.run`` per phase), also after a state download."""
         self.i["status"][slot] = TRAINING
         self.i["phase_epoch"][slot] = epoch
         self.f["phase_start"][slot] = now
+        self.i["attempt"][slot], self.f["ready_since"][slot] = 0, 0.0
         if self.speed_jitter > 0:
             factor = np.exp(self.speed_jitter * self.jitter_rng.standard_normal())
             self.f["samples_per_s"][slot] = self.f["base_samples_per_s"][slot] * factor

@@ -46,3 +46,14 @@ def test_a_peer_that_never_meets_carries_at_most_max_carried_phases_and_the_acco
     assert lost == {"dropped from a carried contribution": pytest.approx(1.0)}
     assert summary["outer_steps_done"] == 0 and sim.metrics.decisions["after_round.carry"] > max_phases
     assert sim.state.i["phases"][0] == max_phases
+
+
+def test_a_new_phase_starts_its_round_afresh_after_a_state_download():
+    """As the trainer's ``RoundRunner.run`` per phase: attempts and the call deadline count from the next announce.
+    Kept from a failed round before a download, the old deadline made the next phase's entry expire at once: in
+    dp-100-churn 733 "late" verdicts and 636 retries per 8 outer steps, none after (dev/LOG.md session 38)."""
+    st = SwarmState(1, 4, np.random.default_rng(0))
+    st.size = 1
+    st.i["attempt"][0], st.f["ready_since"][0] = 3, 120.0  # a round that failed, then a resync
+    st.start_phase(0, 5, 900.0)
+    assert st.i["attempt"][0] == 0 and st.f["ready_since"][0] == 0.0 and st.i["phase_epoch"][0] == 5
