@@ -49,9 +49,8 @@ RETRY_S = 0.5  # a fetch asks again for the chunks it did not find this often, s
 MAX_TRACKED = 256  # round ids whose fetch attempts are remembered
 
 
-class DeclarationRef(BaseModel):
-    """Where a leader's declaration of round ``round_id`` is: ``num_bytes`` msgpack bytes with this ``sha256``, in
-    ceil(num_bytes / ``CHUNK_BYTES``) chunks. Units: bytes, seconds of DHT time."""
+class _LeadersRecord(BaseModel):
+    """What a reference and each chunk say of the declaration they carry (and must agree on)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,6 +58,12 @@ class DeclarationRef(BaseModel):
     round_key: str = Field(min_length=1, max_length=128)
     round_id: str = Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
     declared_at: float = Field(ge=0.0)
+
+
+class DeclarationRef(_LeadersRecord):
+    """Where a leader's declaration of round ``round_id`` is: ``num_bytes`` msgpack bytes with this ``sha256``, in
+    ceil(num_bytes / ``CHUNK_BYTES``) chunks. Units: bytes, seconds of DHT time."""
+
     num_members: int = Field(ge=1, le=MAX_MEMBERS)
     num_bytes: int = Field(ge=1, le=MAX_DECLARATION_BYTES)
     sha256: bytes = Field(min_length=32, max_length=32)
@@ -68,17 +73,14 @@ class DeclarationRef(BaseModel):
         return math.ceil(self.num_bytes / CHUNK_BYTES)
 
 
-class DeclarationChunk(BaseModel):
+class DeclarationChunk(_LeadersRecord):
     """Bytes ``index * CHUNK_BYTES`` .. of the declaration of round ``round_id`` (its leader's record)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    leader: str = Field(min_length=1, max_length=128)
-    round_key: str = Field(min_length=1, max_length=128)
-    round_id: str = Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
-    declared_at: float = Field(ge=0.0)
     index: int = Field(ge=0, lt=MAX_CHUNKS)
     data: bytes = Field(min_length=1, max_length=CHUNK_BYTES)
+
+
+_SAME = tuple(_LeadersRecord.model_fields)  # what a chunk, its reference and the declaration agree on
 
 
 def chunk_key(round_key_key: str, round_id: str, index: int) -> str:
@@ -96,8 +98,7 @@ def split_declaration(decl: GroupDeclaration) -> tuple[DeclarationRef, list[Decl
     raw = declaration_bytes(decl)
     if len(raw) > MAX_DECLARATION_BYTES:
         raise ValueError(f"a declaration of {len(raw)} bytes exceeds {MAX_DECLARATION_BYTES}")
-    common = {"leader": decl.leader, "round_key": decl.round_key, "round_id": decl.round_id}
-    common["declared_at"] = decl.declared_at
+    common = {f: getattr(decl, f) for f in _SAME}
     ref = DeclarationRef(**common, num_members=len(decl.members), num_bytes=len(raw), sha256=_digest(raw))
     chunks = [
         DeclarationChunk(**common, index=i, data=raw[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
@@ -112,9 +113,8 @@ def assemble(ref: DeclarationRef, chunks: Sequence[DeclarationChunk | None]) -> 
     result's signatures are not checked here (``group_records.verify_declaration``)."""
     if len(chunks) != ref.num_chunks:
         return None
-    same = ("leader", "round_key", "round_id", "declared_at")
     for i, chunk in enumerate(chunks):
-        if chunk is None or chunk.index != i or any(getattr(chunk, f) != getattr(ref, f) for f in same):
+        if chunk is None or chunk.index != i or any(getattr(chunk, f) != getattr(ref, f) for f in _SAME):
             return None
     raw = b"".join(c.data for c in chunks if c is not None)
     if len(raw) != ref.num_bytes or _digest(raw) != ref.sha256:
@@ -123,7 +123,7 @@ def assemble(ref: DeclarationRef, chunks: Sequence[DeclarationChunk | None]) -> 
         decl = GroupDeclaration.model_validate(msgpack.unpackb(raw, raw=False))
     except (ValidationError, ValueError, TypeError, msgpack.UnpackException):
         return None
-    if any(getattr(decl, f) != getattr(ref, f) for f in same) or len(decl.members) != ref.num_members:
+    if any(getattr(decl, f) != getattr(ref, f) for f in _SAME) or len(decl.members) != ref.num_members:
         return None
     return decl
 

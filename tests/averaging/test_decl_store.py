@@ -73,6 +73,15 @@ def _by_reference(monkeypatch, chunk_bytes: int = 700) -> None:
     monkeypatch.setattr(matchmaker, "INLINE_BYTES", chunk_bytes)
 
 
+def _declared(signers, monkeypatch):
+    """Three signed members on a fake DHT whose first declares them all, by reference: (dht, declaration)."""
+    _by_reference(monkeypatch)
+    dht = FakeDHT()
+    mms = [_matchmaker(pid, key, dht) for pid, key in signers]
+    members = tuple(mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0) for mm in mms)
+    return dht, mms[0].declare(members[0], members, "full", TTL)
+
+
 def _wait_for_declarations(mm: Matchmaker, round_key: str, timeout_s: float = 10.0) -> list:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -84,11 +93,7 @@ def _wait_for_declarations(mm: Matchmaker, round_key: str, timeout_s: float = 10
 
 
 def test_a_reader_assembles_the_leaders_declaration_from_its_chunks(keys, monkeypatch) -> None:  # noqa: F811
-    _by_reference(monkeypatch)
-    dht = FakeDHT()
-    mms = [_matchmaker(pid, key, dht) for pid, key in keys]
-    members = tuple(mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0) for mm in mms)
-    decl = mms[0].declare(members[0], members, "full", TTL)
+    dht, decl = _declared(keys, monkeypatch)
     under_round_key = dht.data[f"{PREFIX}.e0.mm"]
     assert len(under_round_key) == 1  # the reference only
     ref = DeclarationRef.model_validate(next(iter(under_round_key.values())).value)
@@ -101,11 +106,7 @@ def test_a_reader_assembles_the_leaders_declaration_from_its_chunks(keys, monkey
 
 
 def test_a_forged_chunk_yields_no_declaration_and_is_not_read_forever(keys, monkeypatch) -> None:  # noqa: F811
-    _by_reference(monkeypatch)
-    dht = FakeDHT()
-    mms = [_matchmaker(pid, key, dht) for pid, key in keys]
-    members = tuple(mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0) for mm in mms)
-    decl = mms[0].declare(members[0], members, "full", TTL)
+    dht, decl = _declared(keys, monkeypatch)
     first = f"{PREFIX}.e0.mm.d.{decl.round_id}.0"
     ((subkey, item),) = dht.data[first].items()
     bad = DeclarationChunk.model_validate(item.value).model_copy(update={"data": b"x" * 700})
@@ -155,11 +156,7 @@ def test_real_dht_nodes_store_and_serve_a_declaration_by_reference(monkeypatch) 
 def test_a_chunk_stored_after_its_reference_is_read_when_it_lands(keys, monkeypatch) -> None:  # noqa: F811
     """The leader's stores are asynchronous: a reader may see the reference before a chunk. Its fetch asks again
     for what it did not find (``decl_store.RETRY_S``) instead of spending an attempt at once."""
-    _by_reference(monkeypatch)
-    dht = FakeDHT()
-    mms = [_matchmaker(pid, key, dht) for pid, key in keys]
-    members = tuple(mm.make_entry("e0", os.urandom(16), "127.0.0.1", 4000, bytes(32), 5.0) for mm in mms)
-    decl = mms[0].declare(members[0], members, "full", TTL)
+    dht, decl = _declared(keys, monkeypatch)
     last = f"{PREFIX}.e0.mm.d.{decl.round_id}.{len([k for k in dht.data if '.d.' in k]) - 1}"
     late = dht.data.pop(last)
     reader = _matchmaker(*keys[2], dht)

@@ -17,8 +17,7 @@ from hivetrain.averaging import record_book
 from hivetrain.averaging.group_records import DECLARATION_FANOUT, relay_targets
 from hivetrain.averaging.matchmaker import Matchmaker
 
-from .test_matchmaking import GRACE, PREFIX, TTL, FakeDHT, FakeNode, declaration, entry, peer_id_of_owner
-from .test_matchmaking import RSASignatureValidator as Validator
+from .test_matchmaking import GRACE, PREFIX, TTL, FakeDHT, FakeNode, declaration, entry, signing_keys
 
 
 def test_every_member_has_one_parent_and_nobody_pushes_to_more_than_the_fanout() -> None:
@@ -43,12 +42,7 @@ def test_every_member_has_one_parent_and_nobody_pushes_to_more_than_the_fanout()
 
 @pytest.fixture(scope="module")
 def seven_keys() -> list[tuple[str, RSAPrivateKey]]:
-    out = []
-    for _ in range(7):
-        key = RSAPrivateKey()
-        marker = Validator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
-        out.append((peer_id_of_owner(marker), key))
-    return sorted(out, key=lambda pk: pk[0])
+    return signing_keys(7)
 
 
 def _members(seven_keys, dht: FakeDHT, dead: frozenset[int] = frozenset()):

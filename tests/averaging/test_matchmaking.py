@@ -313,14 +313,19 @@ def test_below_min_group_size_the_leader_declares_nothing() -> None:
     assert run(a, [a, b], now=105.0, min_size=3).action == "too_small"
 
 
-@pytest.fixture(scope="module")
-def keys() -> list[tuple[str, RSAPrivateKey]]:
+def signing_keys(n: int) -> list[tuple[str, RSAPrivateKey]]:
+    """``n`` fresh RSA keys with their peer ids, sorted by peer id."""
     out = []
-    for _ in range(3):
+    for _ in range(n):
         key = RSAPrivateKey()
         marker = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
         out.append((peer_id_of_owner(marker), key))
     return sorted(out, key=lambda pk: pk[0])
+
+
+@pytest.fixture(scope="module")
+def keys() -> list[tuple[str, RSAPrivateKey]]:
+    return signing_keys(3)
 
 
 def signed(peer_id: str, key: RSAPrivateKey, port: int = 4000) -> ReadyEntry:
