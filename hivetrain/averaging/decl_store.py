@@ -9,12 +9,13 @@ swarm, and past ~1,160 members it exceeded the size every honest DHT node accept
 stored as:
 
 - a ``DeclarationRef`` under the round key (subkey: the leader's owner marker + ``b"|group"``, as an inline one):
-  round id, member count, byte count and sha256 of the declaration's msgpack bytes, ~0.3 KB;
+  round id, member count, byte count and sha256 of the declaration's msgpack bytes (855 B stored, with the owner
+  marker and hivemind's signature);
 - ``DeclarationChunk`` records of at most ``CHUNK_BYTES`` of those bytes, chunk i under ``{round key's key}.d.{round
   id}.{i}`` (subkey: the leader's owner marker + ``b"|chunk"``), so no DHT value exceeds ~200 KiB.
 
 Both are signed by the DHT's owner-marker check (only the leader can store them) and bounded by
-``peers.validators``; a reader fetches the chunks of a reference once (``fetch_declaration``), checks the byte count
+``peers.validators``; a reader fetches the chunks of a reference once (``DeclarationFetcher``), checks the byte count
 and hash, and then verifies the declaration as any other (the leader's signature and every member's entry): a forged,
 missing or inconsistent chunk yields no declaration, never a wrong one. Smaller declarations (up to ~200 members) stay
 inline, as before.
@@ -183,9 +184,11 @@ class DeclarationFetcher:
             del self._pending[ref.round_id]
             if decl is not None:
                 self._attempts[ref.round_id] = FETCH_ATTEMPTS
-        if decl is not None:
-            self._on_found(decl)
-        future.set_result(decl)
+        try:
+            if decl is not None:
+                self._on_found(decl)
+        finally:  # whoever waits on the read wakes, even if the caller's check raised
+            future.set_result(decl)
 
 
 def _chunk_of(found, ref: DeclarationRef) -> DeclarationChunk | None:
