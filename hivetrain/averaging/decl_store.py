@@ -84,6 +84,12 @@ class DeclarationChunk(_LeadersRecord):
 _SAME = tuple(_LeadersRecord.model_fields)  # what a chunk, its reference and the declaration agree on
 
 
+def group_record_model(value: object) -> type[GroupDeclaration] | type[DeclarationRef]:
+    """Which model a record under a round key's ``|group`` subkey is: a ``DeclarationRef`` (it names a hash) or an
+    inline ``GroupDeclaration`` (the matchmaker's reads and the record guard ask alike)."""
+    return DeclarationRef if isinstance(value, dict) and "sha256" in value else GroupDeclaration
+
+
 def chunk_key(round_key_key: str, round_id: str, index: int) -> str:
     """The DHT key of chunk ``index`` of round ``round_id``, next to the round key's own ``round_key_key``."""
     return f"{round_key_key}.d.{round_id}.{index}"

@@ -31,14 +31,18 @@ def entry_levels(record_levels: Iterable[int]) -> tuple[int, ...]:
     return levels or (0,)
 
 
+def _shard_key(round_key_key: str, bits: int, shard: int) -> str:
+    return f"{round_key_key}.b{bits}.{shard}"
+
+
 def entry_key(round_key_key: str, peer_id: str, bits: int) -> str:
     """Where ``peer_id`` stores its entry at level ``bits``: the round key's key at level 0, else its shard's."""
-    return round_key_key if bits == 0 else f"{round_key_key}.b{bits}.{shard_of(peer_id, bits)}"
+    return round_key_key if bits == 0 else _shard_key(round_key_key, bits, shard_of(peer_id, bits))
 
 
 def read_keys(round_key_key: str, levels: Iterable[int]) -> list[str]:
     """Every key a reader gets at ``levels``: the round key's (declarations; level-0 entries) and each shard."""
     keys = [round_key_key]
     for bits in levels:
-        keys += [f"{round_key_key}.b{bits}.{shard}" for shard in range(1 << bits)] if bits else []
+        keys += [_shard_key(round_key_key, bits, shard) for shard in range(1 << bits)] if bits else []
     return keys

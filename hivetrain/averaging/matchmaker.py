@@ -22,6 +22,7 @@ from hivetrain.averaging.decl_store import (
     DeclarationRef,
     chunk_key,
     declaration_bytes,
+    group_record_model,
     split_declaration,
 )
 from hivetrain.averaging.entry_shards import entry_key, entry_levels, read_keys
@@ -259,11 +260,7 @@ class Matchmaker(RecordBook):
             schema, id_field = {b"ready": (ReadyEntry, "peer_id"), b"group": (GroupDeclaration, "leader")}.get(
                 kind, (None, "")
             )
-            schema = (
-                DeclarationRef
-                if schema is GroupDeclaration and isinstance(value, dict) and "sha256" in value
-                else schema
-            )
+            schema = group_record_model(value) if schema is GroupDeclaration else schema
             record = parse_signed(subkey, value, schema, id_field) if schema else None
             if record is None or record.round_key != round_key or not self._admitted(record):
                 continue

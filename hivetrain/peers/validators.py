@@ -62,7 +62,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from pydantic import BaseModel
 
-from hivetrain.averaging.decl_store import CHUNK_BYTES, INLINE_BYTES, DeclarationChunk, DeclarationRef
+from hivetrain.averaging.decl_store import CHUNK_BYTES, INLINE_BYTES, DeclarationChunk, group_record_model
 from hivetrain.averaging.group_records import GroupDeclaration, ReadyEntry
 from hivetrain.peers.identity import peer_id_of_owner
 from hivetrain.peers.membership import AdmissionPolicy, decide_membership
@@ -155,7 +155,7 @@ _SCHEMAS: dict[RecordKind, tuple[type[BaseModel], str, str]] = {  # kind -> (mod
     "stage": (StageRecord, "peer_id", "updated_at"),
     "run_config": (RunConfigRecord, "coordinator_id", "published_at"),
     "ready": (ReadyEntry, "peer_id", "announced_at"),
-    "group": (GroupDeclaration, "leader", "declared_at"),  # or its ``DeclarationRef`` (``check_record``)
+    "group": (GroupDeclaration, "leader", "declared_at"),  # or its ``DeclarationRef`` (``group_record_model``)
     "chunk": (DeclarationChunk, "leader", "declared_at"),
     "trainer_report": (TrainerReport, "peer_id", "updated_at"),
     "rebalance_report": (RebalanceReport, "peer_id", "updated_at"),
@@ -204,8 +204,7 @@ def check_record(
     try:
         signer = _signer_of(b"[owner:" + match.group(1) + b"]")
         value = MSGPackSerializer.loads(value_bytes)
-        if kind == "group" and isinstance(value, dict) and "sha256" in value:  # a large declaration's reference
-            model = DeclarationRef
+        model = group_record_model(value) if kind == "group" else model  # inline, or a large one's reference
         record = model.model_validate(value)
     except Exception as exc:  # noqa: BLE001 - msgpack, the marker parse and pydantic raise several types
         return Verdict(False, "schema", f"malformed {kind} record: {type(exc).__name__}: {str(exc)[:200]}")

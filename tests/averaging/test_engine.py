@@ -220,6 +220,7 @@ def _drop_a_staller(make_averagers) -> tuple[list, list]:
     )
     inputs = _inputs(3)
     results = run_threads([lambda i=i: avgs[i].average(inputs[i], 1.0, 0, 30.0) for i in range(3)], timeout_s=40)
+    assert staller.fired_count("averaging.before_send") == 1
     assert [type(r) for r in results] == [RoundResult, RoundResult, RoundFailed], results
     return avgs, inputs
 
