@@ -453,9 +453,19 @@ class ErrorFeedback:
     ``commit_exact()`` if our contribution was applied without encoding (a group of one), or nothing if it failed
     (the residual stays, so a retried round does not count it twice). Memory: two fp32 buffers of n elements.
     Not thread-safe: one object per averager, used by its one round thread.
+
+    ``decay`` (β in (0, 1]) scales the residual before it is added: ``x + β·residual``. β = 1 is plain error feedback;
+    β < 1 is SparseLoCo's decayed accumulator (Sarfi et al. 2025, Alg. 1: e ← β·e + Δ, send C(e), e ← e − C(e)),
+    which forgets what stayed unsent for many rounds.
+
+    Raises:
+        ValueError: ``decay`` outside (0, 1].
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"error-feedback decay must be in (0, 1], got {decay}")
+        self.decay = decay
         self._residual: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
 
@@ -466,7 +476,10 @@ class ErrorFeedback:
             self._residual = torch.zeros(flat.numel(), dtype=torch.float32)
             self._scratch = torch.zeros(flat.numel(), dtype=torch.float32)
         assert self._scratch is not None
-        flat.add_(self._residual)
+        if self.decay == 1.0:
+            flat.add_(self._residual)
+        else:
+            flat.add_(self._residual, alpha=self.decay)
         return self._scratch
 
     def commit(self) -> None:

@@ -18,10 +18,12 @@ sends nothing costs nothing; a payload is read into a buffer only once its size 
 from __future__ import annotations
 
 import enum
+import fcntl
 import hmac
 import logging
 import socket
 import struct
+import termios
 from collections.abc import Callable, Mapping, Sequence
 
 import msgpack
@@ -90,7 +92,10 @@ class Link:
     """One authenticated TCP connection to a group member. Sends and receives may run on two threads at once.
 
     Every blocking call waits at most ``timeout_s`` for *progress* (a byte moving), so a stalled or vanished peer
-    raises LinkClosed after that long, whatever the frame size.
+    raises LinkClosed after that long, whatever the frame size. A send counts a byte moving when the kernel's send
+    queue shrank (the peer acknowledged data), not only when ``send()`` returned: on a slow uplink the kernel wakes a
+    writer only once a large part of its (autotuned, up to 4 MiB) buffer has drained, which took 4-7 s at 2.5 Mbit/s
+    with a second flow on the link, and over 10 s on a loaded machine (dev/LOG.md, 2026-12-03 session 39).
     """
 
     def __init__(self, sock: socket.socket, peer_id: str, key: bytes, timeout_s: float):
@@ -128,11 +133,26 @@ class Link:
         view = memoryview(data).cast("B")
         try:
             while view.nbytes:
-                n = self.sock.send(view)
+                queued = self._unsent_bytes()
+                try:
+                    n = self.sock.send(view)
+                except TimeoutError:  # socket.timeout: no room for timeout_s; did the queue move meanwhile?
+                    now_queued = self._unsent_bytes()
+                    if queued is None or now_queued is None or now_queued >= queued:
+                        raise
+                    continue
                 view = view[n:]
                 self.bytes_sent += n
         except (OSError, ValueError) as exc:
             raise LinkClosed(f"sending to {self.peer_id}: {describe(exc)}") from None
+
+    def _unsent_bytes(self) -> int | None:
+        """Bytes in the socket's send queue not yet acknowledged by the peer (Linux ``SIOCOUTQ``), or None where the
+        kernel does not say (then only ``send()`` returning counts as progress)."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (OSError, ValueError, AttributeError):
+            return None
 
     def recv_header(
         self, max_meta_bytes: int = MAX_META_BYTES, per_type: Mapping[FrameType, int] | None = None

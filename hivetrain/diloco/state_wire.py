@@ -14,6 +14,7 @@ chunk count follows from both; hashes are 64 hex digits. A chunk payload is read
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import math
 import struct
@@ -227,6 +228,13 @@ def parse_recent(message: dict) -> list[tuple[int, str]]:
         if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and _is_digest(entry[1]):
             pairs.append((entry[0], entry[1]))
     return pairs
+
+
+@functools.lru_cache(maxsize=8)
+def zeros_sha256(num_bytes: int) -> str:
+    """sha256 (hex) of ``num_bytes`` zero bytes: the manifest hash of an all-zero chunk of that size, which a
+    downloader writes itself instead of fetching (outer momentum at μ = 0 is all zeros)."""
+    return hashlib.sha256(bytes(num_bytes)).hexdigest()
 
 
 def chunk_is_finite(data: bytes | bytearray) -> bool:

@@ -31,6 +31,7 @@ Deterministic: the same (setup, arm, seed) gives the same loss on the same machi
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ class Arm:
         overlap: DiLoCo's "off", "delayed" or "eager".
         codec: "" (fp32) or a pseudo-gradient codec name: fp16, int8, int4 (with "-ef" for error feedback), or
             "topk<percent>-<bits>b-ef" (``averaging.compression = "topk"`` at that density and value width, chunks of
-            4,096, with error feedback, which topk requires), e.g. "topk2-2b-ef".
+            4,096, with error feedback, which topk requires), e.g. "topk2-2b-ef"; "-ef<NN>" decays the residual by
+            β = NN/100 per round (SparseLoCo's accumulator, ``ErrorFeedback``), e.g. "topk3-2b-ef95".
     """
 
     kind: ArmKind
@@ -129,7 +131,7 @@ def codec_config(name: str, members: int = 1):
     from hivetrain.averaging.codecs import CodecConfig
     from hivetrain.averaging.reduce import result_codec
 
-    base, feedback = name.removesuffix("-ef"), name.endswith("-ef")
+    base, feedback = _without_feedback(name), _without_feedback(name) != name
     if base.startswith("topk"):
         percent, _, bits = base.removeprefix("topk").partition("-")
         if not feedback or not bits.endswith("b"):
@@ -141,6 +143,18 @@ def codec_config(name: str, members: int = 1):
         raise ValueError(f"unknown codec {name!r} (fp16, int8, int4, optionally with -ef; or topk<pct>-<bits>b-ef)")
     part = CodecConfig(name=base, block_size=64)
     return part, part, feedback
+
+
+def _without_feedback(name: str) -> str:
+    """The codec name without its "-ef" / "-ef<β·100>" suffix (error feedback, decayed by β when given)."""
+    match = re.fullmatch(r"(.+)-ef(\d\d)?", name)
+    return match.group(1) if match else name
+
+
+def feedback_decay(name: str) -> float:
+    """β of a codec name's error feedback: 0.95 for "...-ef95", 1.0 for "...-ef" (plain EF) or no feedback."""
+    match = re.fullmatch(r".+-ef(\d\d)", name)
+    return int(match.group(1)) / 100 if match else 1.0
 
 
 @cache
@@ -252,7 +266,7 @@ class _Quantizer:
         part, mean, feedback = codec_config(name, members)
         config = mean if result else part
         self.codec = make_codec(config)
-        self.feedback = ErrorFeedback() if feedback and not result else None
+        self.feedback = ErrorFeedback(feedback_decay(name)) if feedback and not result else None
         self.bits_per_float = config.frame_num_bytes(1 << 16) * 8 / (1 << 16)
 
     def roundtrip(self, flat: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,11 @@ Arms, one after another in one invocation (fresh coordinator and peers each, sam
     swarm         schedule = "swarm", overlap = "off": the epoch ends when the swarm has computed its target samples
     swarm+eager   schedule = "swarm", overlap = "eager": the next inner phase runs while the round is in flight
 
+Each arm runs once per codec in ``--codecs`` ("fp32", "int8"/"int4" with "-ef" for error feedback, or
+"topk<percent>-<bits>b-ef"; the first arm name keeps its plain name for fp32, "swarm+eager/int4-ef" otherwise), so that
+the round seconds and bytes each member sends are printed side by side for each wire format. ``--pgrad-mb`` swaps
+the tiny model for a Llama whose fp32 pseudo-gradient is at least that many MB (the issue's home-link arms: >= 50).
+
 Every arm trains for the same wall time (``--seconds``, counted from the moment every peer has started training),
 then every peer gets SIGINT. Per arm: each peer's utilization (time in inner steps / wall time, over its duty cycle),
 idle seconds, the share of computed samples that reached a committed outer step (definitions in
@@ -22,6 +27,8 @@ whose age is reported). The machine is shared: timings are noisy.
 
     python scripts/bench/utilization.py                  # 3 arms x 240 s, tiny model, H=400, 2.5 Mbit/s (~14 min)
     python scripts/bench/utilization.py --quick --json   # smoke run: 3 arms x 75 s, H=100
+    python scripts/bench/utilization.py --arms swarm+eager --codecs fp32,int4-ef,topk3-2b-ef --mbps 20 \
+        --pgrad-mb 50 --inner-steps 40 --seq-len 32 --batch-size 4      # home links: 3 wire formats, a 57 MB model
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -52,20 +60,79 @@ from hivetrain.config import load_run_config  # noqa: E402
 
 ARMS = {"fixed-H": ("steps", "off"), "swarm": ("swarm", "off"), "swarm+eager": ("swarm", "eager")}
 DATA = "/work/shared/data/tinyshakespeare.txt"
-SEQ_LEN, BATCH_SIZE = 64, 8
 
 
-def run_config(arm: str, args: argparse.Namespace, out_dir: Path) -> Path:
-    """Write the arm's run config (tiny model, trains until stopped) and return its path."""
+def codec_overrides(codec: str) -> dict:
+    """Run-config overrides of a ``--codecs`` name: "fp32", "fp16"/"int8"/"int4" (+ "-ef" for error feedback), or
+    "topk<percent>-<bits>b-ef" (chunked top-k of that density and value width; topk needs error feedback).
+
+    Raises:
+        ValueError: a name of none of these shapes.
+    """
+    if codec == "fp32":
+        return {"averaging.compression": "none"}
+    base, feedback = codec.removesuffix("-ef"), codec.endswith("-ef")
+    if base in ("fp16", "int8", "int4"):
+        return {"averaging.compression": base, "averaging.error_feedback": feedback}
+    percent, _, bits = base.removeprefix("topk").partition("-")
+    try:
+        density, value_bits = float(percent) / 100, int(bits.removesuffix("b"))
+    except ValueError:
+        density, value_bits = 0.0, 0
+    if not base.startswith("topk") or not feedback or not bits.endswith("b") or not 0 < density <= 0.5:
+        raise ValueError(f"codec {codec!r}: use fp32, fp16/int8/int4[-ef] or topk<percent>-<bits>b-ef (topk3-2b-ef)")
+    return {
+        "averaging.compression": "topk",
+        "averaging.error_feedback": True,
+        "averaging.topk_density": density,
+        "averaging.topk_value_bits": value_bits,
+    }
+
+
+def wide_model_config(pgrad_mb: float, out_dir: Path) -> Path:
+    """Write a Llama config.json (byte vocabulary) whose fp32 pseudo-gradient holds at least ``pgrad_mb`` MB (1e6
+    bytes) and return its path: 384 wide, 6 heads, as many layers of 1.77M parameters as it takes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, intermediate = 384, 1024
+    layers = 1
+    while True:
+        config = LlamaConfig(
+            vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+            num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=1024, tie_word_embeddings=False,
+        )  # fmt: skip
+        with torch.device("meta"):
+            params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+        if params * 4 >= pgrad_mb * 1e6:
+            break
+        layers += 1
+    path = out_dir / "model" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(path)
+    return path
+
+
+def arm_name(arm: str, codec: str) -> str:
+    """The arm's name in the table: the schedule arm, with "/codec" unless fp32."""
+    return arm if codec == "fp32" else f"{arm}/{codec}"
+
+
+def arm_dir_name(name: str) -> str:
+    return name.replace("+", "-").replace("/", "-")
+
+
+def run_config(arm: str, codec: str, args: argparse.Namespace, out_dir: Path) -> Path:
+    """Write the arm's run config (the bench's model, trains until stopped) and return its path."""
     schedule, overlap = ARMS[arm]
     config = load_run_config(
         None,
         {
-            "run_id": f"util-{arm.replace('+', '-')}",
+            "run_id": f"util-{arm_dir_name(arm_name(arm, codec))}",
             "model": args.model,
             "data.paths": [args.data],
-            "data.seq_len": SEQ_LEN,
-            "data.batch_size": BATCH_SIZE,
+            "data.seq_len": args.seq_len,
+            "data.batch_size": args.batch_size,
             "data.num_eval_windows": 32,
             "diloco.inner_steps": args.inner_steps,
             "diloco.inner_lr": 3e-3,
@@ -76,9 +143,10 @@ def run_config(arm: str, args: argparse.Namespace, out_dir: Path) -> Path:
             "diloco.overlap": overlap,
             "averaging.matchmaking_time_s": 2.0,
             "averaging.round_timeout_s": 240.0,  # fixed-H: the fastest peer waits for a 4x slower one, not discard
+            **codec_overrides(codec),
         },
     )
-    path = out_dir / f"{arm.replace('+', '-')}.toml"
+    path = out_dir / f"{arm_dir_name(arm_name(arm, codec))}.toml"
     path.write_text(tomli_w.dumps(config.to_dict()))
     return path
 
@@ -91,10 +159,10 @@ def eval_curve(commits: dict[str, list[metrics.Commit]], t_start: float) -> list
     return [[round(c.time_s - t_start, 1), epoch, c.eval_loss] for epoch, c in sorted(first.items())]
 
 
-def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, mbps: float) -> dict:
+def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, args: argparse.Namespace) -> dict:
     """The arm's JSON object: the issue's keys first, then per-peer detail."""
     duty = {s.name: (s.duty_cycle if duty_supported else 1.0) for s in specs}
-    phases = {n: metrics.phases(ev, SEQ_LEN, BATCH_SIZE, duty[n], run.t_stop) for n, ev in run.events.items()}
+    phases = {n: metrics.phases(ev, args.seq_len, args.batch_size, duty[n], run.t_stop) for n, ev in run.events.items()}
     commits = {n: metrics.commits(ev, run.t_stop, phases[n]) for n, ev in run.events.items()}
     last_key = max((c.round_key for cs in commits.values() for c in cs), default=-1)
     usages = [metrics.peer_usage(n, phases[n], commits[n], duty[n], last_key) for n in run.events]
@@ -118,7 +186,8 @@ def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, mbps: floa
         "round_s_median": round_s,
         "fastest_phase_s_median": phase_s,
         "round_to_fastest_phase": ratio,
-        "link_floor_s": max(sent) * 8 / (mbps * 1e6) if sent else 0.0,
+        "bytes_sent_median": statistics.median(sent) if sent else 0,
+        "link_floor_s": max(sent) * 8 / (args.mbps * 1e6) if sent else 0.0,
         "eval_curve": eval_curve(commits, run.t_start),
         "peers": [
             {
@@ -143,17 +212,17 @@ def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, mbps: floa
 
 def print_table(results: list[dict], bench_s: float, settings: str) -> None:
     print(settings)
-    head = f"{'arm':<12} {'util min':>8} {'mean':>6} {'committed':>9} {'eval loss':>9} {'@epoch':>6} {'age s':>6}"
-    print(head + f" {'wall s':>7} {'round s':>7} {'/phase':>6}  per-peer utilization (idle s)")
+    head = f"{'arm':<26} {'util min':>8} {'mean':>6} {'committed':>9} {'eval loss':>9} {'@epoch':>6} {'age s':>6}"
+    print(head + f" {'wall s':>7} {'round s':>7} {'/phase':>6} {'MB/round':>8}  per-peer utilization (idle s)")
     for r in results:
         peers = ", ".join(f"{p['name']} {p['utilization']:.2f} ({p['idle_s']:.0f})" for p in r["peers"])
         share = "-" if r["committed_sample_share"] is None else f"{r['committed_sample_share']:.3f}"
         loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         age = "-" if r["eval_age_s"] is None else f"{r['eval_age_s']:.0f}"
         print(
-            f"{r['arm']:<12} {r['utilization_min']:>8.3f} {r['utilization_mean']:>6.3f} {share:>9} {loss:>9} "
+            f"{r['arm']:<26} {r['utilization_min']:>8.3f} {r['utilization_mean']:>6.3f} {share:>9} {loss:>9} "
             f"{r['eval_epoch']:>6} {age:>6} {r['wall_s']:>7.0f} {r['round_s_median']:>7.1f} "
-            f"{r['round_to_fastest_phase']:>6.2f}  {peers}"
+            f"{r['round_to_fastest_phase']:>6.2f} {r['bytes_sent_median'] / 1e6:>8.2f}  {peers}"
         )
     for r in results:
         t = r["trainer_summaries"]
@@ -175,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mbps", type=float, default=2.5, help="each peer's link, Mbit/s each way")
     parser.add_argument("--speeds", default="1,0.5,0.25", help="duty cycle of each peer (comma-separated)")
     parser.add_argument("--nat-peer", type=int, default=0, help="index of the peer behind NAT (-1 = none)")
-    parser.add_argument("--model", default="tiny", help="model preset")
+    parser.add_argument("--codecs", default="fp32", help="comma-separated wire formats, each arm runs once per codec")
+    parser.add_argument("--model", default="tiny", help="model preset or config.json")
+    parser.add_argument("--pgrad-mb", type=float, default=0.0, help="use a Llama whose fp32 pseudo-gradient >= MB")
+    parser.add_argument("--seq-len", type=int, default=64, help="data.seq_len (tokens per window)")
+    parser.add_argument("--batch-size", type=int, default=8, help="data.batch_size (windows per inner step)")
     parser.add_argument("--data", default=DATA, help="training text")
     parser.add_argument("--out", default=None, help="directory for logs and metrics (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 75 s per arm, H=100")
@@ -191,11 +264,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--arms: choose from {', '.join(ARMS)}")
     if not speeds or any(not 0 < s <= 1 for s in speeds) or args.seconds <= 0 or args.mbps <= 0:
         parser.error("--speeds in (0, 1], --seconds and --mbps > 0")
+    if args.seq_len <= 0 or args.batch_size <= 0 or args.pgrad_mb < 0:
+        parser.error("--seq-len and --batch-size > 0, --pgrad-mb >= 0")
+    codecs = [c for c in args.codecs.split(",") if c]
+    try:
+        for codec in codecs or ["?"]:
+            codec_overrides(codec)
+    except ValueError as exc:
+        parser.error(f"--codecs: {exc}")
     if not -1 <= args.nat_peer < len(speeds):
         parser.error("--nat-peer: a peer index or -1")
     specs = [PeerSpec(f"peer{i}", s, i == args.nat_peer) for i, s in enumerate(speeds)]
     out = Path(args.out or tempfile.mkdtemp(prefix="hivetrain-utilization-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.pgrad_mb:
+        args.model = str(wide_model_config(args.pgrad_mb, out))
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -219,12 +302,16 @@ def main(argv: list[str] | None = None) -> int:
             for s, m in zip(specs, members, strict=True)
         ))  # fmt: skip
         for arm in arms:
-            arm_dir = out / arm.replace("+", "-")
-            arm_dir.mkdir(parents=True, exist_ok=True)
-            config_path = run_config(arm, args, arm_dir)
-            run = run_arm(arm, config_path, arm_dir, coordinator, members, specs, args.seconds, duty_supported, log)
-            results.append(figures(run, specs, duty_supported, args.mbps))
-            (out / "results.json").write_text(json.dumps(results, indent=2))
+            for codec in codecs:
+                name = arm_name(arm, codec)
+                arm_dir = out / arm_dir_name(name)
+                arm_dir.mkdir(parents=True, exist_ok=True)
+                config_path = run_config(arm, codec, args, arm_dir)
+                run = run_arm(
+                    name, config_path, arm_dir, coordinator, members, specs, args.seconds, duty_supported, log
+                )
+                results.append(figures(run, specs, duty_supported, args))
+                (out / "results.json").write_text(json.dumps(results, indent=2))
     except KeyboardInterrupt:
         log("interrupted: cleaning up")
         return 130
@@ -232,14 +319,18 @@ def main(argv: list[str] | None = None) -> int:
         topology.close()
     outer = load_run_config(None, {}).diloco
     settings = (
-        f"model {args.model}, H={args.inner_steps}, {args.mbps:g} Mbit/s per peer, speeds {args.speeds}"
+        f"model {args.model}, T={args.seq_len} B={args.batch_size}, H={args.inner_steps}, {args.mbps:g} Mbit/s "
+        f"per peer, speeds {args.speeds}"
         f"{'' if duty_supported else ' (duty cycle unsupported: all 1x)'}, NAT peer {args.nat_peer}, "
         f"{args.seconds:.0f}s per arm, outer lr {outer.outer_lr:g} momentum {outer.outer_momentum:g} (run defaults); "
         f"logs in {out}"
     )
     print_table(results, time.time() - started, settings)
     if args.json:
-        keys = ("arm", "utilization_min", "utilization_mean", "committed_sample_share", "eval_loss", "wall_s")
+        keys = (
+            "arm", "utilization_min", "utilization_mean", "committed_sample_share", "eval_loss", "wall_s",
+            "round_s_median", "bytes_sent_median",
+        )  # fmt: skip
         print(json.dumps([{k: r[k] for k in keys} for r in results]))
     return 0
 

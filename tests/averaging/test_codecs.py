@@ -320,3 +320,23 @@ def test_error_feedback_keeps_the_residual_when_a_round_fails() -> None:
     assert torch.equal(flat, torch.ones(50)) and ef.residual.numel() == 50
     ef.reset()
     assert ef.residual is None
+
+
+def test_decayed_error_feedback_adds_beta_times_the_residual_and_refuses_a_beta_outside_0_1() -> None:
+    """SparseLoCo's accumulator (Sarfi et al. 2025, Alg. 1): e <- beta*e + delta; beta = 1 is plain EF, bit for bit."""
+    codec = make_codec(CodecConfig("int4", 64))
+    x = torch.randn(256)
+    plain, decayed = ErrorFeedback(), ErrorFeedback(decay=0.5)
+    for ef in (plain, decayed):
+        _round_with_feedback(codec, ef, x, 256)
+        ef.commit()
+    torch.testing.assert_close(decayed.residual, plain.residual, rtol=0, atol=0)  # same first round
+    residual = plain.residual.clone()
+    flat_plain, flat_decayed = x.clone(), x.clone()
+    plain.apply(flat_plain)
+    decayed.apply(flat_decayed)
+    assert torch.equal(flat_plain, x + residual)
+    torch.testing.assert_close(flat_decayed, x + 0.5 * residual, rtol=0, atol=0)
+    for beta in (0.0, -0.1, 1.01, float("nan")):
+        with pytest.raises(ValueError, match="decay must be in"):
+            ErrorFeedback(decay=beta)

@@ -360,3 +360,23 @@ def test_a_state_on_disk_is_served_and_downloaded_into_a_file_chunk_by_chunk(mak
     with pytest.raises(StateDownloadFailed, match="1 bad"):
         loop.run(download_state(p2p, "run", [joiner.peer_id], expected, meta, 10, into=tmp_path / "x.safetensors"), 60)
     assert fault.fired >= 1 and not (tmp_path / "x.safetensors").exists()  # a failed download leaves no file
+
+
+@pytest.mark.slow
+def test_zero_chunks_of_the_state_are_written_by_the_downloader_not_sent_by_donors(make_node, loop, tmp_path):
+    """Outer momentum at μ = 0 is all zeros: a follower pulled 100.7 MB per epoch for a 50 MB model from volunteers'
+    uplinks. Chunks whose manifest hash is that of zeros are filled locally; the state still verifies as a whole."""
+    donor = make_node(name="d0")
+    joiner = make_node(donor.visible_maddrs(), name="j")
+    theta = _state(5, seed=7)
+    good = TrainingState(
+        epoch=5, params=theta.params, momentum={k: torch.zeros_like(v) for k, v in theta.params.items()}
+    )
+    server = _serve(loop, donor, good, chunk_bytes=CHUNK)
+    half = good.num_bytes() // 2  # θ, then the momentum
+    for into in (None, tmp_path / "s.safetensors"):
+        before = server.bytes_served
+        result, _ = _fetch(loop, joiner, [donor], {5: good.state_hash()}, into=into)
+        assert result.state.state_hash() == good.state_hash()
+        sent = server.bytes_served - before
+        assert half <= sent < half + CHUNK  # θ's chunks and the one that straddles θ and the momentum
