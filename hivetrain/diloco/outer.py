@@ -6,7 +6,10 @@ After H inner steps from the shared parameters θ, a peer's pseudo-gradient is �
     m ← μ·m + Δ̄
     θ ← θ − η·(Δ̄ + μ·m)          (Nesterov momentum, as torch.optim.SGD(nesterov=True) computes it)
 
-with η = outer_lr (paper: 0.7) and μ = outer_momentum (paper: 0.9).
+with η = outer_lr (paper: 0.7) and μ = outer_momentum (paper: 0.9). At μ = 0 (hivetrain's default) the update is
+plain averaging, θ ← θ − η·Δ̄, and m stays zero (as torch's SGD keeps no buffer without momentum): storing Δ̄ in m
+would change nothing in θ but would double every state download, checkpoint and hash with a buffer never read
+(a coordinator following a 50 MB model pulled 100.7 MB per epoch from volunteers' uplinks; dev/LOG.md, session 39).
 
 Bit-identity across machines: peers must end an outer step with bit-identical θ and m even on different CPUs. The
 update is therefore written as single IEEE-754 operations (one multiply or one add per statement, each correctly
@@ -49,7 +52,7 @@ def outer_step(state: TrainingState, avg_delta: Sequence[torch.Tensor], lr: floa
         state: θ and momentum at epoch e (not modified).
         avg_delta: Δ̄ per parameter, fp32, same shapes and order as ``state.params``.
         lr: outer learning rate η.
-        momentum: Nesterov momentum μ.
+        momentum: Nesterov momentum μ (0: the returned momentum is all zeros).
 
     Raises:
         ValueError: shapes/dtypes differ or Δ̄ is not finite.
@@ -72,7 +75,7 @@ def outer_step(state: TrainingState, avg_delta: Sequence[torch.Tensor], lr: floa
         update.add_(delta)  # Δ̄ + μ·m
         update.mul_(lr_t)  # η·(Δ̄ + μ·m)
         params[name] = torch.sub(theta, update, out=update)  # θ − η·(Δ̄ + μ·m), into the update's memory
-        buffers[name] = buf
+        buffers[name] = buf.zero_() if momentum == 0.0 else buf  # μ = 0: m is never read (module docstring)
     return TrainingState(epoch=state.epoch + 1, params=params, momentum=buffers)
 
 

@@ -79,3 +79,17 @@ def test_golden_trajectory_is_bit_exact():
         GOLDEN.write_text(json.dumps({"state_hash": digest, "theta_head": state.params["w"][:4].tolist()}, indent=1))
     golden = json.loads(GOLDEN.read_text())
     assert digest == golden["state_hash"]
+
+
+def test_without_momentum_theta_is_plain_averaging_and_the_momentum_stays_zero():
+    """μ = 0: θ ← θ − η·Δ̄ bit for bit as with a buffer, and no buffer is carried (state downloads skip zero chunks)."""
+    gen = torch.Generator().manual_seed(3)
+    state = _state(torch.randn(257, generator=gen).tolist())
+    state.momentum["w"] = torch.randn(257, generator=gen)  # a state saved by a version that kept m = Δ̄
+    theta = state.params["w"].clone()
+    for _ in range(3):
+        delta = torch.randn(257, generator=gen) * 0.01
+        state = outer_step(state, [delta], 0.8, 0.0)
+        theta = theta - delta * torch.tensor(0.8)
+        assert torch.equal(state.params["w"], theta)
+        assert torch.count_nonzero(state.momentum["w"]) == 0
