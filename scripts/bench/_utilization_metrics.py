@@ -2,10 +2,11 @@
 
 Definitions (every time is unix seconds from the events' ``time`` field; events after ``stop_time`` are ignored):
 
-- A peer's **window** runs from the start of its first inner phase to the end of its last completed one. Startup
-  (imports, bootstrap, the first evaluation) is outside it, and so is the tail after the last completed phase: the
-  harness stops peers at a fixed wall time, and whatever they were doing then (a phase half done, a round in flight)
-  left no event that says how it was spent.
+- A peer's **window** runs from the start of its first inner phase to the stop. Startup (imports, bootstrap, the
+  first evaluation) is outside it. The tail after its last completed phase left no event that says how it was spent
+  (a phase half done, or waiting on a round): it counts as computing for at most one phase (the peer's median phase
+  wall time), the rest as waiting. Before 2026-12-03 the window ended at the last completed phase, so a peer that
+  finished two phases and then waited 180 s on a round it never completed (fp32 at 2.5 Mbit/s) scored 0.99.
 - **utilization** = (seconds in inner steps within the window / window seconds) / duty cycle: 1.0 means the peer
   computed for its whole share of the machine; a peer waiting on a round, on matchmaking or on slower peers is below.
 - **idle_s** = window - compute / duty cycle: seconds neither computing nor resting for its duty cycle.
@@ -126,13 +127,23 @@ def commits(events: Iterable[dict], stop_time: float, own_phases: list[Phase] | 
 
 
 def peer_usage(
-    name: str, own_phases: list[Phase], own_commits: list[Commit], duty_cycle: float, last_round_key: int
+    name: str,
+    own_phases: list[Phase],
+    own_commits: list[Commit],
+    duty_cycle: float,
+    last_round_key: int,
+    stop_time: float | None = None,
 ) -> PeerUsage:
-    """Utilization, idle seconds and samples of one peer. A peer without a completed phase has utilization 0."""
+    """Utilization, idle seconds and samples of one peer, over the window up to ``stop_time`` (None: up to the end
+    of its last completed phase). A peer without a completed phase has utilization 0."""
     if not own_phases:
         return PeerUsage(name, duty_cycle, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
-    window_s = max(p.end_s for p in own_phases) - min(p.start_s for p in own_phases)
+    last_end = max(p.end_s for p in own_phases)
+    end = last_end if stop_time is None else max(stop_time, last_end)
+    window_s = end - min(p.start_s for p in own_phases)
     compute_s = sum(p.compute_s for p in own_phases)
+    tail_s = end - last_end  # at most one more phase's work in it (module docstring)
+    compute_s += min(tail_s, statistics.median(p.wall_s for p in own_phases)) * duty_cycle
     utilization = compute_s / (window_s * duty_cycle) if window_s > 0 else 0.0
     return PeerUsage(
         name=name,

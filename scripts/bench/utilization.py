@@ -165,7 +165,7 @@ def figures(run: ArmRun, specs: list[PeerSpec], duty_supported: bool, args: argp
     phases = {n: metrics.phases(ev, args.seq_len, args.batch_size, duty[n], run.t_stop) for n, ev in run.events.items()}
     commits = {n: metrics.commits(ev, run.t_stop, phases[n]) for n, ev in run.events.items()}
     last_key = max((c.round_key for cs in commits.values() for c in cs), default=-1)
-    usages = [metrics.peer_usage(n, phases[n], commits[n], duty[n], last_key) for n in run.events]
+    usages = [metrics.peer_usage(n, phases[n], commits[n], duty[n], last_key, run.t_stop) for n in run.events]
     fastest = max(specs, key=lambda s: s.duty_cycle).name
     round_s, phase_s, ratio = metrics.round_vs_phase(commits, phases[fastest])
     last = metrics.last_eval([c for cs in commits.values() for c in cs])

@@ -66,3 +66,18 @@ def test_last_eval_takes_the_newest_epoch_and_rounds_are_measured_at_the_last_ar
     round_s, phase_s, ratio = m.round_vs_phase({"a": a, "b": b}, fastest)
     assert (round_s, phase_s) == (3.5, 12.0)  # rounds: min(9, 3) = 3 and min(4, 6) = 4
     assert ratio == pytest.approx(3.5 / 12.0)
+
+
+def test_a_peer_that_waits_after_its_last_phase_until_the_stop_is_idle_beyond_one_phase():
+    """fp32 on a 2.5 Mbit/s link: two phases, then 180 s waiting on a round that never completed before the stop.
+    Up to one phase of the tail counts as work (a phase half done leaves no event), the rest as waiting."""
+    events = [
+        inner(60, 0, compute_s=60.0, wall_s=60.0, steps=100, round_key=0),
+        inner(120, 1, compute_s=60.0, wall_s=60.0, steps=100, round_key=1),
+    ]
+    phases = m.phases(events, seq_len=64, batch_size=8, duty_cycle=1.0, stop_time=T0 + 300)
+    usage = m.peer_usage("p", phases, [], 1.0, last_round_key=-1, stop_time=T0 + 300)
+    assert usage.window_s == 300.0 and usage.compute_s == 180.0
+    assert usage.utilization == pytest.approx(0.6) and usage.idle_s == pytest.approx(120.0)
+    short = m.peer_usage("p", phases, [], 1.0, last_round_key=-1, stop_time=T0 + 150)  # a phase half done: busy
+    assert short.utilization == pytest.approx(1.0)
