@@ -28,6 +28,9 @@ def test_defaults_round_trip_and_fingerprint_is_stable():
         ({"averaging.round_timeout_s": 1.0}, "averaging.round_timeout_s"),
         ({"averaging.strategy": "moshpit", "averaging.compression": "int4"}, "averaging.compression='int4'"),
         ({"averaging.error_feedback": True}, "averaging.error_feedback needs averaging.compression"),
+        ({"averaging.compression": "int4", "averaging.error_feedback_decay": 0.9}, "set averaging.error_feedback"),
+        ({"averaging.error_feedback_decay": 0.0}, "averaging.error_feedback_decay"),
+        ({"averaging.error_feedback_decay": 1.5}, "averaging.error_feedback_decay"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, field):

@@ -53,6 +53,9 @@ class AveragingConfig:
             gradients). Only what we send is corrected; the reducers' re-encoding of the averaged slice is not. A
             failed round keeps the residual unchanged. Costs 4 bytes of memory per averaged element. Needs
             ``compression`` other than "none".
+        error_feedback_decay: β in (0, 1]: each round adds β x the residual, not all of it (SparseLoCo's decayed
+            accumulator, Sarfi et al. 2025, Alg. 1): what stayed unsent for many rounds fades instead of arriving
+            stale. 1 = plain error feedback. Needs ``error_feedback`` when below 1.
         bandwidth_slices: cut each butterfly round into slices proportional to the members' upload rates (the
             closed-form optimum of hivemind's load-balancing LP, ``groups.butterfly_partition``; each claim bounded to
             4x the group's median, ``groups.slice_bandwidths``), so a slow link reduces less and no longer sets the
@@ -134,6 +137,7 @@ class AveragingConfig:
     topk_value_bits: Literal[2, 4, 8] = 4
     topk_chunk: int = Field(default=4096, ge=64, le=1 << 16)
     error_feedback: bool = False
+    error_feedback_decay: float = Field(default=1.0, gt=0.0, le=1.0)
     aggregation: Literal["mean", "centered_clip"] = "mean"
     clip_tau: float = Field(default=0.0, ge=0.0)
     clip_tau_factor: float = Field(default=1.75, gt=0.0, le=100.0)
@@ -185,6 +189,11 @@ class AveragingConfig:
         if self.error_feedback and self.compression == "none":
             raise ValueError(
                 "averaging.error_feedback needs averaging.compression (fp16, int8, int4 or topk): none is exact"
+            )
+        if self.error_feedback_decay < 1.0 and not self.error_feedback:
+            raise ValueError(
+                f"averaging.error_feedback_decay = {self.error_feedback_decay:g} decays an error-feedback residual: "
+                "set averaging.error_feedback = true, or leave the decay at 1"
             )
         if self.compression == "topk" and not self.error_feedback:
             raise ValueError(

@@ -126,7 +126,7 @@ class GroupAverager:
         self.bans = BanList(BanConfig(ban_base_s=ban_time_s, ban_max_s=max(3600.0, ban_time_s)))
         self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)
         self._outputs = OutputBuffers()  # result buffers, reused once the caller has let go of them
-        self._feedback = ErrorFeedback() if config.error_feedback else None
+        self._feedback = ErrorFeedback(config.error_feedback_decay) if config.error_feedback else None
         self.fallback: P2PFallback | None = None  # set by start() if config.libp2p_fallback
         self._lock = threading.Lock()
         self._started = threading.Event()
