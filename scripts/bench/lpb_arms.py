@@ -131,7 +131,7 @@ def codec_config(name: str, members: int = 1):
     from hivetrain.averaging.codecs import CodecConfig
     from hivetrain.averaging.reduce import result_codec
 
-    base, feedback = _without_feedback(name), _without_feedback(name) != name
+    base, feedback = without_feedback(name), without_feedback(name) != name
     if base.startswith("topk"):
         percent, _, bits = base.removeprefix("topk").partition("-")
         if not feedback or not bits.endswith("b"):
@@ -145,7 +145,7 @@ def codec_config(name: str, members: int = 1):
     return part, part, feedback
 
 
-def _without_feedback(name: str) -> str:
+def without_feedback(name: str) -> str:
     """The codec name without its "-ef" / "-ef<β·100>" suffix (error feedback, decayed by β when given)."""
     match = re.fullmatch(r"(.+)-ef(\d\d)?", name)
     return match.group(1) if match else name

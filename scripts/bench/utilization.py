@@ -54,6 +54,7 @@ from _utilization_swarm import (  # noqa: E402 - sibling bench module
     run_arm,
     supports_duty_cycle,
 )
+from lpb_arms import feedback_decay, without_feedback  # noqa: E402 - sibling bench module
 
 from hivetrain.chaos.network import NetnsTopology  # noqa: E402
 from hivetrain.config import load_run_config  # noqa: E402
@@ -63,7 +64,8 @@ DATA = "/work/shared/data/tinyshakespeare.txt"
 
 
 def codec_overrides(codec: str) -> dict:
-    """Run-config overrides of a ``--codecs`` name: "fp32", "fp16"/"int8"/"int4" (+ "-ef" for error feedback), or
+    """Run-config overrides of a ``--codecs`` name, in the learning-per-byte bench's grammar (``lpb_arms.Arm.codec``):
+    "fp32", "fp16"/"int8"/"int4" (+ "-ef" for error feedback, "-ef<NN>" decayed by β = NN/100), or
     "topk<percent>-<bits>b-ef" (chunked top-k of that density and value width; topk needs error feedback).
 
     Raises:
@@ -71,21 +73,22 @@ def codec_overrides(codec: str) -> dict:
     """
     if codec == "fp32":
         return {"averaging.compression": "none"}
-    base, feedback = codec.removesuffix("-ef"), codec.endswith("-ef")
+    base = without_feedback(codec)
+    feedback = {"averaging.error_feedback": base != codec, "averaging.error_feedback_decay": feedback_decay(codec)}
     if base in ("fp16", "int8", "int4"):
-        return {"averaging.compression": base, "averaging.error_feedback": feedback}
+        return {"averaging.compression": base, **feedback}
     percent, _, bits = base.removeprefix("topk").partition("-")
     try:
         density, value_bits = float(percent) / 100, int(bits.removesuffix("b"))
     except ValueError:
         density, value_bits = 0.0, 0
-    if not base.startswith("topk") or not feedback or not bits.endswith("b") or not 0 < density <= 0.5:
+    if not base.startswith("topk") or base == codec or not bits.endswith("b") or not 0 < density <= 0.5:
         raise ValueError(f"codec {codec!r}: use fp32, fp16/int8/int4[-ef] or topk<percent>-<bits>b-ef (topk3-2b-ef)")
     return {
         "averaging.compression": "topk",
-        "averaging.error_feedback": True,
         "averaging.topk_density": density,
         "averaging.topk_value_bits": value_bits,
+        **feedback,
     }
 
 

@@ -13,11 +13,18 @@ from hivetrain.config import load_run_config  # noqa: E402
 
 @pytest.mark.parametrize(
     ("codec", "compression", "feedback"),
-    [("fp32", "none", False), ("int4", "int4", False), ("int4-ef", "int4", True), ("topk3-2b-ef", "topk", True)],
+    [
+        ("fp32", "none", False),
+        ("int4", "int4", False),
+        ("int4-ef", "int4", True),
+        ("topk3-2b-ef", "topk", True),
+        ("topk3-2b-ef90", "topk", True),
+    ],
 )
 def test_each_codec_name_becomes_a_run_config_the_peers_accept(codec, compression, feedback):
     config = load_run_config(None, utilization.codec_overrides(codec)).averaging
     assert (config.compression, config.error_feedback) == (compression, feedback)
+    assert config.error_feedback_decay == (0.9 if codec.endswith("-ef90") else 1.0)
     if compression == "topk":
         assert (config.topk_density, config.topk_value_bits) == (pytest.approx(0.03), 2)
 
