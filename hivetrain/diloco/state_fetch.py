@@ -132,7 +132,7 @@ class _GroupDownload:
         hashes = self.manifest.chunk_hashes
         self.pending = deque(i for i in range(len(hashes)) if have.get(i) != hashes[i])
         self.done = {i for i in range(len(hashes)) if have.get(i) == hashes[i]}
-        self.zero_filled = self._fill_zero_chunks()
+        self.zero_filled = 0  # bytes of all-zero chunks written here (``fill_zero_chunks``, before ``run``)
         self.in_flight: dict[int, list[Attempt]] = {}
         self.rates: dict[str, float] = {}
         self.refuted = ""
@@ -142,9 +142,10 @@ class _GroupDownload:
         self.started_s = self.last_report_s = clock()
         self.bytes_at_start = sum(self.manifest.chunk_range(i)[1] - self.manifest.chunk_range(i)[0] for i in self.done)
 
-    def _fill_zero_chunks(self) -> int:
+    def fill_zero_chunks(self) -> int:
         """Write the chunks whose manifest hash is that of zero bytes (outer momentum at μ = 0: half the state) without
-        asking anyone; returns their bytes. The hash pins the content, and the state hash is checked at the end."""
+        asking anyone; returns their bytes. The hash pins the content, and the state hash is checked at the end. Call
+        it off the event loop, before ``run``: for a 7B model it writes GBs."""
         filled = 0
         for index in list(self.pending):
             start, end = self.manifest.chunk_range(index)
@@ -154,6 +155,8 @@ class _GroupDownload:
                 self.done.add(index)
                 self.pending.remove(index)
                 filled += end - start
+        self.zero_filled += filled
+        self.bytes_at_start += filled
         return filled
 
     async def run(self) -> str:
@@ -437,6 +440,7 @@ async def _fetch_candidates(p2p, protocol, candidates, buffer, reference, result
         group = _GroupDownload(
             p2p, protocol, candidate, members, buffer, have, result, timeout_s, config, faults, clock
         )
+        await loop.run_in_executor(None, group.fill_zero_chunks)
         zeros = f", {group.zero_filled / 1e6:.1f} MB of it zeros written here" if group.zero_filled else ""
         logger.info(
             "downloading epoch %d state (%.1f MB%s) from %d donor(s)",
