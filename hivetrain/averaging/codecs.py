@@ -476,10 +476,7 @@ class ErrorFeedback:
             self._residual = torch.zeros(flat.numel(), dtype=torch.float32)
             self._scratch = torch.zeros(flat.numel(), dtype=torch.float32)
         assert self._scratch is not None
-        if self.decay == 1.0:
-            flat.add_(self._residual)
-        else:
-            flat.add_(self._residual, alpha=self.decay)
+        flat.add_(self._residual, alpha=self.decay)  # alpha = 1: x + 1·r is x + r, one rounding either way
         return self._scratch
 
     def commit(self) -> None:

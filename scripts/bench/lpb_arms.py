@@ -131,7 +131,8 @@ def codec_config(name: str, members: int = 1):
     from hivetrain.averaging.codecs import CodecConfig
     from hivetrain.averaging.reduce import result_codec
 
-    base, feedback = without_feedback(name), without_feedback(name) != name
+    base = without_feedback(name)
+    feedback = base != name
     if base.startswith("topk"):
         percent, _, bits = base.removeprefix("topk").partition("-")
         if not feedback or not bits.endswith("b"):
