@@ -140,8 +140,17 @@ def decide_phase_end(
     # download (chaos cpu-starve beside 2 hogs: the 20%-CPU peer downloaded epoch 1 while its round was being
     # committed, then ran all 20 steps for it alone, 9 s, since nobody else computed for epoch 1 any more; it reached
     # matchmaking a whole epoch late, downloaded, and never committed once). At least 2 must have moved on, as for
-    # ``round_under_way``: one record claiming an epoch ahead cannot cut our phases short.
-    moved_on = sum(1 for r in live if r.epoch > phase_epoch and not r.paused)
+    # ``round_under_way``: one record claiming an epoch ahead cannot cut our phases short. A record that claims a later
+    # epoch while its phase still computes for our round (or an earlier one) and has not ended is incoherent: an
+    # honest peer at a later epoch computes for a later round, or shows its phase for ours ended. Two identities that
+    # claimed one epoch ahead so, beside two honest peers (chaos ahead-liars-2v2 beside 2 hogs), ended an honest
+    # peer's phase before its first step; it waited alone in matchmaking, and the group that formed when the others
+    # arrived closed at once, without the joiner still in its last step.
+    moved_on = sum(
+        1
+        for r in live
+        if r.epoch > phase_epoch and not r.paused and (r.phase_epoch > phase_epoch or r.done_epoch >= phase_epoch)
+    )
     still_here = sum(
         1
         for r in live

@@ -71,6 +71,11 @@ class SwarmView:
         coordinator_id: the run's coordinator, whose record gives the shard level ("" = none known: we probe).
         extra_shards: shards read per heartbeat beyond our own when the swarm is sharded.
         dht_time: DHT (unix) time, for the probe's liveness test (tests inject one).
+        ignored: returns the peers whose records we ignore (our bans: they lied about their state or sent bad data);
+            their records leave the view, so neither the schedule, nor a round's wait, nor any other reader counts
+            them (chaos ahead-liars-2v2 beside 2 hogs: two banned liars still counted as trainers "ahead" and
+            "running", so an honest peer's phase ran on for a target the liars' samples were meant to fill, while
+            the others ended theirs and committed without it).
 
     Thread-safety: every method may be called from any thread.
     """
@@ -91,12 +96,14 @@ class SwarmView:
         coordinator_id: str = "",
         extra_shards: int = 1,
         dht_time: Callable[[], float] | None = None,
+        ignored: Callable[[], frozenset[str]] = frozenset,
     ):
         self.node, self.loop, self.run_id, self.fingerprint = node, loop, run_id, fingerprint
         self.make_record = make_record
         self.record_ttl_s, self.record_interval_s = record_ttl_s, record_interval_s
         self.clock = clock
         self.next_interval_s, self.members = next_interval_s, members
+        self.ignored = ignored
         self._p2p = None
         self.coordinator_id = coordinator_id
         self.plan = ShardPlan(run_id, node.peer_id, extra_shards=extra_shards, max_age_s=record_ttl_s)
@@ -130,9 +137,10 @@ class SwarmView:
     # ---- the view --------------------------------------------------------------------------------------------
     @property
     def records(self) -> list[PeerRecord]:
-        """The records of the last real read (our model fingerprint only); no I/O."""
+        """The records of the last real read (our model fingerprint only, ignored peers left out); no I/O."""
         with self._lock:
-            return list(self._records)
+            records = list(self._records)
+        return self._without_ignored(records)
 
     @property
     def coverage(self) -> float:
@@ -220,7 +228,12 @@ class SwarmView:
             if level is not None and self.plan.set_level(level, now):
                 logger.info("peer records move to shard level %d (%d shards)", level, 1 << level)
                 self._wake.set()  # publish at the new level at once
-            return list(self._records)
+            records = list(self._records)
+        return self._without_ignored(records)
+
+    def _without_ignored(self, records: list[PeerRecord]) -> list[PeerRecord]:
+        ignored = self.ignored()  # outside our lock: it takes the averager's
+        return [r for r in records if r.peer_id not in ignored] if ignored else records
 
     def fetch_fresh(self) -> list[PeerRecord]:
         """The view's shards read afresh (blocking, bounded; no daemon check and no view update): for decisions that

@@ -145,6 +145,7 @@ class DilocoTrainer:
             next_interval_s=lambda: self.phases.refresh_hint_s(),
             members=membership,
             coordinator_id=options.coordinator_id,
+            ignored=lambda: self._round_trust().banned,
         )
         if faults is not NO_FAULTS:  # every fault that fires becomes a metrics event (the chaos harness reads them)
             faults.on_fire = self.report.fault_fired
@@ -462,8 +463,7 @@ class DilocoTrainer:
         epoch = self.state.epoch
         if self._overlap == "off":
             return epoch
-        now = get_dht_time()
-        live = live_records(self.view.records, now, self.options.record_ttl_s, exclude={self.node.peer_id})
+        live = live_records(self.view.records, get_dht_time(), self.options.record_ttl_s, exclude={self.node.peer_id})
         ahead = [r.phase_epoch for r in live if r.epoch == epoch and r.phase_epoch == epoch + 1]
         return epoch + 1 if ahead else epoch
 

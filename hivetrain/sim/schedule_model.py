@@ -97,8 +97,9 @@ def aggregate_phase_ends(
         n_done, n_running = int(done.sum()), len(r_idx)
 
         me = slots[sel]
-        # the round of ``epoch`` is over: at least 2 live peers committed it, more than still take part in it
-        moved = live & (c["epoch"] > epoch)
+        # the round of ``epoch`` is over: at least 2 live peers committed it (coherently: at a later epoch, computing
+        # for a later round or done with ours), more than still take part in it
+        moved = live & (c["epoch"] > epoch) & ((c["phase_epoch"] > epoch) | (c["done_epoch"] >= epoch))
         still = (
             live
             & (c["epoch"] <= epoch)

@@ -164,6 +164,21 @@ def test_a_phase_for_a_round_that_most_peers_already_committed_ends_at_once():
     # paused peers ahead do not count (they train nothing; their state is old news)
     paused = [r.model_copy(update={"paused": True}) for r in ahead]
     assert decide_phase_end(SWARM, "me", 3, 8, 2.0, paused, NOW).action == "continue"
+    # a peer that committed our round and shows its phase for it ended counts, before its next phase shows
+    committed = [done("a", samples=40).model_copy(update={"epoch": 4}), done("b").model_copy(update={"epoch": 4})]
+    assert decide_phase_end(SWARM, "me", 3, 8, 2.0, committed, NOW).action == "end"
+
+
+def test_records_that_claim_a_later_epoch_while_computing_for_ours_do_not_end_our_phase():
+    # chaos ahead-liars-2v2 beside 2 hogs: two colluding identities claim epoch 4 while their records' phases still
+    # compute for round 3 (or an earlier one), beside one honest peer computing for it: "2 live peers committed it,
+    # 1 did not" ended our phase before its first step. No honest peer publishes that: at a later epoch it computes
+    # for a later round, or its record shows its phase for ours ended.
+    liars = [rec(p, samples=40, throughput=8.0).model_copy(update={"epoch": 4, "done_epoch": 2}) for p in "xy"]
+    honest = rec("h", samples=16, throughput=8.0)
+    for phase_samples in (0, 8):
+        d = decide_phase_end(SWARM, "me", 3, phase_samples, 2.0, [*liars, honest], NOW)
+        assert d.action == "continue" and "is over" not in d.reason, d.reason
 
 
 def test_a_peer_waiting_for_the_round_is_not_extrapolated():

@@ -78,3 +78,26 @@ def test_the_heartbeat_period_follows_the_hint_within_bounds():
     assert view._interval_s() == 5.0
     view.next_interval_s = lambda: 1 / 0
     assert view._interval_s() == 5.0
+
+
+def test_banned_peers_leave_the_view_for_every_reader_and_come_back_when_the_ban_ends(monkeypatch):
+    now = get_dht_time()
+    found = [record(), peer_record("honest", 6, now), peer_record("liar1", 7, now), peer_record("liar2", 7, now)]
+    monkeypatch.setattr(
+        "hivetrain.diloco.swarm_view.fetch_records_at", lambda dht, keys, run_id, timeout: {k: found for k in keys}
+    )
+    banned = {"liar1", "liar2"}
+    view = SwarmView(
+        Node(SlowDht(0.0)),
+        None,
+        "r",
+        "f",
+        record,
+        record_ttl_s=30.0,
+        record_interval_s=5.0,
+        ignored=lambda: frozenset(banned),
+    )
+    assert sorted(r.peer_id for r in view.refresh()) == ["honest", "me"] and view.view_ok
+    assert sorted(r.peer_id for r in view.records) == ["honest", "me"]  # the schedule's and the rounds' reads
+    banned.clear()  # a ban that ran out (the averager's are timed)
+    assert sorted(r.peer_id for r in view.records) == ["honest", "liar1", "liar2", "me"]
