@@ -20,7 +20,10 @@ BENCH = ROOT / "scripts" / "bench"
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 sys.path.insert(0, str(BENCH))
 
-from lpb_arms import Arm, Setup, codec_config, run_arm  # noqa: E402
+from lpb_arms import Arm, Setup, _corpus, codec_config, ring_bytes, run_arm  # noqa: E402
+
+from hivetrain.diloco.fragments import FragmentPlan  # noqa: E402
+from hivetrain.model import build_config, build_model  # noqa: E402
 
 KEYS = {"arm", "eval_loss", "eval_loss_std", "seeds", "bytes", "vs_ddp", "outer_lr", "outer_momentum"}
 
@@ -103,3 +106,35 @@ def test_codecs_long_tunes_each_codec_over_scaled_outer_steps_of_the_chosen_fp32
     assert [(a.codec, a.outer_lr, a.outer_momentum) for a in tuning] == [
         ("topk3-2b-ef", chosen.outer_lr * x, chosen.outer_momentum) for x in OUTER_LR_SCALES
     ]
+
+
+def test_one_worker_fragments_with_plain_averaging_are_one_adamw_run_and_send_the_whole_model_per_h_steps():
+    # Streaming DiLoCo: with one worker and plain averaging each fragment's outer step sets its θ to the local copy,
+    # so the model trains as one AdamW run whatever F; the rounds carry 1/F of the model each, F times as often (and
+    # the other F - 1 fragments one more round each after the last phase)
+    ddp = run_arm(SETUP, Arm("ddp", 2e-3), seed=0)
+    whole = run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0), seed=0)
+    for f in (2, 4):
+        streaming = run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0, fragments=f), seed=0)
+        assert streaming.eval_loss == pytest.approx(ddp.eval_loss, rel=1e-4)
+        assert streaming.bytes == whole.bytes == 0  # one worker: nothing on the wire
+    setup = Setup(str(DATA), "tiny", workers=2, steps=8, seq_len=32, batch_size=2, warmup_steps=2, eval_windows=4)
+    two = run_arm(setup, Arm("diloco", 2e-3, 4, 1.0, 0.0), seed=0)
+    for arm in (Arm("diloco", 2e-3, 4, 1.0, 0.0, fragments=2), Arm("diloco", 2e-3, 4, 1.0, 0.0, "delayed", "", 2, 0.5)):
+        streaming = run_arm(setup, arm, seed=0)
+        plan = FragmentPlan.build({n: p.numel() for n, p in _tiny_model(setup).named_parameters()}, 2)
+        final = ring_bytes(plan.numels[0], 2)  # 2 outer steps of each fragment, then fragment 0's last steps
+        assert streaming.bytes == two.bytes + final and math.isfinite(streaming.eval_loss)
+    # the delayed merge keeps only part of what the fragment learned meanwhile: another trajectory than at once
+    delayed = run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0, "delayed", "", 2, 0.5), seed=0)
+    assert delayed.eval_loss != pytest.approx(ddp.eval_loss, rel=1e-4)
+    with pytest.raises(ValueError, match="overlap off or delayed"):
+        run_arm(SETUP, Arm("diloco", 2e-3, 4, 1.0, 0.0, "eager", "", 2), seed=0)
+    assert (
+        Arm("diloco", 2e-3, 40, 1.0, 0.0, "delayed", "int4-ef", 4, 0.5).family() == "diloco-H40-F4-delayed-a0.5-int4-ef"
+    )
+
+
+def _tiny_model(setup: Setup):
+    vocab = _corpus(setup.data, setup.seq_len, setup.eval_windows).vocab_size
+    return build_model(build_config("tiny", vocab, setup.seq_len), seed=0)

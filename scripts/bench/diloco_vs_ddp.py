@@ -24,6 +24,10 @@ Plans (``--plan``):
            arm at H = 40's best setting, 3 seeds: the learning-per-byte table of the wire formats (issue 25).
   codecs-long  the same at 1,200 steps (30 outer steps at H = 40; DDP at lr 2e-3, the 400-step choice), each codec
            arm tuned over H = 40's best outer lr x {1, 1.5, 2, 3}.
+  fragments  Streaming DiLoCo (``diloco/fragments.py``) on the tiny/400 setup of "default": DDP, DiLoCo H = 40 and
+           its eager overlap tuned as there; F = 4 fragments at H = 40's best setting (synchronous rounds of 1/4 of
+           the model every 10 steps); F = 4 with each fragment's round overlapping the next 10 steps ("delayed"
+           merge), over outer lr {1, 0.5} x mixing factor α {0, 0.5}. 3 seeds per row.
 
 ``--json`` prints, as its last line, a JSON list with one object per row: arm, preset, steps, inner_steps,
 eval_loss (mean over seeds), eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties),
@@ -56,7 +60,7 @@ from hivetrain.diloco.config import DilocoConfig  # noqa: E402
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 OUTER_GRID = tuple((lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.0, 0.5, 0.9))
 OVERLAP_GRID = ((1.0, 0.0), (0.7, 0.0), (0.5, 0.0), (0.3, 0.0))  # a one-epoch delay wants a smaller step, no momentum
-PLANS = ("quick", "default", "full", "codecs", "codecs-long")
+PLANS = ("quick", "default", "full", "codecs", "codecs-long", "fragments")
 OUTER_LR_SCALES = (1.0, 1.5, 2.0, 3.0)  # "codecs-long": a sparse update may want a larger outer step than fp32's
 
 
@@ -123,6 +127,18 @@ def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
             Family(f"tiny/1200/diloco-H40-{c}", long, after="tiny/1200/diloco-H40", derive=_codec(c, OUTER_LR_SCALES))
             for c in codecs
         ]
+    if name == "fragments":  # Streaming DiLoCo, F = 4 at H = 40, against whole-model rounds with and without overlap
+        short = Setup(data, "tiny", workers=4, steps=400, seq_len=64, batch_size=8, warmup_steps=20)
+        streaming = tuple(
+            Arm("diloco", lr, 40, olr, 0.0, "delayed", "", 4, a) for olr in (1.0, 0.5) for a in (0.0, 0.5)
+        )
+        return [
+            Family("tiny/400/ddp", short, tuple(Arm("ddp", x) for x in (1e-3, 2e-3, 4e-3))),
+            Family("tiny/400/diloco-H40", short, diloco_grid(lr, 40, three)),
+            Family("tiny/400/diloco-H40-eager", short, diloco_grid(lr, 40, OVERLAP_GRID, "eager")),
+            Family("tiny/400/diloco-H40-F4", short, after="tiny/400/diloco-H40", derive=_fragments(4)),
+            Family("tiny/400/diloco-H40-F4-delayed", short, streaming),
+        ]
     if name not in ("default", "full"):
         raise ValueError(f"unknown plan {name!r}")
     full = name == "full"
@@ -162,6 +178,11 @@ def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
 def _codec(name: str, outer_lr_scales: tuple[float, ...] = (1.0,)) -> Callable[[Arm], tuple[Arm, ...]]:
     """The codec arm at the chosen fp32 arm's setting, its outer lr scaled by each of ``outer_lr_scales`` (tuned)."""
     return lambda arm: tuple(replace(arm, codec=name, outer_lr=arm.outer_lr * x) for x in outer_lr_scales)
+
+
+def _fragments(num: int) -> Callable[[Arm], tuple[Arm, ...]]:
+    """The chosen whole-model arm with its rounds split into ``num`` fragments (Streaming DiLoCo, synchronous)."""
+    return lambda arm: (replace(arm, fragments=num),)
 
 
 RunKey = tuple[str, str, int]

@@ -16,6 +16,9 @@ the same per-worker data streams (worker w reads ``stream_seed(seed, f"worker{w}
   to the shared state when phase e+1 ends (``hivetrain/diloco/overlap.py``). The last round is applied after the
   last phase, so every arm is scored on its shared state after all samples. An optional codec quantizes every
   contribution (with error feedback for ``-ef``) and the reduced mean, as hivetrain's butterfly round does.
+  With ``fragments`` F > 1 (Streaming DiLoCo, ``hivetrain/diloco/fragments.py``) every H / F inner steps one
+  fragment's pseudo-gradients are averaged and its outer step applied; the workers never reload the whole model,
+  only the fragment that was averaged (at once, or with "delayed" after the next H / F steps, mixed by ``mix``).
 * ``async``: asynchronous SGD through a parameter server. Round robin over workers, one gradient per worker step:
   worker ``t mod W`` computes its gradient on the parameters it pulled W−1 server updates ago (staleness W−1, as W
   equal-speed workers that never wait), and the server applies it at once with AdamW (the same betas, weight decay,
@@ -43,6 +46,7 @@ import torch
 from hivetrain.data import Corpus, load_corpus, stream_seed
 from hivetrain.data.config import DataConfig
 from hivetrain.diloco.config import DilocoConfig
+from hivetrain.diloco.fragments import FragmentPlan, fragment_outer_step, fragment_pseudo_gradient, merge_fragment
 from hivetrain.diloco.inner import InnerOptimizer, lr_multiplier
 from hivetrain.diloco.outer import load_into_model, outer_step, pseudo_gradient
 from hivetrain.diloco.overlap import PreviousRound, start_params
@@ -83,6 +87,11 @@ class Arm:
             "topk<percent>-<bits>b-ef" (``averaging.compression = "topk"`` at that density and value width, chunks of
             4,096, with error feedback, which topk requires), e.g. "topk2-2b-ef"; "-ef<NN>" decays the residual by
             β = NN/100 per round (SparseLoCo's accumulator, ``ErrorFeedback``), e.g. "topk3-2b-ef95".
+        fragments: Streaming DiLoCo's F (``hivetrain/diloco/fragments.py``): one fragment's round every H / F inner
+            steps, in turn (1 = DiLoCo's whole-model rounds). With ``overlap`` "delayed" each fragment's round runs
+            during the next H / F steps and its average is merged into the local copies then, with mixing factor
+            ``mix`` (α: θ_local ← α·θ_local + (1 − α)·θ); "eager" is not defined for fragments.
+        mix: α of the merge (0 = the shared θ replaces the local copy).
     """
 
     kind: ArmKind
@@ -92,14 +101,18 @@ class Arm:
     outer_momentum: float | None = None
     overlap: str = "off"
     codec: str = ""
+    fragments: int = 1
+    mix: float = 0.0
 
     def family(self) -> str:
         """Name of the arm without its tuned hyper-parameters (the row of the table)."""
         if self.kind != "diloco":
             return self.kind
-        name = f"diloco-H{self.inner_steps}"
+        name = f"diloco-H{self.inner_steps}" + (f"-F{self.fragments}" if self.fragments > 1 else "")
         if self.overlap != "off":
             name += f"-{self.overlap}"
+        if self.mix:
+            name += f"-a{self.mix:g}"
         return name + (f"-{self.codec}" if self.codec else "")
 
     def key(self) -> str:
@@ -188,6 +201,8 @@ def run_arm(setup: Setup, arm: Arm, seed: int) -> Result:
     started = time.perf_counter()
     if arm.kind == "ddp":
         model, sent = _run_ddp(setup, arm, model_cfg, seed, streams)
+    elif arm.kind == "diloco" and arm.fragments > 1:
+        model, sent = _run_streaming(setup, arm, model_cfg, seed, streams)
     elif arm.kind == "diloco":
         model, sent = _run_diloco(setup, arm, model_cfg, seed, streams)
     elif arm.kind == "async":
@@ -329,6 +344,62 @@ def _run_diloco(setup, arm, model_cfg, seed, streams):
         state = outer_step(state, pending[0], lr, mu)
     load_into_model(state, models[0])
     return models[0], sent
+
+
+def _run_streaming(setup, arm, model_cfg, seed, streams):
+    """Streaming DiLoCo: after every H / F inner steps one fragment's pseudo-gradients are averaged and its outer step
+    applied (``fragments.fragment_outer_step``); the local copies take the new θ of that fragment at once ("off"),
+    or, with "delayed", when the next H / F steps end, mixed with factor α (the round overlapped those steps). After
+    the last phase every other fragment has one more round, so the arm is scored on the shared state after all
+    samples, as every other arm (their bytes counted: (F − 1) / F of one whole-model round)."""
+    h, f = arm.inner_steps, arm.fragments
+    if h % f or setup.steps % (h // f):
+        raise ValueError(f"H ({h}) must be a multiple of F ({f}), and steps ({setup.steps}) of H / F")
+    if arm.overlap not in ("off", "delayed"):
+        raise ValueError(f"fragments run with overlap off or delayed, not {arm.overlap!r}")
+    phase = h // f
+    cfg = DilocoConfig(inner_steps=h, inner_lr=arm.lr, warmup_steps=setup.warmup_steps, total_inner_steps=setup.steps)
+    lr, mu = float(arm.outer_lr), float(arm.outer_momentum)
+    models = [build_model(model_cfg, seed=seed) for _ in range(setup.workers)]
+    inners = [InnerOptimizer(m, cfg) for m in models]
+    plan = FragmentPlan.of_state(TrainingState.from_model(models[0]), f)
+    # error feedback keeps one residual per fragment (its tensors only), as a peer's averager would per round shape
+    quantizers = [[_Quantizer(arm.codec) for _ in models] for _ in range(f)] if arm.codec else None
+    means = [_Quantizer(arm.codec, setup.workers, result=True) for _ in range(f)] if arm.codec else None
+    shared = [TrainingState.from_model(models[0])]
+    sent = [0]
+
+    def average(p: int) -> list[torch.Tensor]:
+        deltas = [fragment_pseudo_gradient(shared[0], model, plan.fragments[p]) for model in models]
+        bits = (quantizers[p][0].bits_per_float, means[p].bits_per_float) if quantizers else (32.0, None)
+        sent[0] += ring_bytes(plan.numels[p], setup.workers, *bits)
+        return _average(deltas, quantizers[p] if quantizers else None, means[p] if means else None)
+
+    def commit(p: int, avg: list[torch.Tensor], alpha: float | None) -> None:
+        shared[0] = fragment_outer_step(shared[0], plan.fragments[p], avg, lr, mu)
+        for model in models if alpha is not None else ():
+            merge_fragment(model, shared[0], plan.fragments[p], alpha)
+
+    pending: tuple[int, list[torch.Tensor]] | None = None  # (fragment, Δ̄) in flight
+    for epoch in range(setup.steps // phase):
+        for inner, stream in zip(inners, streams, strict=True):
+            inner.run(stream, first_step=epoch * phase, num_steps=phase)
+        if pending is not None:  # the round sent one phase ago lands now
+            commit(*pending, arm.mix)
+            pending = None
+        p = plan.fragment_of(epoch)
+        if arm.overlap == "off":
+            commit(p, average(p), 0.0)
+        else:
+            pending = (p, average(p))
+    if pending is not None:
+        commit(*pending, None)
+    last = plan.fragment_of(setup.steps // phase - 1)
+    for p in range(f):
+        if p != last:
+            commit(p, average(p), None)
+    load_into_model(shared[0], models[0])
+    return models[0], sent[0]
 
 
 def _average(deltas, quantizers, mean_codec) -> list[torch.Tensor]:
