@@ -100,6 +100,17 @@ class RunConfig:
                 "average θ after each peer's own outer step, so there is no shared state for a round in flight to land "
                 "on; set diloco.overlap='off' or use the butterfly strategy"
             )
+        if self.diloco.fragments > 1 and not self.averaging.exact_average:
+            raise ValueError(
+                f"diloco.fragments = {self.diloco.fragments} needs averaging.strategy='butterfly': a fragment's outer "
+                "step lands on the shared state, which moshpit and gossip do not keep; set diloco.fragments = 1"
+            )
+        if self.diloco.fragments > 1 and self.averaging.error_feedback:
+            raise ValueError(
+                "diloco.fragments > 1 with averaging.error_feedback: the residual is one vector of the whole "
+                "round's size, and fragments send rounds of different sizes; use a codec without error feedback "
+                "(int8, int4) or diloco.fragments = 1"
+            )
         if not self.averaging.exact_average and self.averaging.compression in ("int8", "int4", "topk"):
             raise ValueError(
                 f"averaging.compression={self.averaging.compression!r} with averaging.strategy="
@@ -118,13 +129,14 @@ class RunConfig:
                     ("diloco.precision", self.diloco.precision, ("auto", "fp32")),
                     ("diloco.grad_accum_steps", self.diloco.grad_accum_steps, (1,)),
                     ("diloco.overlap", self.diloco.overlap, ("off",)),
+                    ("diloco.fragments", self.diloco.fragments, (1,)),
                 )
                 if value not in default
             ]
             if ignored:
                 raise ValueError(
                     f"{', '.join(ignored)} with a [swarm] table: SWARM stage servers compute in fp32 without gradient "
-                    "accumulation or overlapped rounds; remove these settings (or the [swarm] table)"
+                    "accumulation, overlapped rounds or fragments; remove these settings (or the [swarm] table)"
                 )
             if self.admission.mode != "open":
                 raise ValueError(

@@ -1,5 +1,6 @@
 """Run config validation, corpus handling and model presets."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,40 @@ def test_overlap_needs_the_butterfly_strategy():
             {"diloco": {"overlap": "eager"}, "averaging": {"strategy": "moshpit", "target_group_size": 2}}
         )
     assert RunConfig.from_dict({"diloco": {"overlap": "eager"}}).diloco.overlap == "eager"
+
+
+@pytest.mark.parametrize(
+    ("raw", "refusal"),
+    [
+        ({"diloco": {"fragments": 3, "inner_steps": 50}}, "inner_steps = 50 is not a multiple of diloco.fragments = 3"),
+        ({"diloco": {"fragments": 2, "overlap": "eager"}}, "overlap = 'delayed'"),
+        ({"diloco": {"fragment_mix": 0.5, "fragments": 2}}, "needs diloco.fragments > 1 and diloco.overlap"),
+        ({"diloco": {"fragment_mix": 0.5, "overlap": "delayed"}}, "needs diloco.fragments > 1 and diloco.overlap"),
+        (
+            {"diloco": {"fragments": 2}, "averaging": {"strategy": "gossip", "target_group_size": 2}},
+            "needs averaging.strategy='butterfly'",
+        ),
+        (
+            {"diloco": {"fragments": 2}, "averaging": {"compression": "int4", "error_feedback": True}},
+            "use a codec without error feedback",
+        ),
+    ],
+)
+def test_fragments_refuse_what_they_cannot_run_naming_the_fix(raw, refusal):
+    from hivetrain.config import RunConfig
+
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        RunConfig.from_dict(raw)
+
+
+def test_fragments_make_an_epoch_one_fragments_share_of_the_inner_steps():
+    from hivetrain.config import RunConfig
+
+    cfg = RunConfig.from_dict(
+        {"diloco": {"fragments": 4, "inner_steps": 40, "outer_steps": 12, "overlap": "delayed", "fragment_mix": 0.5}}
+    ).diloco
+    assert cfg.phase_steps == 10 and cfg.schedule_length() == 120  # 12 fragment steps = 3 whole-model cycles
+    assert RunConfig.from_dict({"diloco": {"inner_steps": 40, "outer_steps": 12}}).diloco.schedule_length() == 480
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

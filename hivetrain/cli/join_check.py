@@ -174,11 +174,12 @@ def _forecast(config, speed: float, swarm_speed: float, num_trainers: int, up: f
 
     _, num_parameters = describe_run_model(config, vocab_size_of(config.data))
     avg = config.averaging
-    wire = part_codec(avg).frame_num_bytes(num_parameters)  # what we upload; results are as big or bigger (topk)
+    # what we upload per round (one fragment's with diloco.fragments); results are as big or bigger (topk)
+    wire = part_codec(avg).frame_num_bytes(num_parameters // config.diloco.fragments)
     d = config.diloco
     return forecast(
         samples_per_s=speed, swarm_samples_per_s=swarm_speed, num_trainers=num_trainers, schedule=d.schedule,
-        inner_steps=d.inner_steps, samples_per_step=config.data.batch_size * d.grad_accum_steps,
+        inner_steps=d.phase_steps, samples_per_step=config.data.batch_size * d.grad_accum_steps,
         target_samples_per_epoch=d.target_samples_per_epoch, strategy=avg.strategy,
         target_group_size=avg.target_group_size, moshpit_rounds=avg.moshpit_rounds, wire_bytes=wire,
         upload_bytes_per_s=up, download_bytes_per_s=down, overlap=d.overlap != "off",

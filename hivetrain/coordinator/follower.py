@@ -245,6 +245,7 @@ class StateFollower:
                         self.reference,
                         self.options.download_timeout_s,
                         into=self._new_path() if self.work_dir is not None else None,
+                        local=state,  # the chunks our state already holds are not fetched (fragments: 1 - 1/F)
                     ),
                     timeout_s=download_bound_s(self.options.download_timeout_s, layout_num_bytes(self.reference)),
                 )

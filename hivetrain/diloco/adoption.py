@@ -150,6 +150,7 @@ class StateAdopter:
                     self.faults,
                     on_bad_donor=lambda peer, reason: bad.append(peer),
                     admits=self.admits,
+                    local=ours,  # what an epoch or two changed is all we fetch (with fragments: 1/F per epoch)
                 ),
                 timeout_s=download_bound_s(self.timeout_s, layout_num_bytes(ours)),
             )

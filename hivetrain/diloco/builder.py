@@ -261,7 +261,7 @@ def build_phases(
     per_step = per_peer * (node_ranks.world_size if node_ranks is not None else 1)
     plan = PhasePlan(
         schedule=diloco.schedule,
-        inner_steps=diloco.inner_steps,
+        inner_steps=diloco.phase_steps,  # H, or H / F with fragments: an epoch is one fragment's outer step
         batch_size=per_peer if diloco.schedule == "swarm" else per_step,
         target_samples_per_epoch=diloco.target_samples_per_epoch,
         max_samples_per_peer=config.averaging.max_samples_per_round,
@@ -274,6 +274,12 @@ def build_phases(
         inner = InnerOptimizer(model, diloco)
         inner.warm_up(config.data.batch_size, config.data.seq_len)  # compiles now (if compiled), not in phase 1
     else:
+        if diloco.fragments > 1:
+            raise ValueError(
+                f"diloco.fragments = {diloco.fragments} on a {node_ranks.world_size}-rank node: a fragment's outer "
+                "step updates part of rank 0's parameters, which the node's ranks do not take yet; run one process per "
+                "peer (no torchrun) or diloco.fragments = 1"
+            )
         bound = config.averaging.max_samples_per_round
         if diloco.schedule == "steps" and diloco.inner_steps * per_step > bound:
             raise ValueError(

@@ -92,6 +92,16 @@ class DilocoConfig:
             (default): on only when the memory preflight finds the run does not fit the device without it and does
             with it (logged); off with ``--skip-memory-check``. "on": always. "off": never. The numerics are the
             same either way (the recomputation repeats the forward pass exactly).
+        fragments: F, Streaming DiLoCo's fragments (Douillard et al. 2025, arXiv 2501.18512; ``diloco/fragments.py``):
+            the parameters split into F parts of near equal size whose outer steps take turns, one every
+            ``inner_steps`` / F inner steps, so each part still averages every ``inner_steps`` steps but a round
+            carries 1/F of the model (an epoch is then one fragment's outer step). With ``overlap = "delayed"`` each
+            fragment's round runs during the next ``inner_steps`` / F steps: the upload rate a peer needs to hide
+            its rounds behind compute falls F times. Default 1 (whole-model rounds). Needs ``inner_steps`` a
+            multiple of F, the butterfly strategy, and overlap "off" or "delayed".
+        fragment_mix: α, how a fragment's new shared θ enters the local copy once its round overlapped inner steps
+            (``overlap = "delayed"``): θ_local ← α·θ_local + (1 − α)·θ, keeping part of what those steps learned
+            (Streaming DiLoCo Sec. 2.3); 0 = replaced. Without overlap the local copy is always replaced.
         eval_overlap: where the evaluation after an outer step runs (``diloco/eval_worker.py``). "auto" (default):
             on CUDA on a thread of its own, on a replica of the model (one more fp32 copy of the parameters on the
             GPU) and its own CUDA stream, while the next inner phase trains, reported as an ``eval`` event per
@@ -121,6 +131,30 @@ class DilocoConfig:
     compile: Literal["auto", "on", "off"] = "auto"
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
     eval_overlap: Literal["auto", "on", "off"] = "auto"
+    fragments: int = Field(default=1, ge=1, le=4096)
+    fragment_mix: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    def __post_init__(self) -> None:
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"diloco.inner_steps = {self.inner_steps} is not a multiple of diloco.fragments = {self.fragments}: "
+                "each fragment averages every inner_steps steps, one every inner_steps / fragments; change either"
+            )
+        if self.fragments > 1 and self.overlap == "eager":
+            raise ValueError(
+                "diloco.fragments > 1 with diloco.overlap = 'eager': the eager estimate is of a whole-model round; "
+                "fragments overlap their rounds with overlap = 'delayed' (their own start point is the local copy)"
+            )
+        if self.fragment_mix and (self.fragments == 1 or self.overlap == "off"):
+            raise ValueError(
+                "diloco.fragment_mix mixes a fragment's average into the local copy after its round overlapped inner "
+                "steps: it needs diloco.fragments > 1 and diloco.overlap = 'delayed'"
+            )
+
+    @property
+    def phase_steps(self) -> int:
+        """Inner steps per epoch: H, or H / F with fragments (one fragment's outer step per epoch)."""
+        return self.inner_steps // self.fragments
 
     def samples_per_inner_step(self, batch_size: int) -> int:
         """Samples (windows) one inner step trains on: ``batch_size`` (``data.batch_size``) * ``grad_accum_steps``."""
@@ -128,5 +162,5 @@ class DilocoConfig:
 
     def schedule_length(self) -> int:
         """Inner steps over which the cosine schedule decays (at least the warmup)."""
-        length = self.total_inner_steps or self.outer_steps * self.inner_steps or 100_000
+        length = self.total_inner_steps or self.outer_steps * self.phase_steps or 100_000
         return max(length, self.warmup_steps + 1)

@@ -12,6 +12,7 @@ the inner steps write them from other threads).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from hivetrain.faults import FaultInjector, HookPoint
 from hivetrain.peers.node import PeerNode
 from hivetrain.peers.record_shards import carries_sketch
 from hivetrain.peers.records import PeerRecord
+
+logger = logging.getLogger(__name__)
 
 
 class PeerReport:
@@ -135,6 +138,14 @@ class PeerReport:
             **fields,
         }
         self.write(payload)
+
+    def discard(self, samples: int, reason: str) -> None:
+        """Computed samples that no round will take: counted (``samples_discarded``), logged and an event."""
+        if samples <= 0:
+            return
+        self.stats.samples_discarded += samples
+        logger.warning("discarding %d computed samples: %s", samples, reason)
+        self.emit("samples_discarded", samples=samples, reason=reason)
 
     def write(self, payload: dict) -> None:
         """Pass ``payload`` to ``on_event`` as it is (an inner step's event carries only its own fields)."""

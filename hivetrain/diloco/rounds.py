@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -40,6 +40,7 @@ from hivemind.utils import get_dht_time
 from hivetrain.averaging.base import Averager, ExpectedPeers, RoundFailed, RoundResult
 from hivetrain.averaging.matchmaking import EpochGroups
 from hivetrain.config import RunConfig
+from hivetrain.diloco.fragments import FragmentPlan, fragment_outer_step
 from hivetrain.diloco.outer import outer_step
 from hivetrain.diloco.round_policy import (
     RoundPolicy,
@@ -79,12 +80,21 @@ class Contribution:
         parts: the single-phase contributions it merges, oldest first; empty = it is one phase itself. Kept so that
             the oldest can be dropped (``without_oldest``): a carried contribution holds one fp32 copy of the
             parameters per phase, at most ``diloco.max_carried_phases``.
+        new_samples: the samples of the phase that computed it, when ``samples`` (the weight) holds more than that
+            phase (fragments); None = ``samples``.
     """
 
     delta: list[torch.Tensor]
     samples: int
     epoch: int
     parts: tuple[Contribution, ...] = ()
+    new_samples: int | None = None
+
+    @property
+    def counted(self) -> int:
+        """Samples this contribution counts for the first time (``new_samples``, else ``samples``): with fragments
+        a round's weight holds the last F phases (``local_copy``), each counted once, with its own round."""
+        return self.samples if self.new_samples is None else self.new_samples
 
     @property
     def phases(self) -> tuple[Contribution, ...]:
@@ -262,6 +272,15 @@ class RoundRunner:
         self.catch_up_wait_s = catch_up_wait_s
         self.behind_since: dict[str, float] = {}  # live trainers behind our epoch -> first seen so (``CatchUp``)
         self.note_closed_without_us = note_closed_without_us
+        self.plan: FragmentPlan | None = None  # the run's fragments (``diloco.fragments`` > 1), set by the trainer
+
+    def outer(self, state: TrainingState, averaged: Sequence[torch.Tensor]) -> TrainingState:
+        """The outer step of ``state.epoch`` with Δ̄ ``averaged``: the whole model's (``outer.outer_step``), or with
+        fragments that of the epoch's fragment (``fragments.fragment_outer_step``)."""
+        lr, momentum = self.config.diloco.outer_lr, self.config.diloco.outer_momentum
+        if self.plan is None:
+            return outer_step(state, averaged, lr, momentum)
+        return fragment_outer_step(state, self.plan.names(state.epoch), averaged, lr, momentum)
 
     def run(self, state: TrainingState, state_hash: str, contribution: Contribution) -> RoundOutcome:
         """Average ``contribution`` at ``state.epoch`` and build the next shared state; never modifies ``state``.
@@ -359,7 +378,7 @@ class RoundRunner:
                 assert result is not None
                 started = time.perf_counter()
                 if local is None:
-                    new_state = outer_step(state, result.tensors, diloco.outer_lr, diloco.outer_momentum)
+                    new_state = self.outer(state, result.tensors)
                 else:
                     theta = {name: t.clone() for name, t in zip(local.params, result.tensors, strict=True)}
                     new_state = TrainingState(epoch=local.epoch, params=theta, momentum=local.momentum)
@@ -437,8 +456,7 @@ class RoundRunner:
         """The round failed after we voted: build the state its result gives and wait (at most ``voted_wait_s``)
         for a member's record showing it committed that state (``round_policy.committed_without_us``). Returns
         (state, hash, "apply" policy) on that evidence, else None (the usual retry / resync policy decides)."""
-        diloco = self.config.diloco
-        candidate = outer_step(state, voted.tensors, diloco.outer_lr, diloco.outer_momentum)
+        candidate = self.outer(state, voted.tensors)
         candidate_hash = candidate.state_hash()
         give_up_at = time.monotonic() + self.voted_wait_s
         while True:

@@ -40,6 +40,7 @@ from hivemind.p2p import P2P
 from hivetrain.diloco.state import TrainingState
 from hivetrain.diloco.state_file import StateFile, StateFileWriter
 from hivetrain.diloco.state_offers import collect_offers, open_stream
+from hivetrain.diloco.state_reuse import KnownChunks
 from hivetrain.diloco.state_routing import (
     Attempt,
     FetchConfig,
@@ -57,26 +58,21 @@ from hivetrain.diloco.state_wire import (
     recv_control,
     send_control,
     unflatten,
-    zeros_sha256,
 )
 from hivetrain.faults import NO_FAULTS, FaultInjector, HookPoint
 
 logger = logging.getLogger(__name__)
 
 WHOLE_DOWNLOAD_FLOOR_BYTES_PER_S = 2**20
-"""A whole download may average no less than this (1 MiB/s, 8 Mbit/s) on top of its 4 network timeouts
-(``download_bound_s``): each chunk has its own deadlines (``state_routing``), the whole call only a cap."""
-PROGRESS_EVERY_S = 5.0
-"""Seconds between progress lines of a download (bytes, rate, ETA): a GB-sized state takes minutes on a home link."""
+"""A whole download may average no less than this (1 MiB/s) beyond 4 timeouts: its chunks have their own deadlines."""
+PROGRESS_EVERY_S = 5.0  # seconds between a download's progress lines (a GB-sized state takes minutes on home links)
 READ_BYTES = 256 * 2**10
 Expected = dict[int, str] | Callable[[], dict[int, str]]
 
 
 def download_bound_s(timeout_s: float, num_bytes: int) -> float:
-    """Seconds a caller gives one whole state download of ``num_bytes`` (our model's flat state): 4 network timeouts
-    plus the state at ``WHOLE_DOWNLOAD_FLOOR_BYTES_PER_S``. A flat 4 x ``timeout_s`` (120 s by default) could never
-    fetch a 1.2 GB state (the ``base`` preset) over a home link below 80 Mbit/s; a download that makes progress is
-    kept going by its chunks' deadlines, and this bounds one that crawls."""
+    """Seconds a caller gives one whole download of ``num_bytes``: 4 network timeouts plus the state at
+    ``WHOLE_DOWNLOAD_FLOOR_BYTES_PER_S`` (4 x ``timeout_s`` alone never fetched a 1.2 GB state below 80 Mbit/s)."""
     return 4 * timeout_s + num_bytes / WHOLE_DOWNLOAD_FLOOR_BYTES_PER_S
 
 
@@ -132,7 +128,7 @@ class _GroupDownload:
         hashes = self.manifest.chunk_hashes
         self.pending = deque(i for i in range(len(hashes)) if have.get(i) != hashes[i])
         self.done = {i for i in range(len(hashes)) if have.get(i) == hashes[i]}
-        self.zero_filled = 0  # bytes of all-zero chunks written here (``fill_zero_chunks``, before ``run``)
+        self.known_filled = 0  # bytes of chunks we held, written here (``fill_known_chunks``, before ``run``)
         self.in_flight: dict[int, list[Attempt]] = {}
         self.rates: dict[str, float] = {}
         self.refuted = ""
@@ -142,20 +138,21 @@ class _GroupDownload:
         self.started_s = self.last_report_s = clock()
         self.bytes_at_start = sum(self.manifest.chunk_range(i)[1] - self.manifest.chunk_range(i)[0] for i in self.done)
 
-    def fill_zero_chunks(self) -> int:
-        """Write the chunks whose manifest hash is that of zero bytes (outer momentum at μ = 0: half the state) without
+    def fill_known_chunks(self, known: KnownChunks) -> int:
+        """Write the chunks we hold already (``state_reuse``: all zeros, or the same bytes in our own state) without
         asking anyone; returns their bytes. The hash pins the content, and the state hash is checked at the end. Call
-        it off the event loop, before ``run``: for a 7B model it writes GBs."""
+        it off the event loop, before ``run``: for a 7B model it hashes and writes GBs."""
         filled = 0
         for index in list(self.pending):
             start, end = self.manifest.chunk_range(index)
-            if self.manifest.chunk_hashes[index] == zeros_sha256(end - start):
-                self.buffer[start:end] = bytes(end - start)
+            data = known.get(start, end, self.manifest.chunk_hashes[index])
+            if data is not None:
+                self.buffer[start:end] = data
                 self.have[index] = self.manifest.chunk_hashes[index]
                 self.done.add(index)
                 self.pending.remove(index)
                 filled += end - start
-        self.zero_filled += filled
+        self.known_filled += filled
         self.bytes_at_start += filled
         return filled
 
@@ -345,6 +342,7 @@ async def fetch_state(
     rng: random.Random | None = None,
     admits: Callable[[str], bool] | None = None,
     into: Path | None = None,
+    local: TrainingState | StateFile | None = None,
 ) -> FetchResult:
     """Download the newest state whose hash peers published, routing around donors that lie, fail or crawl.
 
@@ -365,6 +363,7 @@ async def fetch_state(
         into: download into this file (``state_file.StateFileWriter``) instead of memory: ``FetchResult.state`` is
             then a ``StateFile`` and the download holds a few chunks in memory, not the state (the coordinator of a
             model larger than its memory). The file is removed if the download fails.
+        local: the state we hold, if any: chunks whose hash it has are copied from it (``state_reuse``).
 
     Returns:
         FetchResult with the verified state and a report per donor. The whole call is bounded by the caller (each
@@ -418,15 +417,18 @@ async def fetch_state(
     buffer: bytearray | StateFileWriter
     buffer = StateFileWriter(into, reference) if into is not None else bytearray(num_bytes)
     try:
+        held = KnownChunks(local, num_bytes)  # bytes we hold: written here, not asked for
         return await _fetch_candidates(
-            p2p, protocol, candidates, buffer, reference, result, timeout_s, config, faults, clock
+            p2p, protocol, candidates, buffer, reference, result, timeout_s, config, faults, clock, held
         )
     finally:
         if isinstance(buffer, StateFileWriter) and result.state is None:
             buffer.abandon()
 
 
-async def _fetch_candidates(p2p, protocol, candidates, buffer, reference, result, timeout_s, config, faults, clock):
+async def _fetch_candidates(
+    p2p, protocol, candidates, buffer, reference, result, timeout_s, config, faults, clock, held
+):
     """Try the ranked manifests in turn into ``buffer`` (``fetch_state``'s steps 2 and 3)."""
     loop = asyncio.get_running_loop()
     have, have_chunk_bytes = {}, None
@@ -440,8 +442,8 @@ async def _fetch_candidates(p2p, protocol, candidates, buffer, reference, result
         group = _GroupDownload(
             p2p, protocol, candidate, members, buffer, have, result, timeout_s, config, faults, clock
         )
-        await loop.run_in_executor(None, group.fill_zero_chunks)
-        zeros = f", {group.zero_filled / 1e6:.1f} MB of it zeros written here" if group.zero_filled else ""
+        await loop.run_in_executor(None, group.fill_known_chunks, held)
+        zeros = f", {group.known_filled / 1e6:.1f} MB of it held here" if group.known_filled else ""
         logger.info(
             "downloading epoch %d state (%.1f MB%s) from %d donor(s)",
             manifest.epoch, len(buffer) / 1e6, zeros, len(members),
@@ -478,12 +480,13 @@ async def download_state(
     on_bad_donor: Callable[[str, str], None] | None = None,
     admits: Callable[[str], bool] | None = None,
     into: Path | None = None,
+    local: TrainingState | StateFile | None = None,
 ) -> TrainingState | StateFile:
     """``fetch_state`` returning only the state; ``on_bad_donor(peer_id, reason)`` is called for every donor that
     lied (on success and on failure) so the caller can ban it. Same arguments and errors as ``fetch_state``."""
     try:
         result = await fetch_state(
-            p2p, run_id, donors, expected, reference, timeout_s, faults, config, admits=admits, into=into
+            p2p, run_id, donors, expected, reference, timeout_s, faults, config, admits=admits, into=into, local=local
         )
     except StateDownloadFailed as exc:
         for donor, reason in exc.bad_donors.items():

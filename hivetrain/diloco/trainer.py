@@ -28,8 +28,8 @@ from hivetrain.diloco.drift import sketch_to_text
 from hivetrain.diloco.duty import DutyCycle
 from hivetrain.diloco.eval_worker import Evaluations
 from hivetrain.diloco.evidence import Evidence
+from hivetrain.diloco.local_copy import LocalCopy
 from hivetrain.diloco.options import TrainerOptions, TrainerStats
-from hivetrain.diloco.outer import load_into_model, pseudo_gradient
 from hivetrain.diloco.peer_report import PeerReport
 from hivetrain.diloco.phase import PhaseInterrupted, PhaseRunner
 from hivetrain.diloco.round_wait import RoundWait
@@ -198,6 +198,8 @@ class DilocoTrainer:
         self.background = BackgroundRound(
             self.rounds, self._overlap, diloco.outer_lr, diloco.outer_momentum, self._install
         )
+        self.local = LocalCopy.for_run(model, self.state, diloco)  # whole-model rounds, or fragments (Streaming DiLoCo)
+        self.rounds.plan = self.local.plan
         self._note_state()
 
     def _banned(self, peers: list[str], reason: str) -> None:
@@ -297,9 +299,9 @@ class DilocoTrainer:
             if outcome is not None and contribution is not None:
                 self._apply(outcome, contribution)
             elif contribution is not None:
-                self._discard(contribution.samples, "the peer stopped during a background round")
+                self.report.discard(contribution.counted, "the peer stopped during a background round")
             if self._pending is not None:
-                self._discard(self._pending.samples, "the peer stopped before sending them")
+                self.report.discard(self._pending.counted, "the peer stopped before sending them")
                 self._pending = None
             self.exchange.close(cancel=self._stop.is_set())
         self.evals.close(timeout_s=EVAL_CLOSE_TIMEOUT_S)
@@ -329,6 +331,7 @@ class DilocoTrainer:
         self.exchange.steps.add(synced.step)
         self.evidence.anchor(state.epoch)
         self.background.forget()
+        self.report.discard(self.local.reset(), "the download replaced the local copy (fragments' progress not sent)")
         self.stats.state_downloads += 1
         self.stats.state_bytes_downloaded += state.num_bytes()
         self._note_state()
@@ -342,9 +345,9 @@ class DilocoTrainer:
 
         The start point is θ, or with a round in flight (overlap) ``BackgroundRound.start_state``.
         """
-        start = self.background.start_state(self.state)
-        self.stats.timed("load", load_into_model, start, self.model)
-        h, epoch = self.config.diloco.inner_steps, self.state.epoch
+        start = self.state if self.local.fragments else self.background.start_state(self.state)
+        self.stats.timed("load", self.local.load, start, self.state)
+        h, epoch = self.config.diloco.phase_steps, self.state.epoch
         phase_epoch = self._phase_epoch()  # the round our pseudo-gradient goes to
         self.phases.begin(phase_epoch)
         self.view.request_publish()  # others count us in this epoch's schedule from now on
@@ -382,9 +385,10 @@ class DilocoTrainer:
         )
         if result.num_samples == 0 and self._pending is not None and self._pending.epoch >= phase_epoch:
             return self._pending  # a phase of no step adds nothing to what we still carry for this round
-        delta = self.stats.timed("pseudo_gradient", pseudo_gradient, start, self.model)
-        fresh = Contribution(delta, result.num_samples, phase_epoch)
-        self._pending = self._carry(self._pending, fresh)
+        gradient = self.local.pseudo_gradient  # Δ and its weight: the whole model's, or the epoch's fragment's
+        delta, weight = self.stats.timed("pseudo_gradient", gradient, start, phase_epoch, result.num_samples)
+        fresh = Contribution(delta, weight, phase_epoch, new_samples=result.num_samples)
+        self._pending = fresh if self.local.fragments else self._carry(self._pending, fresh)  # Δ_p holds all of p
         return self._pending
 
     def outer_phase(self) -> str:
@@ -414,10 +418,13 @@ class DilocoTrainer:
             raise DhtLost(f"lost the DHT: {policy.reason}")
         if policy.action != "apply":
             if policy.action == "stop":
-                self._discard(contribution.samples, "the peer stopped during the round")
-            else:  # resync / carry: sent again with our next pseudo-gradient (their sample-weighted mean); with
-                # overlap that one ran while this round was in flight, for the round after it: one epoch "later"
+                self.report.discard(contribution.counted, "the peer stopped during the round")
+            elif not self.local.fragments:  # resync / carry: sent again with our next pseudo-gradient (their sample-
+                # weighted mean); with overlap that one ran while this round was in flight, for the round after it
                 self._pending = self._carry(contribution, self._pending, 1) if self._pending else contribution
+            elif policy.action == "carry" and self._overlap != "off":  # fragments: our epoch's round, Δ_p anew
+                delta, weight = self.local.pseudo_gradient(self.state, self.state.epoch, 0)
+                self._pending = Contribution(delta, weight, self.state.epoch, new_samples=0)
                 self.report.emit("contribution_carried", reason=policy.reason, samples=contribution.samples)
             return policy.action
         result = outcome.result
@@ -431,7 +438,7 @@ class DilocoTrainer:
         self.stats.rounds_committed += 1
         self.stats.last_round_s, self.stats.last_group_size = result.duration_s, len(result.group)
         self.report.witnessed = (self.state.epoch, witnesses_for(result.round_id, result.weights, self.node.peer_id))
-        self.stats.samples_total += contribution.samples
+        self.stats.samples_total += contribution.counted
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
         eval_every = self.config.diloco.eval_every
@@ -489,12 +496,5 @@ class DilocoTrainer:
         """``rounds.carry``: the carried phases ``keep_carried`` drops are counted as discarded."""
         phases, samples = self.config.diloco.max_carried_phases, self.config.averaging.max_samples_per_round
         merged, dropped, why = carry(older, newer, max_phases=phases, max_samples=samples, max_staleness=max_staleness)
-        self._discard(dropped, why)
+        self.report.discard(dropped, why)
         return merged
-
-    def _discard(self, samples: int, reason: str) -> None:
-        if samples <= 0:
-            return
-        self.stats.samples_discarded += samples
-        logger.warning("discarding %d computed samples: %s", samples, reason)
-        self.report.emit("samples_discarded", samples=samples, reason=reason)

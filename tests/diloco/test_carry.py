@@ -85,7 +85,8 @@ def test_past_max_carried_phases_the_oldest_phases_are_dropped_and_counted():
 def test_the_trainer_counts_the_dropped_phases_as_discarded_with_the_reason():
     discarded = []
     config = RunConfig.from_dict({"diloco": {"max_carried_phases": 2}})
-    trainer = SimpleNamespace(config=config, _discard=lambda samples, why: discarded.append((samples, why)))
+    report = SimpleNamespace(discard=lambda samples, why: discarded.append((samples, why)))
+    trainer = SimpleNamespace(config=config, report=report)
     pending = None
     for fresh in _phases()[:3]:
         pending = DilocoTrainer._carry(trainer, pending, fresh)

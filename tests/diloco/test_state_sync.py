@@ -7,6 +7,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from hivetrain.diloco.state import TrainingState
+from hivetrain.diloco.state_file import write_state_file
 from hivetrain.diloco.state_sync import StateDownloadFailed, StateServer, download_state, fetch_state
 from hivetrain.diloco.state_wire import recv_control, send_control
 from hivetrain.faults import Fault, FaultInjector
@@ -380,3 +381,29 @@ def test_zero_chunks_of_the_state_are_written_by_the_downloader_not_sent_by_dono
         assert result.state.state_hash() == good.state_hash()
         sent = server.bytes_served - before
         assert half <= sent < half + CHUNK  # θ's chunks and the one that straddles θ and the momentum
+
+
+@pytest.mark.slow
+def test_chunks_of_the_state_we_hold_are_copied_not_fetched_and_a_false_local_copy_changes_nothing(
+    make_node, loop, tmp_path
+):
+    """Fragments (Streaming DiLoCo) change one fragment's θ and momentum per epoch: a follower or peer an epoch behind
+    already holds the rest. Chunks whose manifest hash our own state's bytes have are copied from it (in memory or on
+    disk); the assembled state is still checked against the published hash."""
+    donor = make_node(name="d0")
+    joiner = make_node(donor.visible_maddrs(), name="j")
+    old = _state(5, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    changed = {"b": torch.randn(7, 3, generator=gen)}  # the epoch's fragment: 21 of 300,021 parameters
+    new = TrainingState(6, {**old.params, **changed}, {**old.momentum, "b": torch.randn(7, 3, generator=gen)})
+    server = _serve(loop, donor, new, chunk_bytes=CHUNK)
+    on_disk = write_state_file(old, tmp_path / "old.safetensors")
+    for local in (old, on_disk):
+        before = server.bytes_served
+        result, _ = _fetch(loop, joiner, [donor], {6: new.state_hash()}, local=local)
+        assert result.state.state_hash() == new.state_hash()
+        assert server.bytes_served - before <= 2 * CHUNK  # the chunk holding θ_b and the one holding its momentum
+    other = _state(5, seed=11)  # a local state that shares nothing: every chunk comes from the donor
+    before = server.bytes_served
+    result, _ = _fetch(loop, joiner, [donor], {6: new.state_hash()}, local=other)
+    assert result.state.state_hash() == new.state_hash() and server.bytes_served - before == new.num_bytes()

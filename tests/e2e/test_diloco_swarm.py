@@ -147,3 +147,31 @@ def test_peers_that_compile_their_inner_step_end_bit_identical_and_loss_falls(tm
         assert all(0 < seconds < 30 for seconds in parts.values()), parts
         for step in (e for e in read_events(out / f"{name}.jsonl") if e["event"] == "outer_step"):
             assert set(step["overhead_s"]) == {"pseudo_gradient", "outer_step", "state_hash", "evaluate"}, step
+
+
+@pytest.mark.slow
+def test_fragments_take_turns_and_peers_and_a_late_joiner_stay_on_one_state(local_swarm):
+    """Streaming DiLoCo (``diloco.fragments = 2``, rounds overlapping the next phase, mixing factor 0.5): every round
+    carries one fragment, half of a whole-model round's bytes, in turn; the peers end bit-identical at every epoch;
+    a late joiner downloads the state, replaces its local copy whole, and is averaged with the others."""
+    overrides = {"diloco.fragments": 2, "diloco.overlap": "delayed", "diloco.fragment_mix": 0.5}
+    swarm = local_swarm(**{"diloco.outer_steps": 8, "diloco.inner_steps": 200, **overrides})
+    first = [swarm.add_peer() for _ in range(2)]
+    wait_for_event(first[0], lambda e: e["event"] == "outer_step" and e["epoch"] >= 2, timeout_s=120)
+    late = swarm.add_peer(name="late")
+    downloaded = wait_for_event(late, lambda e: e["event"] == "state_downloaded", timeout_s=120)
+    joined = wait_for_event(late, lambda e: e["event"] == "outer_step", timeout_s=120)
+    assert joined["group_size"] == 3, "the late joiner's pseudo-gradient must be averaged with the others'"
+    assert swarm.wait_peers(timeout_s=240)
+    summaries = [json.loads(p.summary_path.read_text()) for p in swarm.peers]
+    assert [s["epoch"] for s in summaries] == [8, 8, 8]
+    for epoch, digest in summaries[0]["state_hashes"].items():
+        assert all(s["state_hashes"].get(epoch, digest) == digest for s in summaries[1:]), f"epoch {epoch} differs"
+    assert downloaded["state_hash"] == summaries[0]["state_hashes"][str(downloaded["epoch"])]
+    whole_round = 4 * summaries[0]["num_parameters"]  # what a member of a pair sends in a whole-model fp32 round
+    for peer in first:
+        steps = [e for e in read_events(peer.metrics_path) if e["event"] == "outer_step"]
+        assert [e["epoch"] for e in steps] == list(range(1, 9))
+        pairs = [e["bytes_sent"] for e in steps if e["group_size"] == 2]
+        assert pairs and all(0.4 * whole_round < b < 0.6 * whole_round for b in pairs), (pairs, whole_round)
+        assert steps[-1]["eval_loss"] < steps[0]["eval_loss"] - 0.3
