@@ -105,12 +105,6 @@ class RunConfig:
                 f"diloco.fragments = {self.diloco.fragments} needs averaging.strategy='butterfly': a fragment's outer "
                 "step lands on the shared state, which moshpit and gossip do not keep; set diloco.fragments = 1"
             )
-        if self.diloco.fragments > 1 and self.averaging.error_feedback:
-            raise ValueError(
-                "diloco.fragments > 1 with averaging.error_feedback: the residual is one vector of the whole "
-                "round's size, and fragments send rounds of different sizes; use a codec without error feedback "
-                "(int8, int4) or diloco.fragments = 1"
-            )
         if not self.averaging.exact_average and self.averaging.compression in ("int8", "int4", "topk"):
             raise ValueError(
                 f"averaging.compression={self.averaging.compression!r} with averaging.strategy="

@@ -105,10 +105,6 @@ def test_overlap_needs_the_butterfly_strategy():
             {"diloco": {"fragments": 2}, "averaging": {"strategy": "gossip", "target_group_size": 2}},
             "needs averaging.strategy='butterfly'",
         ),
-        (
-            {"diloco": {"fragments": 2}, "averaging": {"compression": "int4", "error_feedback": True}},
-            "use a codec without error feedback",
-        ),
     ],
 )
 def test_fragments_refuse_what_they_cannot_run_naming_the_fix(raw, refusal):

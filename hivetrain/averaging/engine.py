@@ -126,7 +126,12 @@ class GroupAverager:
         self.bans = BanList(BanConfig(ban_base_s=ban_time_s, ban_max_s=max(3600.0, ban_time_s)))
         self.pool = BufferPool()  # receive buffers and the flat input, kept between calls (~2x the input size)
         self._outputs = OutputBuffers()  # result buffers, reused once the caller has let go of them
-        self._feedback = ErrorFeedback(config.error_feedback_decay) if config.error_feedback else None
+        # error feedback: one residual per slot; the round of epoch e uses slot e mod ``feedback_slots`` (the trainer
+        # sets it to ``diloco.fragments``: each fragment's rounds carry their own residual); ``_feedback`` is the
+        # current round's
+        self.feedback_slots = 1
+        self._feedbacks: dict[int, ErrorFeedback] = {}
+        self._feedback = self._feedback_slot(0)
         self.fallback: P2PFallback | None = None  # set by start() if config.libp2p_fallback
         self._lock = threading.Lock()
         self._started = threading.Event()
@@ -248,8 +253,9 @@ class GroupAverager:
         # one contiguous tensor is read in place (the round never writes it) unless error feedback or a fault hook
         # may change it; else it is copied into a pooled buffer (reused between calls: no page faults)
         in_place = len(tensors) == 1 and tensors[0].is_contiguous()
-        in_place = in_place and self._feedback is None and self.faults is NO_FAULTS
+        in_place = in_place and not self.config.error_feedback and self.faults is NO_FAULTS
         with self._lock:
+            self._feedback = self._feedback_slot(epoch % self.feedback_slots)
             flat = tensors[0].detach().reshape(-1) if in_place else self.pool.take(sum(t.numel() for t in tensors))
             try:
                 if not in_place:
@@ -422,6 +428,11 @@ class GroupAverager:
         self.server.note_committed(decl.round_key, decl.round_id)  # we never average at this round key again
         self._feedback_done(residual)
         return outcome, decl.round_id, outcome.contributors
+
+    def _feedback_slot(self, slot: int) -> ErrorFeedback | None:
+        if not self.config.error_feedback:
+            return None
+        return self._feedbacks.setdefault(slot, ErrorFeedback(self.config.error_feedback_decay))
 
     def _feedback_done(self, residual, exact: bool = False) -> None:
         """A round that carried our contribution (residual included) committed."""

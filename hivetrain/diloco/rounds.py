@@ -272,7 +272,19 @@ class RoundRunner:
         self.catch_up_wait_s = catch_up_wait_s
         self.behind_since: dict[str, float] = {}  # live trainers behind our epoch -> first seen so (``CatchUp``)
         self.note_closed_without_us = note_closed_without_us
-        self.plan: FragmentPlan | None = None  # the run's fragments (``diloco.fragments`` > 1), set by the trainer
+        self._plan: FragmentPlan | None = None
+
+    @property
+    def plan(self) -> FragmentPlan | None:
+        """The run's fragments (``diloco.fragments`` > 1; set by the trainer), or None: whole-model rounds. Each
+        fragment's rounds keep their own error-feedback residual (``GroupAverager.feedback_slots``)."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: FragmentPlan | None) -> None:
+        self._plan = plan
+        if hasattr(self.averager, "feedback_slots"):
+            self.averager.feedback_slots = plan.num_fragments if plan is not None else 1
 
     def outer(self, state: TrainingState, averaged: Sequence[torch.Tensor]) -> TrainingState:
         """The outer step of ``state.epoch`` with Δ̄ ``averaged``: the whole model's (``outer.outer_step``), or with

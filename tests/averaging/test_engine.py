@@ -427,6 +427,29 @@ def test_error_feedback_sends_what_int4_dropped_in_later_rounds(make_averagers) 
     assert errors[True] < 0.5 * errors[False], errors
 
 
+def test_each_fragments_rounds_keep_their_own_error_feedback_residual(make_averagers) -> None:
+    """With ``diloco.fragments = 2`` the trainer sets ``feedback_slots = 2``: rounds of even epochs average fragment
+    0, of odd epochs fragment 1 (another size). Each slot keeps its residual across the other's rounds; one shared
+    residual would be reset at every size change and send nothing it dropped."""
+    cfg = AveragingConfig(target_group_size=2, compression="int4", error_feedback=True, **SLOW_OK)
+    avgs = make_averagers(2, cfg)
+    for avg in avgs:
+        avg.feedback_slots = 2
+    g = torch.Generator().manual_seed(3)
+    fragments = [[[torch.randn(300, generator=g)] for _ in avgs], [[torch.randn(7, 50, generator=g)] for _ in avgs]]
+    kept = {}
+    for epoch in range(4):
+        results = _average_all(avgs, fragments[epoch % 2], [1.0, 2.0], epoch=epoch)
+        assert all(isinstance(r, RoundResult) for r in results), results
+        for i, avg in enumerate(avgs):
+            residual = avg._feedbacks[epoch % 2].residual
+            assert residual.numel() == fragments[epoch % 2][i][0].numel() and float(residual.abs().max()) > 0
+            if epoch >= 2:  # the slot's residual survived the other fragment's round and was sent again
+                assert not torch.equal(residual, kept[(i, epoch % 2)])
+            kept[(i, epoch % 2)] = residual.clone()
+    assert sorted(avgs[0]._feedbacks) == [0, 1]
+
+
 @pytest.mark.parametrize("num_peers", [2, 3])
 def test_topk_rounds_stay_bit_identical_and_error_feedback_sends_the_rest(make_averagers, num_peers: int) -> None:
     """ "topk" at 10% density, 2-bit values: each round's result is bit-identical on every member and holds at most
