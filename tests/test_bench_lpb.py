@@ -138,3 +138,27 @@ def test_one_worker_fragments_with_plain_averaging_are_one_adamw_run_and_send_th
 def _tiny_model(setup: Setup):
     vocab = _corpus(setup.data, setup.seq_len, setup.eval_windows).vocab_size
     return build_model(build_config("tiny", vocab, setup.seq_len), seed=0)
+
+
+def test_the_fragments_plan_splits_the_chosen_fp32_arm_and_tunes_the_overlapped_one():
+    from diloco_vs_ddp import Sweep, plan
+
+    fams = plan("fragments", str(DATA), [])
+    labels = [f.label for f in fams]
+    assert labels == [
+        "tiny/400/ddp",
+        "tiny/400/diloco-H40",
+        "tiny/400/diloco-H40-eager",
+        "tiny/400/diloco-H40-F4",
+        "tiny/400/diloco-H40-F4-delayed",
+    ]
+    sweep = Sweep(fams, jobs=0, results_path="")
+    whole = fams[1]
+    for i, arm in enumerate(whole.grid):  # pretend the tuning ran: the second setting won
+        sweep.done[(whole.setup.key(), arm.key(), 0)] = {"eval_loss": 2.0 if i != 1 else 1.5}
+    split = [arm for _, arm, _ in sweep.needed() if arm.fragments == 4 and arm.overlap == "off"]
+    assert split and {(a.outer_lr, a.outer_momentum, a.inner_steps) for a in split} == {
+        (whole.grid[1].outer_lr, whole.grid[1].outer_momentum, 40)
+    }
+    streaming = fams[4].grid
+    assert {(a.overlap, a.fragments, a.mix) for a in streaming} == {("delayed", 4, 0.0), ("delayed", 4, 0.5)}

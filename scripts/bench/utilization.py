@@ -12,6 +12,9 @@ Arms, one after another in one invocation (fresh coordinator and peers each, sam
     fixed-H       diloco.schedule = "steps", overlap = "off": every peer runs H inner steps (today's synchronous DiLoCo)
     swarm         schedule = "swarm", overlap = "off": the epoch ends when the swarm has computed its target samples
     swarm+eager   schedule = "swarm", overlap = "eager": the next inner phase runs while the round is in flight
+    swarm+fragments  schedule = "swarm", ``diloco.fragments = --fragments`` (Streaming DiLoCo), overlap "delayed",
+                  ``fragment_mix`` 0.5: one fragment's round every H / F inner steps, each overlapping the next ones
+                  (not in the default ``--arms``)
 
 Each arm runs once per codec in ``--codecs`` ("fp32", "int8"/"int4" with "-ef" for error feedback, or
 "topk<percent>-<bits>b-ef"; the first arm name keeps its plain name for fp32, "swarm+eager/int4-ef" otherwise), so that
@@ -59,7 +62,13 @@ from lpb_arms import feedback_decay, without_feedback  # noqa: E402 - sibling be
 from hivetrain.chaos.network import NetnsTopology  # noqa: E402
 from hivetrain.config import load_run_config  # noqa: E402
 
-ARMS = {"fixed-H": ("steps", "off"), "swarm": ("swarm", "off"), "swarm+eager": ("swarm", "eager")}
+ARMS = {
+    "fixed-H": ("steps", "off"),
+    "swarm": ("swarm", "off"),
+    "swarm+eager": ("swarm", "eager"),
+    "swarm+fragments": ("swarm", "delayed"),
+}
+DEFAULT_ARMS = ("fixed-H", "swarm", "swarm+eager")
 DATA = "/work/shared/data/tinyshakespeare.txt"
 
 
@@ -147,6 +156,7 @@ def run_config(arm: str, codec: str, args: argparse.Namespace, out_dir: Path) ->
             "averaging.matchmaking_time_s": 2.0,
             "averaging.round_timeout_s": 240.0,  # fixed-H: the fastest peer waits for a 4x slower one, not discard
             **codec_overrides(codec),
+            **({"diloco.fragments": args.fragments, "diloco.fragment_mix": 0.5} if arm == "swarm+fragments" else {}),
         },
     )
     path = out_dir / f"{arm_dir_name(arm_name(arm, codec))}.toml"
@@ -241,7 +251,8 @@ def print_table(results: list[dict], bench_s: float, settings: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument("--fragments", type=int, default=4, help="diloco.fragments of the swarm+fragments arm")
     parser.add_argument("--seconds", type=float, default=None, help="training wall time per arm (default 240)")
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default 400; 100 with --quick)")
     parser.add_argument("--mbps", type=float, default=2.5, help="each peer's link, Mbit/s each way")

@@ -49,3 +49,16 @@ def test_the_wide_model_has_the_smallest_layer_count_whose_fp32_pseudo_gradient_
     assert params * 4 >= 50e6
     per_layer = 4 * 384 * 384 + 3 * 384 * 1024 + 2 * 384  # attention, MLP, two RMSNorms
     assert params * 4 - per_layer * 4 < 50e6  # one layer fewer would not reach it
+
+
+def test_the_fragments_arm_writes_a_run_config_the_peers_accept(tmp_path):
+    args = utilization.argparse.Namespace(
+        model="tiny", data="d.txt", seq_len=32, batch_size=4, inner_steps=40, fragments=4
+    )
+    path = utilization.run_config("swarm+fragments", "int4-ef", args, tmp_path)
+    config = load_run_config(str(path), {})
+    assert (config.diloco.fragments, config.diloco.overlap, config.diloco.fragment_mix) == (4, "delayed", 0.5)
+    assert config.diloco.phase_steps == 10 and config.averaging.error_feedback
+    plain = load_run_config(str(utilization.run_config("swarm+eager", "fp32", args, tmp_path)), {})
+    assert plain.diloco.fragments == 1
+    assert "swarm+fragments" not in utilization.DEFAULT_ARMS  # an opt-in arm: the default run stays three arms
