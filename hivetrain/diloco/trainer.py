@@ -419,12 +419,12 @@ class DilocoTrainer:
         if policy.action != "apply":
             if policy.action == "stop":
                 self.report.discard(contribution.counted, "the peer stopped during the round")
-            elif not self.local.fragments:  # resync / carry: sent again with our next pseudo-gradient (their sample-
-                # weighted mean); with overlap that one ran while this round was in flight, for the round after it
+            elif not self.local.fragments:  # resync / carry: merged into our next pseudo-gradient (their mean)
                 self._pending = self._carry(contribution, self._pending, 1) if self._pending else contribution
             elif policy.action == "carry" and self._overlap != "off":  # fragments: our epoch's round, Δ_p anew
                 delta, weight = self.local.pseudo_gradient(self.state, self.state.epoch, 0)
                 self._pending = Contribution(delta, weight, self.state.epoch, new_samples=0)
+            if policy.action != "stop":  # fragments: what Δ_p held stays in the local copy for p's next round
                 self.report.emit("contribution_carried", reason=policy.reason, samples=contribution.samples)
             return policy.action
         result = outcome.result

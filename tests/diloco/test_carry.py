@@ -94,3 +94,34 @@ def test_the_trainer_counts_the_dropped_phases_as_discarded_with_the_reason():
     (samples, why), *more = [d for d in discarded if d[0] > 0]
     assert samples == SAMPLES[0] and not more
     assert why == "the oldest 1 of 2 carried phase(s) dropped: 3 phases exceed diloco.max_carried_phases (2)"
+
+
+@pytest.mark.parametrize("fragments", [False, True])
+def test_a_round_that_did_not_commit_is_reported_carried_in_both_modes(fragments):
+    """Whole-model rounds carry the contribution into the next one (merged); with fragments it stays in the local
+    copy, and with a round in flight next (overlap) our epoch's fragment is measured anew. Both say so in a
+    ``contribution_carried`` event (the chaos harness reads it); a stop discards it instead."""
+    from hivetrain.diloco.round_policy import RoundPolicy
+    from hivetrain.diloco.rounds import RoundOutcome
+
+    events, discarded = [], []
+    state = _theta()
+    fresh = Contribution([torch.zeros(4)], 10, state.epoch, new_samples=10)
+    local = SimpleNamespace(fragments=fragments, pseudo_gradient=lambda start, epoch, n: ([torch.ones(2)], 30))
+    report = SimpleNamespace(
+        emit=lambda event, **fields: events.append((event, fields)), discard=lambda n, why: discarded.append(n)
+    )
+    trainer = SimpleNamespace(
+        config=RunConfig.from_dict({}), rounds=SimpleNamespace(rounds_failed=1, last_failure="x"),
+        stats=SimpleNamespace(), report=report, local=local, state=state, _pending=None,
+        _overlap="delayed" if fragments else "off",
+    )  # fmt: skip
+    trainer._carry = lambda older, newer, staleness=0: DilocoTrainer._carry(trainer, older, newer, staleness)
+    action = DilocoTrainer._apply(trainer, RoundOutcome(RoundPolicy("carry", "nobody committed"), 1), fresh)
+    assert action == "carry" and [e for e, _ in events] == ["contribution_carried"] and not discarded
+    if fragments:  # our epoch's round again, with the fragment's Δ measured anew (weight: every phase since)
+        assert trainer._pending.samples == 30 and trainer._pending.counted == 0
+    else:
+        assert trainer._pending is fresh
+    DilocoTrainer._apply(trainer, RoundOutcome(RoundPolicy("stop", "stopping"), 1), fresh)
+    assert discarded == [10] and len(events) == 1
