@@ -99,8 +99,8 @@ def test_overlap_needs_the_butterfly_strategy():
     [
         ({"diloco": {"fragments": 3, "inner_steps": 50}}, "inner_steps = 50 is not a multiple of diloco.fragments = 3"),
         ({"diloco": {"fragments": 2, "overlap": "eager"}}, "overlap = 'delayed'"),
-        ({"diloco": {"fragment_mix": 0.5, "fragments": 2}}, "needs diloco.fragments > 1 and diloco.overlap"),
-        ({"diloco": {"fragment_mix": 0.5, "overlap": "delayed"}}, "needs diloco.fragments > 1 and diloco.overlap"),
+        ({"diloco": {"fragment_mix": 0.2, "fragments": 2}}, "needs diloco.fragments > 1 and diloco.overlap"),
+        ({"diloco": {"fragment_mix": 0.0, "overlap": "delayed"}}, "needs diloco.fragments > 1 and diloco.overlap"),
         (
             {"diloco": {"fragments": 2}, "averaging": {"strategy": "gossip", "target_group_size": 2}},
             "needs averaging.strategy='butterfly'",

@@ -11,6 +11,8 @@ from pydantic.dataclasses import dataclass
 _STRICT = ConfigDict(extra="forbid")
 
 
+FRAGMENT_MIX_DEFAULT = 0.5
+"""``diloco.fragment_mix``'s default (measured: see its docstring)."""
 MAX_DOWNLOADERS_DEFAULT = 16
 """``diloco.max_downloaders``'s default: peers one donor serves at once (measured: dev/LOG.md, 2026-11-29)."""
 
@@ -101,7 +103,9 @@ class DilocoConfig:
             multiple of F, the butterfly strategy, and overlap "off" or "delayed".
         fragment_mix: α, how a fragment's new shared θ enters the local copy once its round overlapped inner steps
             (``overlap = "delayed"``): θ_local ← α·θ_local + (1 − α)·θ, keeping part of what those steps learned
-            (Streaming DiLoCo Sec. 2.3); 0 = replaced. Without overlap the local copy is always replaced.
+            (Streaming DiLoCo Sec. 2.3); 0 = replaced. Default 0.5, the paper's and the better of {0, 0.5} on the
+            learning-per-byte bench (``--plan fragments``, tiny, F = 4, H = 40, seed 0: 1.973 against 1.987; dev/LOG.md,
+            session 40). Without overlap the local copy is always replaced (another value is refused).
         eval_overlap: where the evaluation after an outer step runs (``diloco/eval_worker.py``). "auto" (default):
             on CUDA on a thread of its own, on a replica of the model (one more fp32 copy of the parameters on the
             GPU) and its own CUDA stream, while the next inner phase trains, reported as an ``eval`` event per
@@ -132,7 +136,7 @@ class DilocoConfig:
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
     eval_overlap: Literal["auto", "on", "off"] = "auto"
     fragments: int = Field(default=1, ge=1, le=4096)
-    fragment_mix: float = Field(default=0.0, ge=0.0, lt=1.0)
+    fragment_mix: float = Field(default=FRAGMENT_MIX_DEFAULT, ge=0.0, lt=1.0)
 
     def __post_init__(self) -> None:
         if self.inner_steps % self.fragments:
@@ -145,7 +149,7 @@ class DilocoConfig:
                 "diloco.fragments > 1 with diloco.overlap = 'eager': the eager estimate is of a whole-model round; "
                 "fragments overlap their rounds with overlap = 'delayed' (their own start point is the local copy)"
             )
-        if self.fragment_mix and (self.fragments == 1 or self.overlap == "off"):
+        if self.fragment_mix != FRAGMENT_MIX_DEFAULT and (self.fragments == 1 or self.overlap == "off"):
             raise ValueError(
                 "diloco.fragment_mix mixes a fragment's average into the local copy after its round overlapped inner "
                 "steps: it needs diloco.fragments > 1 and diloco.overlap = 'delayed'"

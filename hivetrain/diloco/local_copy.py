@@ -43,10 +43,11 @@ class LocalCopy:
     @classmethod
     def for_run(cls, model: torch.nn.Module, state: TrainingState, config: DilocoConfig) -> LocalCopy:
         """The run's local copy: whole-model rounds, or ``config.fragments`` fragments of ``state``'s parameters
-        mixed by ``config.fragment_mix`` (which the config allows only with overlap)."""
+        mixed by ``config.fragment_mix`` when rounds overlap phases (replaced without overlap)."""
         if config.fragments == 1:
             return cls(model, None)
-        return cls(model, FragmentPlan.of_state(state, config.fragments), config.fragment_mix)
+        mix = config.fragment_mix if config.overlap != "off" else 0.0
+        return cls(model, FragmentPlan.of_state(state, config.fragments), mix)
 
     @property
     def fragments(self) -> bool:
