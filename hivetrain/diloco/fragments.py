@@ -19,12 +19,15 @@ In hivetrain's terms an epoch is one fragment's outer step: epoch ``e`` averages
   inner steps that moved the local copy on meanwhile, mixed as θ_p,local ← α·θ_p,local + (1 − α)·θ_p (Sec. 2.3,
   α = 0.5 in the paper), keeping part of what those steps learned. The other fragments keep training locally.
 
-Fragments are whole parameter tensors. The paper builds them from transformer blocks, strided over depth (block i
-in fragment i mod F: each fragment spans the whole depth, slightly better than contiguous blocks, Sec. 3.3); a
-model with fewer blocks than fragments (the tiny preset has 2) cannot be cut that way, so ``FragmentPlan.build``
-assigns tensors, largest first, to the fragment with the fewest elements so far (ties: the lower index): the F
-rounds carry equal bytes to within one tensor, and each fragment holds tensors from every depth of a model with
-many blocks. Every peer builds the same plan from the same names and shapes (it is a pure function of them).
+Fragments are contiguous runs of whole parameter tensors in the state's order, cut where the running element count
+comes closest to each k/F of the total (``FragmentPlan.build``): the F rounds carry equal bytes to within about one
+tensor, and each fragment is one contiguous byte range of the flat state that downloads move in chunks
+(``state_wire``), so a peer or follower that downloads a newer state fetches only the chunks of the fragments changed
+since (``state_reuse``). The paper strides transformer blocks over the fragments (block i in fragment i mod F) and
+found it slightly better than contiguous blocks (Sec. 3.3); strided fragments interleave in the flat state, and a
+4 MiB chunk then holds tensors of several fragments: the coordinator following a 50 MB model with 4 strided
+fragments fetched all of θ every epoch (dev/LOG.md, session 40). Every peer builds the same plan from the same names
+and sizes (a pure function of them).
 
 All tensors: fp32 CPU, ``TrainingState.params`` order within a fragment. Pure functions and a frozen plan: no I/O.
 """
@@ -67,14 +70,24 @@ class FragmentPlan:
                 f"diloco.fragments = {num_fragments} but the model has {len(numels)} parameter tensors: a fragment "
                 "is whole tensors, so use at most that many fragments"
             )
-        order = {name: i for i, name in enumerate(numels)}
-        sizes = [0] * num_fragments
+        names, total = list(numels), sum(numels.values())
         members: list[list[str]] = [[] for _ in range(num_fragments)]
-        for name in sorted(numels, key=lambda n: (-numels[n], order[n])):
-            lightest = min(range(num_fragments), key=lambda f: (sizes[f], f))
-            members[lightest].append(name)
-            sizes[lightest] += numels[name]
-        fragments = tuple(tuple(sorted(m, key=order.__getitem__)) for m in members)
+        done, index = 0, 0
+        for p in range(num_fragments):
+            left = num_fragments - p - 1  # fragments after this one: each needs at least one tensor
+            cut = total * (p + 1) / num_fragments
+            while index < len(names) - left:
+                n = numels[names[index]]
+                # take the tensor if the fragment is empty, or if ending after it comes closer to the cut
+                if members[p] and abs(done + n - cut) > abs(done - cut):
+                    break
+                members[p].append(names[index])
+                done, index = done + n, index + 1
+            if p == num_fragments - 1:
+                members[p].extend(names[index:])
+                index = len(names)
+        fragments = tuple(tuple(m) for m in members)
+        sizes = [sum(numels[n] for n in m) for m in members]
         return cls(fragments=fragments, numels=tuple(sizes))
 
     @classmethod

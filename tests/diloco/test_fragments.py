@@ -37,8 +37,14 @@ def test_the_plan_covers_every_tensor_once_balanced_and_the_same_for_every_peer(
     order = list(state.params)
     assert all(list(f) == sorted(f, key=order.index) for f in plan.fragments)  # the state's order inside a fragment
     assert plan.numels == tuple(sum(state.params[n].numel() for n in f) for f in plan.fragments)
-    # largest first onto the lightest: 48 | 32 + 6 + 4 | 24 + 16 -> within one tensor of each other
-    assert sorted(plan.numels) == [40, 42, 48]
+    # contiguous runs cut nearest each third of 130: embed 32 + a.w 16 (48) | a.b 4 + b.w 24 + b.b 6 (34) | head 48
+    assert plan.fragments == (("embed", "a.w"), ("a.b", "b.w", "b.b"), ("head",)) and plan.numels == (48, 34, 48)
+    # so each fragment is one contiguous byte range of the flat state (downloads reuse the others' chunks)
+    assert [n for f in plan.fragments for n in f] == order
+    many = FragmentPlan.build({f"t{i}": 10 for i in range(8)}, 3)  # equal tensors: 3 / 3 / 2 (cuts at 26.7, 53.3)
+    assert [len(f) for f in many.fragments] == [3, 2, 3] and sum(many.numels) == 80
+    lopsided = FragmentPlan.build({"big": 1000, "a": 1, "b": 1}, 3)  # every fragment keeps one tensor at least
+    assert lopsided.fragments == (("big",), ("a",), ("b",))
     assert FragmentPlan.of_state(_state(seed=5), 3) == plan  # a function of names and shapes only
     assert [plan.fragment_of(e) for e in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     assert plan.names(4) == plan.fragments[1]
