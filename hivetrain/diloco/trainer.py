@@ -367,15 +367,15 @@ class DilocoTrainer:
             self.report.emit("inner_diverged", reason=str(exc))
             return None
         self.view.request_publish()  # others stop counting on our progress for this round
-        result = phase.inner
+        result, samples = phase.inner, phase.inner.num_samples
         self.stats.compute_s += phase.compute_s
-        self.stats.samples_computed += result.num_samples
+        self.stats.samples_computed += samples
         self.stats.throughput = self.phases.last_rate
         self.report.emit(
             "inner_phase",
             loss=result.mean_loss if result.num_steps else None,
             steps=result.num_steps,
-            samples=result.num_samples,
+            samples=samples,
             compute_s=phase.compute_s,
             wall_s=phase.wall_s,
             round_key=phase_epoch,
@@ -383,11 +383,10 @@ class DilocoTrainer:
             skipped_steps=result.num_skipped_steps,  # fp16: steps the gradient scaler skipped
             ended=phase.ended,  # the schedule's reason
         )
-        if result.num_samples == 0 and self._pending is not None and self._pending.epoch >= phase_epoch:
+        if samples == 0 and self._pending is not None and self._pending.epoch >= phase_epoch:
             return self._pending  # a phase of no step adds nothing to what we still carry for this round
-        gradient = self.local.pseudo_gradient  # Δ and its weight: the whole model's, or the epoch's fragment's
-        delta, weight = self.stats.timed("pseudo_gradient", gradient, start, phase_epoch, result.num_samples)
-        fresh = Contribution(delta, weight, phase_epoch, new_samples=result.num_samples)
+        delta, weight = self.stats.timed("pseudo_gradient", self.local.pseudo_gradient, start, phase_epoch, samples)
+        fresh = Contribution(delta, weight, phase_epoch, new_samples=samples)
         self._pending = fresh if self.local.fragments else self._carry(self._pending, fresh)  # Δ_p holds all of p
         return self._pending
 
@@ -452,7 +451,8 @@ class DilocoTrainer:
             bytes_sent=result.bytes_sent,
             eval_loss=eval_loss,
             excluded=list(result.excluded),
-            samples=contribution.samples,
+            samples=contribution.counted,  # each computed sample once (fragments: ``weight`` spans F phases)
+            weight=contribution.samples,
             attempts=outcome.attempts,
             update_norm=outcome.update_norm,  # ‖Δ̄‖₂ applied (moshpit/gossip: ‖θ_new − θ_old‖₂; update_bound)
             witnessed=[list(entry) for entry in self.report.witnessed[1]],  # others' samples we vouch for (credit)

@@ -175,3 +175,5 @@ def test_fragments_take_turns_and_peers_and_a_late_joiner_stay_on_one_state(loca
         pairs = [e["bytes_sent"] for e in steps if e["group_size"] == 2]
         assert pairs and all(0.4 * whole_round < b < 0.6 * whole_round for b in pairs), (pairs, whole_round)
         assert steps[-1]["eval_loss"] < steps[0]["eval_loss"] - 0.3
+        # a fragment's weight spans the phases since it last took θ_p; "samples" counts each phase once
+        assert all(e["weight"] >= e["samples"] for e in steps) and any(e["weight"] > e["samples"] for e in steps)
