@@ -9,7 +9,7 @@ up: a phase starts where the last one ended, after the local copy took in the ne
 outer step committed since (``merge_fragment``: replaced, or mixed by ``diloco.fragment_mix`` when its round
 overlapped a phase). The pseudo-gradient of epoch e is that of fragment p = e mod F, Δ_p = θ_p − θ_p,local, which
 holds everything the local copy learned on p since it last took θ_p, so its weight is the samples of every phase
-since then (``FragmentSamples``), and a round that fails carries nothing: Δ_p is measured again, larger, at p's
+since then (counted per fragment here), and a round that fails carries nothing: Δ_p is measured again, larger, at p's
 next round. A download replaces the local copy whole (``reset``); what it had learned and not sent is lost (the
 caller counts it as discarded).
 
