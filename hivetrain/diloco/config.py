@@ -35,8 +35,10 @@ class DilocoConfig:
             2026-11-25). The paper's 0.7 with momentum 0.9 (tuned on a 150M model, H = 500) ended 5-14 points
             further behind tuned data parallelism there (e.g. +11.1% vs +5.6% eval loss at 10 outer steps).
         outer_momentum: outer Nesterov momentum (see ``outer_lr``; paper: 0.9).
-        outer_steps: stop after this many outer steps (epochs); 0 = train until stopped.
-        eval_every: evaluate on the held-out windows every this many outer steps; 0 = only at start and end.
+        outer_steps: stop after this many outer steps (epochs; with ``fragments`` each is one fragment's, so F of
+            them make one round of every parameter); 0 = train until stopped.
+        eval_every: evaluate on the held-out windows every this many outer steps (epochs, as ``outer_steps``); 0 =
+            only at start and end.
         schedule: when a peer ends its inner phase. "swarm" (default): when the samples that all live peers have
             computed at this epoch reach ``target_samples_per_epoch`` (estimated from the progress and throughput
             every peer publishes, as hivemind's ``ProgressTracker``), so every peer ends at about the same time and a
