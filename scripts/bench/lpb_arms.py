@@ -362,23 +362,25 @@ def _run_streaming(setup, arm, model_cfg, seed, streams):
     lr, mu = float(arm.outer_lr), float(arm.outer_momentum)
     models = [build_model(model_cfg, seed=seed) for _ in range(setup.workers)]
     inners = [InnerOptimizer(m, cfg) for m in models]
-    plan = FragmentPlan.of_state(TrainingState.from_model(models[0]), f)
+    shared = TrainingState.from_model(models[0])
+    plan = FragmentPlan.of_state(shared, f)
     # error feedback keeps one residual per fragment (its tensors only), as a peer's averager would per round shape
     quantizers = [[_Quantizer(arm.codec) for _ in models] for _ in range(f)] if arm.codec else None
     means = [_Quantizer(arm.codec, setup.workers, result=True) for _ in range(f)] if arm.codec else None
-    shared = [TrainingState.from_model(models[0])]
-    sent = [0]
+    sent = 0
 
     def average(p: int) -> list[torch.Tensor]:
-        deltas = [fragment_pseudo_gradient(shared[0], model, plan.fragments[p]) for model in models]
+        nonlocal sent
+        deltas = [fragment_pseudo_gradient(shared, model, plan.fragments[p]) for model in models]
         bits = (quantizers[p][0].bits_per_float, means[p].bits_per_float) if quantizers else (32.0, None)
-        sent[0] += ring_bytes(plan.numels[p], setup.workers, *bits)
+        sent += ring_bytes(plan.numels[p], setup.workers, *bits)
         return _average(deltas, quantizers[p] if quantizers else None, means[p] if means else None)
 
     def commit(p: int, avg: list[torch.Tensor], alpha: float | None) -> None:
-        shared[0] = fragment_outer_step(shared[0], plan.fragments[p], avg, lr, mu)
+        nonlocal shared
+        shared = fragment_outer_step(shared, plan.fragments[p], avg, lr, mu)
         for model in models if alpha is not None else ():
-            merge_fragment(model, shared[0], plan.fragments[p], alpha)
+            merge_fragment(model, shared, plan.fragments[p], alpha)
 
     pending: tuple[int, list[torch.Tensor]] | None = None  # (fragment, Δ̄) in flight
     for epoch in range(setup.steps // phase):
@@ -398,8 +400,8 @@ def _run_streaming(setup, arm, model_cfg, seed, streams):
     for p in range(f):
         if p != last:
             commit(p, average(p), None)
-    load_into_model(shared[0], models[0])
-    return models[0], sent[0]
+    load_into_model(shared, models[0])
+    return models[0], sent
 
 
 def _average(deltas, quantizers, mean_codec) -> list[torch.Tensor]:

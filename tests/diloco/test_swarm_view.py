@@ -35,6 +35,11 @@ def record():
     return peer_record("me", 0, get_dht_time(), throughput=0.0)
 
 
+def _view(**kwargs) -> SwarmView:
+    """A view of run "r" over a DHT that stores at once, every 5 s, records living 30 s."""
+    return SwarmView(Node(SlowDht(0.0)), None, "r", "f", record, record_ttl_s=30.0, record_interval_s=5.0, **kwargs)
+
+
 def test_request_publish_returns_at_once_and_the_heartbeat_publishes_soon():
     dht = SlowDht(store_s=0.5)
     view = SwarmView(Node(dht), None, "r", "f", record, record_ttl_s=30.0, record_interval_s=60.0)
@@ -54,25 +59,14 @@ def test_request_publish_returns_at_once_and_the_heartbeat_publishes_soon():
 
 def test_a_view_without_our_own_record_is_not_real_and_ages():
     clock = [100.0]
-    view = SwarmView(
-        Node(SlowDht(0.0)), None, "r", "f", record, record_ttl_s=30.0, record_interval_s=5.0, clock=lambda: clock[0]
-    )
+    view = _view(clock=lambda: clock[0])
     clock[0] = 130.0
     assert view.refresh() == [] and not view.view_ok
     assert view.view_age_s == 30.0  # the lost-DHT timer runs on: an empty answer is not an empty swarm
 
 
 def test_the_heartbeat_period_follows_the_hint_within_bounds():
-    view = SwarmView(
-        Node(SlowDht(0.0)),
-        None,
-        "r",
-        "f",
-        record,
-        record_ttl_s=30.0,
-        record_interval_s=5.0,
-        next_interval_s=lambda: 0.01,
-    )
+    view = _view(next_interval_s=lambda: 0.01)
     assert view._interval_s() == 0.5
     view.next_interval_s = lambda: float("inf")
     assert view._interval_s() == 5.0
@@ -87,16 +81,7 @@ def test_banned_peers_leave_the_view_for_every_reader_and_come_back_when_the_ban
         "hivetrain.diloco.swarm_view.fetch_records_at", lambda dht, keys, run_id, timeout: {k: found for k in keys}
     )
     banned = {"liar1", "liar2"}
-    view = SwarmView(
-        Node(SlowDht(0.0)),
-        None,
-        "r",
-        "f",
-        record,
-        record_ttl_s=30.0,
-        record_interval_s=5.0,
-        ignored=lambda: frozenset(banned),
-    )
+    view = _view(ignored=lambda: frozenset(banned))
     assert sorted(r.peer_id for r in view.refresh()) == ["honest", "me"] and view.view_ok
     assert sorted(r.peer_id for r in view.records) == ["honest", "me"]  # the schedule's and the rounds' reads
     banned.clear()  # a ban that ran out (the averager's are timed)
