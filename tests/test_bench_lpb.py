@@ -162,3 +162,39 @@ def test_the_fragments_plan_splits_the_chosen_fp32_arm_and_tunes_the_overlapped_
     }
     streaming = fams[4].grid
     assert {(a.overlap, a.fragments, a.mix) for a in streaming} == {("delayed", 4, 0.0), ("delayed", 4, 0.5)}
+
+
+def test_the_small_long_plan_runs_each_arm_once_at_the_tiny_runs_choices():
+    from diloco_vs_ddp import Sweep, plan
+
+    fams = plan("small-long", str(DATA), ["topk3-2b-ef90", "int4-ef"])
+    assert [f.label for f in fams] == [
+        "small/2000/ddp",
+        "small/2000/diloco-H40",
+        "small/2000/diloco-H40-topk3-2b-ef90",
+        "small/2000/diloco-H40-int4-ef",
+    ]
+    assert all((f.setup.preset, f.setup.steps, f.seeds) == ("small", 2000, (0,)) for f in fams)
+    runs = Sweep(fams, jobs=0, results_path="").needed()
+    assert len(runs) == 4  # no grid: one run per row, none waiting on another's choice
+    h40, topk, int4 = (
+        next(a for _, a, _ in runs if a.family() == name)
+        for name in ("diloco-H40", "diloco-H40-topk3-2b-ef90", "diloco-H40-int4-ef")
+    )
+    assert (h40.outer_lr, h40.outer_momentum) == (1.0, 0.0)
+    assert (topk.outer_lr, int4.outer_lr) == (2.0, 1.0)  # top-k's larger outer step, as tuned at tiny/1200
+
+
+def test_rows_name_the_fragments_and_mixing_factor_of_their_arm_and_grid():
+    from diloco_vs_ddp import Family, Sweep
+
+    setup = Setup(str(DATA), "tiny", workers=4, steps=400)
+    grid = tuple(Arm("diloco", 2e-3, 40, 1.0, 0.0, "delayed", "", 4, a) for a in (0.0, 0.5))
+    sweep = Sweep([Family("tiny/400/ddp", setup, (Arm("ddp", 2e-3),), (0,)), Family("f", setup, grid, (0,))], 0, "")
+    sweep.done[(setup.key(), Arm("ddp", 2e-3).key(), 0)] = {"eval_loss": 1.9, "bytes": 100, "num_parameters": 1}
+    for arm, loss in zip(grid, (2.1, 2.0), strict=True):
+        sweep.done[(setup.key(), arm.key(), 0)] = {"eval_loss": loss, "bytes": 10, "num_parameters": 1}
+    assert not sweep.needed()
+    row = next(r for r in sweep.rows() if r["arm"] == "f")
+    assert (row["fragments"], row["mix"]) == (4, 0.5)
+    assert [(g["mix"], g["eval_loss_seed0"]) for g in row["grid"]] == [(0.0, 2.1), (0.5, 2.0)]

@@ -24,6 +24,10 @@ Plans (``--plan``):
            arm at H = 40's best setting, 3 seeds: the learning-per-byte table of the wire formats (issue 25).
   codecs-long  the same at 1,200 steps (30 outer steps at H = 40; DDP at lr 2e-3, the 400-step choice), each codec
            arm tuned over H = 40's best outer lr x {1, 1.5, 2, 3}.
+  small-long  one seed on the small preset (10x the tiny model's parameters) for 2,000 steps, so the trend with size
+           and length is visible (~50 min per run on a free core): DDP at lr 2e-3, DiLoCo H = 40 at the defaults (outer
+           lr 1, no momentum: H = 40's pick on tiny at 400 and 1,200 steps), each ``--codecs`` arm at H = 40's outer
+           lr times the scale the tiny/1200 tuning chose for its family (2 for topk, 1 otherwise): no grid, one seed.
   fragments  Streaming DiLoCo (``diloco/fragments.py``) on the tiny/400 setup of "default": DDP, DiLoCo H = 40 and
            its eager overlap tuned as there; F = 4 fragments at H = 40's best setting (synchronous rounds of 1/4 of
            the model every 10 steps); F = 4 with each fragment's round overlapping the next 10 steps ("delayed"
@@ -32,7 +36,7 @@ Plans (``--plan``):
 ``--json`` prints, as its last line, a JSON list with one object per row: arm, preset, steps, inner_steps,
 eval_loss (mean over seeds), eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties),
 bytes_vs_ddp, vs_ddp (relative loss gap to the best DDP row of the same preset and steps), lr, outer_lr,
-outer_momentum (null where not applicable) and grid (seed-0 loss of every setting tried).
+outer_momentum, fragments, mix (null where not applicable) and grid (seed-0 loss of every setting tried).
 
 Example: nice -n 19 scripts/bench/diloco_vs_ddp.py --results /tmp/lpb.jsonl --json
 """
@@ -60,7 +64,7 @@ from hivetrain.diloco.config import DilocoConfig  # noqa: E402
 DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 OUTER_GRID = tuple((lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.0, 0.5, 0.9))
 OVERLAP_GRID = ((1.0, 0.0), (0.7, 0.0), (0.5, 0.0), (0.3, 0.0))  # a one-epoch delay wants a smaller step, no momentum
-PLANS = ("quick", "default", "full", "codecs", "codecs-long", "fragments")
+PLANS = ("quick", "default", "full", "codecs", "codecs-long", "small-long", "fragments")
 OUTER_LR_SCALES = (1.0, 1.5, 2.0, 3.0)  # "codecs-long": a sparse update may want a larger outer step than fp32's
 
 
@@ -127,6 +131,13 @@ def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
             Family(f"tiny/1200/diloco-H40-{c}", long, after="tiny/1200/diloco-H40", derive=_codec(c, OUTER_LR_SCALES))
             for c in codecs
         ]
+    if name == "small-long":  # the trend with size and length, one seed: no tuning at this size
+        s = Setup(data, "small", workers=4, steps=2000, seq_len=64, batch_size=8, warmup_steps=20)
+        h40 = defaults_arm(lr, 40)
+        return [
+            Family("small/2000/ddp", s, (Arm("ddp", lr),), (0,)),
+            Family("small/2000/diloco-H40", s, (h40,), (0,)),
+        ] + [Family(f"small/2000/diloco-H40-{c}", s, _codec(c, (long_outer_lr_scale(c),))(h40), (0,)) for c in codecs]
     if name == "fragments":  # Streaming DiLoCo, F = 4 at H = 40, against whole-model rounds with and without overlap
         short = Setup(data, "tiny", workers=4, steps=400, seq_len=64, batch_size=8, warmup_steps=20)
         streaming = tuple(
@@ -178,6 +189,12 @@ def plan(name: str, data: str, codecs: list[str]) -> list[Family]:
 def _codec(name: str, outer_lr_scales: tuple[float, ...] = (1.0,)) -> Callable[[Arm], tuple[Arm, ...]]:
     """The codec arm at the chosen fp32 arm's setting, its outer lr scaled by each of ``outer_lr_scales`` (tuned)."""
     return lambda arm: tuple(replace(arm, codec=name, outer_lr=arm.outer_lr * x) for x in outer_lr_scales)
+
+
+def long_outer_lr_scale(codec: str) -> float:
+    """The outer lr scale the tiny/1200 tuning ("codecs-long", dev/LOG.md session 39) chose for a codec's family:
+    2 for top-k (a sparse update wants a larger outer step), 1 for the dense formats."""
+    return 2.0 if codec.startswith("topk") else 1.0
 
 
 def _fragments(num: int) -> Callable[[Arm], tuple[Arm, ...]]:
@@ -287,6 +304,8 @@ class Sweep:
                     "lr": arm.lr,
                     "outer_lr": arm.outer_lr,
                     "outer_momentum": arm.outer_momentum,
+                    "fragments": arm.fragments if arm.kind == "diloco" else None,
+                    "mix": arm.mix if arm.kind == "diloco" else None,
                     "eval_loss": statistics.fmean(losses),
                     "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
                     "eval_loss_min": min(losses),
@@ -299,6 +318,7 @@ class Sweep:
                             "lr": a.lr,
                             "outer_lr": a.outer_lr,
                             "outer_momentum": a.outer_momentum,
+                            "mix": a.mix if a.kind == "diloco" else None,
                             "eval_loss_seed0": self.done[run_key(fam.setup, a, fam.seeds[0])]["eval_loss"],
                         }
                         for a in self.grid[label]
