@@ -29,9 +29,12 @@ KEYS = {"arm", "eval_loss", "eval_loss_std", "seeds", "bytes", "vs_ddp", "outer_
 
 
 @pytest.mark.slow
-def test_quick_json_has_one_finite_row_per_arm():
+def test_quick_json_has_one_finite_row_per_arm_and_the_readme_block_is_the_printed_table(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# intro\n<!-- lpb:quick begin -->\nold table\n<!-- lpb:quick end -->\nafter\n")
+    bench = [sys.executable, str(BENCH / "diloco_vs_ddp.py"), "--quick", "--jobs", "0", "--data", str(DATA)]
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "diloco_vs_ddp.py"), "--quick", "--json", "--jobs", "0", "--data", str(DATA)],
+        [*bench, "--json", "--readme", str(readme), "--results", str(tmp_path / "runs.jsonl")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -39,6 +42,14 @@ def test_quick_json_has_one_finite_row_per_arm():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    printed = proc.stdout[proc.stdout.index("| preset") : proc.stdout.index("\nwrote the table into")]
+    written = readme.read_text()
+    assert written.startswith("# intro\n<!-- lpb:quick begin -->\n" + printed + "\n\nMeasured on commit ")
+    assert "old table" not in written and written.endswith("<!-- lpb:quick end -->\nafter\n")
+    commits = {json.loads(line)["commit"] for line in (tmp_path / "runs.jsonl").read_text().splitlines()}
+    assert len(commits) == 1 and f"Measured on commit {commits.pop()} (`" in written
+    missing = subprocess.run([*bench, "--readme", str(tmp_path / "runs.jsonl")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "<!-- lpb:quick begin -->" in missing.stderr  # refused before any run
     arms = {row["arm"] for row in rows}
     assert {"ddp", "async", "diloco-H10", "diloco-H5-delayed", "diloco-H5-eager"} <= arms
     for row in rows:
@@ -198,3 +209,35 @@ def test_rows_name_the_fragments_and_mixing_factor_of_their_arm_and_grid():
     row = next(r for r in sweep.rows() if r["arm"] == "f")
     assert (row["fragments"], row["mix"]) == (4, 0.5)
     assert [(g["mix"], g["eval_loss_seed0"]) for g in row["grid"]] == [(0.0, 2.1), (0.5, 2.0)]
+
+
+def test_a_readme_block_is_replaced_between_its_markers_and_missing_markers_are_refused():
+    from lpb_readme import block, replace_block
+
+    text = "a\n<!-- lpb:x begin -->\nold\n<!-- lpb:x end -->\nb\n"
+    assert replace_block(text, "x", "new\n") == "a\n<!-- lpb:x begin -->\nnew\n<!-- lpb:x end -->\nb\n"
+    for bad in ("a\n", text + text, "<!-- lpb:x end -->\n<!-- lpb:x begin -->\n"):
+        with pytest.raises(ValueError, match="lpb:x begin"):
+            replace_block(bad, "x", "new")
+    assert block("| t |", ["b2", "a1", "b2"], "cmd").endswith(
+        "Measured on commit a1, b2 (`cmd`; written by the script, not by hand)."
+    )
+
+
+def test_the_sweep_names_the_commits_of_the_runs_its_rows_use(tmp_path):
+    from diloco_vs_ddp import Family, Sweep
+
+    setup = Setup(str(DATA), "tiny", workers=4, steps=400)
+    ddp, other = Arm("ddp", 2e-3), Arm("ddp", 4e-3)
+    result = {"eval_loss": 1.9, "bytes": 100, "num_parameters": 1}
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(
+        json.dumps({"setup": setup.key(), "arm": ddp.key(), "seed": 0, "result": result, "commit": "abc"})
+        + "\n"
+        + json.dumps({"setup": setup.key(), "arm": other.key(), "seed": 0, "result": result})  # before commits
+        + "\n"
+    )
+    sweep = Sweep([Family("tiny/400/ddp", setup, (ddp,), (0,))], 0, str(runs), commit="now")
+    assert not sweep.needed() and sweep.commits() == {"abc"}  # the other run is in no row
+    sweep = Sweep([Family("tiny/400/ddp", setup, (ddp, other), (0,))], 0, str(runs), commit="now")
+    assert not sweep.needed() and sweep.commits() == {"abc", "unknown"}

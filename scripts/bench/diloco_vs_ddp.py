@@ -33,10 +33,12 @@ Plans (``--plan``):
            the model every 10 steps); F = 4 with each fragment's round overlapping the next 10 steps ("delayed"
            merge), over outer lr {1, 0.5} x mixing factor α {0, 0.5}. 3 seeds per row.
 
-``--json`` prints, as its last line, a JSON list with one object per row: arm, preset, steps, inner_steps,
-eval_loss (mean over seeds), eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties),
-bytes_vs_ddp, vs_ddp (relative loss gap to the best DDP row of the same preset and steps), lr, outer_lr,
-outer_momentum, fragments, mix (null where not applicable) and grid (seed-0 loss of every setting tried).
+``--readme README.md`` writes the table into the README between the plan's markers (``lpb_readme.py``), with the
+commits its runs were measured on; ``--results`` files record each run's commit. ``--json`` prints, as its last
+line, a JSON list with one object per row: arm, preset, steps, inner_steps, eval_loss (mean over seeds),
+eval_loss_std (sample std; null for one seed), seeds, bytes (whole run, all parties), bytes_vs_ddp, vs_ddp (relative
+loss gap to the best DDP row of the same preset and steps), lr, outer_lr, outer_momentum, fragments, mix (null where
+not applicable) and grid (seed-0 loss of every setting tried).
 
 Example: nice -n 19 scripts/bench/diloco_vs_ddp.py --results /tmp/lpb.jsonl --json
 """
@@ -57,6 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lpb_readme  # noqa: E402
 from lpb_arms import Arm, Setup, codec_config, run_arm  # noqa: E402
 
 from hivetrain.diloco.config import DilocoConfig  # noqa: E402
@@ -219,16 +222,18 @@ def _work(setup: Setup, arm: Arm, seed: int) -> dict:
 class Sweep:
     """Runs the families' tuning and seed runs on a process pool, as soon as each run's inputs are known."""
 
-    def __init__(self, families: list[Family], jobs: int, results_path: str):
+    def __init__(self, families: list[Family], jobs: int, results_path: str, commit: str = "unknown"):
         self.families = {f.label: f for f in families}
         self.grid: dict[str, tuple[Arm, ...]] = {f.label: f.grid for f in families if not f.after}
         self.best: dict[str, Arm] = {}
         self.done: dict[RunKey, dict] = {}
-        self.jobs, self.results_path = jobs, results_path
+        self.commit_of: dict[RunKey, str] = {}  # the commit each run was measured on (results files say)
+        self.jobs, self.results_path, self.commit = jobs, results_path, commit
         if results_path and Path(results_path).is_file():
             for line in Path(results_path).read_text().splitlines():
                 row = json.loads(line)
-                self.done[(row["setup"], row["arm"], row["seed"])] = row["result"]
+                key = (row["setup"], row["arm"], row["seed"])
+                self.done[key], self.commit_of[key] = row["result"], row.get("commit", "unknown")
 
     def needed(self) -> list[tuple[Setup, Arm, int]]:
         """Runs whose inputs are known and whose result is not; updates the families' choices on the way."""
@@ -256,10 +261,11 @@ class Sweep:
         started = time.monotonic()
 
         def record(key: RunKey, result: dict) -> None:
-            self.done[key] = result
+            self.done[key], self.commit_of[key] = result, self.commit
             if self.results_path:
+                line = {"setup": key[0], "arm": key[1], "seed": key[2], "result": result, "commit": self.commit}
                 with open(self.results_path, "a") as fh:
-                    fh.write(json.dumps({"setup": key[0], "arm": key[1], "seed": key[2], "result": result}) + "\n")
+                    fh.write(json.dumps(line) + "\n")
             log(
                 f"[{time.monotonic() - started:7.0f}s] {key[0]} {key[1]} seed {key[2]}: "
                 f"eval {result['eval_loss']:.4f} ({result['wall_s']:.0f}s)"
@@ -282,6 +288,15 @@ class Sweep:
                 finished, _ = wait(inflight.values(), return_when=FIRST_COMPLETED)
                 for key in [k for k, f in inflight.items() if f in finished]:
                     record(key, inflight.pop(key).result())
+
+    def commits(self) -> set[str]:
+        """The commits of every run the rows use (each row's grid on seed 0 and its best setting on every seed)."""
+        used = set()
+        for label, fam in self.families.items():
+            if label in self.best:
+                used |= {run_key(fam.setup, a, fam.seeds[0]) for a in self.grid[label]}
+                used |= {run_key(fam.setup, self.best[label], s) for s in fam.seeds}
+        return {self.commit_of.get(k, "unknown") for k in used}
 
     def rows(self) -> list[dict]:
         """One summary per family (best setting, all seeds), with vs_ddp against the best DDP row of its setup."""
@@ -369,20 +384,37 @@ def main() -> int:
         "--codecs", default="", help="also DiLoCo H=40 with these codecs, e.g. int4,int4-ef,topk2-2b-ef"
     )
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list on the last line")
+    parser.add_argument(
+        "--readme",
+        default="",
+        help="write the table between this file's '<!-- lpb:PLAN begin/end -->' markers (lpb_readme.py)",
+    )
     args = parser.parse_args()
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
+    name = "quick" if args.quick else args.plan
+    readme = Path(args.readme) if args.readme else None
+    if readme is not None:
+        try:
+            lpb_readme.replace_block(readme.read_text(), name, "")
+        except (OSError, ValueError) as exc:  # before hours of runs, not after
+            parser.error(f"--readme {readme}: {exc}")
     codecs = [c for c in args.codecs.split(",") if c]
     for c in codecs:
         try:
             codec_config(c)
         except ValueError as exc:
             parser.error(f"--codecs: {exc}")
-    sweep = Sweep(plan("quick" if args.quick else args.plan, args.data, codecs), args.jobs, args.results)
+    commit = lpb_readme.current_commit(Path(__file__).resolve().parents[2])
+    sweep = Sweep(plan(name, args.data, codecs), args.jobs, args.results, commit)
     started = time.monotonic()
     sweep.run(lambda line: print(line, file=sys.stderr, flush=True))
     rows = sweep.rows()
     print(table(rows))
+    if readme is not None:
+        command = " ".join(["scripts/bench/diloco_vs_ddp.py", *sys.argv[1:]])
+        lpb_readme.write(readme, name, table(rows), sweep.commits(), command)
+        print(f"wrote the table into {readme} (block lpb:{name})")
     print(f"sweep wall time {time.monotonic() - started:.0f}s, {len(sweep.done)} runs known")
     if args.json:
         print(json.dumps(rows))
