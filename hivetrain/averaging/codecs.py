@@ -16,18 +16,22 @@ of ``block_size`` consecutive elements that holds ``x``):
     "fp16"          16                          |x| * 2**-11 if |x| >= 2**-14, else 2**-25 (|x| <= 65504)
     "int8"          8 + scale_bits/block_size   scale / 2 = a / 254   (levels -127..127, scale = a / 127)
     "int4"          4 + scale_bits/block_size   scale / 2 = a / 14    (levels -7..7, scale = a / 7)
-    "topk"          k/C * (16 + b) + scale_bits/C   see below (chunked top-k sparsification)
+    "topk"          k/C * (i + b) + scale_bits/C   see below (chunked top-k sparsification; i = min(16, 8C/k))
 
 "topk" (chunked top-k with quantized values, as in SparseLoCo, Sarfi et al. 2025, and DeMo's per-chunk selection,
 Peng et al. 2024): the part is cut into chunks of ``block_size`` = C elements (C <= 65536; the last may be shorter);
 each chunk keeps its ``k`` largest-magnitude elements (``min(k, chunk length)``; ties by torch.topk), sent as their
-uint16 offsets in the chunk, ascending, and their values quantized to ``b`` = 2, 4 or 8 bits on a symmetric grid of
-levels -L..L (L = 2**(b-1) - 1: ternary for 2 bits, then 7, 127) with one scale per chunk (its kept absmax / L). The
-dropped elements decode to 0, so the bound on |x - x'| is |x| for them and scale / 2 for the kept ones: a sparsifying
-codec is only sound with error feedback (the config refuses it without). Payload: an 8-byte sub-header (k u32,
-b u8, 3 zero bytes), the offsets, then the codes packed ``8 / b`` per byte (element i in bits ``b*(i % (8/b))`` up),
-stored as level + 2**(b-1) (so 0 is never a valid code). Decoding refuses offsets out of the chunk, offsets not
-strictly ascending (a repeated index), invalid codes, and a ``k`` or ``b`` other than the receiver's.
+positions in the chunk and their values quantized to ``b`` = 2, 4 or 8 bits on a symmetric grid of levels -L..L
+(L = 2**(b-1) - 1: ternary for 2 bits, then 7, 127) with one scale per chunk (its kept absmax / L). A chunk's positions
+travel in the smaller of two forms (``topk_bitmap``, fixed by its length and k, so never the sender's choice): uint16
+offsets, ascending (2k bytes), or a bitmap of the chunk (ceil(length / 8) bytes, element j in bit j % 8 of byte
+j // 8) once k passes length / 16: the reducers' results of a group keep up to k x members per chunk, where offsets
+would cost twice the bitmap. The dropped elements decode to 0, so the bound on |x - x'| is |x| for them and scale / 2
+for the kept ones: a sparsifying codec is only sound with error feedback (the config refuses it without). Payload: an
+8-byte sub-header (k u32, b u8, 3 zero bytes), each chunk's positions in chunk order, then the codes packed ``8 / b``
+per byte (element i in bits ``b*(i % (8/b))`` up), stored as level + 2**(b-1) (so 0 is never a valid code). Decoding
+refuses offsets out of the chunk, offsets not strictly ascending (a repeated index), a bitmap with other than k bits
+set or a bit past the chunk's end, invalid codes, and a ``k`` or ``b`` other than the receiver's.
 
 The int bounds hold up to one fp32 rounding of ``q * scale`` (|x| * 2**-24). With fp16 scales the scale is rounded
 *up* to the next fp16 value, so no level clips and the bound is ``fp16(scale) / 2``. Blockwise absmax quantization
@@ -106,12 +110,26 @@ def topk_kept(num_elements: int, chunk: int, k: int) -> int:
     return full * min(k, chunk) + min(k, rest)
 
 
+def topk_bitmap(length: int, kept: int) -> bool:
+    """Whether a "topk" chunk of ``length`` elements keeping ``kept`` sends its positions as a bitmap (ceil(length / 8)
+    bytes) rather than as uint16 offsets (2 x ``kept`` bytes): whichever is smaller, offsets on a tie."""
+    return (length + 7) // 8 < 2 * kept
+
+
+def topk_index_num_bytes(length: int, kept: int) -> int:
+    """Bytes of one "topk" chunk's positions (``topk_bitmap`` says which form)."""
+    return (length + 7) // 8 if topk_bitmap(length, kept) else 2 * kept
+
+
 def payload_num_bytes(codec: str, num_elements: int, block_size: int = 0, k: int = 0, value_bits: int = 0) -> int:
     """Exact payload size in bytes of a part of ``num_elements`` elements (``block_size``, ``k`` and ``value_bits``:
     "topk" only)."""
     if codec == "topk":
         kept = topk_kept(num_elements, block_size, k)
-        return _TOPK_SUB.size + 2 * kept + -(-kept * value_bits // 8)
+        full, rest = divmod(num_elements, block_size)
+        index = full * topk_index_num_bytes(block_size, min(k, block_size))
+        index += topk_index_num_bytes(rest, min(k, rest)) if rest else 0
+        return _TOPK_SUB.size + index + -(-kept * value_bits // 8)
     return (num_elements + 1) // 2 if codec == "int4" else num_elements * {"none": 4, "fp16": 2, "int8": 1}[codec]
 
 

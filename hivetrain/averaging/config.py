@@ -46,7 +46,8 @@ class AveragingConfig:
             every element any contributor sent (k x contributors per chunk, capped at the chunk), with 8-bit values:
             its re-quantization is not fed back.
         topk_value_bits: "topk": bits per sent value, 2 (ternary: -a, 0, +a per chunk), 4 or 8.
-        topk_chunk: "topk": elements per chunk (64..65536; offsets travel as uint16).
+        topk_chunk: "topk": elements per chunk (64..65536; positions travel as uint16 offsets or, where smaller, as a
+            bitmap of the chunk: ``codecs.topk_bitmap``).
         error_feedback: keep what the codec dropped from our contribution (fp32, one value per averaged element) and
             add it to the next round's contribution (EF-SGD, Karimireddy et al. 2019, "Error Feedback Fixes SignSGD",
             Alg. 2), for quantized pseudo-gradients as in Streaming DiLoCo (Douillard et al. 2025, 4-bit outer

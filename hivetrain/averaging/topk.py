@@ -20,6 +20,8 @@ from hivetrain.averaging.codecs import (
     _check_part,
     _stored_scale,
     _tensor_bytes,
+    topk_bitmap,
+    topk_index_num_bytes,
     topk_kept,
 )
 
@@ -89,8 +91,9 @@ class TopKCodec:
         ]
         flat_codes = torch.cat([c.reshape(-1) for c in codes]) if codes else torch.empty(0)
         packed = _pack_codes(flat_codes.add_(self._zero).to(torch.uint8), self.value_bits)
-        index = torch.cat(offsets).numpy().astype(np.uint16) if offsets else np.empty(0, np.uint16)
-        payload = b"".join([_TOPK_SUB.pack(self.k, self.value_bits), index.tobytes(), _tensor_bytes(packed)])
+        groups = self._groups(x.numel(), self.k)
+        index = [_positions(idx, width, k) for (_, _, width, k), idx in zip(groups, offsets, strict=True)]
+        payload = b"".join([_TOPK_SUB.pack(self.k, self.value_bits), *index, _tensor_bytes(packed)])
         scale_all = torch.cat(scales) if scales else torch.empty(0)
         return EncodedPart("topk", x.numel(), payload, self.block_size, self.scale_dtype,
                            _tensor_bytes(scale_all.to(_SCALE_TORCH[self.scale_dtype])))  # fmt: skip
@@ -112,19 +115,53 @@ class TopKCodec:
         n = part.num_elements
         count = topk_kept(n, self.block_size, k)
         raw = memoryview(part.payload).cast("B")
-        index = torch.from_numpy(np.frombuffer(raw, np.uint16, count, _TOPK_SUB.size).astype(np.int64))
-        codes = _unpack_codes(_as_tensor(raw[_TOPK_SUB.size + 2 * count :], torch.uint8)[0], bits, count)
+        groups, at, index = self._groups(n, k), _TOPK_SUB.size, []
+        for _, rows, width, kk in groups:
+            index.append(_read_positions(raw, at, rows, width, kk))
+            at += rows * topk_index_num_bytes(width, kk)
+        codes = _unpack_codes(_as_tensor(raw[at:], torch.uint8)[0], bits, count)
         if count and (int(codes.min()) < 1 or int(codes.max()) > 2 * self._zero - 1):
             raise MalformedPart(f"topk codes must lie in 1..{2 * self._zero - 1}")
         scale = _as_tensor(part.scales, _SCALE_TORCH[part.scale_dtype])[0].float()
         out = torch.zeros(n, dtype=torch.float32)
         pos = chunk = 0
-        for start, rows, width, kk in self._groups(n, k):
-            idx = index[pos : pos + rows * kk].view(rows, kk)
-            if kk and (int(idx.max()) >= width or (kk > 1 and bool((idx[:, 1:] <= idx[:, :-1]).any()))):
-                raise MalformedPart(f"topk offsets must be strictly ascending and below {width} in each chunk")
+        for (start, rows, width, kk), idx in zip(groups, index, strict=True):
             levels = codes[pos : pos + rows * kk].view(rows, kk).float().sub_(self._zero)
             values = levels.mul_(scale[chunk : chunk + rows, None])
             out[start : start + rows * width].view(rows, width).scatter_(1, idx, values)
             pos, chunk = pos + rows * kk, chunk + rows
         return out
+
+
+def _positions(idx: torch.Tensor, width: int, kept: int) -> bytes:
+    """Wire bytes of the ascending positions ``idx`` (int64, (rows x kept,), chunk after chunk) of chunks of
+    ``width`` elements: uint16 offsets, or one bitmap per chunk (``codecs.topk_bitmap``)."""
+    if not topk_bitmap(width, kept):
+        return idx.numpy().astype(np.uint16).tobytes()
+    rows = idx.view(-1, kept).numpy()
+    bits = np.zeros((rows.shape[0], width), dtype=np.bool_)
+    np.put_along_axis(bits, rows, True, axis=1)
+    return np.packbits(bits, axis=1, bitorder="little").tobytes()
+
+
+def _read_positions(raw: memoryview, at: int, rows: int, width: int, kept: int) -> torch.Tensor:
+    """The positions (int64, (rows, kept), ascending) of ``rows`` chunks of ``width`` elements from ``raw[at:]``.
+
+    Raises:
+        MalformedPart: an offset at or past ``width`` or not above the one before it; a bitmap with other than
+            ``kept`` bits set in a chunk, or a bit set past the chunk's end.
+    """
+    if not topk_bitmap(width, kept):
+        idx = torch.from_numpy(np.frombuffer(raw, np.uint16, rows * kept, at).astype(np.int64)).view(rows, kept)
+        if kept and (int(idx.max()) >= width or (kept > 1 and bool((idx[:, 1:] <= idx[:, :-1]).any()))):
+            raise MalformedPart(f"topk offsets must be strictly ascending and below {width} in each chunk")
+        return idx
+    per_chunk = (width + 7) // 8
+    packed = np.frombuffer(raw, np.uint8, rows * per_chunk, at).reshape(rows, per_chunk)
+    bits = np.unpackbits(packed, axis=1, bitorder="little")
+    if bits[:, width:].any():
+        raise MalformedPart(f"topk bitmap sets a position at or past the chunk's {width} elements")
+    if (bits.sum(axis=1, dtype=np.int64) != kept).any():  # a denser part than the round's, or a sparser one
+        raise MalformedPart(f"topk bitmap must set exactly {kept} of {width} positions in each chunk")
+    columns = np.flatnonzero(bits) % bits.shape[1]  # row-major: each row's positions, ascending (none padded)
+    return torch.from_numpy(columns).view(rows, kept)

@@ -98,19 +98,31 @@ def _nan_scale(raw: bytearray, _at: int) -> None:
     struct.pack_into("<f", raw, len(raw) - 4, float("nan"))
 
 
-def _denser(frame) -> None:  # the same slice at twice the round's density: more of our update than anyone's
-    header = bytes(frame[1][0])
-    n = struct.unpack_from("<4sBBBBIQQQ", header)[6]
-    values = torch.randn(n)
-    frame[1] = [to_bytes(TopKCodec(64, 2 * math.ceil(0.1 * 64), 4).encode(values))]
+def _denser(density: float):
+    def one(frame) -> None:  # the same slice at twice the round's density: more of our update than anyone's
+        header = bytes(frame[1][0])
+        n = struct.unpack_from("<4sBBBBIQQQ", header)[6]
+        values = torch.randn(n)
+        frame[1] = [to_bytes(TopKCodec(64, 2 * math.ceil(density * 64), 4).encode(values))]
+
+    return _all_frames(one)
 
 
-TOPK = dict(compression="topk", error_feedback=True, topk_density=0.1, topk_value_bits=4, topk_chunk=64)
+def _extra_position(raw: bytearray, at: int) -> None:  # one more bit in the first chunk's bitmap than the round's k
+    byte = next(i for i in range(8) if raw[at + i] != 0xFF)
+    raw[at + byte] |= 1 << next(b for b in range(8) if not raw[at + byte] >> b & 1)
+
+
+# parts of 4 of 64 travel as uint16 offsets, of 7 of 64 as bitmaps (``codecs.topk_bitmap``): each form attacked
+OFFSETS = dict(compression="topk", error_feedback=True, topk_density=0.05, topk_value_bits=4, topk_chunk=64)
+BITMAPS = {**OFFSETS, "topk_density": 0.1}
 TOPK_CORRUPTIONS = {
-    "topk_offset_out_of_range": _topk_frames(_offset(lambda first, second: 65535)),
-    "topk_repeated_offset": _topk_frames(_offset(lambda first, second: first)),
-    "topk_nan_scale": _topk_frames(_nan_scale),
-    "topk_denser_than_the_round": _all_frames(_denser),
+    "topk_offset_out_of_range": (_topk_frames(_offset(lambda first, second: 65535)), OFFSETS),
+    "topk_repeated_offset": (_topk_frames(_offset(lambda first, second: first)), OFFSETS),
+    "topk_nan_scale": (_topk_frames(_nan_scale), OFFSETS),
+    "topk_denser_than_the_round": (_denser(0.05), OFFSETS),
+    "topk_bitmap_with_a_position_too_many": (_topk_frames(_extra_position), BITMAPS),
+    "topk_bitmap_denser_than_the_round": (_denser(0.1), BITMAPS),
 }
 
 
@@ -118,8 +130,9 @@ TOPK_CORRUPTIONS = {
 def test_bad_member_is_excluded_and_honest_members_commit(make_averagers, corruption: str) -> None:
     bad = FaultInjector()
     topk = corruption in TOPK_CORRUPTIONS
-    bad.arm(Fault("averaging.before_send", "call", callback={**CORRUPTIONS, **TOPK_CORRUPTIONS}[corruption]))
-    avgs = make_averagers(4, AveragingConfig(**CONFIG, **(TOPK if topk else {})), faults=[None, None, None, bad])
+    mutate, codec = TOPK_CORRUPTIONS[corruption] if topk else (CORRUPTIONS[corruption], {})
+    bad.arm(Fault("averaging.before_send", "call", callback=mutate))
+    avgs = make_averagers(4, AveragingConfig(**CONFIG, **codec), faults=[None, None, None, bad])
     g = torch.Generator().manual_seed(7)
     inputs = [[torch.randn(NUM_ELEMENTS, generator=g)] for _ in range(4)]
     weights = [1.0, 2.0, 3.0, 4.0]
@@ -142,7 +155,7 @@ def test_bad_member_is_excluded_and_honest_members_commit(make_averagers, corrup
         assert r.excluded == (bad_id,)
         assert r.group == tuple(sorted(a.node.peer_id for a in avgs[:3]))
         assert r.total_weight == pytest.approx(sum(weights[:3]))
-        if topk:  # 10% of each honest contribution: nearer the honest mean than zero is, and nothing of the attacker's
+        if topk:  # 5-10% of each honest contribution: nearer the honest mean than zero, nothing of the attacker's
             assert float((r.tensors[0] - expected).norm()) < float(expected.norm())
         else:
             torch.testing.assert_close(r.tensors[0], expected, atol=1e-6, rtol=0)

@@ -17,6 +17,7 @@ from hivetrain.averaging.codecs import (
     decode,
     from_bytes,
     to_bytes,
+    topk_bitmap,
     topk_kept,
 )
 from hivetrain.averaging.config import AveragingConfig
@@ -26,13 +27,14 @@ from hivetrain.averaging.topk import TopKCodec
 SUB = struct.Struct("<IB3x")
 
 
+@pytest.mark.parametrize("k", [2, 5, 40])  # positions as offsets (2 of 64), as bitmaps (5 and 40 of 64)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("n", [0, 1, 5, 64, 200, 64 * 3 + 17])
-def test_keeps_the_k_largest_of_each_chunk_within_the_value_bound(bits: int, n: int) -> None:
+def test_keeps_the_k_largest_of_each_chunk_within_the_value_bound(k: int, bits: int, n: int) -> None:
     torch.manual_seed(n + bits)
     x = torch.randn(n) * torch.logspace(-2, 2, n) if n else torch.zeros(0)
-    config = CodecConfig("topk", 64, "fp32", 5, bits)
-    codec = TopKCodec(64, 5, bits)
+    config = CodecConfig("topk", 64, "fp32", k, bits)
+    codec = TopKCodec(64, k, bits)
     frame = to_bytes(codec.encode(x))
     assert len(frame) == config.frame_num_bytes(n)
     y = decode(from_bytes(frame, n, expected=config))
@@ -40,14 +42,14 @@ def test_keeps_the_k_largest_of_each_chunk_within_the_value_bound(bits: int, n: 
     levels = 2 ** (bits - 1) - 1
     for start in range(0, n, 64):
         chunk, got = x[start : start + 64], y[start : start + 64]
-        kept = torch.topk(chunk.abs(), min(5, chunk.numel())).indices
+        kept = torch.topk(chunk.abs(), min(k, chunk.numel())).indices
         dropped = torch.ones(chunk.numel(), dtype=torch.bool)
         dropped[kept] = False
         assert torch.count_nonzero(got[dropped]) == 0  # only kept elements are sent
         bound = chunk[kept].abs().max() / levels / 2 * (1 + 2**-20)
         assert (got[kept] - chunk[kept]).abs().max() <= bound  # kept ones within half a level
         assert torch.all(torch.sign(got[kept]) * torch.sign(chunk[kept]) >= 0)  # never the wrong sign
-    assert topk_kept(n, 64, 5) == (n // 64) * 5 + min(5, n % 64)
+    assert topk_kept(n, 64, k) == (n // 64) * k + min(k, n % 64)
 
 
 def test_bytes_per_element_at_two_percent() -> None:
@@ -67,13 +69,38 @@ def _offsets_at() -> int:
 
 
 def test_an_offset_outside_its_chunk_is_refused() -> None:
-    x = torch.randn(100)  # chunks of 64 and 36: the second chunk's offsets must stay below 36
-    frame = _frame(x)
-    offsets = np.frombuffer(frame, np.uint16, 8, _offsets_at()).copy()
-    offsets[7] = 40  # the last offset of the 36-element chunk
-    frame[_offsets_at() : _offsets_at() + 16] = offsets.tobytes()
+    x = torch.randn(100)  # chunks of 64 and 36, 2 kept of each (as offsets): the second's must stay below 36
+    frame = _frame(x, k=2)
+    offsets = np.frombuffer(frame, np.uint16, 4, _offsets_at()).copy()
+    offsets[3] = 40  # the last offset of the 36-element chunk
+    frame[_offsets_at() : _offsets_at() + 8] = offsets.tobytes()
     with pytest.raises(MalformedPart, match="strictly ascending and below 36"):
         decode(from_bytes(frame, 100))
+
+
+def test_positions_travel_as_the_smaller_of_offsets_and_a_bitmap() -> None:
+    # 3% of 4096 (123 kept): offsets, 246 bytes < 512; a group of 4's result (492 kept): the 512-byte bitmap
+    assert not topk_bitmap(4096, 123) and topk_bitmap(4096, 492) and not topk_bitmap(64, 4)  # a tie: offsets
+    for k, index in ((123, 246), (492, 512)):
+        config = CodecConfig("topk", 4096, "fp32", k, 8)
+        assert config.frame_num_bytes(4096) == HEADER_NUM_BYTES + SUB.size + index + k + 4
+    frame = _frame(torch.randn(100), k=20, bits=2)  # bitmaps: 8 bytes for the chunk of 64, 5 for the one of 36
+    assert len(frame) == HEADER_NUM_BYTES + SUB.size + 8 + 5 + 40 * 2 // 8 + 2 * 4
+    bitmap = np.unpackbits(np.frombuffer(frame, np.uint8, 13, _offsets_at()), bitorder="little")
+    assert bitmap[:64].sum() == 20 and bitmap[64 : 64 + 36].sum() == 20 and not bitmap[100:].any()
+
+
+def test_a_bitmap_with_a_bit_too_many_or_past_its_chunk_is_refused() -> None:
+    frame = _frame(torch.randn(100), k=20, bits=2)
+    byte = next(i for i in range(8) if frame[_offsets_at() + i] != 0xFF)
+    denser = bytearray(frame)
+    denser[_offsets_at() + byte] |= 1 << next(b for b in range(8) if not frame[_offsets_at() + byte] >> b & 1)
+    with pytest.raises(MalformedPart, match="exactly 20 of 64"):
+        decode(from_bytes(denser, 100))  # one position more than the round's k: a denser part
+    past = bytearray(frame)
+    past[_offsets_at() + 12] |= 0x80  # bit 7 of the 36-element chunk's last byte: element 39
+    with pytest.raises(MalformedPart, match="past the chunk's 36 elements"):
+        decode(from_bytes(past, 100))
 
 
 def test_a_repeated_offset_is_refused() -> None:
