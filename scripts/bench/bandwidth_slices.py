@@ -31,8 +31,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ARMS = {
     "fp32-equal": dict(compression="none", bandwidth_slices=False),
     "fp32-by-rate": dict(compression="none", bandwidth_slices=True),
-    "topk-equal": dict(compression="topk", error_feedback=True, topk_value_bits=2, bandwidth_slices=False),
-    "topk-by-rate": dict(compression="topk", error_feedback=True, topk_value_bits=2, bandwidth_slices=True),
+    "topk-equal": dict(
+        compression="topk", error_feedback=True, topk_density=0.02, topk_value_bits=2, bandwidth_slices=False
+    ),
+    "topk-by-rate": dict(
+        compression="topk", error_feedback=True, topk_density=0.02, topk_value_bits=2, bandwidth_slices=True
+    ),
 }
 
 

@@ -41,6 +41,11 @@ loss gap to the best DDP row of the same preset and steps), lr, outer_lr, outer_
 not applicable) and grid (seed-0 loss of every setting tried).
 
 Example: nice -n 19 scripts/bench/diloco_vs_ddp.py --results /tmp/lpb.jsonl --json
+
+The runs behind the README's tables are kept in ``dev/bench/lpb-<plan>.jsonl`` (from 2026-12-03 on): passing that file
+as ``--results`` reuses them, so a table is regenerated (``--readme``) or extended by new arms without rerunning its
+baselines. Runs are deterministic per (setup, arm, seed) on one machine; a change to a training path invalidates them
+(delete the file's lines for the arms it touches).
 """
 
 from __future__ import annotations

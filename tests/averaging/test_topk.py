@@ -182,7 +182,9 @@ def test_config_refuses_topk_without_error_feedback_or_with_robust_aggregation()
         AveragingConfig(compression="topk", error_feedback=True, aggregation="centered_clip")
     with pytest.raises(ValueError):
         AveragingConfig(compression="topk", error_feedback=True, topk_value_bits=3)
-    config = AveragingConfig(compression="topk", error_feedback=True, topk_density=0.02, topk_chunk=4096)
+    assert (AveragingConfig().topk_density, AveragingConfig().topk_value_bits) == (0.1, 2)  # the bench's pick
+    config = AveragingConfig(compression="topk", error_feedback=True, topk_density=0.02, topk_chunk=4096,
+                             topk_value_bits=4)  # fmt: skip
     part = part_codec(config)
     assert (part.name, part.block_size, part.k, part.value_bits) == ("topk", 4096, 82, 4)
     assert part_codec(config, fan_in=4).k == 328 and part_codec(config, fan_in=4).value_bits == 8
