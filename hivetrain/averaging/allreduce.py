@@ -193,7 +193,7 @@ class ButterflyRound:
             deadline: ``time.monotonic()`` by which the round must be over.
             out: where the result goes, fp32 (n,) (e.g. allocated and pre-faulted during matchmaking); None = new.
             residual_out: fp32 (n,) or None; with a codec, receives ``x - decode(encode(x))`` of every slice ``x``
-                of ``flat`` that we encode (error feedback, ``codecs.ErrorFeedback``); written even if the round
+                of ``flat`` that we encode (error feedback, ``feedback.ErrorFeedback``); written even if the round
                 then fails (the caller discards it).
 
         Returns:

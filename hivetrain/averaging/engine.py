@@ -16,7 +16,7 @@ For "moshpit"/"gossip" each inner round is all-or-nothing within its group, but 
 values until the rounds mix them completely; a failed inner round keeps our current value and goes on.
 
 Error feedback (``config.error_feedback``, with a codec): our contribution is ``tensors + residual``, and the residual
-becomes what the codec dropped from it (``codecs.ErrorFeedback``) once a round that carried it commits; a failed
+becomes what the codec dropped from it (``feedback.ErrorFeedback``) once a round that carried it commits; a failed
 call leaves the residual as it was. For "moshpit"/"gossip" the first committed inner round carries it.
 """
 
@@ -37,9 +37,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hivetrain.averaging.allreduce import ButterflyRound
 from hivetrain.averaging.base import ExpectedPeers, RoundFailed, RoundResult
-from hivetrain.averaging.codecs import ErrorFeedback
 from hivetrain.averaging.config import AveragingConfig
 from hivetrain.averaging.dataplane import DataPlaneServer, Pusher
+from hivetrain.averaging.feedback import ErrorFeedback
 from hivetrain.averaging.groups import UPLOAD_SAMPLE_BUFFERS, gossip_pairs, grid_for, moshpit_groups
 from hivetrain.averaging.hierarchical import two_stage
 from hivetrain.averaging.matchmaker import Matchmaker

@@ -2,7 +2,7 @@
 
 ``RoundCodec`` holds the two codecs of a round (``reduce.part_codec``: what a member sends of each slice;
 ``reduce.result_codec``: what a reducer sends of its averaged slice, the same but for a denser "topk") and, for one
-``ButterflyRound.run``, the error-feedback residual (``codecs.ErrorFeedback``): for every slice ``x`` of our
+``ButterflyRound.run``, the error-feedback residual (``feedback.ErrorFeedback``): for every slice ``x`` of our
 contribution that we encode, ``x - decode(encode(x))`` is written at ``x``'s offset, so the caller can send what the
 codec dropped with its next contribution.
 

@@ -277,7 +277,8 @@ class _Quantizer:
     with ``result`` the reducers' path for the mean of ``members`` contributions (no error feedback)."""
 
     def __init__(self, name: str, members: int = 1, result: bool = False):
-        from hivetrain.averaging.codecs import ErrorFeedback, make_codec
+        from hivetrain.averaging.codecs import make_codec
+        from hivetrain.averaging.feedback import ErrorFeedback
 
         part, mean, feedback = codec_config(name, members)
         config = mean if result else part

@@ -13,7 +13,6 @@ from hivetrain.averaging.codecs import (
     BlockQuantCodec,
     CodecConfig,
     EncodedPart,
-    ErrorFeedback,
     MalformedPart,
     RawCodec,
     decode,
@@ -22,6 +21,7 @@ from hivetrain.averaging.codecs import (
     to_buffers,
     to_bytes,
 )
+from hivetrain.averaging.feedback import ErrorFeedback
 
 ALL_CONFIGS = [
     CodecConfig("none"),

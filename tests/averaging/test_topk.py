@@ -12,7 +12,6 @@ from hivetrain.averaging.codecs import (
     HEADER_NUM_BYTES,
     CodecConfig,
     EncodedPart,
-    ErrorFeedback,
     MalformedPart,
     decode,
     from_bytes,
@@ -21,6 +20,7 @@ from hivetrain.averaging.codecs import (
     topk_kept,
 )
 from hivetrain.averaging.config import AveragingConfig
+from hivetrain.averaging.feedback import ErrorFeedback
 from hivetrain.averaging.reduce import part_codec, result_codec
 from hivetrain.averaging.topk import TopKCodec
 
