@@ -48,7 +48,9 @@ def test_quick_json_has_one_finite_row_per_arm_and_the_readme_block_is_the_print
     assert "old table" not in written and written.endswith("<!-- lpb:quick end -->\nafter\n")
     commits = {json.loads(line)["commit"] for line in (tmp_path / "runs.jsonl").read_text().splitlines()}
     assert len(commits) == 1 and f"Measured on commit {commits.pop()} (`" in written
-    missing = subprocess.run([*bench, "--readme", str(tmp_path / "runs.jsonl")], capture_output=True, text=True)
+    missing = subprocess.run(
+        [*bench, "--readme", str(tmp_path / "runs.jsonl")], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert missing.returncode == 2 and "<!-- lpb:quick begin -->" in missing.stderr  # refused before any run
     arms = {row["arm"] for row in rows}
     assert {"ddp", "async", "diloco-H10", "diloco-H5-delayed", "diloco-H5-eager"} <= arms
