@@ -243,3 +243,35 @@ def test_the_sweep_names_the_commits_of_the_runs_its_rows_use(tmp_path):
     assert not sweep.needed() and sweep.commits() == {"abc"}  # the other run is in no row
     sweep = Sweep([Family("tiny/400/ddp", setup, (ddp, other), (0,))], 0, str(runs), commit="now")
     assert not sweep.needed() and sweep.commits() == {"abc", "unknown"}
+
+
+def test_the_small_long_outer_lr_scale_is_read_from_the_kept_codecs_long_tuning(tmp_path):
+    from diloco_vs_ddp import LONG_SETUP, long_outer_lr_scale
+
+    def line(arm, olr, seed, loss, setup=LONG_SETUP):
+        result = {"eval_loss": loss, "bytes": 1, "wall_s": 1.0, "num_parameters": 1}
+        return json.dumps({"setup": setup, "arm": f"{arm}/lr0.002/olr{olr}/mu0.0", "seed": seed, "result": result})
+
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text(
+        "\n".join(
+            [
+                line("diloco-H40", 0.5, 0, 1.80),
+                line("diloco-H40", 1.0, 0, 1.70),  # the fp32 pick: outer lr 1
+                line("diloco-H40-topk10-2b-ef80", 1.0, 0, 1.75),
+                line("diloco-H40-topk10-2b-ef80", 1.5, 0, 1.73),  # the codec's pick on seed 0
+                line("diloco-H40-topk10-2b-ef80", 3.0, 1, 1.60),  # another seed: not a tuning run
+                line("diloco-H40-topk10-2b-ef80", 2.0, 0, 1.50, setup="tiny/W4/S400/T64/B8/wu20"),  # other setup
+                line("diloco-H40-int4-ef", 0.5, 0, 1.71),
+            ]
+        )
+        + "\n"
+    )
+    assert long_outer_lr_scale("topk10-2b-ef80", kept) == 1.5
+    assert long_outer_lr_scale("int4-ef", kept) == 0.5
+    assert long_outer_lr_scale("topk3-2b-ef90", kept) == 2.0  # never tuned there: top-k's family scale
+    assert long_outer_lr_scale("int8", kept) == 1.0
+    assert long_outer_lr_scale("topk3-2b-ef90", tmp_path / "missing.jsonl") == 2.0
+    kept.write_text(kept.read_text() + "not json\n")
+    with pytest.raises(ValueError, match="kept.jsonl:8: not a results line"):
+        long_outer_lr_scale("int4-ef", kept)

@@ -27,7 +27,8 @@ Plans (``--plan``):
   small-long  one seed on the small preset (10x the tiny model's parameters) for 2,000 steps, so the trend with size
            and length is visible (~50 min per run on a free core): DDP at lr 2e-3, DiLoCo H = 40 at the defaults (outer
            lr 1, no momentum: H = 40's pick on tiny at 400 and 1,200 steps), each ``--codecs`` arm at H = 40's outer
-           lr times the scale the tiny/1200 tuning chose for its family (2 for topk, 1 otherwise): no grid, one seed.
+           lr times the scale the tiny/1200 tuning chose for it (read from ``dev/bench/lpb-codecs-long.jsonl``; a
+           codec not tuned there: 2 for topk, 1 otherwise): no grid, one seed.
   fragments  Streaming DiLoCo (``diloco/fragments.py``) on the tiny/400 setup of "default": DDP, DiLoCo H = 40 and
            its eager overlap tuned as there; F = 4 fragments at H = 40's best setting (synchronous rounds of 1/4 of
            the model every 10 steps); F = 4 with each fragment's round overlapping the next 10 steps ("delayed"
@@ -199,10 +200,36 @@ def _codec(name: str, outer_lr_scales: tuple[float, ...] = (1.0,)) -> Callable[[
     return lambda arm: tuple(replace(arm, codec=name, outer_lr=arm.outer_lr * x) for x in outer_lr_scales)
 
 
-def long_outer_lr_scale(codec: str) -> float:
-    """The outer lr scale the tiny/1200 tuning ("codecs-long", dev/LOG.md session 39) chose for a codec's family:
-    2 for top-k (a sparse update wants a larger outer step), 1 for the dense formats."""
-    return 2.0 if codec.startswith("topk") else 1.0
+KEPT_LONG = Path(__file__).resolve().parents[2] / "dev" / "bench" / "lpb-codecs-long.jsonl"
+LONG_SETUP = "tiny/W4/S1200/T64/B8/wu20"  # the codecs-long plan's Setup.key()
+
+
+def long_outer_lr_scale(codec: str, kept: Path = KEPT_LONG) -> float:
+    """The outer lr scale the tiny/1200 tuning ("codecs-long") chose for ``codec``, read from the kept runs.
+
+    The pick is the seed-0 run of ``diloco-H40-<codec>`` with the lowest eval loss in ``kept`` (a results file of
+    this script), divided by the outer lr of the best seed-0 fp32 ``diloco-H40`` run there. A codec never tuned
+    there gets its family's scale from dev/LOG.md session 39 (2 for top-k, whose sparse updates want a larger outer
+    step; 1 for the dense formats). Raises ``ValueError`` if ``kept`` holds a line that is not JSON.
+    """
+    fallback = 2.0 if codec.startswith("topk") else 1.0
+    if not kept.is_file():
+        return fallback
+    best: dict[str, tuple[float, float]] = {}  # arm family -> (seed-0 loss, outer lr) of its best run
+    for number, line in enumerate(kept.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{kept}:{number}: not a results line ({exc})") from exc
+        family, _, rest = row["arm"].partition("/")
+        if row["setup"] != LONG_SETUP or row["seed"] != 0 or "/olr" not in rest:
+            continue
+        point = (row["result"]["eval_loss"], float(rest.split("/olr")[1].split("/")[0]))
+        if family not in best or point < best[family]:
+            best[family] = point
+    if f"diloco-H40-{codec}" not in best or "diloco-H40" not in best:
+        return fallback
+    return best[f"diloco-H40-{codec}"][1] / best["diloco-H40"][1]
 
 
 def _fragments(num: int) -> Callable[[Arm], tuple[Arm, ...]]:
